@@ -1,0 +1,632 @@
+"""Follow the batch dimension through a Dynamo graph: which values are per-sample.
+
+Run after `find_blocks` and `find_batch_dim`. Never changes the graph.
+
+Every node is run twice on fake tensors with concrete sizes: once at the full batch
+and once at one sub-batch (batch / K). Comparing the two outputs tells where the batch
+dimension went (`x.transpose(0, 1)` moves it, `x.sum()` removes it). A node is
+
+- *shared*: none of its inputs depends on the batch (weights, masks, positions); it is
+  computed once, at full size, and narrowed to a sub-batch where a per-sample value
+  consumes it along the batch dimension (`narrow`).
+- *batched*: it runs once per sub-batch, with literal batch sizes baked into
+  `view`/`reshape`/`expand` arguments rewritten for the sub-batch (`args`).
+- *cross-sample*: its result mixes samples (a reduction over the batch, an op along
+  the batch dimension, BatchNorm in training). After the last block (the loss) it is
+  computed from all sub-batches (`combine`): sums and means of sums decompose exactly,
+  anything else runs once on the sub-batches concatenated back. Before or inside a
+  block it is a problem that `check_splittable` turns into a refusal.
+
+A value is never assumed to be per-sample from its shape alone: every rule below is
+checked against the fake outputs, and anything the rules cannot explain is a problem,
+not a guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import operator
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.operator_schemas import normalize_function
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+
+from slcompile.analysis.inputs import GraphInput
+
+__all__ = ["NodeSplit", "BatchPlan", "propagate_batch", "BATCHED_INT", "is_barrier"]
+
+log = logging.getLogger(__name__)
+
+# Leaf marker in `NodeSplit.out_bdims` for an integer that scales with the batch
+# (a dynamic batch size, or a size computed from it).
+BATCHED_INT = "batched-int"
+
+# Ops whose `dim` may equal the batch dimension without mixing samples.
+_DIM_SAFE = {"unsqueeze", "stack", "squeeze", "size", "movedim", "transpose", "swapaxes"}
+# Methods that use their tensor argument only for dtype and device.
+_CREATION_METHODS = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
+# Ops that merge or split dimensions: sub-batches stay contiguous chunks only when the
+# batch is the outermost dimension of what is merged.
+_RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
+# Ops that change global state; they keep their place relative to everything else.
+_BARRIER_TARGETS: set[object] = {
+    torch._C._set_grad_enabled,
+    torch.amp.autocast_mode._enter_autocast,
+    torch.amp.autocast_mode._exit_autocast,
+}
+_CROSS_ENTROPY = {F.cross_entropy, F.nll_loss}
+_SUM = {torch.sum, "sum"}
+_MEAN = {torch.mean, "mean"}
+
+
+def is_barrier(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _BARRIER_TARGETS
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSplit:
+    """How one node is computed under sub-batching.
+
+    Attributes:
+        kind: "shared", "batched" or "combine" (a cross-sample op after the blocks,
+            computed from all sub-batches).
+        out_bdims: for batched nodes, a pytree shaped like the output with, per leaf,
+            the batch dimension (int), None (batch-free) or BATCHED_INT.
+        args: per-sub-batch positional args (original nodes, literal batch sizes
+            rewritten); for other kinds the original args.
+        kwargs: as args.
+        narrow: (input node name, dim) for shared inputs that a batched node consumes
+            along the batch: each sub-batch reads its own slice.
+        combine: for kind "combine": "sum", "mean", "cross_entropy" or "concat".
+        reason: why the node mixes samples (kind "combine" or a problem).
+        from_subbatch: a shared node that reads a batched input for its dtype and
+            device only (`x.new_zeros(...)`): computed once from sub-batch 0.
+    """
+
+    kind: str
+    out_bdims: Any = None
+    args: tuple = ()
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    narrow: tuple[tuple[str, int], ...] = ()
+    combine: str | None = None
+    reason: str | None = None
+    from_subbatch: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """The result of `propagate_batch`.
+
+    Attributes:
+        num_subbatches: K.
+        batch_size: the full batch size of the example inputs.
+        nodes: node name -> NodeSplit, for every node but the output.
+        problems: (node name, reason) for cross-sample ops before the suffix.
+        output_bdims: per output leaf, its batch dimension or None.
+    """
+
+    num_subbatches: int
+    batch_size: int
+    nodes: Mapping[str, NodeSplit]
+    problems: tuple[tuple[str, str], ...]
+    output_bdims: tuple
+
+
+def propagate_batch(
+    gm: torch.fx.GraphModule,
+    inputs: Sequence[GraphInput],
+    batched_inputs: Mapping[str, int],
+    batch_symbols: Sequence[str],
+    batch_size: int,
+    num_subbatches: int,
+    regions: Mapping[str, str],
+) -> BatchPlan:
+    """Decides, node by node, how the graph runs over sub-batches.
+
+    Args:
+        gm: the Dynamo graph.
+        inputs: its placeholders, classified.
+        batched_inputs: placeholder name -> batch dimension, for per-sample inputs.
+        batch_symbols: placeholder names of SymInts equal to the batch size.
+        batch_size: the full batch size (concrete).
+        num_subbatches: K.
+        regions: node name -> "prefix", "block" or "suffix".
+
+    Returns:
+        the BatchPlan.
+    """
+    return _Propagator(
+        gm, inputs, batched_inputs, batch_symbols, batch_size, num_subbatches, regions
+    ).run()
+
+
+class _Propagator:
+    def __init__(self, gm, inputs, batched_inputs, batch_symbols, batch_size, num_subbatches, regions):
+        self.gm = gm
+        self.inputs = {i.name: i for i in inputs}
+        self.batched_inputs = dict(batched_inputs)
+        self.batch_symbols = set(batch_symbols)
+        self.batch_size = batch_size
+        self.k = num_subbatches
+        self.regions = regions
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.full: dict[str, Any] = {}
+        self.sub: dict[str, Any] = {}
+        self.splits: dict[str, NodeSplit] = {}
+        self.problems: list[tuple[str, str]] = []
+        self.input_storages: dict[Any, str] = {}
+
+    # Step 1: values of the placeholders at full and sub-batch size.
+    def _placeholder(self, node: torch.fx.Node) -> None:
+        info = self.inputs[node.name]
+        value = info.value
+        if isinstance(value, torch.SymInt):
+            value = int(value.node.hint)
+        if isinstance(value, torch.Tensor):
+            value = self._concrete_fake(value)
+            self.input_storages[StorageWeakRef(value.untyped_storage())] = node.name
+        self.full[node.name] = value
+        if node.name in self.batched_inputs:
+            bdim = self.batched_inputs[node.name]
+            with self.fake_mode:
+                self.sub[node.name] = value.narrow(bdim, 0, value.shape[bdim] // self.k)
+            self.splits[node.name] = NodeSplit("batched", out_bdims=bdim)
+        elif node.name in self.batch_symbols:
+            self.sub[node.name] = value // self.k
+            self.splits[node.name] = NodeSplit("batched", out_bdims=BATCHED_INT)
+        else:
+            self.sub[node.name] = value
+            self.splits[node.name] = NodeSplit("shared")
+
+    def _concrete_fake(self, tensor: torch.Tensor) -> torch.Tensor:
+        def hint(v):
+            return int(v.node.hint) if isinstance(v, torch.SymInt) else int(v)
+
+        shape = [hint(s) for s in tensor.shape]
+        stride = [hint(s) for s in tensor.stride()]
+        with self.fake_mode:
+            fake = torch.empty_strided(shape, stride, dtype=tensor.dtype, device=tensor.device)
+        if isinstance(tensor, torch.nn.Parameter) or tensor.requires_grad:
+            fake.requires_grad_(tensor.requires_grad)
+        return fake
+
+    def run(self) -> BatchPlan:
+        grad_enabled = torch.is_grad_enabled()
+        try:
+            for node in self.gm.graph.nodes:
+                if node.op == "placeholder":
+                    self._placeholder(node)
+                elif node.op == "output":
+                    output_bdims = self._output(node)
+                else:
+                    self._call(node)
+        finally:
+            torch.set_grad_enabled(grad_enabled)
+        return BatchPlan(
+            num_subbatches=self.k,
+            batch_size=self.batch_size,
+            nodes=self.splits,
+            problems=tuple(self.problems),
+            output_bdims=output_bdims,
+        )
+
+    def _output(self, node: torch.fx.Node) -> tuple:
+        bdims = []
+        for leaf in pytree.tree_leaves(node.args[0]):
+            if isinstance(leaf, torch.fx.Node):
+                split = self.splits[leaf.name]
+                bdims.append(split.out_bdims if split.kind == "batched" else None)
+            else:
+                bdims.append(None)
+        return tuple(bdims)
+
+    def _batched(self, name: str) -> bool:
+        return self.splits[name].kind == "batched"
+
+    def _execute(self, node: torch.fx.Node, args, kwargs):
+        with self.fake_mode:
+            if node.op == "call_function":
+                return node.target(*args, **kwargs)
+            if node.op == "call_method":
+                self_obj, *rest = args
+                return getattr(self_obj, node.target)(*rest, **kwargs)
+            if node.op == "call_module":
+                return self.gm.get_submodule(node.target)(*args, **kwargs)
+            if node.op == "get_attr":
+                obj = self.gm
+                for part in node.target.split("."):
+                    obj = getattr(obj, part)
+                return obj
+        raise NotImplementedError(node.op)
+
+    # Step 2: every call node.
+    def _call(self, node: torch.fx.Node) -> None:
+        if self.k == 1:
+            # One sub-batch is the whole batch: nothing is sliced, nothing can mix.
+            batched = any(self._batched(n.name) for n in node.all_input_nodes)
+            kind = "batched" if batched else "shared"
+            self.splits[node.name] = NodeSplit(kind, args=node.args, kwargs=node.kwargs)
+            return
+        env_full = lambda n: self.full[n.name]  # noqa: E731
+        full_args = torch.fx.node.map_arg(node.args, env_full)
+        full_kwargs = torch.fx.node.map_arg(node.kwargs, env_full)
+        full_out = self._execute(node, full_args, full_kwargs)
+        self.full[node.name] = full_out
+
+        batched_inputs = [n for n in node.all_input_nodes if self._batched(n.name)]
+        mutation = self._mutation_problem(node, full_args, batched_inputs)
+        if mutation is not None:
+            self.problems.append((node.name, mutation))
+        if not batched_inputs:
+            self.sub[node.name] = full_out
+            self.splits[node.name] = NodeSplit("shared", args=node.args, kwargs=node.kwargs)
+            return
+        if node.op == "call_method" and node.target in _CREATION_METHODS:
+            self.sub[node.name] = full_out
+            self.splits[node.name] = NodeSplit(
+                "shared", args=node.args, kwargs=node.kwargs, from_subbatch=True
+            )
+            return
+
+        reason = self._mixes_samples(node, full_args, full_kwargs, full_out)
+        split = None
+        if reason is None:
+            split, reason = self._per_subbatch(node, full_out)
+        if split is not None:
+            self.splits[node.name] = split
+            return
+
+        # Cross-sample: the value is computed from all sub-batches, full size.
+        self.sub[node.name] = full_out
+        self.splits[node.name] = NodeSplit(
+            "combine",
+            args=node.args,
+            kwargs=node.kwargs,
+            combine=self._combine_kind(node, full_kwargs=full_kwargs, full_args=full_args),
+            reason=reason,
+        )
+        if self.regions.get(node.name) != "suffix":
+            self.problems.append((node.name, reason))
+
+    def _mutation_problem(self, node, full_args, batched_inputs) -> str | None:
+        """In-place writes that sub-batching would repeat or reorder."""
+        if not _is_inplace(node, full_args) or not full_args or not isinstance(full_args[0], torch.Tensor):
+            return None
+        owner = self.input_storages.get(StorageWeakRef(full_args[0].untyped_storage()))
+        if owner is not None:
+            kind = self.inputs[owner].kind
+            what = {"param": "parameter", "buffer": "buffer"}.get(kind, "input")
+            return f"{_describe(node)} writes in place to {what} {owner}; split into sub-batches it would be written once per sub-batch"
+        target = node.args[0]
+        if batched_inputs and isinstance(target, torch.fx.Node) and not self._batched(target.name):
+            return f"{_describe(node)} writes per-sample values in place into {target.name}, a value shared by all sub-batches"
+        return None
+
+    def _per_subbatch(self, node, full_out):
+        """Runs the node on one sub-batch; returns (NodeSplit, None) or (None, reason)."""
+        args, kwargs = self._rewrite_shapes(node)
+        narrow = self._narrowing(node)
+        narrow_dims = dict(narrow)
+
+        def env_sub(n: torch.fx.Node):
+            value = self.sub[n.name]
+            if n.name in narrow_dims:
+                dim = narrow_dims[n.name]
+                value = value.narrow(dim, 0, value.shape[dim] // self.k)
+            return value
+
+        sub_args = torch.fx.node.map_arg(args, env_sub)
+        sub_kwargs = torch.fx.node.map_arg(kwargs, env_sub)
+        try:
+            sub_out = self._execute(node, sub_args, sub_kwargs)
+        except Exception as exc:  # the op's own error, at sub-batch size
+            return None, (
+                f"{_describe(node)} fails on one sub-batch ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''})"
+            )
+        out_bdims, reason = self._compare(node, full_out, sub_out)
+        if reason is not None:
+            return None, reason
+        reason = self._check_alignment(node, narrow, full_out, out_bdims)
+        if reason is None:
+            reason = self._check_reshape(node, full_out, out_bdims)
+        if reason is not None:
+            return None, reason
+        self.sub[node.name] = sub_out
+        return NodeSplit("batched", out_bdims=out_bdims, args=args, kwargs=kwargs, narrow=narrow), None
+
+    def _compare(self, node, full_out, sub_out):
+        full_leaves, full_spec = pytree.tree_flatten(full_out)
+        sub_leaves, sub_spec = pytree.tree_flatten(sub_out)
+        if full_spec != sub_spec:
+            return None, f"{_describe(node)} returns a different structure for one sub-batch"
+        bdims = []
+        for full, sub in zip(full_leaves, sub_leaves):
+            if isinstance(full, torch.Tensor):
+                if not isinstance(sub, torch.Tensor) or full.dim() != sub.dim():
+                    return None, f"{_describe(node)} changes rank on one sub-batch"
+                differ = [d for d in range(full.dim()) if full.shape[d] != sub.shape[d]]
+                if not differ:
+                    return None, (
+                        f"{_describe(node)} reduces over the batch dimension "
+                        f"(its output {tuple(full.shape)} does not depend on the batch)"
+                    )
+                if len(differ) > 1 or full.shape[differ[0]] != self.k * sub.shape[differ[0]]:
+                    return None, (
+                        f"{_describe(node)} has output {tuple(full.shape)} for the batch but "
+                        f"{tuple(sub.shape)} for one sub-batch; its batch dimension is unclear"
+                    )
+                bdims.append(differ[0])
+            elif isinstance(full, (int, torch.SymInt)) and not isinstance(full, bool):
+                if full == sub:
+                    bdims.append(None)
+                elif full == self.k * sub:
+                    bdims.append(BATCHED_INT)
+                else:
+                    return None, f"{_describe(node)} computes a size that does not scale with the batch"
+            else:
+                if full != sub:
+                    return None, f"{_describe(node)} returns a value that depends on the batch"
+                bdims.append(None)
+        return pytree.tree_unflatten(bdims, full_spec), None
+
+    def _input_bdims(self, node):
+        """(input node, its full value, batch dim) for batched tensor inputs."""
+        for n in node.all_input_nodes:
+            split = self.splits[n.name]
+            if split.kind == "batched" and isinstance(split.out_bdims, int):
+                yield n, self.full[n.name], split.out_bdims
+
+    def _mixes_samples(self, node, args, kwargs, full_out) -> str | None:
+        """Reasons that the shapes alone cannot see: ops along the batch dimension."""
+        name = _target_name(node)
+        bdims = [(n, v, d) for n, v, d in self._input_bdims(node)]
+        if node.target in (F.batch_norm, torch.batch_norm) or name == "batch_norm":
+            named = _named_args(node, args, kwargs) or {}
+            if named.get("training", False):
+                return f"{_describe(node)} is BatchNorm in training mode: its statistics span the whole batch"
+        if not bdims:
+            return None
+        first_tensor = bdims[0]
+        if name in ("getitem",) and isinstance(first_tensor[1], torch.Tensor) and node.args[0] is first_tensor[0]:
+            return _getitem_touches_batch(node, args[1], first_tensor[1], first_tensor[2])
+        if name == "layer_norm":
+            named = _named_args(node, args, kwargs) or {}
+            shape = named.get("normalized_shape", ())
+            tensor, bdim = first_tensor[1], first_tensor[2]
+            if bdim >= tensor.dim() - len(tuple(shape)):
+                return f"{_describe(node)} normalizes over the batch dimension"
+            return None
+        if name in _DIM_SAFE:
+            return None
+        named = _named_args(node, args, kwargs)
+        if named is None:
+            return None
+        dims = [named[key] for key in ("dim", "dims") if key in named and named[key] is not None]
+        if not dims:
+            return None
+        flat_dims = [d for entry in dims for d in (entry if isinstance(entry, (list, tuple)) else [entry])]
+        if name == "cat":
+            # cat's dim indexes its first tensor; batched tensors share the batch dim.
+            tensor, bdim = first_tensor[1], first_tensor[2]
+        else:
+            n0 = node.args[0] if node.args else None
+            match = [b for b in bdims if b[0] is n0] or bdims
+            tensor, bdim = match[0][1], match[0][2]
+        for d in flat_dims:
+            if isinstance(d, int) and tensor.dim() > 0 and d % tensor.dim() == bdim:
+                return f"{_describe(node)} works along the batch dimension (dim={d})"
+        return None
+
+    def _rewrite_shapes(self, node):
+        """Literal batch sizes in view/reshape/expand args, rewritten for one sub-batch."""
+        name = _target_name(node)
+        if name not in ("view", "reshape", "expand") or node.op not in ("call_method", "call_function"):
+            return node.args, node.kwargs
+        source = node.args[0]
+        if not isinstance(source, torch.fx.Node) or not self._batched(source.name):
+            return node.args, node.kwargs
+        in_bdim = self.splits[source.name].out_bdims
+        full_in = self.full[source.name]
+        full_out = self.full[node.name]
+        if not isinstance(in_bdim, int) or not isinstance(full_out, torch.Tensor):
+            return node.args, node.kwargs
+        if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)):
+            sizes, packed = list(node.args[1]), True
+        else:
+            sizes, packed = list(node.args[1:]), False
+        if len(sizes) != full_out.dim() or not all(isinstance(s, (int, torch.fx.Node)) for s in sizes):
+            return node.args, node.kwargs
+        if name == "expand":
+            out_bdim = in_bdim + full_out.dim() - full_in.dim()
+        else:
+            out_bdim = _reshaped_batch_dim(full_in.shape, in_bdim, full_out.shape, self.k)
+            if out_bdim is None:
+                return node.args, node.kwargs
+        target = list(full_out.shape)
+        target[out_bdim] //= self.k
+        new_sizes = [
+            target[i] if isinstance(s, int) and s != -1 and s != target[i] else s
+            for i, s in enumerate(sizes)
+        ]
+        rest = (tuple(new_sizes),) if packed else tuple(new_sizes)
+        return (node.args[0], *rest), node.kwargs
+
+    def _narrowing(self, node) -> tuple[tuple[str, int], ...]:
+        """Shared tensors a batched node reads along the batch (broadcast-aligned)."""
+        batched = list(self._input_bdims(node))
+        result = []
+        for n in node.all_input_nodes:
+            split = self.splits[n.name]
+            info = self.inputs.get(n.name)
+            if split.kind != "shared" or (info is not None and info.kind in ("param", "buffer")):
+                continue
+            value = self.full[n.name]
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            for _, full_x, bdim in batched:
+                aligned = bdim - (full_x.dim() - value.dim())
+                size = full_x.shape[bdim]
+                if 0 <= aligned < value.dim() and value.shape[aligned] == size and size != 1:
+                    result.append((n.name, aligned))
+                    break
+        return tuple(result)
+
+    def _check_alignment(self, node, narrow, full_out, out_bdims) -> str | None:
+        """A narrowed shared input must line up with the output's batch dimension."""
+        if not narrow:
+            return None
+        out_bdim = out_bdims if isinstance(out_bdims, int) else None
+        if out_bdim is None or not isinstance(full_out, torch.Tensor):
+            return f"{_describe(node)} reads a full-batch shared value along the batch in a way that cannot be sliced"
+        for name, dim in narrow:
+            value = self.full[name]
+            if dim - (value.dim() - full_out.dim()) != out_bdim:
+                return (
+                    f"{_describe(node)} reads {name} of shape {tuple(value.shape)} with a "
+                    f"dimension equal to the batch size that does not line up with the batch"
+                )
+        return None
+
+    def _check_reshape(self, node, full_out, out_bdims) -> str | None:
+        """Merging dims keeps sub-batches contiguous only if the batch is outermost."""
+        if _target_name(node) not in _RESHAPES:
+            return None
+        source = node.args[0]
+        in_bdim = self.splits[source.name].out_bdims
+        if not isinstance(in_bdim, int) or not isinstance(out_bdims, int):
+            return None
+        before_in = math.prod(self.full[source.name].shape[:in_bdim])
+        before_out = math.prod(full_out.shape[:out_bdims])
+        if before_in != before_out:
+            return f"{_describe(node)} merges the batch dimension with an outer dimension"
+        return None
+
+    def _combine_kind(self, node, full_args, full_kwargs) -> str:
+        """How a cross-sample op after the blocks is computed from the sub-batches."""
+        named = _named_args(node, full_args, full_kwargs) or {}
+        if node.target in _CROSS_ENTROPY:
+            if (
+                named.get("weight") is None
+                and named.get("reduction", "mean") in ("mean", "sum")
+                and not named.get("label_smoothing", 0.0)
+                and named.get("size_average") is None
+                and named.get("reduce") is None
+                and all(self._batched(n.name) for n in node.all_input_nodes)
+            ):
+                return "cross_entropy"
+            return "concat"
+        target = node.target
+        if target in _SUM or target in _MEAN:
+            extra = {k: v for k, v in named.items() if k not in ("input", "self") and v is not None}
+            if not extra and len(node.args) == 1 and not node.kwargs:
+                return "sum" if target in _SUM else "mean"
+        return "concat"
+
+
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem}
+
+
+def _is_inplace(node: torch.fx.Node, full_args) -> bool:
+    if node.op == "call_method":
+        name = node.target
+        return name.endswith("_") and not name.startswith("_")
+    if node.op == "call_function":
+        if node.target in _INPLACE_OPERATORS:
+            return True
+        if "inplace" in node.kwargs:
+            return bool(node.kwargs["inplace"])
+        named = _named_args(node, full_args, {}) if node.args else None
+        return bool((named or {}).get("inplace", False))
+    return False
+
+
+def _reshaped_batch_dim(in_shape, in_bdim, out_shape, k) -> int | None:
+    """Where the batch lands after a row-major reshape, if sub-batches stay contiguous."""
+    before = math.prod(in_shape[:in_bdim])
+    for j in range(len(out_shape)):
+        if math.prod(out_shape[:j]) == before and out_shape[j] % k == 0 and out_shape[j] >= k:
+            if out_shape[j] * math.prod(out_shape[j + 1 :]) == math.prod(in_shape[in_bdim:]):
+                return j
+    return None
+
+
+def _getitem_touches_batch(node, index, tensor, bdim) -> str | None:
+    """x[...] keeps samples apart only if the batch dimension is indexed with `:`."""
+    items = index if isinstance(index, tuple) else (index,)
+    dim = 0
+    for pos, item in enumerate(items):
+        if item is Ellipsis:
+            remaining = sum(1 for it in items[pos + 1 :] if it is not None)
+            dim = tensor.dim() - remaining
+            continue
+        if item is None:
+            continue
+        if dim == bdim:
+            if isinstance(item, slice) and item == slice(None, None, None):
+                return None
+            return f"{_describe(node)} indexes the batch dimension"
+        if isinstance(item, torch.Tensor) and item.dtype == torch.bool:
+            dim += item.dim()
+            if dim > bdim:
+                return f"{_describe(node)} indexes the batch dimension with a mask"
+            continue
+        dim += 1
+    return None
+
+
+def _named_args(node, args, kwargs) -> dict | None:
+    """The node's arguments by parameter name, or None when the signature is unknown."""
+    target = node.target
+    if node.op == "call_method":
+        target = getattr(torch, node.target, None)
+        if target is None:
+            return None
+    if not callable(target):
+        return None
+    for kwargs_types in (False, True):
+        try:
+            arg_types = tuple(type(a) if not isinstance(a, torch.Tensor) else torch.Tensor for a in args) if kwargs_types else None
+            kw_types = {k: (torch.Tensor if isinstance(v, torch.Tensor) else type(v)) for k, v in kwargs.items()} if kwargs_types else None
+            with warnings.catch_warnings():
+                # operator_schemas warns about schemas it cannot type; irrelevant here.
+                warnings.simplefilter("ignore")
+                pair = normalize_function(
+                    target, tuple(args), dict(kwargs), arg_types=arg_types, kwarg_types=kw_types,
+                    normalize_to_only_use_kwargs=True,
+                )
+        except Exception:
+            continue
+        if pair is not None:
+            return pair.kwargs
+    log.debug("no signature for %s", _describe(node))
+    return None
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    if node.target is operator.getitem:
+        return "getitem"
+    return getattr(node.target, "__name__", str(node.target))
+
+
+_DYNAMO_SELF = "L['self']"
+
+
+def _describe(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    where = ""
+    if stack:
+        path = list(stack.values())[-1][0]
+        where = " in " + path.replace(_DYNAMO_SELF, "model")
+    return f"node {node.name} ({_target_name(node)}){where}"

@@ -1,0 +1,1 @@
+"""Dynamo backends: `speedloader` (the entry point) and its lowerings."""

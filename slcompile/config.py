@@ -1,0 +1,104 @@
+"""The one configuration record of the speedloader backend.
+
+`torch.compile(model, backend="speedloader", options={...})` hands `options` to
+`SpeedLoaderConfig.from_options`, which rejects unknown keys and bad values with a
+message naming the key. Every public option is documented here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["SpeedLoaderConfig", "LOWERINGS", "SCHEDULES", "ON_REFUSAL"]
+
+LOWERINGS = ("inductor", "aot_eager")
+SCHEDULES = ("speedloader",)
+ON_REFUSAL = ("fallback", "raise")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedLoaderConfig:
+    """Options of the speedloader backend.
+
+    Attributes:
+        num_subbatches: K, the number of sub-batches the batch is split into along the
+            batch dimension. Every block runs all K sub-batches before the next block
+            starts. The batch size must be divisible by K. K=1 runs the model as one
+            sub-batch (layer-major is then the plain order).
+        lowering: what compiles the rewritten graph: "inductor" (default) or
+            "aot_eager" (AOTAutograd without code generation; fast to compile).
+        schedule: the policy that orders compute: "speedloader" (layer-major over
+            sub-batches).
+        batch_dim: the dimension of the batched inputs that is the batch (0 for the
+            usual (batch, seq, ...) layout).
+        on_refusal: what happens when the model cannot be split into sub-batches
+            without changing its results (BatchNorm in training, a batch not divisible
+            by K, no batch dimension, ...): "fallback" compiles it with the plain
+            lowering and logs one warning with the reason; "raise" raises
+            `slcompile.RefusedError` with the reason.
+    """
+
+    num_subbatches: int = 2
+    lowering: str = "inductor"
+    schedule: str = "speedloader"
+    batch_dim: int = 0
+    on_refusal: str = "fallback"
+
+    def __post_init__(self) -> None:
+        _check_int("num_subbatches", self.num_subbatches, minimum=1)
+        _check_int("batch_dim", self.batch_dim, minimum=0)
+        _check_choice("lowering", self.lowering, LOWERINGS)
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("on_refusal", self.on_refusal, ON_REFUSAL)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> SpeedLoaderConfig:
+        """Builds the config from `torch.compile(..., options=...)`.
+
+        Raises:
+            ValueError: an unknown key (with the closest known one) or a bad value.
+        """
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, Mapping):
+            raise ValueError(
+                f"speedloader options must be a dict, got {type(options).__name__}"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in options:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(
+                    f"unknown speedloader option {key!r}{hint} "
+                    f"(known options: {', '.join(sorted(known))})"
+                )
+        return cls(**dict(options))
+
+    def cache_key(self) -> str:
+        """A stable string of every option, for compile caches."""
+        return repr(sorted(dataclasses.asdict(self).items()))
+
+
+def _check_int(key: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"speedloader option {key!r} must be an int, got {value!r}"
+        )
+    if value < minimum:
+        raise ValueError(
+            f"speedloader option {key!r} must be >= {minimum}, got {value}"
+        )
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(
+            f"speedloader option {key!r} must be one of {', '.join(map(repr, choices))}, "
+            f"got {value!r}"
+        )

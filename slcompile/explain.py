@@ -1,0 +1,170 @@
+"""`slcompile.explain(model, *args, **options)`: what the backend would do, without training.
+
+Captures the model's graphs with Dynamo (the model's forward runs once, eagerly, with
+the given inputs; no backward, no optimizer) and runs the analysis passes on each
+graph: the blocks found, the batch dimension, K, the fallback reason (or None) and the
+schedule as deterministic text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from slcompile.config import SpeedLoaderConfig
+from slcompile.errors import RefusedError
+from slcompile.pipeline import run_pipeline
+from slcompile.schedules.speedloader import speedloader_schedule
+
+__all__ = ["Explanation", "GraphExplanation", "explain"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphExplanation:
+    """One captured graph.
+
+    Attributes:
+        blocks: the block paths found (`model.layers.0`, ...).
+        block_groups: block positions grouped by structural identity.
+        batch_inputs: per batched input (as Dynamo names it: `L['idx']`), its batch dim.
+        batch_size: the batch size of the example inputs.
+        num_subbatches: K.
+        fallback_reason: why this graph would compile without sub-batching, or None.
+        schedule: the schedule text, one line per step (`fwd blk3.sb1`).
+    """
+
+    blocks: tuple[str, ...]
+    block_groups: tuple[tuple[int, ...], ...]
+    batch_inputs: dict[str, int]
+    batch_size: int | None
+    num_subbatches: int
+    fallback_reason: str | None
+    schedule: str
+
+    def __str__(self) -> str:
+        lines = [
+            f"blocks: {len(self.blocks)} ({', '.join(self.blocks[:2])}{', ...' if len(self.blocks) > 2 else ''})",
+            f"structural groups: {len(self.block_groups)}",
+            f"batch: size {self.batch_size}, inputs "
+            + (", ".join(f"{k} dim {v}" for k, v in self.batch_inputs.items()) or "none"),
+            f"num_subbatches: {self.num_subbatches}",
+            f"fallback: {self.fallback_reason or 'none'}",
+            "schedule:",
+            *("  " + line for line in self.schedule.splitlines()),
+        ]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """What the backend would do with every graph of the model.
+
+    The attributes of the first graph are mirrored at the top level; a model with
+    graph breaks has several graphs.
+    """
+
+    graphs: tuple[GraphExplanation, ...]
+
+    def _first(self) -> GraphExplanation:
+        if not self.graphs:
+            raise ValueError("Dynamo captured no graph for this model and these inputs")
+        return self.graphs[0]
+
+    @property
+    def blocks(self) -> tuple[str, ...]:
+        return self._first().blocks
+
+    @property
+    def batch_inputs(self) -> dict[str, int]:
+        return self._first().batch_inputs
+
+    @property
+    def num_subbatches(self) -> int:
+        return self._first().num_subbatches
+
+    @property
+    def fallback_reason(self) -> str | None:
+        return self._first().fallback_reason
+
+    @property
+    def schedule(self) -> str:
+        return self._first().schedule
+
+    def __str__(self) -> str:
+        parts = []
+        for i, graph in enumerate(self.graphs):
+            parts.append(f"graph {i}:\n" + "\n".join("  " + l for l in str(graph).splitlines()))
+        return "\n".join(parts)
+
+
+def explain(model: torch.nn.Module, *args: Any, kwargs: Mapping[str, Any] | None = None, **options: Any) -> Explanation:
+    """Explains how the speedloader backend would compile `model(*args, **kwargs)`.
+
+    Args:
+        model: the model (or any callable Dynamo can capture).
+        *args: its positional inputs.
+        kwargs: its keyword inputs (`labels=...`).
+        **options: backend options, as in `torch.compile(..., options=...)`.
+
+    Returns:
+        the Explanation, one entry per captured graph.
+    """
+    config = SpeedLoaderConfig.from_options(options)
+    graphs: list[GraphExplanation] = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(_explain_graph(gm, example_inputs, config))
+        return gm.forward
+
+    compiled = torch.compile(model, backend=capture, fullgraph=False)
+    compiled(*args, **dict(kwargs or {}))
+    return Explanation(tuple(graphs))
+
+
+def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig) -> GraphExplanation:
+    try:
+        state = run_pipeline(gm, example_inputs, config)
+        reason = None
+    except RefusedError as err:
+        state = None
+        reason = str(err)
+    if state is None:
+        # Report what the analysis found before it refused.
+        partial = _partial_state(gm, example_inputs, config)
+        blocks = partial.blocks
+        batch = partial.batch
+    else:
+        blocks, batch = state.blocks, state.batch
+    sources = {}
+    if batch is not None:
+        names = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+        for name, dim in batch.batched_inputs.items():
+            grapharg = names[name].meta.get("grapharg")
+            source = getattr(getattr(grapharg, "source", None), "name", name)
+            sources[source() if callable(source) else source] = dim
+    schedule = speedloader_schedule(blocks, config.num_subbatches).text() if blocks and reason is None else ""
+    return GraphExplanation(
+        blocks=tuple(b.path for b in blocks.blocks) if blocks else (),
+        block_groups=blocks.groups if blocks else (),
+        batch_inputs=sources,
+        batch_size=batch.batch_size if batch else None,
+        num_subbatches=config.num_subbatches,
+        fallback_reason=reason,
+        schedule=schedule,
+    )
+
+
+def _partial_state(gm, example_inputs, config):
+    """Runs the passes one by one and keeps what succeeded before the refusal."""
+    from slcompile.pipeline import PASSES, PipelineState
+
+    state = PipelineState(gm=gm, example_inputs=example_inputs, config=config)
+    for step in PASSES:
+        try:
+            state = step.run(state)
+        except Exception:
+            break
+    return state

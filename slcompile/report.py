@@ -1,0 +1,73 @@
+"""What the backend did with each graph Dynamo handed it.
+
+`slcompile.compile_reports()` returns the reports of the graphs compiled in this
+process, newest last (a bounded history). Each keeps the schedule, the fallback reason
+and the order in which the AOTAutograd forward and backward graphs run their ops.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+import torch.fx
+
+from slcompile.meta import get_slc_meta
+
+__all__ = ["CompileReport", "compile_reports", "clear_compile_reports"]
+
+_HISTORY = 64
+_reports: collections.deque = collections.deque(maxlen=_HISTORY)
+_lock = threading.Lock()
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """One graph's compilation.
+
+    Attributes:
+        config: the backend's options.
+        fallback_reason: why the graph compiled without sub-batching, or None.
+        blocks: the block paths found.
+        batch_size: the batch size of the example inputs, if found.
+        schedule: the schedule text of the policy.
+        passes_run: the passes that ran, with their time.
+        graph_order: per AOT graph kind ("forward", "backward", "inference"), the tags
+            of its ops in order (`blk3.sb1`), untagged ops left out.
+        graphs: the AOT graphs themselves, by kind (the last one of each kind).
+    """
+
+    config: object
+    fallback_reason: str | None = None
+    blocks: tuple[str, ...] = ()
+    batch_size: int | None = None
+    schedule: str = ""
+    passes_run: tuple[str, ...] = ()
+    graph_order: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    graphs: dict[str, torch.fx.GraphModule] = dataclasses.field(default_factory=dict)
+
+    def record_graph(self, kind: str, gm: torch.fx.GraphModule) -> None:
+        tags = []
+        for node in gm.graph.nodes:
+            meta = get_slc_meta(node) if node.op == "call_function" else None
+            if meta is not None:
+                tags.append(meta.tag)
+        self.graph_order[kind] = tuple(tags)
+        self.graphs[kind] = gm
+
+
+def add_report(report: CompileReport) -> None:
+    with _lock:
+        _reports.append(report)
+
+
+def compile_reports() -> list[CompileReport]:
+    """The reports of the graphs compiled in this process, oldest first."""
+    with _lock:
+        return list(_reports)
+
+
+def clear_compile_reports() -> None:
+    with _lock:
+        _reports.clear()

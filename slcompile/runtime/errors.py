@@ -1,0 +1,92 @@
+"""Named errors of the offload runtime.
+
+Every error raised by the runtime for a transfer or for the offload storage is an
+``OffloadError``. Each message names the tensor key the failure concerns (when
+there is one) and the filesystem path involved (when there is one), so that a
+failure deep inside an I/O thread can be traced back to the schedule step that
+issued it. The key and path are also kept as attributes for programs that want
+to react to them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = [
+    "OffloadError",
+    "OffloadDirError",
+    "DiskFullError",
+    "ShortReadError",
+    "OffloadFileMissingError",
+    "UnsupportedTensorError",
+    "UnknownKeyError",
+    "HostPoolFullError",
+    "TransferFailedError",
+]
+
+log = logging.getLogger(__name__)
+
+
+class OffloadError(RuntimeError):
+    """Base class of every runtime transfer and storage failure.
+
+    Args:
+        message: What went wrong, in words.
+        key: The tensor key the failure concerns, if any.
+        path: The file or directory involved, if any.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, path: str | None = None):
+        self.reason = message
+        self.key = key
+        self.path = path
+        parts = [message]
+        if key is not None:
+            parts.append(f"tensor key {key!r}")
+        if path is not None:
+            parts.append(f"path {path!r}")
+        super().__init__("; ".join(parts))
+
+    def with_key(self, key: str) -> "OffloadError":
+        """Returns the same kind of error, naming ``key`` as well."""
+        if self.key is not None:
+            return self
+        error = type(self)(self.reason, key=key, path=self.path)
+        error.__cause__ = self.__cause__ or self
+        return error
+
+
+class OffloadDirError(OffloadError):
+    """The offload directory is missing, not a directory, unsafe or unwritable,
+    or its filesystem cannot do direct I/O."""
+
+
+class DiskFullError(OffloadError):
+    """The offload storage has no room: the arena's ``capacity_bytes`` cap was
+    reached or the filesystem answered ENOSPC."""
+
+
+class ShortReadError(OffloadError):
+    """A read returned fewer bytes than were written (the file was truncated
+    or damaged underneath the runtime)."""
+
+
+class OffloadFileMissingError(OffloadError):
+    """The arena file (or its directory) was removed while tensors lived in it."""
+
+
+class UnsupportedTensorError(OffloadError):
+    """The tensor cannot be transferred (sparse, nested, quantized, a tensor
+    subclass, on the meta device, ...); the message says why."""
+
+
+class UnknownKeyError(OffloadError):
+    """A load or free named a key that was never stored or was already freed."""
+
+
+class HostPoolFullError(OffloadError):
+    """The pinned host pool has no free range of the requested size."""
+
+
+class TransferFailedError(OffloadError):
+    """A load named a key whose last store failed; the data is not valid."""

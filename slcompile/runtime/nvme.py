@@ -1,0 +1,596 @@
+"""The nvme tier: one O_DIRECT arena file in a private per-process directory.
+
+Where it sits: below ``TransferEngine``; the engine allocates a slot per stored
+tensor and asks the arena to write or read it asynchronously.
+
+Needs: a directory on a filesystem that supports O_DIRECT (ext4, xfs, ...; not
+tmpfs). ``offload_dir`` names the parent; the default is the system temp dir.
+
+Guarantees:
+- Privacy: the arena lives in ``<offload_dir>/slc-offload-<pid>-<random>``,
+  created with mode 0700; the directory and the file are opened with O_NOFOLLOW
+  and the file relative to the directory's descriptor, so a symlink planted by
+  someone else cannot redirect the data. The directory is removed when the arena
+  is closed or collected and at interpreter exit; a directory left behind by a
+  process that died (its pid no longer exists) is removed by the next arena
+  created under the same ``offload_dir``.
+- The page cache is bypassed: the file is opened with O_DIRECT, so measured
+  bandwidth is the disk's. Every I/O uses page-aligned memory, offsets and
+  lengths; a tensor occupies a slot rounded up to whole pages.
+- Thousands of small tensors do not become thousands of files: slots are ranges
+  of one file, handed out first-fit from a free list and reused after release.
+  The file grows by ``posix_fallocate`` (so a full disk is found when space is
+  reserved, not halfway through a write) and never beyond ``capacity_bytes``.
+- I/O runs on a small pool of threads using ``os.preadv``/``os.pwritev``, which
+  release the GIL; a tensor larger than ``chunk_bytes`` is split into chunks so
+  several I/Os are in flight at once.
+- A slot becomes readable (``valid``) only after every chunk of its write has
+  completed; half-written data is never read back. A failed write leaves the
+  slot invalid.
+- Failures raise named errors from ``slcompile.runtime.errors`` naming the tensor
+  key and the path: ``OffloadDirError``, ``DiskFullError`` (the cap or a real
+  ENOSPC), ``ShortReadError``, ``OffloadFileMissingError``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import re
+import secrets
+import shutil
+import stat
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from .errors import (
+    DiskFullError,
+    OffloadDirError,
+    OffloadError,
+    OffloadFileMissingError,
+    ShortReadError,
+)
+from .ranges import ByteRange, RangeAllocator, round_up
+from .tiers import PAGE_BYTES
+
+__all__ = [
+    "NvmeArena",
+    "NvmeSlot",
+    "IoOutcome",
+    "PageBuffer",
+    "page_aligned_tensor",
+    "clean_stale_dirs",
+    "PRIVATE_DIR_PREFIX",
+]
+
+log = logging.getLogger(__name__)
+
+PRIVATE_DIR_PREFIX = "slc-offload-"
+_PRIVATE_DIR_PATTERN = re.compile(r"^slc-offload-(\d+)-[0-9a-f]{8}$")
+_ARENA_FILE = "arena.bin"
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class PageBuffer(mmap.mmap):
+    """Anonymous page-aligned memory; a subclass so it can carry weak references.
+
+    Tensors made from it by ``page_aligned_tensor`` keep it alive through their
+    storage, so a ``weakref.finalize`` on it fires exactly when the last tensor
+    using the memory is gone.
+    """
+
+
+def page_aligned_tensor(
+    nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
+) -> tuple[torch.Tensor, PageBuffer]:
+    """Allocates a contiguous tensor on page-aligned memory, padded to whole pages.
+
+    The padding lets O_DIRECT read whole pages straight into the tensor's memory.
+
+    Args:
+        nbytes: The tensor's size in bytes (> 0).
+        dtype: Element type.
+        shape: Shape; its element count times the item size must equal ``nbytes``.
+
+    Returns:
+        The tensor (not a view: its storage is the whole padded buffer) and the
+        buffer that owns the memory.
+    """
+    buffer = PageBuffer(-1, round_up(nbytes, PAGE_BYTES))
+    storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+    tensor = torch.empty((), dtype=dtype).set_(storage, 0, shape)
+    return tensor, buffer
+
+
+def _address_of(buffer: mmap.mmap) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+_memory_view_from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_view_from_memory.restype = ctypes.py_object
+_memory_view_from_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PYBUF_WRITE = 0x200
+
+
+def _memory_at(address: int, nbytes: int) -> memoryview:
+    """A writable byte memoryview over raw memory the caller keeps alive."""
+    return _memory_view_from_memory(address, nbytes, _PYBUF_WRITE)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_dirs(base: str) -> list[str]:
+    """Removes private arena directories under ``base`` left by dead processes.
+
+    Only directories named like ours, owned by this user, whose pid no longer
+    exists are removed; a pid that is alive (possibly reused by another process)
+    keeps its directory, erring on the side of not deleting.
+
+    Args:
+        base: The parent directory (an ``offload_dir``).
+
+    Returns:
+        The paths removed.
+    """
+    removed = []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    for name in names:
+        match = _PRIVATE_DIR_PATTERN.match(name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        path = os.path.join(base, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed offload directory %s left by dead process %d", path, pid)
+        removed.append(path)
+    return removed
+
+
+def _make_private_dir(base: str) -> str:
+    if not os.path.exists(base):
+        raise OffloadDirError("offload directory does not exist", path=base)
+    if not os.path.isdir(base):
+        raise OffloadDirError("offload directory is not a directory", path=base)
+    for _ in range(8):
+        path = os.path.join(base, f"{PRIVATE_DIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        except OSError as error:
+            raise OffloadDirError(
+                f"cannot create a private directory in the offload directory ({error.strerror})",
+                path=base,
+            ) from error
+        return path
+    raise OffloadDirError("could not find a free private directory name", path=base)
+
+
+def _remove_private_dir(
+    executor: concurrent.futures.ThreadPoolExecutor, fds: list[int], path: str
+) -> None:
+    # Runs from close(), garbage collection or interpreter exit; must not use the arena.
+    executor.shutdown(wait=True)
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class NvmeSlot:
+    """One tensor's range of the arena file.
+
+    Attributes:
+        key: The tensor key the slot was allocated for.
+        byte_range: Offset and padded size in the file.
+        nbytes: The tensor's logical size.
+        valid: True only once every byte of the write has reached the file.
+        released: True once the range went back to the free list.
+    """
+
+    __slots__ = ("key", "byte_range", "nbytes", "valid", "released")
+
+    def __init__(self, key: str, byte_range: ByteRange, nbytes: int):
+        self.key = key
+        self.byte_range = byte_range
+        self.nbytes = nbytes
+        self.valid = False
+        self.released = False
+
+
+class IoOutcome:
+    """How one slot write or read went.
+
+    Attributes:
+        start: ``perf_counter`` time the first chunk began (None if none ran).
+        end: ``perf_counter`` time the last chunk ended.
+        error: The first error of any chunk, or None.
+    """
+
+    __slots__ = ("start", "end", "error")
+
+    def __init__(self):
+        self.start: float | None = None
+        self.end: float | None = None
+        self.error: OffloadError | None = None
+
+
+class _IoBatch:
+    """Chunks of one slot transfer in flight; the last one to finish reports."""
+
+    def __init__(
+        self,
+        chunks: int,
+        on_start: Callable[[float], None] | None,
+        on_done: Callable[[IoOutcome], None],
+        before: Callable[[], None] | None,
+    ):
+        self.remaining = chunks
+        self.lock = threading.Lock()
+        self.outcome = IoOutcome()
+        self.on_start = on_start
+        self.on_done = on_done
+        self.before = before
+
+    def chunk_started(self) -> None:
+        now = time.perf_counter()
+        with self.lock:
+            first = self.outcome.start is None
+            if first:
+                self.outcome.start = now
+        if first and self.on_start is not None:
+            self.on_start(now)
+
+    def chunk_finished(self, error: OffloadError | None) -> None:
+        with self.lock:
+            if error is not None and self.outcome.error is None:
+                self.outcome.error = error
+            self.remaining -= 1
+            last = self.remaining == 0
+            if last:
+                self.outcome.end = time.perf_counter()
+        if last:
+            self.on_done(self.outcome)
+
+
+class NvmeArena:
+    """An O_DIRECT slab file in a private directory, read and written by I/O threads.
+
+    Args:
+        offload_dir: Parent of the private directory (default: the temp dir). It
+            must exist.
+        capacity_bytes: Cap on the arena file size; reaching it raises
+            ``DiskFullError`` just like a full disk. None means no cap.
+        chunk_bytes: Largest single I/O; bigger tensors are split so several I/Os
+            run at once. A multiple of the page size.
+        num_threads: I/O threads.
+        grow_bytes: How much the file grows at a time when no free slot fits.
+
+    Raises:
+        OffloadDirError: the directory is missing, not a directory, unwritable,
+            or its filesystem does not support O_DIRECT.
+    """
+
+    def __init__(
+        self,
+        offload_dir: str | os.PathLike | None = None,
+        *,
+        capacity_bytes: int | None = None,
+        chunk_bytes: int = 8 << 20,
+        num_threads: int = 4,
+        grow_bytes: int = 256 << 20,
+    ):
+        base = os.path.abspath(os.fspath(offload_dir) if offload_dir else tempfile.gettempdir())
+        if chunk_bytes <= 0 or chunk_bytes % PAGE_BYTES:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {PAGE_BYTES}")
+        self.base_dir = base
+        self.capacity_bytes = capacity_bytes
+        self.chunk_bytes = chunk_bytes
+        self.grow_bytes = round_up(grow_bytes, PAGE_BYTES)
+        if os.path.isdir(base):
+            clean_stale_dirs(base)
+        self.path = _make_private_dir(base)
+        self.file_path = os.path.join(self.path, _ARENA_FILE)
+        fds: list[int] = []
+        executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=num_threads, thread_name_prefix="slc-nvme"
+        )
+        self._finalizer = weakref.finalize(self, _remove_private_dir, executor, fds, self.path)
+        try:
+            self._dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            fds.append(self._dir_fd)
+            info = os.fstat(self._dir_fd)
+            if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+                os.fchmod(self._dir_fd, 0o700)
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                self._fd = os.open(_ARENA_FILE, flags | os.O_DIRECT, 0o600, dir_fd=self._dir_fd)
+            except OSError as error:
+                if error.errno == errno.EINVAL:
+                    raise OffloadDirError(
+                        "the offload directory's filesystem does not support O_DIRECT",
+                        path=base,
+                    ) from error
+                raise
+            fds.append(self._fd)
+        except OffloadError:
+            self._finalizer()
+            raise
+        except OSError as error:
+            self._finalizer()
+            raise OffloadDirError(
+                f"cannot open the arena file ({error.strerror})", path=self.file_path
+            ) from error
+        self._inode = os.fstat(self._fd).st_ino
+        self._executor = executor
+        self._allocator = RangeAllocator(0, PAGE_BYTES)
+        self._lock = threading.Lock()
+        self._staging = threading.local()
+        log.debug("nvme arena at %s (cap=%s)", self.file_path, capacity_bytes)
+
+    # -- space -------------------------------------------------------------
+
+    @property
+    def file_bytes(self) -> int:
+        """Current size of the arena file."""
+        return self._allocator.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held by live slots (padded to pages)."""
+        return self._allocator.used_bytes
+
+    def allocate(self, nbytes: int, key: str) -> NvmeSlot:
+        """Reserves a slot for a tensor of ``nbytes`` bytes, growing the file if needed.
+
+        Args:
+            nbytes: The tensor's size (> 0).
+            key: The tensor key, named in errors.
+
+        Returns:
+            The slot (not yet valid).
+
+        Raises:
+            DiskFullError: the cap would be exceeded or the disk is full.
+        """
+        padded = round_up(nbytes, PAGE_BYTES)
+        with self._lock:
+            byte_range = self._allocator.allocate(padded)
+            if byte_range is None:
+                self._grow(padded - self._allocator.tail_free(), key)
+                byte_range = self._allocator.allocate(padded)
+            assert byte_range is not None
+        return NvmeSlot(key, byte_range, nbytes)
+
+    def _grow(self, needed: int, key: str) -> None:
+        old = self._allocator.capacity
+        new = old + max(needed, self.grow_bytes)
+        if self.capacity_bytes is not None and new > self.capacity_bytes:
+            new = old + needed
+            if new > self.capacity_bytes:
+                raise DiskFullError(
+                    f"arena capacity of {self.capacity_bytes} bytes reached: {needed} more "
+                    f"bytes needed with {self._allocator.used_bytes} in use",
+                    key=key,
+                    path=self.file_path,
+                )
+        try:
+            os.posix_fallocate(self._fd, old, new - old)
+        except OSError as error:
+            raise self._os_error(error, "cannot grow the arena file", key) from error
+        self._allocator.grow(new)
+
+    def release(self, slot: NvmeSlot) -> None:
+        """Returns a slot's range to the free list (idempotent)."""
+        with self._lock:
+            if slot.released:
+                return
+            slot.released = True
+            slot.valid = False
+            self._allocator.free(slot.byte_range)
+
+    # -- I/O -----------------------------------------------------------------
+
+    def write(
+        self,
+        slot: NvmeSlot,
+        address: int,
+        readable_bytes: int,
+        on_done: Callable[[IoOutcome], None],
+        *,
+        on_start: Callable[[float], None] | None = None,
+        before: Callable[[], None] | None = None,
+    ) -> None:
+        """Writes ``slot.nbytes`` bytes from memory at ``address`` into the slot.
+
+        Returns at once; ``on_done`` runs on an I/O thread when every chunk is
+        written (the slot is then valid) or when one failed (it stays invalid).
+        The caller keeps the source memory alive and unchanged until then.
+
+        Args:
+            slot: Destination slot.
+            address: Address of the first source byte.
+            readable_bytes: Bytes readable from ``address`` (at least ``nbytes``);
+                when the address is page-aligned and the padded size is readable,
+                chunks are written straight from the source without a copy.
+            on_done: Called once with the outcome.
+            on_start: Called when the first chunk starts.
+            before: Called by each chunk before its I/O (e.g. to wait for a
+                device-to-host copy into the source).
+        """
+        self._check_file(slot.key)
+
+        def finish(outcome: IoOutcome) -> None:
+            if outcome.error is None:
+                slot.valid = True
+            on_done(outcome)
+
+        self._submit(slot, address, readable_bytes, self._write_chunk, finish, on_start, before)
+
+    def read(
+        self,
+        slot: NvmeSlot,
+        address: int,
+        writable_bytes: int,
+        on_done: Callable[[IoOutcome], None],
+        *,
+        on_start: Callable[[float], None] | None = None,
+    ) -> None:
+        """Reads a valid slot into page-aligned memory at ``address``.
+
+        Args:
+            slot: Source slot; must be valid.
+            address: Page-aligned destination address.
+            writable_bytes: Bytes writable from ``address``; at least the slot's
+                padded size.
+            on_done: Called once, on an I/O thread, with the outcome.
+            on_start: Called when the first chunk starts.
+
+        Raises:
+            OffloadError: the slot is not (or no longer) completely written.
+            OffloadFileMissingError: the arena file was removed.
+        """
+        if not slot.valid:
+            raise OffloadError(
+                "slot is not completely written; refusing to read it", key=slot.key,
+                path=self.file_path,
+            )
+        if address % PAGE_BYTES or writable_bytes < slot.byte_range.size:
+            raise ValueError("read destination must be page-aligned and padded to pages")
+        self._check_file(slot.key)
+        self._submit(slot, address, writable_bytes, self._read_chunk, on_done, on_start, None)
+
+    def _submit(self, slot, address, memory_bytes, chunk_fn, on_done, on_start, before) -> None:
+        nbytes = slot.nbytes
+        starts = range(0, nbytes, self.chunk_bytes)
+        batch = _IoBatch(len(starts), on_start, on_done, before)
+        for start in starts:
+            length = min(self.chunk_bytes, nbytes - start)
+            self._executor.submit(
+                chunk_fn, batch, slot, start, address + start, length, memory_bytes - start
+            )
+
+    def _check_file(self, key: str) -> None:
+        try:
+            info = os.stat(_ARENA_FILE, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            info = None
+        if info is None or info.st_ino != self._inode:
+            raise OffloadFileMissingError(
+                "the arena file was removed while tensors lived in it", key=key,
+                path=self.file_path,
+            )
+
+    def _os_error(self, error: OSError, what: str, key: str) -> OffloadError:
+        if error.errno in _DISK_FULL_ERRNOS:
+            return DiskFullError(f"{what}: disk full ({error.strerror})", key=key,
+                                 path=self.file_path)
+        if error.errno in (errno.ENOENT, errno.ESTALE, errno.EBADF):
+            return OffloadFileMissingError(f"{what} ({error.strerror})", key=key,
+                                           path=self.file_path)
+        return OffloadError(f"{what} ({error.strerror})", key=key, path=self.file_path)
+
+    def _staging_buffer(self) -> tuple[PageBuffer, int]:
+        staged = getattr(self._staging, "buffer", None)
+        if staged is None:
+            buffer = PageBuffer(-1, self.chunk_bytes)
+            staged = self._staging.buffer = (buffer, _address_of(buffer))
+        return staged
+
+    def _write_chunk(self, batch, slot, start, address, length, readable) -> None:
+        batch.chunk_started()
+        error = None
+        try:
+            if batch.before is not None:
+                batch.before()
+            padded = round_up(length, PAGE_BYTES)
+            if address % PAGE_BYTES == 0 and readable >= padded:
+                view = _memory_at(address, padded)
+            else:
+                # O_DIRECT needs aligned memory: go through this thread's staging pages.
+                staging, staging_address = self._staging_buffer()
+                ctypes.memmove(staging_address, address, length)
+                if padded > length:
+                    ctypes.memset(staging_address + length, 0, padded - length)
+                view = memoryview(staging)[:padded]
+            offset = slot.byte_range.offset + start
+            written = 0
+            while written < padded:
+                count = os.pwritev(self._fd, [view[written:]], offset + written)
+                if count <= 0:
+                    raise OSError(errno.EIO, "write made no progress")
+                written += count
+        except OffloadError as failure:
+            error = failure
+        except OSError as failure:
+            error = self._os_error(failure, "write failed", slot.key)
+        except Exception as failure:  # noqa: BLE001 - must reach the waiting thread
+            error = OffloadError(f"write failed: {failure!r}", key=slot.key,
+                                 path=self.file_path)
+        batch.chunk_finished(error)
+
+    def _read_chunk(self, batch, slot, start, address, length, writable) -> None:
+        batch.chunk_started()
+        error = None
+        try:
+            padded = round_up(length, PAGE_BYTES)
+            view = _memory_at(address, padded)
+            offset = slot.byte_range.offset + start
+            got = 0
+            while got < padded:
+                count = os.preadv(self._fd, [view[got:]], offset + got)
+                if count == 0:
+                    break
+                got += count
+            if got < length:
+                error = ShortReadError(
+                    f"read {got} of {length} bytes at file offset {offset}",
+                    key=slot.key, path=self.file_path,
+                )
+        except OSError as failure:
+            error = self._os_error(failure, "read failed", slot.key)
+        except Exception as failure:  # noqa: BLE001 - must reach the waiting thread
+            error = OffloadError(f"read failed: {failure!r}", key=slot.key,
+                                 path=self.file_path)
+        batch.chunk_finished(error)
+
+    # -- lifetime ------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """True once the arena's directory has been removed."""
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Waits for queued I/O, closes the file and removes the private directory."""
+        self._finalizer()

@@ -1,0 +1,1 @@
+"""Pictures of what the backend did: DOT graphs, and more to come."""
