@@ -36,6 +36,8 @@ class CompileReport:
         graph_order: per AOT graph kind ("forward", "backward", "inference"), the tags
             of its ops in order (`blk3.sb1`), untagged ops left out.
         graphs: the AOT graphs themselves, by kind (the last one of each kind).
+        block_inputs: block index -> positions among the graph's inputs of the
+            parameters it reads (AOTAutograd's backward returns gradients in that order).
     """
 
     config: object
@@ -46,6 +48,7 @@ class CompileReport:
     passes_run: tuple[str, ...] = ()
     graph_order: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     graphs: dict[str, torch.fx.GraphModule] = dataclasses.field(default_factory=dict)
+    block_inputs: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def record_graph(self, kind: str, gm: torch.fx.GraphModule) -> None:
         tags = []

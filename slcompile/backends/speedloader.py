@@ -58,6 +58,9 @@ def speedloader_backend(
 
     report.blocks = tuple(b.path for b in state.blocks.blocks)
     report.batch_size = state.batch.batch_size
+    report.block_inputs = {
+        b.index: tuple(state.batch.input_index[name] for name in b.params) for b in state.blocks.blocks
+    }
     report.passes_run = state.passes_run
     report.schedule = speedloader_schedule(state.blocks, config.num_subbatches).text()
     compiled = lower(state.gm, example_inputs, config.lowering, report)

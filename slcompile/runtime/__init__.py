@@ -1,0 +1,85 @@
+"""Runtime of slcompile: memory tiers, the transfer engine, transfer custom ops,
+and exact byte and timeline accounting.
+
+Importing this package registers the ``slc::`` custom ops. See ``engine`` for the
+transfer semantics, ``ops`` for the op signatures, ``nvme`` for the O_DIRECT
+arena and ``stats`` for what the counters mean.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import ops
+from .engine import (
+    StoredTensor,
+    TransferEngine,
+    TransferHandle,
+    configure_engine,
+    get_engine,
+    normalize_key,
+    set_engine,
+)
+from .errors import (
+    DiskFullError,
+    HostPoolFullError,
+    OffloadDirError,
+    OffloadError,
+    OffloadFileMissingError,
+    ShortReadError,
+    TransferFailedError,
+    UnknownKeyError,
+    UnsupportedTensorError,
+)
+from .nvme import NvmeArena, clean_stale_dirs
+from .stats import (
+    RuntimeStats,
+    StepStats,
+    TimelineEvent,
+    compute_region,
+    mark_step,
+    reset_runtime_stats,
+    runtime_stats,
+    set_timeline_enabled,
+    timeline,
+)
+from .tiers import HostPool, Tier, TransferKind, compute_device, device_for, host_is_device
+
+__all__ = [
+    "Tier",
+    "TransferKind",
+    "compute_device",
+    "device_for",
+    "host_is_device",
+    "HostPool",
+    "NvmeArena",
+    "clean_stale_dirs",
+    "TransferEngine",
+    "TransferHandle",
+    "StoredTensor",
+    "normalize_key",
+    "get_engine",
+    "set_engine",
+    "configure_engine",
+    "RuntimeStats",
+    "StepStats",
+    "TimelineEvent",
+    "runtime_stats",
+    "reset_runtime_stats",
+    "mark_step",
+    "compute_region",
+    "timeline",
+    "set_timeline_enabled",
+    "ops",
+    "OffloadError",
+    "OffloadDirError",
+    "DiskFullError",
+    "ShortReadError",
+    "OffloadFileMissingError",
+    "UnsupportedTensorError",
+    "UnknownKeyError",
+    "HostPoolFullError",
+    "TransferFailedError",
+]
+
+log = logging.getLogger(__name__)

@@ -1,0 +1,58 @@
+"""Shared fixtures: a clean Dynamo state per test and the eager-vs-compiled comparison."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import slcompile  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    slcompile.clear_compile_reports()
+    torch.manual_seed(0)
+    yield
+    torch._dynamo.reset()
+
+
+def run_train_step(model, call, params_of=None):
+    """Runs `call(model)`, backprops its loss; returns (outputs, loss, grads by name)."""
+    outputs, loss = call(model)
+    loss.backward()
+    named = (params_of or model).named_parameters()
+    grads = {name: p.grad.detach().clone() for name, p in named if p.grad is not None}
+    return outputs, loss.detach(), grads
+
+
+def assert_matches_eager(model, call, options, *, dynamic_inputs=(), atol=1e-5, rtol=1e-5):
+    """Compiles a copy of `model` with speedloader and checks outputs, loss and every
+    parameter gradient against eager on the same inputs.
+
+    Args:
+        model: the model (left untouched; eager and compiled run on deep copies).
+        call: `call(m) -> (outputs, loss)`.
+        options: backend options.
+        dynamic_inputs: tensors whose dim 0 is marked dynamic before compiling.
+    """
+    eager = copy.deepcopy(model)
+    compiled_model = copy.deepcopy(model)
+    out_ref, loss_ref, grads_ref = run_train_step(eager, call)
+    for tensor in dynamic_inputs:
+        torch._dynamo.mark_dynamic(tensor, 0)
+    compiled = torch.compile(compiled_model, backend="speedloader", options=options)
+    out, loss, grads = run_train_step(compiled, call, params_of=compiled_model)
+    torch.testing.assert_close(out, out_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(loss, loss_ref, atol=atol, rtol=rtol)
+    assert grads.keys() == grads_ref.keys()
+    assert len(grads) == len(list(model.parameters()))
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], atol=atol, rtol=rtol, msg=name)
+    return compiled

@@ -1,0 +1,254 @@
+"""TransferEngine: bit-exact round trips, concurrency, zero-copy tiers, exact counters,
+residency, refusals."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import pytest
+import torch
+
+from slcompile.runtime import (
+    Tier,
+    TransferEngine,
+    TransferKind,
+    UnknownKeyError,
+    UnsupportedTensorError,
+    runtime_stats,
+)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool)
+SIZES = (0, 1, 4097, 3 * (1 << 20) + 5)  # empty, one element, odd, several MiB
+NVME = Tier.NVME
+DEVICE = Tier.DEVICE
+HOST = Tier.HOST
+WEIGHT = TransferKind.WEIGHT
+
+
+def sample(dtype: torch.dtype, numel: int, seed: int = 0) -> torch.Tensor:
+    """Random values covering every bit pattern region of the dtype."""
+    generator = torch.Generator().manual_seed(seed)
+    if dtype is torch.bool:
+        return torch.randint(0, 2, (numel,), generator=generator).bool()
+    if dtype is torch.int64:
+        return torch.randint(-(2**62), 2**62, (numel,), generator=generator)
+    return (torch.randn(numel, generator=generator) * 1e3).to(dtype)
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bytes, so comparisons are bit for bit (NaN, -0.0 included)."""
+    flat = tensor.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else flat
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nvme_round_trip_is_bit_exact(engine, dtype):
+    for index, numel in enumerate(SIZES):
+        original = sample(dtype, numel, seed=index)
+        engine.wait(engine.store(f"t{index}", original, "nvme", "weight"))
+        loaded = engine.wait(engine.load(f"t{index}"))
+        assert loaded.dtype == dtype and loaded.shape == original.shape
+        assert torch.equal(bits(loaded), bits(original))
+
+
+def test_special_float_values_survive(engine):
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-45])
+    engine.wait(engine.store("special", special, NVME, WEIGHT))
+    assert torch.equal(bits(engine.wait(engine.load("special"))), bits(special))
+
+
+def test_shapes_and_zero_dim_tensors_keep_their_shape(engine):
+    for key, original in {
+        "scalar": torch.tensor(3.5),
+        "matrix": sample(torch.float16, 6 * 7).view(6, 7),
+        "empty": torch.empty(0, 5, dtype=torch.bfloat16),
+    }.items():
+        engine.wait(engine.store(key, original, NVME, WEIGHT))
+        loaded = engine.wait(engine.load(key))
+        assert loaded.shape == original.shape and torch.equal(bits(loaded), bits(original))
+
+
+def test_loaded_tensors_are_page_aligned_and_not_views(engine):
+    engine.wait(engine.store("w", sample(torch.float32, 5000), NVME, WEIGHT))
+    loaded = engine.wait(engine.load("w"))
+    assert loaded.data_ptr() % 4096 == 0
+    assert not loaded._is_view() and loaded.is_contiguous()
+
+
+def test_many_concurrent_transfers_in_flight(engine):
+    originals = {
+        f"blk{index}.w": sample(DTYPES[index % len(DTYPES)], 1 + 37_813 * index, seed=index)
+        for index in range(48)
+    }
+    stores = [engine.store(key, value, NVME, WEIGHT) for key, value in originals.items()]
+    # Loads issued before their stores finished must read what the stores wrote.
+    loads = {key: engine.load(key) for key in originals}
+    for key in reversed(list(originals)):
+        assert torch.equal(bits(engine.wait(loads[key])), bits(originals[key])), key
+    for handle in stores:
+        assert handle.done()
+
+
+def test_threads_issuing_at_once(engine):
+    failures = []
+
+    def worker(worker_index: int) -> None:
+        for round_index in range(10):
+            key = f"w{worker_index}.{round_index}"
+            original = sample(torch.float32, 10_000 + round_index, seed=worker_index)
+            engine.wait(engine.store(key, original, NVME, WEIGHT))
+            if not torch.equal(engine.wait(engine.load(key)), original):
+                failures.append(key)
+
+    threads = [threading.Thread(target=worker, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+
+
+def test_store_replaces_and_loads_see_the_latest_value(engine):
+    engine.wait(engine.store("k", torch.zeros(3000), NVME, WEIGHT))
+    first_load = engine.load("k")
+    engine.store("k", torch.ones(5000), NVME, WEIGHT)  # not waited: the load must chain
+    assert torch.equal(engine.wait(engine.load("k")), torch.ones(5000))
+    assert torch.equal(engine.wait(first_load), torch.zeros(3000))
+
+
+def test_exact_bytes_per_kind_and_direction(engine):
+    weight = torch.randn(1000)  # 4000 bytes
+    activation = torch.randn(3, 5, dtype=torch.float16)  # 30 bytes
+    engine.wait(engine.store("w", weight, "nvme", "weight"))
+    engine.wait(engine.store("a", activation, "nvme", "activation"))
+    engine.wait(engine.load("w"))
+    engine.wait(engine.load("w"))
+    engine.wait(engine.load("a", "gradient"))
+    stats = runtime_stats()
+    assert dict(stats.bytes_moved) == {
+        (TransferKind.WEIGHT, DEVICE, NVME): 4000,
+        (TransferKind.ACTIVATION, DEVICE, NVME): 30,
+        (TransferKind.WEIGHT, NVME, DEVICE): 8000,
+        (TransferKind.GRADIENT, NVME, DEVICE): 30,
+    }
+    assert stats.cumulative.transfers[(TransferKind.WEIGHT, NVME, DEVICE)] == 2
+    assert stats.cumulative.total_bytes() == 12060
+    assert stats.cumulative.local_copy_bytes == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="host is device only on CPU machines")
+def test_host_and_device_tiers_copy_nothing_on_cpu(engine):
+    original = torch.randn(2048)
+    for tier in (HOST, DEVICE):
+        handle = engine.store(f"k{tier.value}", original, tier, WEIGHT)
+        assert handle.done() and handle.zero_copy
+        loaded = engine.wait(engine.load(f"k{tier.value}"))
+        assert loaded.data_ptr() == original.data_ptr()
+    assert dict(runtime_stats().bytes_moved) == {}
+    assert not engine.has_arena  # no file was ever created
+
+
+def test_non_contiguous_source_is_made_contiguous_and_counted(engine):
+    original = torch.arange(64 * 48, dtype=torch.float32).view(64, 48).t()
+    engine.wait(engine.store("t", original, NVME, WEIGHT))
+    loaded = engine.wait(engine.load("t"))
+    assert loaded.is_contiguous() and torch.equal(loaded, original)
+    stats = runtime_stats().cumulative
+    assert stats.local_copy_bytes == 64 * 48 * 4
+    assert stats.bytes_moved[(WEIGHT, DEVICE, NVME)] == 64 * 48 * 4
+
+
+def test_view_of_a_larger_tensor_stores_only_its_values(engine):
+    base = torch.arange(10_000, dtype=torch.int64)
+    engine.wait(engine.store("v", base[4000:4100], NVME, WEIGHT))
+    base.zero_()
+    assert torch.equal(engine.wait(engine.load("v")), torch.arange(4000, 4100))
+    assert runtime_stats().bytes_moved[(WEIGHT, DEVICE, NVME)] == 800
+
+
+def test_requires_grad_and_parameters_are_stored_as_values(engine):
+    parameter = torch.nn.Parameter(torch.randn(300))
+    engine.wait(engine.store("p", parameter, NVME, WEIGHT))
+    loaded = engine.wait(engine.load("p"))
+    assert not loaded.requires_grad and torch.equal(loaded, parameter.detach())
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda: torch.eye(3).to_sparse(), "layout"),
+        (lambda: torch.empty(3, device="meta"), "meta"),
+        (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), "quantized"),
+        (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]), "nested"),
+        (lambda: [1.0, 2.0], "expected a torch.Tensor"),
+    ],
+    ids=["sparse", "meta", "quantized", "nested", "list"],
+)
+def test_unsupported_tensors_are_refused_with_the_reason(engine, make, reason):
+    with pytest.raises(UnsupportedTensorError, match=reason) as caught:
+        engine.store("bad", make(), NVME, WEIGHT)
+    assert caught.value.key == "bad" and "'bad'" in str(caught.value)
+    assert "bad" not in engine
+
+
+def test_unknown_keys_are_named(engine):
+    with pytest.raises(UnknownKeyError, match="'nope'"):
+        engine.load("nope")
+    with pytest.raises(UnknownKeyError, match="'nope'"):
+        engine.free("nope")
+
+
+def test_int_keys_mean_their_string(engine):
+    engine.wait(engine.store(7, torch.ones(3), NVME, WEIGHT))
+    assert "7" in engine and 7 in engine
+    assert torch.equal(engine.wait(engine.load("7")), torch.ones(3))
+    with pytest.raises(TypeError):
+        engine.store(True, torch.ones(3), NVME, WEIGHT)
+
+
+def test_residency_tracks_slots_and_delivered_tensors(engine):
+    before = runtime_stats().resident_bytes
+    engine.wait(engine.store("a", torch.zeros(1 << 18), NVME, WEIGHT))  # 1 MiB
+    engine.wait(engine.store("b", torch.zeros(1 << 18), NVME, WEIGHT))
+    loaded = engine.wait(engine.load("a"))
+    during = runtime_stats()
+    assert during.resident_bytes[NVME] - before[NVME] == 2 << 20
+    assert during.resident_bytes[DEVICE] - before[DEVICE] == 1 << 20
+    assert during.peak_bytes[NVME] >= before[NVME] + (2 << 20)
+    del loaded
+    gc.collect()
+    engine.free("a")
+    engine.free("b")
+    after = runtime_stats()
+    assert after.resident_bytes[NVME] == before[NVME]
+    assert after.resident_bytes[DEVICE] == before[DEVICE]
+    assert after.peak_bytes[NVME] >= before[NVME] + (2 << 20)
+
+
+def test_thousands_of_small_tensors_share_one_file_and_reuse_space(engine):
+    handles = [engine.store(f"s{index}", torch.full((10,), float(index)), NVME, WEIGHT)
+               for index in range(2000)]
+    for handle in handles:
+        engine.wait(handle)
+    arena = engine.arena
+    assert os.listdir(arena.path) == ["arena.bin"]
+    assert torch.equal(engine.wait(engine.load("s1234")), torch.full((10,), 1234.0))
+    file_bytes = arena.file_bytes
+    for index in range(2000):
+        engine.free(f"s{index}")
+    assert arena.used_bytes == 0
+    for index in range(2000):
+        engine.store(f"r{index}", torch.ones(10), NVME, WEIGHT)
+    assert arena.file_bytes == file_bytes
+
+
+def test_free_waits_for_transfers_in_flight(engine):
+    original = sample(torch.float32, 3 << 20)
+    engine.store("big", original, NVME, WEIGHT)
+    load = engine.load("big")
+    engine.free("big")
+    assert "big" not in engine
+    assert torch.equal(engine.wait(load), original)
+    assert engine.arena.used_bytes == 0

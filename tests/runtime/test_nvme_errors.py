@@ -1,0 +1,182 @@
+"""nvme arena failures: each raises its named error naming the tensor key and the path,
+and nothing half-written is ever read back."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import threading
+
+import pytest
+import torch
+
+from slcompile.runtime import (
+    DiskFullError,
+    NvmeArena,
+    OffloadDirError,
+    OffloadError,
+    OffloadFileMissingError,
+    ShortReadError,
+    Tier,
+    TransferEngine,
+    TransferFailedError,
+    TransferKind,
+)
+
+NVME, WEIGHT = Tier.NVME, TransferKind.WEIGHT
+
+
+def assert_names(error: OffloadError, key: str, path: str) -> None:
+    assert error.key == key and repr(key) in str(error)
+    assert error.path is not None and path in error.path and path in str(error)
+
+
+def test_arena_file_is_private_and_uses_direct_io(engine):
+    engine.wait(engine.store("w", torch.ones(10), NVME, WEIGHT))
+    arena = engine.arena
+    assert stat.S_IMODE(os.lstat(arena.path).st_mode) == 0o700
+    assert os.path.basename(arena.path).startswith(f"slc-offload-{os.getpid()}-")
+    assert fcntl.fcntl(arena._fd, fcntl.F_GETFL) & os.O_DIRECT
+
+
+def test_missing_offload_dir(tmp_path):
+    missing = str(tmp_path / "does-not-exist")
+    engine = TransferEngine(offload_dir=missing)
+    with pytest.raises(OffloadDirError, match="does not exist") as caught:
+        engine.store("blk0.w", torch.ones(4), NVME, WEIGHT)
+    assert_names(caught.value, "blk0.w", missing)
+
+
+def test_offload_dir_that_is_a_file(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    engine = TransferEngine(offload_dir=str(not_a_dir))
+    with pytest.raises(OffloadDirError, match="not a directory") as caught:
+        engine.store("blk0.w", torch.ones(4), NVME, WEIGHT)
+    assert_names(caught.value, "blk0.w", str(not_a_dir))
+
+
+def test_unwritable_offload_dir(tmp_path):
+    if os.geteuid() == 0:
+        # Permission bits do not stop root; sysfs refuses mkdir to everyone.
+        unwritable = "/sys/kernel"
+        if not os.path.isdir(unwritable):
+            pytest.skip("needs /sys/kernel when running as root")
+    else:
+        unwritable = str(tmp_path / "read-only")
+        os.mkdir(unwritable, 0o500)
+    engine = TransferEngine(offload_dir=unwritable)
+    with pytest.raises(OffloadDirError, match="cannot create a private directory") as caught:
+        engine.store("blk0.w", torch.ones(4), NVME, WEIGHT)
+    assert_names(caught.value, "blk0.w", unwritable)
+
+
+def test_capacity_cap_raises_disk_full_and_space_comes_back(tmp_path):
+    engine = TransferEngine(offload_dir=str(tmp_path), capacity_bytes=3 * 4096)
+    try:
+        engine.wait(engine.store("a", torch.zeros(2048), NVME, WEIGHT))  # 2 pages
+        with pytest.raises(DiskFullError, match="capacity of 12288 bytes") as caught:
+            engine.store("b", torch.zeros(2048), NVME, WEIGHT)
+        assert_names(caught.value, "b", engine.arena.file_path)
+        assert "b" not in engine
+        assert torch.equal(engine.wait(engine.load("a")), torch.zeros(2048))
+        engine.free("a")
+        engine.wait(engine.store("b", torch.ones(2048), NVME, WEIGHT))
+        assert torch.equal(engine.wait(engine.load("b")), torch.ones(2048))
+    finally:
+        engine.close()
+
+
+def test_enospc_when_growing_the_file_is_disk_full(engine, monkeypatch):
+    engine.arena  # created before the disk "fills up"
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    with pytest.raises(DiskFullError, match="disk full") as caught:
+        engine.store("kv0", torch.zeros(10), NVME, TransferKind.KV)
+    assert_names(caught.value, "kv0", engine.arena.file_path)
+
+
+def test_enospc_during_a_write_fails_the_store_and_its_loads(engine, monkeypatch):
+    engine.arena
+    real_pwritev = os.pwritev
+    calls = []
+
+    def full_after_first_chunk(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", full_after_first_chunk)
+    handle = engine.store("act3", torch.ones(3 << 18), NVME, TransferKind.ACTIVATION)  # 3 chunks
+    with pytest.raises(DiskFullError) as caught:
+        engine.wait(handle)
+    assert_names(caught.value, "act3", engine.arena.file_path)
+    # Part of the data reached the file, but the slot never became valid.
+    with pytest.raises(TransferFailedError, match="last store of this key failed") as caught:
+        engine.load("act3")
+    assert_names(caught.value, "act3", engine.arena.file_path)
+    assert engine.arena.used_bytes == 0
+
+
+def test_load_chained_behind_a_failing_store_fails_too(engine, monkeypatch):
+    engine.arena
+    load_issued = threading.Event()
+
+    def broken(fd, buffers, offset):
+        load_issued.wait(timeout=30)
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "pwritev", broken)
+    store = engine.store("g", torch.ones(1000), NVME, TransferKind.GRADIENT)
+    load = engine.load("g")  # issued while the store is still writing
+    load_issued.set()
+    with pytest.raises(OffloadError, match="write failed"):
+        engine.wait(store)
+    with pytest.raises(TransferFailedError, match="store this load waited for failed"):
+        engine.wait(load)
+
+
+def test_short_read_of_a_truncated_file(engine):
+    engine.wait(engine.store("w", torch.ones(5000), NVME, WEIGHT))
+    os.truncate(engine.arena.file_path, 4096)
+    with pytest.raises(ShortReadError, match="read 4096 of 20000 bytes") as caught:
+        engine.wait(engine.load("w"))
+    assert_names(caught.value, "w", engine.arena.file_path)
+
+
+def test_file_removed_underneath(engine):
+    engine.wait(engine.store("w", torch.ones(5000), NVME, WEIGHT))
+    os.unlink(engine.arena.file_path)
+    with pytest.raises(OffloadFileMissingError, match="removed") as caught:
+        engine.wait(engine.load("w"))
+    assert_names(caught.value, "w", engine.arena.file_path)
+    with pytest.raises(OffloadFileMissingError) as caught:
+        engine.store("w2", torch.ones(10), NVME, WEIGHT)
+    assert_names(caught.value, "w2", engine.arena.file_path)
+
+
+def test_directory_removed_underneath(engine):
+    import shutil
+
+    engine.wait(engine.store("w", torch.ones(50), NVME, WEIGHT))
+    shutil.rmtree(engine.arena.path)
+    with pytest.raises(OffloadFileMissingError) as caught:
+        engine.wait(engine.load("w"))
+    assert_names(caught.value, "w", engine.arena.path)
+
+
+def test_a_slot_is_not_readable_before_its_write_completes(tmp_path):
+    arena = NvmeArena(str(tmp_path))
+    try:
+        slot = arena.allocate(100, "half")
+        with pytest.raises(OffloadError, match="not completely written"):
+            arena.read(slot, 0, 4096, lambda outcome: None)
+    finally:
+        arena.close()
+    assert not os.path.exists(arena.path)

@@ -1,0 +1,37 @@
+import pytest
+
+from slcompile import SpeedLoaderConfig
+
+
+def test_defaults_and_options_round_trip():
+    config = SpeedLoaderConfig.from_options({"num_subbatches": 4, "lowering": "aot_eager"})
+    assert config.num_subbatches == 4
+    assert config.lowering == "aot_eager"
+    assert SpeedLoaderConfig.from_options(None) == SpeedLoaderConfig()
+
+
+def test_unknown_key_names_the_key_and_suggests():
+    with pytest.raises(ValueError, match=r"'num_subbatch'.*did you mean 'num_subbatches'"):
+        SpeedLoaderConfig.from_options({"num_subbatch": 4})
+
+
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        ({"num_subbatches": 0}, "num_subbatches"),
+        ({"num_subbatches": 2.5}, "num_subbatches"),
+        ({"num_subbatches": True}, "num_subbatches"),
+        ({"lowering": "tvm"}, "lowering"),
+        ({"on_refusal": "ignore"}, "on_refusal"),
+        ({"batch_dim": -1}, "batch_dim"),
+    ],
+)
+def test_bad_values_name_the_key(options, key):
+    with pytest.raises(ValueError, match=key):
+        SpeedLoaderConfig.from_options(options)
+
+
+def test_config_is_frozen():
+    config = SpeedLoaderConfig()
+    with pytest.raises(Exception):
+        config.num_subbatches = 3
