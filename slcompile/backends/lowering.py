@@ -4,19 +4,22 @@ Inductor runs with `reorder_for_peak_memory` off: that pass moves block kernels 
 layer-major order in the backward. The option is patched around every inner compile
 (the backward may compile later than the forward), and it is part of Inductor's cache
 key, so a cached graph compiled with other options is never served. Every AOTAutograd
-graph handed to the inner compiler is recorded in the CompileReport, so tests and
-`explain` can read the forward and backward order.
+graph is first put back into layer-major order (`order_layer_major`; the
+partitioner moves some saved values to the end of the forward) and then recorded in
+the CompileReport, so tests can read the order that is compiled.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
+from slcompile.passes.order_layer_major import order_layer_major
 from slcompile.report import CompileReport
 
 __all__ = ["lower", "INDUCTOR_PATCHES"]
@@ -26,22 +29,45 @@ log = logging.getLogger(__name__)
 INDUCTOR_PATCHES = {"reorder_for_peak_memory": False}
 
 
-def lower(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], lowering: str, report: CompileReport) -> Callable:
-    """Compiles `gm` with the chosen lowering; records the AOT graphs in `report`."""
+def lower(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    lowering: str,
+    report: CompileReport,
+    block_positions: dict[int, int] | None = None,
+    num_subbatches: int = 1,
+) -> Callable:
+    """Compiles `gm` with the chosen lowering; records the AOT graphs in `report`.
+
+    With `block_positions` (a rewritten graph), each AOT graph is put back into
+    layer-major order (`order_layer_major`) before it is compiled.
+    """
+
+    def prepare(kind: str, graph: torch.fx.GraphModule) -> None:
+        if block_positions is not None and "order_layer_major" not in _disabled():
+            phase = "bwd" if kind == "backward" else "fwd"
+            _, moved = order_layer_major(graph, phase, block_positions, num_subbatches)
+            log.debug("order_layer_major moved %d nodes of the %s graph", moved, kind)
+        report.record_graph(kind, graph)
+
     if lowering == "aot_eager":
-        return _aot_eager(gm, example_inputs, report)
+        return _aot_eager(gm, example_inputs, prepare)
     if lowering == "inductor":
-        return _inductor(gm, example_inputs, report)
+        return _inductor(gm, example_inputs, prepare)
     raise ValueError(f"unknown lowering {lowering!r}")
 
 
-def _aot_eager(gm, example_inputs, report):
+def _disabled() -> set[str]:
+    return {p.strip() for p in os.environ.get("SLC_DISABLE", "").split(",") if p.strip()}
+
+
+def _aot_eager(gm, example_inputs, prepare):
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
     def observed(kind: str):
         def compiler(graph: torch.fx.GraphModule, inputs):
-            report.record_graph(kind, graph)
+            prepare(kind, graph)
             return boxed_nop(graph, inputs)
 
         return compiler
@@ -54,7 +80,7 @@ def _aot_eager(gm, example_inputs, report):
     return backend(gm, example_inputs)
 
 
-def _inductor(gm, example_inputs, report):
+def _inductor(gm, example_inputs, prepare):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -65,7 +91,7 @@ def _inductor(gm, example_inputs, report):
             kind = "inference"
         else:
             kind = "forward"
-        report.record_graph(kind, graph)
+        prepare(kind, graph)
         with inductor_config.patch(INDUCTOR_PATCHES):
             return compile_fx_inner(graph, inputs, **kwargs)
 

@@ -63,7 +63,8 @@ def speedloader_backend(
     }
     report.passes_run = state.passes_run
     report.schedule = speedloader_schedule(state.blocks, config.num_subbatches).text()
-    compiled = lower(state.gm, example_inputs, config.lowering, report)
+    positions = {block.index: pos for pos, block in enumerate(state.blocks.blocks)}
+    compiled = lower(state.gm, example_inputs, config.lowering, report, positions, config.num_subbatches)
     if not state.batch.dynamic or config.num_subbatches == 1:
         return compiled
     return _DivisibleBatchGuard(compiled, original, example_inputs, state, report)

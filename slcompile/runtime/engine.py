@@ -56,7 +56,7 @@ from .errors import (
     UnknownKeyError,
     UnsupportedTensorError,
 )
-from .nvme import IoOutcome, NvmeArena, NvmeSlot, page_aligned_tensor
+from .nvme import IoOutcome, NvmeArena, NvmeSlot, PageBufferCache
 from .ranges import round_up
 from .stats import RECORDER, Recorder
 from .tiers import PAGE_BYTES, HostBlock, HostPool, Tier, TransferKind, compute_device
@@ -220,6 +220,8 @@ class TransferEngine:
         num_io_threads: nvme I/O threads.
         host_pool_bytes: Size of the pinned host pool (CUDA machines only),
             allocated on the first host-tier or nvme transfer.
+        buffer_cache_bytes: On CPU, most bytes of freed load buffers kept for
+            reuse by later loads of the same size (0: none).
         recorder: Where bytes, stalls and events are counted.
     """
 
@@ -231,6 +233,7 @@ class TransferEngine:
         chunk_bytes: int = 8 << 20,
         num_io_threads: int = 4,
         host_pool_bytes: int = 1 << 30,
+        buffer_cache_bytes: int = 1 << 30,
         recorder: Recorder = RECORDER,
     ):
         self.offload_dir = offload_dir
@@ -245,6 +248,7 @@ class TransferEngine:
         self._arena: NvmeArena | None = None
         self._host_pool: HostPool | None = None
         self._ids = itertools.count(1)
+        self._buffers = PageBufferCache(buffer_cache_bytes)
         self._cuda = self.device.type == "cuda"
         # One persistent copy stream: a new stream per call would cost a sync each time.
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
@@ -450,6 +454,7 @@ class TransferEngine:
             for entry in entries:
                 self._retire(entry)
             arena, self._arena = self._arena, None
+        self._buffers.clear()
         if arena is not None:
             arena.close()
 
@@ -531,7 +536,6 @@ class TransferEngine:
             self._recorder.resident_change(Tier.NVME, -entry.nbytes)
 
     def _track_delivered(self, owner: object, tier: Tier, nbytes: int) -> None:
-        # Residency lasts as long as the memory does, not as long as the handle.
         self._recorder.resident_change(tier, nbytes)
         weakref.finalize(owner, self._recorder.resident_change, tier, -nbytes)
 
@@ -622,9 +626,13 @@ class TransferEngine:
                 address, writable = block.buffer.data_ptr(), block.byte_range.size
             else:
                 block = None
-                result, buffer = page_aligned_tensor(entry.nbytes, entry.dtype, entry.shape)
-                self._track_delivered(buffer, Tier.DEVICE, entry.nbytes)
-                address, writable = result.data_ptr(), len(buffer)
+                # Residency lasts as long as the memory does, not as long as the handle.
+                self._recorder.resident_change(Tier.DEVICE, entry.nbytes)
+                result = self._buffers.tensor(
+                    entry.nbytes, entry.dtype, entry.shape,
+                    on_release=lambda: self._recorder.resident_change(Tier.DEVICE, -entry.nbytes),
+                )
+                address, writable = result.data_ptr(), result.untyped_storage().nbytes()
 
             def on_done(outcome: IoOutcome) -> None:
                 if outcome.start is not None:

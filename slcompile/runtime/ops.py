@@ -12,9 +12,8 @@ The ops, as issue + wait pairs so a schedule can move them apart:
     slc::wait_load(Tensor token, str key, SymInt[] size, ScalarType dtype, Device device) -> Tensor
     slc::free(str key, Tensor? after=None) -> Tensor
 
-``store`` and ``load`` return a *token*: a 0-dim int64 CPU tensor that stands for
-the issued transfer (by its memory, not its value, which is always 0: opcheck
-wants equal outputs for equal inputs, so the token is passed along, never copied). ``wait`` blocks until the transfer is done and returns a
+``store`` and ``load`` return a *token*: a 0-dim int64 CPU tensor whose value is
+the id of the issued transfer (dependency tokens from ``wait``/``free`` are 0). ``wait`` blocks until the transfer is done and returns a
 dependency token; ``wait_load`` blocks and returns the loaded tensor. ``after`` is
 a token that must come first (a data dependency only; chain tokens for more); ``kind=""`` in
 ``load`` means the kind the key was stored as.
@@ -41,10 +40,19 @@ Why this shape:
 - Keys are strings: they appear verbatim in the generated code and in the
   schedule's text form (``"blk3.w"``, ``"blk2.act.sb0"``).
 - Waiting again on a token is allowed and returns the same result; the engine
-  forgets a transfer when its token tensor is garbage collected.
+  forgets a transfer when the token tensor ``store``/``load`` returned is
+  garbage collected (copies of a token are good only while it lives).
+- ``torch.library.opcheck`` passes for ``wait``, ``wait_load`` and ``free``. For
+  ``store`` and ``load`` it passes the schema, autograd-registration and fake
+  checks; its AOT-dispatch check compares eager and compiled outputs by value,
+  and two issues are two transfers with two ids, so the tests run that check
+  with a comparison of the transfers the tokens name (same key, direction,
+  tiers and kind) instead.
 
-With Inductor, turn ``reorder_for_peak_memory`` off: it moves waits (which free
-their ``keepalive``) up next to their issue, which removes the overlap.
+With Inductor, turn ``reorder_for_peak_memory`` and ``reorder_for_locality`` off:
+the first moves waits (which free their ``keepalive``) up next to their issue, the
+second moves compute down next to its consumers, past the waits; either removes
+the overlap between a transfer and the compute scheduled beside it.
 """
 
 from __future__ import annotations
@@ -75,33 +83,29 @@ __all__ = [
     "FREE",
     "TRANSFER_OPS",
     "fake_token",
+    "transfer_of",
     "pending_tokens",
 ]
 
 log = logging.getLogger(__name__)
 
-# Transfers by the address of their token's memory. The token's value is always 0:
-# equal inputs must give equal outputs (opcheck compares eager and compiled runs),
-# and the memory address is unique for as long as the token lives.
+# A token's value is the id of its transfer, so copies of a token (opcheck clones
+# inputs) still name it.
 _HANDLES: dict[int, tuple[TransferEngine, TransferHandle]] = {}
 _HANDLES_LOCK = threading.Lock()
 
 
-def _forget(address: int, handle_id: int) -> None:
+def _forget(handle_id: int) -> None:
     with _HANDLES_LOCK:
-        found = _HANDLES.get(address)
-        if found is not None and found[1].id == handle_id:
-            del _HANDLES[address]
+        _HANDLES.pop(handle_id, None)
 
 
 def _token_for(engine: TransferEngine, handle: TransferHandle) -> torch.Tensor:
-    token = torch.zeros((), dtype=torch.int64)
-    address = token.data_ptr()
+    token = torch.tensor(handle.id, dtype=torch.int64)
     with _HANDLES_LOCK:
-        _HANDLES[address] = (engine, handle)
-    # The token owns the transfer record: waits may repeat while it lives, and the
-    # record goes before the token's memory can be reused by another token.
-    weakref.finalize(token, _forget, address, handle.id)
+        _HANDLES[handle.id] = (engine, handle)
+    # The token owns the transfer record: waits may repeat while it lives.
+    weakref.finalize(token, _forget, handle.id)
     return token
 
 
@@ -111,12 +115,18 @@ def _lookup(token: torch.Tensor) -> tuple[TransferEngine, TransferHandle]:
             f"not a transfer token: {token.dtype} tensor of shape {tuple(token.shape)} "
             f"on {token.device}"
         )
+    handle_id = int(token)
     with _HANDLES_LOCK:
-        found = _HANDLES.get(token.data_ptr())
+        found = _HANDLES.get(handle_id)
     if found is None:
-        raise OffloadError("no transfer is known for this token (a dependency token, or "
-                           "one whose tensor was copied)")
+        raise OffloadError(f"no transfer is known for token {handle_id} (a dependency "
+                           "token, or one whose transfer was forgotten)")
     return found
+
+
+def transfer_of(token: torch.Tensor) -> TransferHandle:
+    """Returns the transfer a token names (for tests and debugging)."""
+    return _lookup(token)[1]
 
 
 def pending_tokens() -> int:

@@ -10,6 +10,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import run_and_get_code
+from torch.testing._internal.optests import aot_autograd_check
 
 from slcompile.runtime import Tier, TransferKind, ops, runtime_stats
 
@@ -18,17 +19,43 @@ DEVICE, HOST, NVME = Tier.DEVICE, Tier.HOST, Tier.NVME
 CPU = torch.device("cpu")
 
 
-def test_opcheck_store_load_wait_free(global_engine):
+ISSUE_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+def same_transfer(actual, expected, msg=None):
+    """Two issue tokens are equivalent when they name the same kind of transfer."""
+    got, want = ops.transfer_of(actual), ops.transfer_of(expected)
+    assert (got.key, got.direction, got.source, got.destination, got.kind) == (
+        want.key, want.direction, want.source, want.destination, want.kind
+    ), msg
+
+
+def test_opcheck_waits_and_free(global_engine):
     x = torch.randn(4, 5)
-    torch.library.opcheck(ops.STORE, (x, "k", "nvme", "activation"))
-    torch.library.opcheck(ops.LOAD, ("k", "activation"))
-    torch.library.opcheck(ops.LOAD, ("k", "", ops.store(x, "k2", "nvme", "weight")))
     token = ops.store(x, "k", "nvme", "activation")
     torch.library.opcheck(ops.WAIT, (token, [x]))
     load_token = ops.load("k", "activation")
     torch.library.opcheck(ops.WAIT_LOAD, (load_token, "k", [4, 5], torch.float32, CPU))
+    ops.store(x, "k2", "nvme", "weight")
     torch.library.opcheck(ops.FREE, ("k2",))
     assert "k2" not in global_engine
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_opcheck_issue_ops(global_engine, dynamic):
+    x = torch.randn(4, 5)
+    ops.wait(ops.store(x, "k", "nvme", "activation"), [x])
+    dependency = ops.wait(ops.store(x, "k2", "nvme", "weight"), [x])
+    samples = [
+        (ops.STORE, (x, "k", "nvme", "activation")),
+        (ops.STORE, (x, "k", "host", "gradient", dependency)),
+        (ops.LOAD, ("k", "activation")),
+        (ops.LOAD, ("k2", "", dependency)),
+    ]
+    for op, args in samples:
+        torch.library.opcheck(op, args, test_utils=ISSUE_CHECKS)
+        aot_autograd_check(op, args, {}, dynamic, assert_equals_fn=same_transfer,
+                           check_gradients="auto")
 
 
 def test_eager_ops_round_trip_and_forget_their_tokens(global_engine):
@@ -62,7 +89,7 @@ def offload_roundtrip(x, w):
     """Stores an activation, overlaps it with a matmul, loads it back."""
     a = x * 2
     token = ops.store(a, "act", "nvme", "activation")
-    y = w @ w
+    y = (w @ w).relu()  # relu keeps the matmul from fusing with the later add
     done = ops.wait(token, [a])
     loaded = ops.wait_load(ops.load("act", "", done), "act", a.shape, a.dtype, a.device)
     return (y + loaded).sum()
@@ -80,14 +107,14 @@ def store_only(x, w):
 def test_compiled_with_autograd(global_engine, backend):
     x = torch.randn(32, 32, requires_grad=True)
     w = torch.randn(32, 32, requires_grad=True)
-    expected = (w @ w + x * 2).sum()
+    expected = ((w @ w).relu() + x * 2).sum()
     (expected_grad,) = torch.autograd.grad(expected, w)
     with inductor_config.patch(reorder_for_peak_memory=False):
         out = torch.compile(offload_roundtrip, backend=backend, fullgraph=True)(x, w)
         out.backward()
         torch.compile(store_only, backend=backend, fullgraph=True)(x, w)
-    torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(w.grad, expected_grad)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(w.grad, expected_grad, rtol=1e-4, atol=1e-4)
     kept = global_engine.wait(global_engine.load("kept"))
     assert torch.equal(kept, (x + 1).detach())
     nbytes = 32 * 32 * 4
@@ -102,10 +129,11 @@ def test_compiled_with_autograd(global_engine, backend):
 @pytest.mark.slow
 def test_inductor_keeps_the_schedule_order(global_engine):
     x, w = torch.randn(16, 16), torch.randn(16, 16)
-    with inductor_config.patch(reorder_for_peak_memory=False):
+    # Both reorderings move transfers next to their users and lose the overlap.
+    with inductor_config.patch(reorder_for_peak_memory=False, reorder_for_locality=False):
         compiled = torch.compile(offload_roundtrip, backend="inductor", fullgraph=True)
         out, (code,) = run_and_get_code(compiled, x, w)
-    torch.testing.assert_close(out, (w @ w + x * 2).sum())
+    torch.testing.assert_close(out, ((w @ w).relu() + x * 2).sum(), rtol=1e-4, atol=1e-4)
     positions = [
         code.index(text)
         for text in ("slc.store.default(", "extern_kernels.mm(", "slc.wait.default(",
@@ -115,16 +143,17 @@ def test_inductor_keeps_the_schedule_order(global_engine):
 
 
 class InsertOffload(CustomGraphPass):
-    """Post-grad pass: offloads the value of the first `sin` to nvme and back, with the
-    issue before the matmul and the waits after it, as a schedule would."""
+    """Post-grad pass: offloads the value of the first `sin` to nvme right after it is
+    computed and loads it back just before its first use, as a schedule would."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         sin = next(n for n in graph.nodes if n.target is torch.ops.aten.sin.default)
-        matmul = next(n for n in graph.nodes if n.target is torch.ops.aten.mm.default)
-        users = [user for user in sin.users if user is not matmul]
+        users = list(sin.users)
+        order = {node: index for index, node in enumerate(graph.nodes)}
+        first_use = min(users, key=order.__getitem__)
         with graph.inserting_after(sin):
             token = graph.call_function(ops.STORE, (sin, "pg.sin", "nvme", "activation"))
-        with graph.inserting_after(matmul):
+        with graph.inserting_before(first_use):
             done = graph.call_function(ops.WAIT, (token, [sin]))
         with graph.inserting_after(done):
             load_token = graph.call_function(ops.LOAD, ("pg.sin", "", done))
@@ -156,7 +185,7 @@ def test_ops_inserted_into_a_post_grad_graph(global_engine):
         pattern_matcher=False,
     ):
         out = torch.compile(model, backend="inductor", fullgraph=True)(x, w)
-    torch.testing.assert_close(out, model(x, w))
+    torch.testing.assert_close(out, model(x, w), rtol=1e-4, atol=1e-4)
     nbytes = 64 * 64 * 4
     assert dict(runtime_stats().bytes_moved) == {
         (ACT, DEVICE, NVME): nbytes,

@@ -1,0 +1,105 @@
+"""Read the layer-major order back from a partitioned forward or backward graph.
+
+Needs a graph whose nodes carry slc tags (`slcompile.meta`): the rewritten Dynamo
+graph, or the AOTAutograd forward and backward graphs derived from it (AOTAutograd
+copies `meta["custom"]` to the nodes it derives). Only ops that compute count: views
+(`permute` of a weight saved for the backward, say) cost nothing and the partitioner
+moves them freely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx
+
+from slcompile.meta import get_slc_meta
+
+__all__ = ["BlockOrder", "block_order", "layer_major_violations", "grads_ready_before_next_block"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockOrder:
+    """The (block, sub-batch) of each computing block op, runs collapsed."""
+
+    steps: tuple[tuple[int, int], ...]
+
+
+def block_order(gm: torch.fx.GraphModule) -> BlockOrder:
+    steps: list[tuple[int, int]] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "is_view", False):
+            continue
+        meta = get_slc_meta(node)
+        if meta is None or meta.region != "block" or meta.subbatch is None:
+            continue
+        step = (meta.block, meta.subbatch)
+        if not steps or steps[-1] != step:
+            steps.append(step)
+    return BlockOrder(tuple(steps))
+
+
+def layer_major_violations(order: BlockOrder, blocks: list[int], num_subbatches: int, phase: str) -> list[str]:
+    """Differences between `order` and layer-major order; empty when it is layer-major.
+
+    Args:
+        order: what the graph does.
+        blocks: block indices in forward execution order.
+        num_subbatches: K.
+        phase: "fwd" (blocks in order, sub-batches 0..K-1) or "bwd" (blocks reversed,
+            sub-batches K-1..0).
+    """
+    subbatches = list(range(num_subbatches))
+    if phase == "bwd":
+        blocks, subbatches = list(reversed(blocks)), list(reversed(subbatches))
+    expected = [(b, s) for b in blocks for s in subbatches]
+    actual = list(order.steps)
+    if actual == expected:
+        return []
+    problems = []
+    for i, (want, got) in enumerate(zip(expected, actual)):
+        if want != got:
+            problems.append(f"step {i}: expected blk{want[0]}.sb{want[1]}, got blk{got[0]}.sb{got[1]}")
+            break
+    if len(actual) != len(expected):
+        problems.append(f"{len(actual)} block steps, expected {len(expected)}")
+    return problems
+
+
+def grads_ready_before_next_block(
+    backward: torch.fx.GraphModule, block_inputs: dict[int, tuple[int, ...]], blocks: list[int]
+) -> list[str]:
+    """Each block's weight gradients must be complete (summed over all sub-batches)
+    before the backward starts on the block before it.
+
+    Args:
+        backward: the AOTAutograd backward graph; its outputs are the gradients of the
+            forward inputs, in input order.
+        block_inputs: block index -> positions of its parameters among the inputs.
+        blocks: block indices in forward execution order.
+
+    Returns:
+        problems, empty when every block's gradients are ready in time.
+    """
+    nodes = list(backward.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    outputs = nodes[-1].args[0]
+    first_compute: dict[int, int] = {}
+    for i, node in enumerate(nodes):
+        if node.op != "call_function" or getattr(node.target, "is_view", False):
+            continue
+        meta = get_slc_meta(node)
+        if meta is not None and meta.region == "block":
+            first_compute.setdefault(meta.block, i)
+    problems = []
+    for later, earlier in zip(blocks[1:], blocks[:-1]):
+        start = first_compute.get(earlier)
+        if start is None:
+            continue
+        for index in block_inputs.get(later, ()):
+            grad = outputs[index] if index < len(outputs) else None
+            if isinstance(grad, torch.fx.Node) and position[grad] > start:
+                problems.append(
+                    f"gradient of input {index} (block {later}) is finished after block {earlier} starts"
+                )
+    return problems
