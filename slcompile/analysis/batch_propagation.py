@@ -110,14 +110,16 @@ class BatchPlan:
         num_subbatches: K.
         batch_size: the full batch size of the example inputs.
         nodes: node name -> NodeSplit, for every node but the output.
-        problems: (node name, reason) for cross-sample ops before the suffix.
+        problems: (node name, reason, kind) for what sub-batching would change; kind
+            is "mixes-samples" (a cross-sample op before the suffix) or "mutation"
+            (an in-place write that would repeat per sub-batch).
         output_bdims: per output leaf, its batch dimension or None.
     """
 
     num_subbatches: int
     batch_size: int
     nodes: Mapping[str, NodeSplit]
-    problems: tuple[tuple[str, str], ...]
+    problems: tuple[tuple[str, str, str], ...]
     output_bdims: tuple
 
 
@@ -265,7 +267,7 @@ class _Propagator:
         batched_inputs = [n for n in node.all_input_nodes if self._batched(n.name)]
         mutation = self._mutation_problem(node, full_args, batched_inputs)
         if mutation is not None:
-            self.problems.append((node.name, mutation))
+            self.problems.append((node.name, mutation, "mutation"))
         if not batched_inputs:
             self.sub[node.name] = full_out
             self.splits[node.name] = NodeSplit("shared", args=node.args, kwargs=node.kwargs)
@@ -295,7 +297,7 @@ class _Propagator:
             reason=reason,
         )
         if self.regions.get(node.name) != "suffix":
-            self.problems.append((node.name, reason))
+            self.problems.append((node.name, reason, "mixes-samples"))
 
     def _mutation_problem(self, node, full_args, batched_inputs) -> str | None:
         """In-place writes that sub-batching would repeat or reorder."""

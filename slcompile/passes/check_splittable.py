@@ -15,12 +15,17 @@ from slcompile.errors import RefusedError
 
 __all__ = ["check_splittable"]
 
+_SHOWN = 2
+
 
 def check_splittable(plan: BatchPlan) -> BatchPlan:
     """Returns the plan unchanged when it can run; raises RefusedError otherwise."""
-    if plan.problems:
-        name, reason = plan.problems[0]
-        more = len(plan.problems) - 1
-        suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
-        raise RefusedError(f"cannot split the batch: {reason}{suffix}", "check_splittable")
-    return plan
+    if not plan.problems:
+        return plan
+    # Ops that mix samples explain a refusal better than the writes that come with
+    # them (BatchNorm also counts its batches in place).
+    ranked = sorted(plan.problems, key=lambda p: p[2] != "mixes-samples")
+    shown = [reason for _, reason, _ in ranked[:_SHOWN]]
+    more = len(ranked) - len(shown)
+    tail = f" (and {more} more)" if more else ""
+    raise RefusedError("cannot split the batch: " + "; ".join(shown) + tail, "check_splittable")

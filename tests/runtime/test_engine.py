@@ -252,3 +252,31 @@ def test_free_waits_for_transfers_in_flight(engine):
     assert "big" not in engine
     assert torch.equal(engine.wait(load), original)
     assert engine.arena.used_bytes == 0
+
+
+def test_load_buffers_are_reused_after_the_tensor_dies(tmp_path):
+    engine = TransferEngine(offload_dir=str(tmp_path), buffer_cache_bytes=1 << 20)
+    try:
+        engine.wait(engine.store("a", torch.full((5000,), 1.0), NVME, WEIGHT))
+        engine.wait(engine.store("b", torch.full((5000,), 2.0), NVME, WEIGHT))
+        first = engine.wait(engine.load("a"))
+        address = first.data_ptr()
+        del first
+        gc.collect()
+        second = engine.wait(engine.load("b"))
+        assert second.data_ptr() == address  # same size: the idle buffer came back
+        assert torch.equal(second, torch.full((5000,), 2.0))
+    finally:
+        engine.close()
+
+
+def test_no_idle_buffers_kept_without_a_cache(tmp_path):
+    engine = TransferEngine(offload_dir=str(tmp_path), buffer_cache_bytes=0)
+    try:
+        engine.wait(engine.store("a", torch.ones(5000), NVME, WEIGHT))
+        loaded = engine.wait(engine.load("a"))
+        del loaded
+        gc.collect()
+        assert engine._buffers.idle_bytes == 0
+    finally:
+        engine.close()
