@@ -57,9 +57,8 @@ from .errors import (
     UnsupportedTensorError,
 )
 from .nvme import IoOutcome, NvmeArena, NvmeSlot, PageBufferCache
-from .ranges import round_up
 from .stats import RECORDER, Recorder
-from .tiers import PAGE_BYTES, HostBlock, HostPool, Tier, TransferKind, compute_device
+from .tiers import HostBlock, HostPool, Tier, TransferKind, compute_device
 
 __all__ = [
     "TransferEngine",
@@ -285,13 +284,18 @@ class TransferEngine:
                 self._host_pool = HostPool(self.host_pool_bytes, pin=True)
             return self._host_pool
 
-    def _zero_copy(self, source: Tier, destination: Tier) -> bool:
+    def copies_nothing(self, source: Tier | str, destination: Tier | str) -> bool:
+        """True when a move between the two tiers keeps the same memory: the same
+        tier, or host and device on a CPU-only machine (host memory is device memory).
+        """
+        source, destination = Tier(source), Tier(destination)
         if source is destination:
             return True
-        # On a CPU-only machine host memory is device memory.
         return not self._cuda and {source, destination} <= {Tier.DEVICE, Tier.HOST}
 
-    def _tier_of(self, tensor: torch.Tensor) -> Tier:
+    def tier_of(self, tensor: torch.Tensor) -> Tier:
+        """The tier a tensor's memory belongs to: device if on the compute device,
+        else host."""
         return Tier.DEVICE if tensor.device.type == self.device.type else Tier.HOST
 
     # -- public API ----------------------------------------------------------
@@ -326,10 +330,10 @@ class TransferEngine:
         tier, kind = Tier(tier), TransferKind(kind)
         source = self._prepare_source(key, tensor)
         nbytes = source.numel() * source.element_size()
-        source_tier = self._tier_of(source)
+        source_tier = self.tier_of(source)
         handle = TransferHandle(next(self._ids), key, kind, source_tier, tier, nbytes, "store")
         entry = _Entry(key, tier, kind, tuple(source.shape), source.dtype, nbytes)
-        if self._zero_copy(source_tier, tier):
+        if self.copies_nothing(source_tier, tier):
             entry.tensor = source
             handle.zero_copy = True
             self._recorder.resident_change(tier, nbytes)
@@ -373,7 +377,7 @@ class TransferEngine:
             handle = TransferHandle(
                 next(self._ids), key, kind, entry.tier, Tier.DEVICE, entry.nbytes, "load"
             )
-            if entry.tensor is not None and self._zero_copy(entry.tier, Tier.DEVICE):
+            if entry.tensor is not None and self.copies_nothing(entry.tier, Tier.DEVICE):
                 handle.zero_copy = True
                 handle._finish(entry.tensor, None)
                 return handle
@@ -701,10 +705,12 @@ class TransferEngine:
         handle._finish(source, None)
 
     def _store_device_cuda(self, handle, entry, source) -> None:
+        # Allocated on the compute stream, which is where it will be used and freed.
+        result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            result = source.to(self.device, non_blocking=True)
+            result.copy_(source, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         entry.tensor = result

@@ -9,14 +9,15 @@ The ops, as issue + wait pairs so a schedule can move them apart:
     slc::store(Tensor src, str key, str tier, str kind, Tensor? after=None) -> Tensor
     slc::load(str key, str kind, Tensor? after=None) -> Tensor
     slc::wait(Tensor token, Tensor[] keepalive) -> Tensor
-    slc::wait_load(Tensor token, str key, SymInt[] size, ScalarType dtype, Device device) -> Tensor
+    slc::wait_load(Tensor token, str key, SymInt[] size, ScalarType dtype,
+                   Device device) -> Tensor
     slc::free(str key, Tensor? after=None) -> Tensor
 
 ``store`` and ``load`` return a *token*: a 0-dim int64 CPU tensor whose value is
-the id of the issued transfer (dependency tokens from ``wait``/``free`` are 0). ``wait`` blocks until the transfer is done and returns a
-dependency token; ``wait_load`` blocks and returns the loaded tensor. ``after`` is
-a token that must come first (a data dependency only; chain tokens for more); ``kind=""`` in
-``load`` means the kind the key was stored as.
+the id of the issued transfer. ``wait`` blocks until the transfer is done and
+returns a dependency token (value 0); ``wait_load`` blocks and returns the loaded
+tensor. ``after`` is a token that must come first (a data dependency only; chain
+tokens for more). ``kind=""`` in ``load`` means the kind the key was stored as.
 
 Why this shape:
 - Nothing aliases: every output is a fresh tensor, so the ops pass
@@ -68,7 +69,6 @@ from torch._library.effects import EffectType
 from .engine import TransferEngine, TransferHandle, get_engine
 from .errors import OffloadError
 from .stats import RECORDER
-from .tiers import Tier
 
 __all__ = [
     "store",
@@ -154,7 +154,7 @@ def store(
 ) -> torch.Tensor:
     """Issues a store of ``src`` under ``key`` onto ``tier``; returns its token."""
     engine = get_engine()
-    if engine._zero_copy(engine._tier_of(src), Tier(tier)):
+    if engine.copies_nothing(engine.tier_of(src), tier):
         # The engine would keep the graph's own buffer, which Inductor may reuse.
         src = src.detach().clone(memory_format=torch.contiguous_format)
         RECORDER.local_copy(src.numel() * src.element_size())

@@ -90,7 +90,7 @@ def test_capacity_cap_raises_disk_full_and_space_comes_back(tmp_path):
 
 
 def test_enospc_when_growing_the_file_is_disk_full(engine, monkeypatch):
-    engine.arena  # created before the disk "fills up"
+    assert engine.arena is not None  # created before the disk "fills up"
 
     def no_space(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -102,7 +102,7 @@ def test_enospc_when_growing_the_file_is_disk_full(engine, monkeypatch):
 
 
 def test_enospc_during_a_write_fails_the_store_and_its_loads(engine, monkeypatch):
-    engine.arena
+    assert engine.arena is not None  # the arena exists before the I/O is broken
     real_pwritev = os.pwritev
     calls = []
 
@@ -125,7 +125,7 @@ def test_enospc_during_a_write_fails_the_store_and_its_loads(engine, monkeypatch
 
 
 def test_load_chained_behind_a_failing_store_fails_too(engine, monkeypatch):
-    engine.arena
+    assert engine.arena is not None  # the arena exists before the I/O is broken
     load_issued = threading.Event()
 
     def broken(fd, buffers, offset):

@@ -191,3 +191,26 @@ def test_ops_inserted_into_a_post_grad_graph(global_engine):
         (ACT, DEVICE, NVME): nbytes,
         (ACT, NVME, DEVICE): nbytes,
     }
+
+
+def test_symbolic_batch_size_flows_into_wait_load(global_engine):
+    compiled = torch.compile(offload_roundtrip_batched, backend="aot_eager", fullgraph=True)
+    w = torch.randn(8, 8)
+    for batch in (3, 5):
+        x = torch.randn(batch, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x, w), (x * 2) @ w)
+    nbytes = (3 + 5) * 8 * 4
+    assert dict(runtime_stats().bytes_moved) == {
+        (ACT, DEVICE, NVME): nbytes,
+        (ACT, NVME, DEVICE): nbytes,
+    }
+
+
+def offload_roundtrip_batched(x, w):
+    """Like ``offload_roundtrip`` with an activation whose batch dim may be symbolic."""
+    a = x * 2
+    token = ops.store(a, "act.b", "nvme", "activation")
+    done = ops.wait(token, [a])
+    loaded = ops.wait_load(ops.load("act.b", "", done), "act.b", a.shape, a.dtype, a.device)
+    return loaded @ w

@@ -1,0 +1,5 @@
+import sys
+
+from slcompile.cli import main
+
+sys.exit(main())

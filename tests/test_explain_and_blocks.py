@@ -1,0 +1,119 @@
+"""explain(), block discovery, the schedule text, pass dumps and the entry point."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from torch import nn
+
+import slcompile
+from conftest import assert_matches_eager
+from models import GPTConfig, TinyGPT, hf_llama, make_gpt_batch
+from test_refusals import BatchNormBlock, Stack
+
+CFG = GPTConfig(n_layers=2)
+
+EXPECTED_SCHEDULE_K2 = """\
+fwd prefix.sb0
+fwd prefix.sb1
+fwd blk0.sb0
+fwd blk0.sb1
+fwd blk1.sb0
+fwd blk1.sb1
+fwd suffix.sb0
+fwd suffix.sb1
+bwd suffix.sb1
+bwd suffix.sb0
+bwd blk1.sb1
+bwd blk1.sb0
+bwd blk0.sb1
+bwd blk0.sb0
+bwd prefix.sb1
+bwd prefix.sb0"""
+
+
+def test_explain_tiny_gpt():
+    idx, targets = make_gpt_batch(CFG, 4)
+    explanation = slcompile.explain(TinyGPT(CFG), idx, targets, num_subbatches=2)
+    assert explanation.blocks == ("layers.0", "layers.1")
+    assert explanation.batch_inputs == {"L['idx']": 0, "L['targets']": 0}
+    assert explanation.num_subbatches == 2
+    assert explanation.fallback_reason is None
+    assert explanation.schedule == EXPECTED_SCHEDULE_K2
+    assert len(explanation.graphs[0].block_groups) == 1
+    assert "fwd blk1.sb1" in str(explanation)
+
+
+def test_explain_reports_the_fallback_reason():
+    explanation = slcompile.explain(Stack(BatchNormBlock), torch.randn(8, 8), num_subbatches=2)
+    assert "BatchNorm in training mode" in explanation.fallback_reason
+    assert explanation.blocks == ("layers.0", "layers.1", "layers.2")
+    assert explanation.schedule == ""
+
+
+def test_explain_llama_keyword_inputs():
+    idx, labels = make_gpt_batch(CFG, 4)
+    explanation = slcompile.explain(hf_llama(num_hidden_layers=3), idx, kwargs={"labels": labels}, num_subbatches=4)
+    assert explanation.blocks == ("model.layers.0", "model.layers.1", "model.layers.2")
+    assert explanation.fallback_reason is None
+
+
+def test_structurally_different_block_gets_its_own_group():
+    class Wide(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.lin = nn.Linear(width, width)
+            self.extra = nn.Linear(width, width)
+
+        def forward(self, x):
+            return self.extra(torch.relu(self.lin(x)))
+
+    model = Stack(lambda w: nn.Linear(w, w))
+    model.layers[0] = Wide(8)
+    explanation = slcompile.explain(model, torch.randn(4, 8), num_subbatches=2)
+    assert explanation.graphs[0].block_groups == ((0,), (1, 2))
+
+
+def test_dump_and_disable(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SLC_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv("SLC_DISABLE", "interleave")
+    idx, targets = make_gpt_batch(CFG, 4)
+    with caplog.at_level("WARNING", logger="slcompile"):
+        assert_matches_eager(TinyGPT(CFG), lambda m: m(idx, targets), {"num_subbatches": 2, "lowering": "aot_eager"})
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "001_find_blocks.txt" in names and "001_find_blocks.dot" in names
+    assert not any("interleave" in n for n in names)
+    assert "pass interleave skipped (SLC_DISABLE)" in caplog.text
+    dot = (tmp_path / "003_propagate_batch.dot").read_text()
+    assert dot.startswith("digraph")
+
+
+def test_backend_resolves_by_entry_point_without_import():
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        assert "slcompile" not in sys.modules
+        lin = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layers = lin
+            def forward(self, x):
+                for layer in self.layers:
+                    x = layer(x)
+                return x
+        m = M()
+        x = torch.randn(4, 4)
+        out = torch.compile(m, backend="speedloader", options={"num_subbatches": 2, "lowering": "aot_eager"})(x)
+        torch.testing.assert_close(out, m(x))
+        import slcompile
+        assert slcompile.compile_reports()[-1].fallback_reason is None
+        print("ok")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("SLC_DUMP_DIR", "SLC_DISABLE")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("ok")
