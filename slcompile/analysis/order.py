@@ -4,13 +4,14 @@ Needs a graph whose nodes carry slc tags (`slcompile.meta`): the rewritten Dynam
 graph, or the AOTAutograd forward and backward graphs derived from it (AOTAutograd
 copies `meta["custom"]` to the nodes it derives). Only ops that compute count: views
 (`permute` of a weight saved for the backward, say) cost nothing and the partitioner
-moves them freely.
+moves them freely), and neither does size arithmetic on SymInts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.fx
 
 from slcompile.meta import get_slc_meta
@@ -25,10 +26,20 @@ class BlockOrder:
     steps: tuple[tuple[int, int], ...]
 
 
+def _computes(node: torch.fx.Node) -> bool:
+    """An op that produces tensor data: not a view, not size arithmetic."""
+    if node.op != "call_function" or getattr(node.target, "is_view", False):
+        return False
+    value = node.meta.get("val")
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(v, torch.Tensor) for v in value)
+    return value is None or isinstance(value, torch.Tensor)
+
+
 def block_order(gm: torch.fx.GraphModule) -> BlockOrder:
     steps: list[tuple[int, int]] = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or getattr(node.target, "is_view", False):
+        if not _computes(node):
             continue
         meta = get_slc_meta(node)
         if meta is None or meta.region != "block" or meta.subbatch is None:
@@ -86,7 +97,7 @@ def grads_ready_before_next_block(
     outputs = nodes[-1].args[0]
     first_compute: dict[int, int] = {}
     for i, node in enumerate(nodes):
-        if node.op != "call_function" or getattr(node.target, "is_view", False):
+        if not _computes(node):
             continue
         meta = get_slc_meta(node)
         if meta is not None and meta.region == "block":

@@ -276,13 +276,16 @@ class _Interleaver:
     def _narrow_shared(self, name: str, value: torch.fx.Node, dim: int, slot: int) -> torch.fx.Node:
         key = (name, dim, slot)
         if key not in self.narrowed:
-            length = self._chunk_length(value, dim, f"{name}_d{dim}")
-            start = self._times(length, slot)
-            new = self.graph.call_function(torch.narrow, (value, dim, start, length))
-            new.name = f"{name}_sb{slot}"
-            set_slc_meta(new, SlcMeta(region="prefix", subbatch=slot, role="split"))
-            self.narrowed[key] = new
+            self.narrowed[key] = self._narrow(value, dim, slot, name, f"{name}_d{dim}")
         return self.narrowed[key]
+
+    def _narrow(self, value: torch.fx.Node, dim: int, slot: int, name: str, cache_key: str) -> torch.fx.Node:
+        """Sub-batch `slot` of `value` along `dim`."""
+        length = self._chunk_length(value, dim, cache_key)
+        start = self._times(length, slot)
+        new = self.graph.create_node("call_function", torch.narrow, (value, dim, start, length), name=f"{name}_sb{slot}")
+        set_slc_meta(new, SlcMeta(region="prefix", subbatch=slot, role="split"))
+        return new
 
     def _split_input(self, node: torch.fx.Node, slot: int) -> torch.fx.Node:
         value = self.values[(node.name, _SHARED)]
@@ -290,18 +293,13 @@ class _Interleaver:
             return value
         if self.plan.nodes[node.name].out_bdims == BATCHED_INT:
             if node.name not in self.sub_size:
-                size = self.graph.call_function(operator.floordiv, (value, self.k))
-                size.name = f"{node.name}_per_subbatch"
+                size = self.graph.create_node(
+                    "call_function", operator.floordiv, (value, self.k), name=f"{node.name}_per_subbatch"
+                )
                 set_slc_meta(size, SlcMeta(region="prefix", role="split"))
                 self.sub_size[node.name] = size
             return self.sub_size[node.name]
-        dim = self.plan.nodes[node.name].out_bdims
-        length = self._chunk_length(value, dim, node.name)
-        start = self._times(length, slot)
-        new = self.graph.call_function(torch.narrow, (value, dim, start, length))
-        new.name = f"{node.name}_sb{slot}"
-        set_slc_meta(new, SlcMeta(region="prefix", subbatch=slot, role="split"))
-        return new
+        return self._narrow(value, self.plan.nodes[node.name].out_bdims, slot, node.name, node.name)
 
     def _chunk_length(self, value: torch.fx.Node, dim: int, cache_key: str):
         """The sub-batch length along `dim`: a literal, or `size // K` when dynamic."""

@@ -23,6 +23,10 @@ Guarantees:
   bytes of keys resting on the device plus tensors delivered by nvme/host loads
   until the last tensor using that memory is gone (exact on CPU, where the
   engine owns the buffer; on CUDA until the delivered tensor object dies).
+- On CPU, nvme loads read straight into page-aligned memory that becomes the
+  returned tensor (no copy); once that tensor is gone its memory is kept, up to
+  ``buffer_cache_bytes``, for the next load of the same size, so a steady
+  schedule does not pay page faults on every load.
 - Non-contiguous (and conjugate/negative-bit) sources are made contiguous on
   purpose before storing, counted in ``local_copy_bytes``: a tier stores values,
   not storage identity, so a loaded tensor never aliases anything else. Sparse,
