@@ -9,6 +9,8 @@ from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import RefusedError
 from slcompile.explain import Explanation, GraphExplanation, explain
 from slcompile.report import CompileReport, clear_compile_reports, compile_reports
+from slcompile.runtime.stats import reset_runtime_stats, runtime_stats
+from slcompile.runtime.weights import gathered_weights, offloaded_parameters
 
 __all__ = [
     "SpeedLoaderConfig",
@@ -19,4 +21,8 @@ __all__ = [
     "CompileReport",
     "compile_reports",
     "clear_compile_reports",
+    "runtime_stats",
+    "reset_runtime_stats",
+    "gathered_weights",
+    "offloaded_parameters",
 ]

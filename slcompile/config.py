@@ -12,9 +12,10 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["SpeedLoaderConfig", "LOWERINGS", "SCHEDULES", "ON_REFUSAL"]
+__all__ = ["SpeedLoaderConfig", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS"]
 
 LOWERINGS = ("inductor", "aot_eager")
+TIERS = ("device", "host", "nvme")
 SCHEDULES = ("speedloader",)
 ON_REFUSAL = ("fallback", "raise")
 
@@ -39,6 +40,17 @@ class SpeedLoaderConfig:
             by K, no batch dimension, ...): "fallback" compiles it with the plain
             lowering and logs one warning with the reason; "raise" raises
             `slcompile.RefusedError` with the reason.
+        weights: where block weights rest between uses: "device" (resident),
+            "host" (pinned RAM on a GPU machine; on a CPU machine host memory is the
+            device's, so this is "device"), or "nvme" (O_DIRECT files). Off the
+            device, each block's weights are loaded once per forward and once per
+            backward, shared by all K sub-batches; parameters read outside one block
+            (embeddings, the head, tied weights) stay resident. Read or update
+            offloaded parameters inside `slcompile.gathered_weights(model)`.
+        live_blocks: how many blocks' weights may be on the device at once: the one
+            computing and `live_blocks - 1` prefetched ahead.
+        offload_dir: directory for the nvme tier's private files (default: the
+            system's temporary directory).
     """
 
     num_subbatches: int = 2
@@ -46,6 +58,9 @@ class SpeedLoaderConfig:
     schedule: str = "speedloader"
     batch_dim: int = 0
     on_refusal: str = "fallback"
+    weights: str = "device"
+    live_blocks: int = 2
+    offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("num_subbatches", self.num_subbatches, minimum=1)
@@ -53,6 +68,10 @@ class SpeedLoaderConfig:
         _check_choice("lowering", self.lowering, LOWERINGS)
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("on_refusal", self.on_refusal, ON_REFUSAL)
+        _check_choice("weights", self.weights, TIERS)
+        _check_int("live_blocks", self.live_blocks, minimum=1)
+        if self.offload_dir is not None and not isinstance(self.offload_dir, str):
+            raise ValueError(f"speedloader option 'offload_dir' must be a path string, got {self.offload_dir!r}")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> SpeedLoaderConfig:

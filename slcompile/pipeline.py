@@ -29,6 +29,7 @@ from slcompile.passes.check_splittable import check_splittable
 from slcompile.passes.find_batch_dim import BatchInfo, find_batch_dim
 from slcompile.passes.find_blocks import BlockGraph, find_blocks
 from slcompile.passes.interleave import InterleaveReport, interleave
+from slcompile.passes.stream_weights import StreamedWeights, stream_weights
 
 __all__ = ["PipelineState", "Pass", "PASSES", "run_pipeline"]
 
@@ -48,6 +49,8 @@ class PipelineState:
         batch: the batch dimension of each input.
         plan: how each node runs over sub-batches.
         interleaved: what `interleave` emitted, if it ran.
+        streamer: the runtime's WeightStreamer when weights rest off the device.
+        streamed: which weights `stream_weights` fetches per block.
         passes_run: names of the passes run, with their time, in order.
     """
 
@@ -59,6 +62,8 @@ class PipelineState:
     batch: BatchInfo | None = None
     plan: BatchPlan | None = None
     interleaved: InterleaveReport | None = None
+    streamer: Any = None
+    streamed: StreamedWeights | None = None
     passes_run: tuple[str, ...] = ()
 
 
@@ -106,6 +111,34 @@ def _interleave(state: PipelineState) -> PipelineState:
     return dataclasses.replace(state, gm=gm, interleaved=report)
 
 
+def _stream(state: PipelineState) -> PipelineState:
+    from slcompile.runtime.engine import get_engine
+    from slcompile.runtime.tiers import Tier
+    from slcompile.runtime.weights import WeightStreamer
+
+    if state.interleaved is None or state.config.weights == "device":
+        return state
+    engine = _engine_for(state.config.offload_dir) if state.config.offload_dir else get_engine()
+    if engine.copies_nothing(Tier(state.config.weights), Tier.DEVICE):
+        log.debug("weights=%s copies nothing on this machine: weights stay resident", state.config.weights)
+        return state
+    streamer = WeightStreamer(engine, state.config.weights, state.config.live_blocks)
+    gm, streamed = stream_weights(state.gm, state.blocks, state.inputs, streamer.stored_key_for, streamer.graph_key)
+    return dataclasses.replace(state, gm=gm, streamer=streamer, streamed=streamed)
+
+
+_ENGINES: dict[str, Any] = {}
+
+
+def _engine_for(offload_dir: str):
+    """One transfer engine per offload directory, for the whole process."""
+    from slcompile.runtime.engine import TransferEngine
+
+    if offload_dir not in _ENGINES:
+        _ENGINES[offload_dir] = TransferEngine(offload_dir=offload_dir)
+    return _ENGINES[offload_dir]
+
+
 PASSES: tuple[Pass, ...] = (
     Pass("classify_inputs", _classify),
     Pass("find_blocks", _find_blocks),
@@ -113,6 +146,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("propagate_batch", _propagate),
     Pass("check_splittable", _check, optional=True),
     Pass("interleave", _interleave, optional=True),
+    Pass("stream_weights", _stream, optional=True),
 )
 
 

@@ -38,6 +38,7 @@ class CompileReport:
         graphs: the AOT graphs themselves, by kind (the last one of each kind).
         block_inputs: block index -> positions among the graph's inputs of the
             parameters it reads (AOTAutograd's backward returns gradients in that order).
+        streamed_bytes: bytes of block weights fetched from their tier each pass (P).
     """
 
     config: object
@@ -49,6 +50,7 @@ class CompileReport:
     graph_order: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     graphs: dict[str, torch.fx.GraphModule] = dataclasses.field(default_factory=dict)
     block_inputs: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    streamed_bytes: int = 0
 
     def record_graph(self, kind: str, gm: torch.fx.GraphModule) -> None:
         tags = []

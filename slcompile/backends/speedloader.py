@@ -64,10 +64,30 @@ def speedloader_backend(
     report.passes_run = state.passes_run
     report.schedule = speedloader_schedule(state.blocks, config.num_subbatches).text()
     positions = {block.index: pos for pos, block in enumerate(state.blocks.blocks)}
-    compiled = lower(state.gm, example_inputs, config.lowering, report, positions, config.num_subbatches)
+    streams = state.streamed is not None
+    compiled = lower(
+        state.gm, example_inputs, config.lowering, report, positions, config.num_subbatches,
+        streamer=state.streamer if streams else None,
+    )
+    if streams:
+        _offload_weights(state)
+        report.streamed_bytes = state.streamed.streamed_bytes
     if not state.batch.dynamic or config.num_subbatches == 1:
         return compiled
     return _DivisibleBatchGuard(compiled, original, example_inputs, state, report)
+
+
+def _offload_weights(state) -> None:
+    """After lowering (which traced with the real values), move the streamed weights
+    to their tier and release the parameters' memory."""
+    streamer = state.streamer
+    values = {i.name: i.value for i in state.inputs}
+    for block in state.streamed.blocks:
+        for name, key in block:
+            streamer.offload(key, values[name])
+    log.info(
+        "speedloader: %d bytes of block weights now rest on %s", state.streamed.streamed_bytes, streamer.tier.value
+    )
 
 
 class _DivisibleBatchGuard:
