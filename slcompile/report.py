@@ -52,6 +52,20 @@ class CompileReport:
     block_inputs: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     streamed_bytes: int = 0
 
+    def predicted_peak_bytes(self, sizes=None) -> int:
+        """Peak bytes the compiled step allocates on the device, from the lifetimes
+        of its forward and backward graphs (parameters and inputs excluded).
+
+        Args:
+            sizes: values for the size symbols of a dynamic graph.
+        """
+        from slcompile.analysis.lifetimes import analyze_lifetimes, analyze_training_step
+
+        if "backward" in self.graphs:
+            return analyze_training_step(self.graphs["forward"], self.graphs["backward"]).peak(sizes)
+        kind = "inference" if "inference" in self.graphs else "forward"
+        return analyze_lifetimes(self.graphs[kind], kind).peak(sizes)
+
     def record_graph(self, kind: str, gm: torch.fx.GraphModule) -> None:
         tags = []
         for node in gm.graph.nodes:

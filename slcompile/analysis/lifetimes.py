@@ -1,0 +1,274 @@
+"""Symbolic lifetimes of the values of a compiled (AOTAutograd) graph, and the memory
+they hold at every step.
+
+Needs a graph whose nodes carry `meta["val"]` (AOTAutograd's forward, backward and
+inference graphs do); never changes it. Each tensor value gets its size in bytes as a
+sympy expression of the graph's size symbols (a dynamic batch is a symbol; static
+sizes are numbers), its first and last use in node order, its kind and its tier.
+Generated FX code drops a value right after its last use, so node order is the order
+memory is released. Views count as their base: a view costs nothing and keeps its
+base alive until the view's last use.
+
+Kinds: "weight" (parameters, fetched weights), "activation" (intermediates),
+"saved" (forward outputs kept for the backward), "input" (other graph inputs),
+"gradient" (backward outputs). Graph inputs are held by the caller for the whole
+call; they are reported apart (`held`), so a peak can be taken with or without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Mapping
+
+import sympy
+import torch
+import torch.fx
+
+__all__ = ["Value", "LifetimeTable", "StepLifetimes", "analyze_lifetimes", "analyze_training_step", "tensor_bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+    """One tensor value of the graph.
+
+    Attributes:
+        name: the node that makes it.
+        bytes: its size, a sympy expression of the graph's size symbols.
+        first_use: index of the node that makes it.
+        last_use: index of the last node that reads it (or of the output node).
+        kind: "weight", "activation", "saved", "input" or "gradient".
+        tier: where it rests while live ("device" for everything a graph computes).
+    """
+
+    name: str
+    bytes: sympy.Expr
+    first_use: int
+    last_use: int
+    kind: str
+    tier: str = "device"
+
+
+@dataclasses.dataclass(frozen=True)
+class LifetimeTable:
+    """The result of `analyze_lifetimes`.
+
+    Attributes:
+        values: every tensor value made by the graph (views excluded).
+        held: graph inputs, held by the caller for the whole call.
+        resident: per node index, bytes of made values alive at that node.
+        symbols: the size symbols the expressions use.
+        user_output_bytes: bytes of the outputs handed to the caller (not saved for
+            the backward); they stay alive after the graph returns.
+    """
+
+    values: tuple[Value, ...]
+    held: tuple[Value, ...]
+    resident: tuple[sympy.Expr, ...]
+    symbols: tuple[sympy.Symbol, ...]
+    user_output_bytes: sympy.Expr = sympy.Integer(0)
+
+    def peak(self, sizes: Mapping[sympy.Symbol, int] | None = None, *, include_held: bool = False) -> int:
+        """The largest resident bytes over the graph, for concrete sizes."""
+        subs = dict(sizes or {})
+        peak = max((int(expr.subs(subs)) for expr in self.resident), default=0)
+        if include_held:
+            peak += sum(int(v.bytes.subs(subs)) for v in self.held)
+        return peak
+
+    def peak_expression(self) -> sympy.Expr:
+        """The peak as one expression: the max over the distinct resident sizes."""
+        return sympy.Max(*set(self.resident)) if self.resident else sympy.Integer(0)
+
+    def total(self, kind: str, sizes: Mapping[sympy.Symbol, int] | None = None) -> int:
+        """Bytes of all values of one kind (made or held), for concrete sizes."""
+        subs = dict(sizes or {})
+        return sum(int(v.bytes.subs(subs)) for v in (*self.values, *self.held) if v.kind == kind)
+
+
+def tensor_bytes(value: torch.Tensor) -> sympy.Expr:
+    """numel * itemsize, symbolic where the shape is."""
+    size = sympy.Integer(value.element_size())
+    for dim in value.shape:
+        size *= dim.node.expr if isinstance(dim, torch.SymInt) else sympy.Integer(int(dim))
+    return sympy.expand(size)
+
+
+def analyze_lifetimes(
+    gm: torch.fx.GraphModule,
+    graph_kind: str,
+    num_saved: int = 0,
+    weight_inputs: frozenset[int] = frozenset(),
+    inputs_freed: bool | None = None,
+    input_buffers: Mapping[str, tuple[str, sympy.Expr] | None] | None = None,
+    output_order: list | None = None,
+) -> LifetimeTable:
+    """Lifetimes of `gm`'s values.
+
+    Args:
+        gm: an AOTAutograd graph.
+        graph_kind: "forward", "backward" or "inference".
+        num_saved: for a forward graph, how many of its last outputs are saved for
+            the backward (the rest are user outputs).
+        weight_inputs: positions of the graph inputs that are parameters.
+        inputs_freed: whether the graph drops its inputs at their last use (the
+            backward does: AOTAutograd hands it the saved tensors in a list it
+            clears); default: only for the backward.
+        input_buffers: placeholder name -> (buffer name, bytes) of the memory it
+            views, or None for memory the caller holds (a parameter). Inputs that
+            view one buffer count its bytes once, alive until the last of them is
+            read. Default: every input is its own buffer.
+        output_order: the forward's outputs with the user outputs first and the
+            saved ones last, when the graph does not order them so.
+
+    Returns:
+        the LifetimeTable.
+    """
+    nodes = list(gm.graph.nodes)
+    index = {node: i for i, node in enumerate(nodes)}
+    flat_outputs = output_order or [n for n in _flat_outputs(nodes[-1]) if isinstance(n, torch.fx.Node)]
+    # Aliases: a view (or a getitem of a multi-output op) lives on its base.
+    base = _bases(nodes)
+    # Outputs are named by their bases: a saved view keeps its base saved.
+    saved = {base[n] for n in flat_outputs[len(flat_outputs) - num_saved :]} if num_saved else set()
+    returned = {base[n] for n in flat_outputs}
+    last_use: dict[torch.fx.Node, int] = {}
+    for node in nodes:
+        for inp in node.all_input_nodes:
+            root = base[inp]
+            last_use[root] = max(last_use.get(root, -1), index[node])
+
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    weights = {placeholders[i] for i in weight_inputs if i < len(placeholders)}
+    values, held, symbols = [], [], set()
+    shared: dict[str, list] = {}
+    fetch_op = getattr(getattr(torch.ops, "slc", None), "fetch_weight", None)
+    for node in nodes:
+        if base[node] is not node or node.op == "output":
+            continue
+        size = _node_bytes(node)
+        if size is None:
+            continue
+        symbols |= size.free_symbols
+        if node.op == "placeholder":
+            kind = "weight" if node in weights else ("saved" if graph_kind == "backward" else "input")
+            freed = inputs_freed or (inputs_freed is None and graph_kind == "backward")
+            if input_buffers is not None and node.name in input_buffers:
+                buffer = input_buffers[node.name]
+                if buffer is None:
+                    held.append(Value(node.name, size, 0, len(nodes) - 1, "weight"))
+                else:
+                    name, buffer_bytes = buffer
+                    shared.setdefault(name, []).append((node, buffer_bytes))
+                continue
+            if freed and kind != "weight":
+                values.append(Value(node.name, size, 0, last_use.get(node, 0), kind))
+            else:
+                held.append(Value(node.name, size, 0, len(nodes) - 1, kind))
+            continue
+        if fetch_op is not None and node.target is getattr(fetch_op, "default", None):
+            kind = "weight"
+        elif node in saved:
+            kind = "saved"
+        elif graph_kind == "backward" and node in returned:
+            kind = "gradient"
+        else:
+            kind = "activation"
+        values.append(Value(node.name, size, index[node], last_use.get(node, index[node]), kind))
+
+    for name, readers in shared.items():
+        last = max(last_use.get(node, 0) for node, _ in readers)
+        values.append(Value(name, readers[0][1], 0, last, "saved"))
+    resident = []
+    for i in range(len(nodes)):
+        live = [v.bytes for v in values if v.first_use <= i <= v.last_use]
+        resident.append(sympy.expand(sum(live, sympy.Integer(0))))
+    user = {base[n] for n in flat_outputs[: len(flat_outputs) - num_saved]} - saved
+    returned_bytes = sympy.expand(sum((v.bytes for v in values if any(v.name == u.name for u in user)), sympy.Integer(0)))
+    return LifetimeTable(
+        tuple(values), tuple(held), tuple(resident), tuple(sorted(symbols, key=str)), returned_bytes
+    )
+
+
+
+def _node_bytes(node: torch.fx.Node) -> sympy.Expr | None:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return tensor_bytes(value)
+    if isinstance(value, (list, tuple)):
+        parts = [tensor_bytes(v) for v in value if isinstance(v, torch.Tensor)]
+        return sympy.expand(sum(parts, sympy.Integer(0))) if parts else None
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLifetimes:
+    """Lifetimes of one training step: the forward, then the backward.
+
+    Attributes:
+        forward: the forward graph's table.
+        backward: the backward graph's table; saved tensors are its inputs, counted
+            once per forward buffer and freed at their last use.
+    """
+
+    forward: LifetimeTable
+    backward: LifetimeTable
+
+    def peak(self, sizes: Mapping[sympy.Symbol, int] | None = None) -> int:
+        """Peak bytes allocated during the step (graph inputs held by the caller,
+        such as parameters and the batch, excluded): the forward's peak, or the
+        backward's while the forward's user outputs are still held."""
+        held = int(self.forward.user_output_bytes.subs(dict(sizes or {})))
+        return max(self.forward.peak(sizes), held + self.backward.peak(sizes))
+
+
+def analyze_training_step(
+    forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, weight_inputs: frozenset[int] = frozenset()
+) -> StepLifetimes:
+    """Lifetimes of a partitioned forward and backward pair.
+
+    The backward's inputs are the forward's saved outputs and the tangents; saved
+    outputs that view one forward buffer share it.
+    """
+    bw_inputs = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    fw_nodes = list(forward.graph.nodes)
+    by_name = {n.name: n for n in fw_nodes}
+    # AOTAutograd names each saved input of the backward after the forward node it
+    # is (saved SymInts come first among the backward's inputs, last among the
+    # forward's outputs, so positions do not line up).
+    saved_inputs = [n for n in bw_inputs if n.name in by_name]
+    saved_names = {n.name for n in saved_inputs}
+    outputs = [o for o in _flat_outputs(fw_nodes[-1]) if isinstance(o, torch.fx.Node)]
+    user_first = [o for o in outputs if o.name not in saved_names] + [o for o in outputs if o.name in saved_names]
+    fw_table = analyze_lifetimes(
+        forward, "forward", num_saved=len(outputs) - sum(o.name not in saved_names for o in outputs),
+        weight_inputs=weight_inputs, output_order=user_first,
+    )
+    bases = _bases(fw_nodes)
+    made = {v.name: v.bytes for v in fw_table.values}
+    buffers: dict[str, tuple[str, sympy.Expr] | None] = {}
+    for bw_input in saved_inputs:
+        base = bases[by_name[bw_input.name]]
+        buffers[bw_input.name] = (base.name, made[base.name]) if base.name in made else None
+    bw_table = analyze_lifetimes(backward, "backward", input_buffers=buffers)
+    return StepLifetimes(fw_table, bw_table)
+
+
+def _flat_outputs(output: torch.fx.Node) -> list:
+    if output.op != "output":
+        return []
+    flat = []
+    for item in output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]:
+        flat.extend(item if isinstance(item, (list, tuple)) else [item])
+    return flat
+
+
+def _bases(nodes) -> dict:
+    base = {}
+    for node in nodes:
+        root = node
+        if node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+            if getattr(node.target, "is_view", False) or node.target is operator.getitem:
+                root = base.get(node.args[0], node.args[0])
+        base[node] = root
+    return base
