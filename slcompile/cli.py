@@ -1,37 +1,49 @@
 """`slcompile demo | explain`: the command line.
 
 `slcompile demo` trains a small GPT for a few steps with the speedloader backend next
-to eager PyTorch and prints the schedule and both losses. `slcompile explain
-module:factory` prints what the backend would do with a model: `factory()` returns
-`(model, args)` or `(model, args, kwargs)`. Errors print one line and exit non-zero;
-`--debug` shows the traceback.
+to eager PyTorch, prints the schedule, the bytes moved and both losses, and writes the
+pictures (graphs, timeline, memory) into an output folder. `slcompile explain
+module:factory` prints what the backend would do with a model (`factory()` returns
+`(model, args)` or `(model, args, kwargs)`); with `--dot`, `--plot` or `--trace` it
+also compiles the model, runs one training step and writes those pictures. Errors
+print one line and exit non-zero; `--debug` shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import importlib
 import logging
+import pathlib
 import sys
 import time
 
 import torch
 
 from slcompile.config import SpeedLoaderConfig
+from slcompile.viz.dot import AUTO_SUMMARY_NODES
 
 __all__ = ["main"]
 
+log = logging.getLogger(__name__)
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+DEFAULT_OUT = "slcompile-out"
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
     """One flag per config option (`--num-subbatches 4`), documented from the dataclass."""
     doc = SpeedLoaderConfig.__doc__ or ""
+    group = parser.add_argument_group("backend options (as in torch.compile(..., options={...}))")
     for field in dataclasses.fields(SpeedLoaderConfig):
         flag = "--" + field.name.replace("_", "-")
         help_text = _field_doc(doc, field.name)
-        kind = type(field.default)
-        parser.add_argument(flag, dest=field.name, type=kind, default=None, help=f"{help_text} (default: {field.default})")
+        default = (defaults or {}).get(field.name, field.default)
+        kind = str if field.default is None else type(field.default)
+        group.add_argument(flag, dest=field.name, type=kind, default=None, metavar=field.name.upper(),
+                           help=f"{help_text} (default: {default})")
 
 
 def _field_doc(doc: str, name: str) -> str:
@@ -47,6 +59,15 @@ def _field_doc(doc: str, name: str) -> str:
     return ""
 
 
+def _add_picture_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                        help=f"folder the pictures are written to (default: ./{DEFAULT_OUT})")
+    parser.add_argument("--detail", choices=("auto", "ops", "summary"), default="auto",
+                        help="graph pictures: one box per op (ops), one box per (block, sub-batch) "
+                             f"(summary), or ops up to {AUTO_SUMMARY_NODES} nodes and summary above "
+                             "(auto; default)")
+
+
 def _options(args: argparse.Namespace, **defaults) -> dict:
     options = dict(defaults)
     for field in dataclasses.fields(SpeedLoaderConfig):
@@ -56,12 +77,35 @@ def _options(args: argparse.Namespace, **defaults) -> dict:
     return options
 
 
+def _print_written(out: pathlib.Path, written: dict) -> None:
+    from slcompile.viz.dot import dot_available
+
+    print(f"pictures written to {out}/:")
+    for name, paths in written.items():
+        print(f"  {name:9s} " + "  ".join(str(p) for p in paths))
+    if {"forward", "backward"} & set(written) and not dot_available():
+        print("  (Graphviz `dot` is not installed: the graphs are DOT text; apt-get install graphviz to render)")
+
+
+# -- demo ----------------------------------------------------------------------
+
+DEMO_DEFAULTS = {"num_subbatches": 4, "weights": "nvme"}
+
+
 def _demo(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
     from slcompile.report import compile_reports
+    from slcompile.runtime.stats import mark_step, runtime_stats
+    from slcompile.viz.pictures import record_step, write_pictures
+    from slcompile.viz.summary import summarize_bytes, summarize_schedule
 
-    options = _options(args, num_subbatches=4)
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    options = _options(args, **DEMO_DEFAULTS)
     config = SpeedLoaderConfig.from_options(options)
+    out = pathlib.Path(args.out)
     torch.manual_seed(0)
     model_config = GPTConfig(n_layers=args.layers, d_model=args.width, seq_len=args.seq_len, vocab_size=256)
     eager = TinyGPT(model_config)
@@ -70,30 +114,91 @@ def _demo(args: argparse.Namespace) -> int:
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (eager, model)]
     print(
         f"slcompile demo: GPT with {args.layers} blocks, d_model {args.width}, batch {args.batch}, "
-        f"K={config.num_subbatches}, lowering {config.lowering}"
+        f"K={config.num_subbatches}, lowering {config.lowering}, weights on {config.weights}"
     )
-    for step in range(args.steps):
+    recorded = None
+    losses: list[float] = []
+    progress = tqdm(range(args.steps), desc="training", unit="step", file=sys.stderr, dynamic_ncols=True)
+    for step in progress:
         idx, targets = make_gpt_batch(model_config, args.batch, seed=step)
-        losses = []
         started = time.perf_counter()
-        for runner, optimizer in zip((eager, compiled), optimizers):
-            optimizer.zero_grad()
-            _, loss = runner(idx, targets)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        eager_loss = _train_step(eager, optimizers[0], idx, targets)
+
+        def compiled_step():
+            losses.append(_train_step(compiled, optimizers[1], idx, targets, model, after_backward))
+
+        def after_backward():
+            after_backward.stats = runtime_stats().current_step
+
+        if step == args.steps - 1 and step > 0:  # a step after the compile: what it costs each time
+            recorded = record_step(compiled_step, _sample_interval(config))
+        else:
+            compiled_step()
+            mark_step()
         took = time.perf_counter() - started
         if step == 0:
+            progress.set_description("training (compiled)")
             report = compile_reports()[-1]
-            if report.fallback_reason:
-                print(f"fallback: {report.fallback_reason}")
-            else:
-                print(f"blocks: {', '.join(report.blocks)}")
-                print("schedule:")
-                print("\n".join("  " + line for line in report.schedule.splitlines()))
-        print(f"step {step}: loss speedloader {losses[1]:.6f}  eager {losses[0]:.6f}  |diff| {abs(losses[1] - losses[0]):.2e}  ({took:.1f} s)")
+            _print_report(report, config, out, summarize_schedule, progress)
+        ours = losses[-1]
+        progress.write(
+            f"step {step}: loss speedloader {ours:.6f}  eager {eager_loss:.6f}  "
+            f"|diff| {abs(ours - eager_loss):.2e}  ({took:.1f} s)",
+            file=sys.stdout,
+        )
+    progress.close()
+    report = compile_reports()[-1]
+    if recorded is not None:
+        passes = after_backward.stats
+        update = {key: n - passes.bytes_moved.get(key, 0) for key, n in recorded.stats.bytes_moved.items()}
+        update_count = {key: n - passes.transfers.get(key, 0) for key, n in recorded.stats.transfers.items()}
+        print(f"bytes moved in step {args.steps - 1}:")
+        print(f"  forward and backward: {summarize_bytes(passes.bytes_moved, passes.transfers)}")
+        print(f"  optimizer step:       {summarize_bytes({k: n for k, n in update.items() if n}, update_count)}")
+        if report.streamed_bytes:
+            print(f"block weights streamed per pass: {report.streamed_bytes / 1024:.1f} KB "
+                  f"(forward and backward each fetch every block once, for all {config.num_subbatches} sub-batches)")
+    written = write_pictures(out, report, recorded, detail=args.detail)
+    _print_written(out, written)
+    if config.lowering != "aot_eager":
+        print("note: compute regions are recorded on the timeline with --lowering aot_eager only")
     return 0
 
+
+def _sample_interval(config: SpeedLoaderConfig) -> float | None:
+    """Resident bytes are sampled at region markers; graphs without them (Inductor)
+    are sampled on a 2 ms timer instead."""
+    return None if config.lowering == "aot_eager" else 0.002
+
+
+def _train_step(runner, optimizer, idx, targets, offloaded_model=None, after_backward=None) -> float:
+    import slcompile
+
+    optimizer.zero_grad()
+    _, loss = runner(idx, targets)
+    loss.backward()
+    if after_backward is not None:
+        after_backward()
+    gathered = slcompile.gathered_weights(offloaded_model) if offloaded_model is not None else contextlib.nullcontext()
+    with gathered:  # parameters that rest on nvme are read and written back around the update
+        optimizer.step()
+    return loss.item()
+
+
+def _print_report(report, config, out: pathlib.Path, summarize_schedule, progress) -> None:
+    lines = []
+    if report.fallback_reason:
+        lines.append(f"fallback: {report.fallback_reason}")
+    else:
+        steps = len(report.schedule.splitlines())
+        lines.append(f"blocks: {', '.join(report.blocks)}")
+        lines.append(f"schedule: {steps} steps, K={config.num_subbatches} (one line per step in {out / 'schedule.txt'})")
+        lines += ["  " + line for line in summarize_schedule(report.schedule).splitlines()]
+    for line in lines:
+        progress.write(line, file=sys.stdout)
+
+
+# -- explain -------------------------------------------------------------------
 
 def _load_target(target: str):
     if ":" not in target:
@@ -115,30 +220,102 @@ def _explain(args: argparse.Namespace) -> int:
     from slcompile.explain import explain
 
     model, call_args, call_kwargs = _load_target(args.target)
-    explanation = explain(model, *call_args, kwargs=call_kwargs, **_options(args))
+    options = _options(args)
+    pictures = [name for name in ("dot", "trace", "plot") if getattr(args, name)]
+    # explain() runs the model once; the pictures compile and run a copy.
+    copied = copy.deepcopy(model) if pictures else None
+    explanation = explain(model, *call_args, kwargs=call_kwargs, **options)
     print(explanation)
+    if pictures:
+        _explain_pictures(copied, call_args, call_kwargs, options, pictures, args)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _explain_pictures(model, call_args, call_kwargs, options, pictures, args) -> None:
+    from slcompile.report import compile_reports
+    from slcompile.viz.pictures import record_step, write_pictures
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="speedloader", options=options)
+
+    def step():
+        loss = _loss_of(compiled(*call_args, **call_kwargs))
+        if loss is not None:
+            loss.backward()
+
+    step()  # compiles the forward and (on backward) the backward
+    config = SpeedLoaderConfig.from_options(options)
+    recorded = record_step(step, _sample_interval(config)) if {"trace", "plot"} & set(pictures) else None
+    report = compile_reports()[-1]
+    out = pathlib.Path(args.out)
+    written = write_pictures(out, report, recorded, pictures, detail=args.detail)
+    _print_written(out, written)
+    if recorded is not None and config.lowering != "aot_eager":
+        print("note: compute regions are recorded on the timeline with --lowering aot_eager only")
+
+
+def _loss_of(output) -> torch.Tensor | None:
+    """The value to backpropagate: a `.loss`, a scalar that needs a gradient, or the
+    sum of the first output that needs one; None when nothing does (inference)."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss
+    values = output if isinstance(output, (tuple, list)) else (output.to_tuple() if hasattr(output, "to_tuple") else (output,))
+    tensors = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+    for tensor in tensors:
+        if tensor.dim() == 0:
+            return tensor
+    return tensors[0].float().sum() if tensors else None
+
+
+# -- entry point ---------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slcompile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,explain}")
 
-    demo = commands.add_parser("demo", help="train a small GPT a few steps next to eager")
+    demo = commands.add_parser(
+        "demo", help="train a small GPT a few steps next to eager and draw what happened",
+        description="Trains a small GPT for a few steps with the speedloader backend next to eager PyTorch "
+                    "(SGD, same seed), prints the schedule, the bytes moved and both losses, and writes the "
+                    "graph pictures, the timeline (Chrome trace) and the memory plot of the last step into "
+                    "--out. The model's block weights rest on nvme by default.",
+    )
     demo.add_argument("--steps", type=int, default=3, help="training steps (default: 3)")
     demo.add_argument("--layers", type=int, default=4, help="transformer blocks (default: 4)")
     demo.add_argument("--width", type=int, default=64, help="d_model (default: 64)")
     demo.add_argument("--batch", type=int, default=8, help="batch size (default: 8)")
     demo.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default: 32)")
-    _add_config_flags(demo)
+    _add_picture_flags(demo)
+    _add_config_flags(demo, DEMO_DEFAULTS)
     demo.set_defaults(run=_demo)
 
-    explain = commands.add_parser("explain", help="what the backend would do with a model")
-    explain.add_argument("target", help="module:factory; factory() returns (model, args[, kwargs])")
+    explain = commands.add_parser(
+        "explain", help="what the backend would do with a model; --dot/--plot/--trace draw it",
+        description="Prints the blocks, the batch dimension, K, the fallback reason and the schedule of "
+                    "the model factory() builds. With --dot, --plot or --trace it then compiles a copy "
+                    "of the model with these options, runs one training step (backward on the loss) and "
+                    "writes the pictures into --out.",
+    )
+    explain.add_argument("target", help="module:factory; factory() returns (model, args) or (model, args, kwargs)")
+    explain.add_argument("--dot", action="store_true",
+                         help="write the compiled forward and backward graphs (DOT, and SVG/PNG when the "
+                              "Graphviz dot program is installed)")
+    explain.add_argument("--plot", action="store_true",
+                         help="write memory.png: measured resident bytes per tier and predicted live bytes "
+                              "over one recorded training step")
+    explain.add_argument("--trace", action="store_true",
+                         help="run one training step and write its timeline: trace.json (Chrome trace, open "
+                              "in https://ui.perfetto.dev or chrome://tracing) and timeline.png")
+    _add_picture_flags(explain)
     _add_config_flags(explain)
     explain.set_defaults(run=_explain)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.debug:
@@ -146,8 +323,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except Exception as exc:  # one clear line; --debug for the traceback
+        exc = _reported_error(exc)
         print(f"slcompile: error: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
         return 1
+
+
+def _reported_error(exc: BaseException) -> BaseException:
+    """The error worth one line: Dynamo wraps what our backend raised in
+    BackendCompilerFailed, whose own first line names only the backend."""
+    while getattr(exc, "inner_exception", None) is not None:
+        exc = exc.inner_exception
+    return exc
 
 
 if __name__ == "__main__":

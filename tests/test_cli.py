@@ -1,30 +1,53 @@
 """The command line, run as a user would, in a subprocess."""
 
+import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
+import textwrap
+
+import pytest
 
 TESTS = os.path.dirname(__file__)
 
 
-def _run(*args, timeout=600):
-    env = dict(os.environ, PYTHONPATH=TESTS)
+def _run(*args, timeout=600, pythonpath=()):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((TESTS, *map(str, pythonpath))))
+    env.pop("SLC_DISABLE", None)
     return subprocess.run(
         [sys.executable, "-m", "slcompile", *args], capture_output=True, text=True, env=env, timeout=timeout
     )
 
 
-def test_demo_trains_and_matches_eager():
-    result = _run("demo", "--lowering", "aot_eager", "--steps", "2", "--layers", "2", "--width", "32")
+def _written(stdout: str) -> list[pathlib.Path]:
+    """The paths the command says it wrote (the lines under "pictures written to")."""
+    lines = stdout.split("pictures written to", 1)[1].splitlines()[1:]
+    return [pathlib.Path(p) for line in lines if line.startswith("  ") and not line.strip().startswith("(")
+            for p in line.split()[1:]]
+
+
+def test_demo_trains_matches_eager_and_writes_pictures(tmp_path):
+    out = tmp_path / "pictures"
+    result = _run("demo", "--lowering", "aot_eager", "--steps", "2", "--layers", "2", "--width", "32",
+                  "--out", str(out))
     assert result.returncode == 0, result.stderr[-2000:]
-    out = result.stdout
-    assert "fwd blk1.sb3" in out
-    losses = [line for line in out.splitlines() if line.startswith("step ")]
+    stdout = result.stdout
+    assert "blocks: layers.0, layers.1" in stdout
+    assert "fwd prefix.sb0-3 blk0.sb0-3 blk1.sb0-3 suffix.sb0-3" in stdout
+    assert "fwd blk1.sb3" in (out / "schedule.txt").read_text()
+    losses = [line for line in stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 2
     for line in losses:
         fields = line.split()
         ours, eager = float(fields[4]), float(fields[6])
         assert abs(ours - eager) < 1e-4
+    assert re.search(r"forward and backward: weight nvme->device [\d.]+ KB in \d+ transfers", stdout)
+    names = {p.name for p in _written(stdout)}
+    assert {"forward.dot", "backward.dot", "trace.json", "timeline.png", "memory.png", "schedule.txt"} <= names
+    assert all(path.exists() and path.stat().st_size > 0 for path in _written(stdout))
+    assert "training" in result.stderr  # the progress bar
 
 
 def test_explain_target():
@@ -32,9 +55,31 @@ def test_explain_target():
     assert result.returncode == 0, result.stderr[-2000:]
     assert "blocks: 2 (layers.0, layers.1)" in result.stdout
     assert "fwd blk1.sb1" in result.stdout
+    assert "pictures written" not in result.stdout
 
 
-def test_errors_are_one_line_and_non_zero():
+def test_explain_writes_the_pictures_it_names(tmp_path):
+    result = _run("explain", "cli_targets:tiny", "--num-subbatches", "2", "--lowering", "aot_eager",
+                  "--weights", "nvme", "--dot", "--plot", "--trace", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "fwd blk1.sb1" in result.stdout
+    written = _written(result.stdout)
+    assert {p.name for p in written} >= {"forward.dot", "backward.dot", "trace.json", "timeline.png", "memory.png"}
+    assert all(path.parent == tmp_path and path.exists() for path in written)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    lanes = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"compute", "load"} <= lanes
+
+
+def test_explain_dot_only(tmp_path):
+    result = _run("explain", "cli_targets:tiny", "--lowering", "aot_eager", "--dot", "--detail", "ops",
+                  "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert {p.name for p in _written(result.stdout)} >= {"forward.dot", "backward.dot"}
+    assert not (tmp_path / "trace.json").exists() and not (tmp_path / "memory.png").exists()
+
+
+def test_errors_are_one_line_and_non_zero(tmp_path):
     bad_target = _run("explain", "no_such_module:factory")
     assert bad_target.returncode != 0
     assert bad_target.stderr.strip().startswith("slcompile: error: ModuleNotFoundError")
@@ -43,10 +88,37 @@ def test_errors_are_one_line_and_non_zero():
     assert bad_option.returncode != 0
     assert "num_subbatches" in bad_option.stderr
     assert "Traceback" not in bad_option.stderr
+    (tmp_path / "broken_targets.py").write_text(textwrap.dedent("""
+        import torch
+
+        def raising():
+            raise RuntimeError("cannot build the model")
+
+        def batchnorm():
+            model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+                                          for _ in range(3)))
+            return model, (torch.randn(8, 8),)
+    """))
+    raising = _run("explain", "broken_targets:raising", pythonpath=[tmp_path])
+    assert raising.returncode != 0
+    assert raising.stderr.strip() == "slcompile: error: RuntimeError: cannot build the model"
+    refused = _run("explain", "broken_targets:batchnorm", "--lowering", "aot_eager", "--on-refusal", "raise",
+                   "--dot", "--out", str(tmp_path / "out"), pythonpath=[tmp_path])
+    assert refused.returncode != 0
+    assert "fallback: " in refused.stdout and "BatchNorm" in refused.stdout
+    assert refused.stderr.strip().startswith("slcompile: error: RefusedError")
+    assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
+    bad_steps = _run("demo", "--steps", "0")
+    assert bad_steps.returncode != 0 and "--steps must be >= 1" in bad_steps.stderr
 
 
-def test_help_documents_every_option():
-    result = _run("demo", "--help")
+@pytest.mark.parametrize("command", ["demo", "explain"])
+def test_help_documents_every_option(command):
+    result = _run(command, "--help")
     assert result.returncode == 0
-    for flag in ("--num-subbatches", "--lowering", "--schedule", "--batch-dim", "--on-refusal"):
-        assert flag in result.stdout
+    flags = ["--num-subbatches", "--lowering", "--schedule", "--batch-dim", "--on-refusal", "--weights",
+             "--live-blocks", "--offload-dir", "--out", "--detail"]
+    flags += ["--dot", "--plot", "--trace"] if command == "explain" else ["--steps", "--layers", "--width"]
+    for flag in flags:
+        assert flag in result.stdout, flag
+    assert "(default:" in result.stdout

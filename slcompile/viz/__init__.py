@@ -1,1 +1,25 @@
-"""Pictures of what the backend did: DOT graphs, and more to come."""
+"""Pictures of what the backend did: graphs (DOT), the timeline (Chrome trace), memory.
+
+- `dot`: the compiled forward and backward graphs as Graphviz DOT, clustered by block
+  and sub-batch, inserted nodes highlighted; rendered to SVG/PNG when `dot` exists.
+- `trace`: the runtime's timeline as a Chrome trace (Perfetto, chrome://tracing).
+- `memory`, `plots`: predicted and measured resident bytes over a step, and a static
+  timeline picture (matplotlib).
+- `pictures`: record one step and write all of the above into a folder (the CLI).
+- `roles`, `summary`: what each node is for; short text for the terminal.
+"""
+
+from slcompile.viz.dot import graph_digraph, graph_to_dot, render
+from slcompile.viz.pictures import RecordedStep, record_step, write_pictures
+from slcompile.viz.trace import chrome_trace, write_chrome_trace
+
+__all__ = [
+    "graph_to_dot",
+    "graph_digraph",
+    "render",
+    "chrome_trace",
+    "write_chrome_trace",
+    "RecordedStep",
+    "record_step",
+    "write_pictures",
+]

@@ -1,49 +1,443 @@
-"""An FX graph as Graphviz DOT, nodes grouped by block and sub-batch.
+"""An FX graph as Graphviz DOT: nodes grouped by block and sub-batch, inserted nodes
+highlighted.
 
-Uses the `graphviz` package to write the DOT source (no `dot` program needed to write
-it; rendering to SVG/PNG needs the program).
+Where it sits: the per-pass dumps (`SLC_DUMP_DIR`) draw the rewritten Dynamo graph
+after each pass; the CLI draws the AOTAutograd forward and backward graphs of a
+`CompileReport` (`report.graphs`), the graphs that are compiled.
+
+Needs: nodes tagged with `SlcMeta`; roles come from `viz.roles.classify_nodes`.
+Guarantees:
+- One cluster per block (`blk3`, holding the work its sub-batches share: weight
+  fetches, gradient sums) with one nested cluster per sub-batch (`blk3.sb1`); prefix
+  and suffix likewise. Clusters appear in program order.
+- Inserted nodes are filled by role (split, combine, load, store, wait, free); the
+  legend under the title says which colour is which.
+- Two levels of detail. "ops": one DOT node per graph node (top to bottom); graph
+  inputs that belong to no block (parameters), the output and region markers are
+  left out, they would draw an edge from or to everything. "summary" (left to
+  right): one node per (block, sub-batch) cluster saying how many ops it runs and
+  which, and one node per kind of inserted node in a cluster (`load ×12`); a cluster
+  whose work runs in two separate stretches that depend on each other gets one node
+  per stretch ("part 1/2"), so the picture stays acyclic. The names of the graph
+  nodes a summary node stands for are in its `tooltip`. "auto" picks "summary" above
+  `AUTO_SUMMARY_NODES` drawn nodes, where "ops" stops being readable (and `dot`
+  takes minutes to lay it out).
+- Writing DOT needs only the `graphviz` package; `render` also writes SVG/PNG when
+  the Graphviz `dot` program is installed, and says so when it is not.
 """
 
 from __future__ import annotations
 
 import collections
+import html
+import logging
+import pathlib
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
 
 import graphviz
+import torch
 import torch.fx
 
-from slcompile.meta import get_slc_meta
+from slcompile.meta import parse_tag
+from slcompile.viz.roles import (
+    INSERTED_ROLES,
+    NodeRole,
+    classify_nodes,
+    cluster_parent,
+    format_bytes,
+    short_key,
+    short_op_name,
+    value_bytes,
+)
 
-__all__ = ["graph_to_dot"]
+__all__ = [
+    "graph_to_dot",
+    "graph_digraph",
+    "render",
+    "dot_available",
+    "ROLE_COLORS",
+    "AUTO_SUMMARY_NODES",
+    "RENDER_TIMEOUT",
+    "DETAILS",
+]
 
-_ROLE_COLORS = {"split": "lightblue", "combine": "lightsalmon"}
+log = logging.getLogger(__name__)
+
+AUTO_SUMMARY_NODES = 160
+RENDER_TIMEOUT = 120.0
+DETAILS = ("auto", "ops", "summary")
+
+ROLE_COLORS = {
+    "split": "#9ecae1",
+    "combine": "#fdae6b",
+    "load": "#ffe45c",
+    "store": "#c994c7",
+    "wait": "#d9d9d9",
+    "free": "#f0f0f0",
+}
+# An invisible edge that ranks a node with no drawn inputs (a block's weight fetches)
+# after the work that runs before it, instead of at the top beside the first block.
+_ANCHOR = {"style": "invis"}
+_SUBBATCH_COLORS = ("#3182bd", "#31a354", "#e6550d", "#756bb1", "#636363", "#d6616b", "#8c6d31", "#17becf")
+_REGION_FILL = {"prefix": "#eef5ee", "suffix": "#eef5ee", "block": "#f3f3f3"}
+# Ops that only rename or pick a value; summaries count them apart from real work.
+_BOOKKEEPING = {"getitem", "view", "unsafe_view", "reshape", "t", "transpose", "permute", "expand",
+                "detach", "alias", "squeeze", "unsqueeze", "clone", "split", "slice"}
+_ABBREVIATIONS = (("scaled_dot_product_flash_attention_for_cpu", "sdpa"),
+                  ("scaled_dot_product_flash_attention", "sdpa"),
+                  ("scaled_dot_product_efficient_attention", "sdpa"),
+                  ("scaled_dot_product", "sdpa"),
+                  ("native_layer_norm", "layer_norm"))
 
 
-def graph_to_dot(gm: torch.fx.GraphModule, title: str = "graph") -> str:
-    """DOT source for `gm`: one cluster per block/sub-batch tag, inserted nodes filled."""
-    dot = graphviz.Digraph(name=title, graph_attr={"rankdir": "TB", "label": title}, node_attr={"shape": "box", "fontsize": "10"})
-    clusters: dict[str, list[torch.fx.Node]] = collections.defaultdict(list)
-    for node in gm.graph.nodes:
-        meta = get_slc_meta(node)
-        clusters[meta.tag if meta is not None else ""].append(node)
-    for tag, nodes in clusters.items():
-        target = dot
-        if tag:
-            with dot.subgraph(name=f"cluster_{tag}", graph_attr={"label": tag}) as sub:
-                for node in nodes:
-                    _add_node(sub, node)
-            continue
+def graph_to_dot(
+    gm: torch.fx.GraphModule, title: str = "graph", detail: str = "ops", block_paths: Sequence[str] = ()
+) -> str:
+    """DOT source of `gm`; see `graph_digraph`."""
+    return graph_digraph(gm, title, detail, block_paths).source
+
+
+def graph_digraph(
+    gm: torch.fx.GraphModule, title: str = "graph", detail: str = "ops", block_paths: Sequence[str] = ()
+) -> graphviz.Digraph:
+    """`gm` as a `graphviz.Digraph`, clustered by block and sub-batch.
+
+    Args:
+        gm: a tagged graph (Dynamo graph after a pass, or an AOTAutograd graph).
+        title: the picture's title.
+        detail: "ops", "summary" or "auto" (see the module docstring).
+        block_paths: the module path of each block, by block index, for cluster labels.
+
+    Returns:
+        the digraph; `.source` is the DOT text.
+    """
+    if detail not in DETAILS:
+        raise ValueError(f"detail must be one of {', '.join(DETAILS)}, got {detail!r}")
+    roles = classify_nodes(gm)
+    nodes = [n for n in gm.graph.nodes if roles[n.name].role != "marker"]
+    if detail == "auto":
+        detail = "summary" if len(nodes) > AUTO_SUMMARY_NODES else "ops"
+    builder = _Builder(title, roles, block_paths)
+    if detail == "ops":
+        builder.add_ops(nodes)
+    else:
+        builder.add_summary(nodes)
+    return builder.finish(detail, len(nodes))
+
+
+def dot_available() -> bool:
+    """True when the Graphviz `dot` program is on the PATH."""
+    return shutil.which("dot") is not None
+
+
+def render(
+    source: str | graphviz.Digraph,
+    stem: str | pathlib.Path,
+    formats: Sequence[str] = ("svg", "png"),
+    timeout: float = RENDER_TIMEOUT,
+) -> list[pathlib.Path]:
+    """Writes `stem.dot`, and `stem.<format>` for each format when `dot` is installed.
+
+    Args:
+        source: DOT text or a digraph.
+        stem: the path without suffix (`out/forward`).
+        formats: Graphviz output formats.
+        timeout: seconds `dot` may take per format; a layout that takes longer (an
+            "ops" picture of thousands of nodes) is abandoned with a warning.
+
+    Returns:
+        the paths written, the .dot file first.
+    """
+    stem = pathlib.Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    text = source.source if isinstance(source, graphviz.Digraph) else source
+    dot_path = stem.with_suffix(".dot")
+    dot_path.write_text(text)
+    written = [dot_path]
+    program = shutil.which("dot")
+    if program is None:
+        log.warning("Graphviz `dot` is not installed: wrote %s only (apt-get install graphviz to render)", dot_path)
+        return written
+    for fmt in formats:
+        out = stem.with_suffix(f".{fmt}")
+        try:
+            subprocess.run([program, f"-T{fmt}", "-o", str(out), str(dot_path)], check=True, timeout=timeout,
+                           capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            log.warning("dot took more than %.0f s to lay out %s; use the summary detail for big graphs", timeout, dot_path)
+            out.unlink(missing_ok=True)
+            break
+        except subprocess.CalledProcessError as err:
+            raise RuntimeError(f"dot could not render {dot_path}: {err.stderr.strip()}") from err
+        written.append(out)
+    return written
+
+
+class _Builder:
+    """Collects nodes per cluster, then nests the clusters and writes the digraph."""
+
+    def __init__(self, title: str, roles: dict[str, NodeRole], block_paths: Sequence[str]):
+        self.title = title
+        self.roles = roles
+        self.block_paths = tuple(block_paths)
+        self.members: dict[str | None, list[tuple[str, dict]]] = collections.defaultdict(list)
+        self.edges: list[tuple[str, str, dict]] = []
+        self.cluster_order: list[str] = []
+        self.saved_inputs: dict[str | None, int] = collections.Counter()
+
+    # -- nodes ---------------------------------------------------------------
+    def _place(self, cluster: str | None, node_id: str, attrs: dict, orders: bool = True) -> None:
+        """Puts a DOT node in `cluster`; `orders`: the cluster is drawn in the order of
+        its first such node (saved inputs come first in a graph but run nowhere)."""
+        if cluster is not None and orders:
+            for tag in filter(None, (cluster_parent(cluster), cluster)):
+                if tag not in self.cluster_order:
+                    self.cluster_order.append(tag)
+        self.members[cluster].append((node_id, attrs))
+
+    def add_ops(self, nodes: list[torch.fx.Node]) -> None:
+        # Parameters and the output would each draw an edge from or to everything.
+        nodes = [n for n in nodes if n.op != "output" and not (n.op == "placeholder" and self.roles[n.name].cluster is None)]
+        drawn = {n.name for n in nodes}
         for node in nodes:
-            _add_node(target, node)
-    for node in gm.graph.nodes:
-        for inp in node.all_input_nodes:
-            dot.edge(inp.name, node.name)
-    return dot.source
+            role = self.roles[node.name]
+            self._place(role.cluster, node.name, _op_attrs(node, role), orders=node.op != "placeholder")
+        previous = None
+        for node in nodes:
+            anchored = False
+            for source in node.all_input_nodes:
+                if source.name in drawn:
+                    self.edges.append((source.name, node.name, {}))
+                    anchored = anchored or source.op != "placeholder"
+            if node.op == "call_function":
+                if not anchored and previous is not None:
+                    self.edges.append((previous.name, node.name, _ANCHOR))
+                previous = node
+
+    def add_summary(self, nodes: list[torch.fx.Node]) -> None:
+        group_of = self._summary_groups(nodes)
+        groups: dict[tuple, list[torch.fx.Node]] = {}
+        for node in nodes:
+            if node.name in group_of:
+                groups.setdefault(group_of[node.name], []).append(node)
+        visits = collections.Counter(key[:3] for key in groups)
+        ids = {key: _summary_id(key) for key in groups}
+        position = {node.name: i for i, node in enumerate(nodes)}
+        order = sorted(groups, key=lambda key: position[groups[key][0].name])
+        for key in order:
+            self._place(key[0], ids[key], self._summary_attrs(key, groups[key], visits[key[:3]]))
+        seen = set()
+        for node in nodes:
+            if node.name not in group_of:
+                continue
+            for source in node.all_input_nodes:
+                if source.name in group_of and group_of[source.name] != group_of[node.name]:
+                    edge = (ids[group_of[source.name]], ids[group_of[node.name]])
+                    if edge not in seen:
+                        seen.add(edge)
+                        self.edges.append((*edge, {}))
+        has_input = {target for _, target in seen}
+        has_output = {source for source, _ in seen}
+        for before, key in zip(order, order[1:]):
+            if ids[key] not in has_input:
+                self.edges.append((ids[before], ids[key], _ANCHOR))
+        # A block's last work (its gradient sums feed only the graph's output) ranks
+        # before the next region starts, so region clusters never overlap and the
+        # picture does not fall into a staircase.
+        first_of: dict[str, tuple] = {}
+        sinks: dict[str, list[tuple]] = collections.defaultdict(list)
+        for key in order:
+            first_of.setdefault(_region_head(key[0]), key)
+            if ids[key] not in has_output:
+                sinks[_region_head(key[0])].append(key)
+        regions = list(first_of)
+        for here, after in zip(regions, regions[1:]):
+            for sink in sinks[here]:
+                self.edges.append((ids[sink], ids[first_of[after]], _ANCHOR))
+
+    def _summary_groups(self, nodes: list[torch.fx.Node]) -> dict[str, tuple]:
+        """Node name -> its summary group: (cluster, role, op, part).
+
+        Compute nodes group by cluster, inserted nodes by (cluster, role, op). A node
+        starts a new part of its group only when joining the current part would make
+        the collapsed picture cyclic: when one of its inputs comes from a group that
+        itself depends on that part (the backward's suffix runs shared work before
+        and after its sub-batches).
+        """
+        group_of: dict[str, tuple] = {}
+        part: dict[tuple, int] = collections.Counter()
+        inputs_of: dict[tuple, set[tuple]] = collections.defaultdict(set)
+        for node in nodes:
+            role = self.roles[node.name]
+            if node.op == "output" or (role.role == "input" and role.cluster is None):
+                continue  # parameters and outputs: an edge from or to everything
+            if role.role == "input":  # a saved value: counted with its cluster, drawn nowhere
+                self.saved_inputs[role.cluster] += 1
+                continue
+            if role.role in INSERTED_ROLES:
+                base = (role.cluster, role.role, short_op_name(node))
+            else:
+                base = (role.cluster, "compute", "")
+            sources = {group_of[i.name] for i in node.all_input_nodes if i.name in group_of}
+            group = (*base, part[base])
+            if _reaches(sources - {group}, group, inputs_of):
+                part[base] += 1
+                group = (*base, part[base])
+            inputs_of[group] |= sources - {group}
+            group_of[node.name] = group
+        return group_of
+
+    def _summary_attrs(self, key: tuple, members: list[torch.fx.Node], visits: int) -> dict:
+        cluster, role, op, visit = key
+        names = " ".join(n.name for n in members)
+        if role == "compute":
+            counts = collections.Counter(_abbreviate(short_op_name(n)) for n in members if n.op == "call_function")
+            work = [(name, c) for name, c in counts.most_common() if name not in _BOOKKEEPING]
+            ops_line = " · ".join(f"{c} {name}" for name, c in work[:3]) + (" · …" if len(work) > 3 else "")
+            saved = self.saved_inputs[cluster] if visit == 0 else 0
+            total = sum(counts.values())
+            head = f"{total} op{'s' * (total != 1)}" + (f", reads {saved} saved" if saved else "")
+            if visits > 1:
+                head = f"part {visit + 1}/{visits}: {head}"
+            label = "\n".join(filter(None, (head, ops_line)))
+            return {"label": label, "tooltip": names, "shape": "box", "style": "rounded"}
+        total = sum(value_bytes(n) for n in members)
+        label = f"{role} ×{len(members)}\n{op}" + (f"\n{format_bytes(total)}" if total else "")
+        return {"label": label, "tooltip": names, "shape": "box", "style": "filled,rounded",
+                "fillcolor": ROLE_COLORS[role]}
+
+    # -- the digraph ---------------------------------------------------------
+    def finish(self, detail: str, nodes: int) -> graphviz.Digraph:
+        dot = graphviz.Digraph(
+            name=re.sub(r"\W", "_", self.title),
+            graph_attr={"rankdir": "LR" if detail == "summary" else "TB", "label": self._legend(detail, nodes), "labelloc": "t",
+                        "fontname": "Helvetica", "fontsize": "14", "newrank": "true", "nodesep": "0.25",
+                        "ranksep": "0.35"},
+            node_attr={"shape": "box", "fontsize": "10", "fontname": "Helvetica", "height": "0.3"},
+            edge_attr={"arrowsize": "0.6", "color": "#555555"},
+        )
+        for node_id, attrs in self.members.get(None, ()):
+            dot.node(node_id, **attrs)
+        for tag in self.members:
+            for name in filter(None, (tag and cluster_parent(tag), tag)):
+                if name not in self.cluster_order:
+                    self.cluster_order.append(name)
+        for tag in self.cluster_order:
+            if cluster_parent(tag) is None:
+                self._add_cluster(dot, tag)
+        for source, target, attrs in self.edges:
+            dot.edge(source, target, **attrs)
+        for row in self._subbatch_rows() if detail == "summary" else ():
+            # Sub-batches side by side in order sb0, sb1, ...: dot would otherwise
+            # shuffle them to save a few edge crossings.
+            with dot.subgraph() as same:
+                same.attr(rank="same")
+                for before, after in zip(row, row[1:]):
+                    same.edge(before, after, style="invis")
+        return dot
+
+    def _subbatch_rows(self) -> list[list[str]]:
+        """Per region, the first node of each sub-batch cluster, in sub-batch order."""
+        rows: dict[str, dict[int, str]] = collections.defaultdict(dict)
+        for tag, members in self.members.items():
+            if tag is None or cluster_parent(tag) is None or not members:
+                continue
+            _, _, subbatch = parse_tag(tag)
+            rows[cluster_parent(tag)][subbatch] = members[0][0]
+        return [[ids[k] for k in sorted(ids)] for ids in rows.values() if len(ids) > 1]
+
+    def _add_cluster(self, parent, tag: str) -> None:
+        region, block, subbatch = parse_tag(tag)
+        with parent.subgraph(name=f"cluster_{tag}") as sub:
+            if subbatch is None:
+                label = tag
+                if block is not None and block < len(self.block_paths):
+                    label = f"{tag}  ({self.block_paths[block]})"
+                sub.attr(label=label, style="filled,rounded", fillcolor=_REGION_FILL[region], color="#999999",
+                         fontsize="12", labeljust="l")
+            else:
+                color = _SUBBATCH_COLORS[subbatch % len(_SUBBATCH_COLORS)]
+                sub.attr(label=f"sb{subbatch}", style="rounded,filled", fillcolor="white", color=color,
+                         fontcolor=color, penwidth="1.5", fontsize="11", labeljust="l")
+            for node_id, attrs in self.members.get(tag, ()):
+                sub.node(node_id, **attrs)
+            children = [child for child in self.cluster_order if cluster_parent(child) == tag]
+            for child in sorted(children, key=lambda child: parse_tag(child)[2]):
+                self._add_cluster(sub, child)
+
+    def _legend(self, detail: str, nodes: int) -> str:
+        roles_seen = collections.Counter(r.role for r in self.roles.values())
+        cells = "".join(
+            f'<td bgcolor="{color}" border="1"> {role} </td>'
+            for role, color in ROLE_COLORS.items()
+            if roles_seen[role]
+        )
+        hidden = sum(1 for r in self.roles.values() if r.role == "input" and r.cluster is None)
+        note = (f"{nodes} nodes as {'one box per op' if detail == 'ops' else 'one box per sub-batch'}; "
+                f"not drawn: {hidden} graph inputs, the output"
+                + (f", {roles_seen['marker']} region markers" if roles_seen["marker"] else "")
+                + (", saved inputs (counted per box)" if detail == "summary" and roles_seen["input"] > hidden else ""))
+        legend = f'<tr><td border="0">inserted:</td>{cells}</tr>' if cells else ""
+        return (
+            f'<<table border="0" cellspacing="3" cellpadding="3">'
+            f'<tr><td border="0" colspan="8"><b>{html.escape(self.title)}</b></td></tr>'
+            f'<tr><td border="0" colspan="8">{html.escape(note)}</td></tr>'
+            f"{legend}</table>>"
+        )
 
 
-def _add_node(dot, node: torch.fx.Node) -> None:
-    meta = get_slc_meta(node)
-    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    attrs = {"label": f"{node.name}\\n{node.op}: {target}"}
-    if meta is not None and meta.role in _ROLE_COLORS:
-        attrs.update(style="filled", fillcolor=_ROLE_COLORS[meta.role])
-    dot.node(node.name, **attrs)
+def _op_attrs(node: torch.fx.Node, role: NodeRole) -> dict:
+    if node.op == "placeholder":
+        return {"label": f"{node.name}\n{_shape(node)}", "shape": "ellipse", "color": "#888888",
+                "fontcolor": "#555555"}
+    if node.op == "output":
+        return {"label": "output", "shape": "octagon"}
+    op = _abbreviate(short_op_name(node))
+    if role.role in ("load", "store", "wait", "free") and len(node.args) > 1 and isinstance(node.args[1], str):
+        label = f"{op}\n{short_key(node.args[1])}\n{format_bytes(value_bytes(node))}"
+    else:
+        label = f"{node.name}: {op}\n{_shape(node)}" if op != node.name else f"{node.name}\n{_shape(node)}"
+    attrs = {"label": label.strip()}
+    if role.role in ROLE_COLORS:
+        attrs.update(style="filled", fillcolor=ROLE_COLORS[role.role])
+    return attrs
+
+
+def _shape(node: torch.fx.Node) -> str:
+    value = node.meta.get("val", node.meta.get("example_value"))
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).replace("torch.", "")
+        return f"[{', '.join(str(s) for s in value.shape)}] {dtype}"
+    return ""
+
+
+def _abbreviate(name: str) -> str:
+    for long, short in _ABBREVIATIONS:
+        if name.startswith(long):
+            return short
+    return name
+
+
+def _reaches(starts: set[tuple], wanted: tuple, inputs_of: dict[tuple, set[tuple]]) -> bool:
+    """True when `wanted` is among `starts` or their transitive input groups."""
+    stack, seen = list(starts), set()
+    while stack:
+        group = stack.pop()
+        if group == wanted:
+            return True
+        if group not in seen:
+            seen.add(group)
+            stack.extend(inputs_of.get(group, ()))
+    return False
+
+
+def _region_head(cluster: str | None) -> str:
+    return (cluster or "").split(".", 1)[0]
+
+
+def _summary_id(key: tuple) -> str:
+    cluster, role, op, visit = key
+    return re.sub(r"\W", "_", f"{role}_{op}_{cluster or 'top'}_{visit}")

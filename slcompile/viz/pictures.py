@@ -1,0 +1,118 @@
+"""Record one step and write every picture of a compiled model into one folder.
+
+Where it sits: the CLI (`slcompile demo`, `slcompile explain --dot/--plot/--trace`)
+calls `record_step` around one training step and `write_pictures` afterwards; both
+work from the newest `CompileReport` and the runtime's figures, nothing else.
+
+Guarantees:
+- `record_step` leaves the runtime's counters alone (no reset): it closes a step
+  window before and after (`mark_step`), so the figures it returns are exactly the
+  step's, and it keeps the timeline events that finished inside the step.
+- `write_pictures` writes only what was asked for and returns the paths it wrote,
+  by picture: `forward.dot` (+ `.svg`, `.png` when `dot` exists), `backward.*`,
+  `schedule.txt`, `trace.json` (Chrome trace), `timeline.png`, `memory.png`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from slcompile.runtime.stats import StepStats, TimelineEvent, mark_step, timeline
+from slcompile.viz.memory import ResidentSample, ResidentSampler
+
+__all__ = ["RecordedStep", "record_step", "write_pictures", "PICTURES"]
+
+log = logging.getLogger(__name__)
+
+PICTURES = ("dot", "trace", "plot")
+"""What `write_pictures` can draw: graphs (DOT), timeline (trace), memory (plot)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedStep:
+    """What the runtime recorded during one step.
+
+    Attributes:
+        events: timeline events that finished during the step, oldest first.
+        samples: resident bytes per tier, sampled at region boundaries.
+        stats: the step's byte, transfer, stall and peak figures.
+    """
+
+    events: tuple[TimelineEvent, ...]
+    samples: tuple[ResidentSample, ...]
+    stats: StepStats
+
+
+def record_step(step: Callable[[], object], sample_interval: float | None = None) -> RecordedStep:
+    """Runs `step()` once while recording the timeline and resident bytes.
+
+    Args:
+        step: one training step (forward, backward; an optimizer step if wanted).
+        sample_interval: seconds between resident-bytes samples taken on a timer, for
+            graphs without region markers (Inductor); None: at the markers only.
+
+    Returns:
+        what was recorded.
+    """
+    mark_step()
+    started = time.perf_counter()
+    with ResidentSampler(sample_interval) as sampler:
+        step()
+    stats = mark_step()
+    finished = time.perf_counter()
+    events = tuple(e for e in timeline() if started <= e.end <= finished and e.lane != "step")
+    return RecordedStep(events, tuple(sampler.samples), stats)
+
+
+def write_pictures(
+    out_dir: str | pathlib.Path,
+    report,
+    recorded: RecordedStep | None = None,
+    pictures: Sequence[str] = PICTURES,
+    detail: str = "auto",
+) -> dict[str, list[pathlib.Path]]:
+    """Writes the pictures of `report` (a CompileReport) into `out_dir`.
+
+    Args:
+        out_dir: the folder (created if missing).
+        report: the CompileReport of the compiled graph.
+        recorded: a recorded step, needed for "trace" and "plot" (without it the memory
+            plot shows the prediction only).
+        pictures: which of `PICTURES` to write.
+        detail: DOT detail, "auto", "ops" or "summary".
+
+    Returns:
+        picture name ("forward", "backward", "schedule", "trace", "timeline",
+        "memory") -> the paths written.
+    """
+    from slcompile.viz.dot import graph_digraph, render
+    from slcompile.viz.plots import plot_memory, plot_timeline
+    from slcompile.viz.trace import chrome_trace, write_chrome_trace
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, list[pathlib.Path]] = {}
+    if report.schedule:
+        path = out / "schedule.txt"
+        path.write_text(report.schedule + "\n")
+        written["schedule"] = [path]
+    graphs: Mapping = report.graphs
+    if "dot" in pictures:
+        for kind, gm in graphs.items():
+            title = f"{kind} graph, as compiled"
+            if report.fallback_reason:  # the first clause; the whole reason is in `explain`
+                title += f" (fallback: {report.fallback_reason.split(':')[0][:80]})"
+            written[kind] = render(graph_digraph(gm, title, detail, report.blocks), out / kind)
+    if "trace" in pictures and recorded is not None:
+        trace = chrome_trace(recorded.events, graphs)
+        written["trace"] = [write_chrome_trace(out / "trace.json", recorded.events, graphs)]
+        written["timeline"] = [plot_timeline(out / "timeline.png", trace)]
+    if "plot" in pictures and graphs:
+        samples = recorded.samples if recorded is not None else ()
+        events = recorded.events if recorded is not None else ()
+        written["memory"] = [plot_memory(out / "memory.png", graphs, samples, events)]
+    return written

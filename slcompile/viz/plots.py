@@ -1,0 +1,296 @@
+"""Matplotlib pictures: resident memory over a step, and a static view of the timeline.
+
+Where it sits: the CLI calls these after recording one step; the inputs are the
+compiled graphs (`CompileReport.graphs`), the runtime's timeline events and the
+`ResidentSampler` samples.
+
+Needs: matplotlib (drawn with the Agg backend, no display).
+Guarantees:
+- `plot_memory` draws two panels and labels which is which: measured resident bytes
+  per tier (runtime accounting) on top, predicted live bytes of the compiled graphs
+  below (their lifetime analysis; fetched weights and everything else stacked). When the timeline holds the
+  graphs' region markers, both panels share the step's time axis (each node is placed
+  inside its region's measured interval); otherwise the prediction is drawn over the
+  node order, said in its title.
+- `plot_timeline` draws the lanes of `trace.chrome_trace` as bars, the same slices a
+  trace viewer shows, for a quick look without one.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import pathlib
+from collections.abc import Mapping, Sequence
+
+import torch.fx
+
+from slcompile.runtime.stats import TimelineEvent
+from slcompile.viz.memory import PredictedMemory, ResidentSample, predict_live_bytes
+from slcompile.viz.trace import trace_lanes
+
+__all__ = ["plot_memory", "plot_timeline", "align_regions"]
+
+log = logging.getLogger(__name__)
+
+_TIER_COLORS = {"device": "#3182bd", "host": "#31a354", "nvme": "#756bb1"}
+_WEIGHTS_COLOR = "#f2c80f"
+_OTHER_COLOR = "#9ecae1"
+_LANE_COLORS = {"compute": "#6baed6", "stall": "#de2d26", "load": "#f2c80f", "store": "#c994c7"}
+_SHARED_COLOR = "#9e9ac8"
+_PHASES = (("forward", "fwd"), ("backward", "bwd"), ("inference", "fwd"))
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _unit(peak: float) -> tuple[float, str]:
+    for scale, name in ((1 << 30, "GB"), (1 << 20, "MB"), (1 << 10, "KB")):
+        if peak >= scale:
+            return float(scale), name
+    return 1.0, "B"
+
+
+def align_regions(
+    graphs: Mapping[str, torch.fx.GraphModule], events: Sequence[TimelineEvent]
+) -> dict[str, dict[str, float]] | None:
+    """Node -> time for each graph, from the regions' measured intervals.
+
+    The compute events of the timeline are matched, in order, to the marked regions
+    of the forward graph and then the backward graph (the order one training step
+    runs them). Each node of a region is placed evenly inside the region's interval.
+
+    Args:
+        graphs: the compiled graphs by kind.
+        events: timeline events covering one step.
+
+    Returns:
+        kind -> node name -> perf_counter seconds, or None when the regions are not
+        all found (no markers, or a step that did not run every graph).
+    """
+    from slcompile.passes.mark_regions import marked_regions
+
+    computes = [e for e in events if e.lane == "compute"]
+    sequence = []
+    for kind, _ in _PHASES:
+        if kind in graphs:
+            sequence += [(kind, region) for region in marked_regions(graphs[kind].graph)]
+    if not sequence or not computes:
+        return None
+    cursor = 0
+    times: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    for event in computes:
+        if cursor < len(sequence) and event.label == sequence[cursor][1].label:
+            kind, region = sequence[cursor]
+            count = max(len(region.nodes), 1)
+            for index, name in enumerate(region.nodes):
+                times[kind][name] = event.start + (event.end - event.start) * (index + 1) / count
+            times[kind][f"<start {cursor}>"] = event.start
+            cursor += 1
+    if cursor < len(sequence):
+        log.info("memory plot: %d of %d regions found on the timeline; drawing over node order", cursor, len(sequence))
+        return None
+    for kind, gm in graphs.items():
+        if kind not in times:
+            continue
+        # Nodes outside every region (inputs, the output) take their neighbour's time.
+        known = times[kind]
+        previous = min(known.values())
+        for node in gm.graph.nodes:
+            previous = known.setdefault(node.name, previous)
+    return times
+
+
+def plot_memory(
+    path: str | pathlib.Path,
+    graphs: Mapping[str, torch.fx.GraphModule],
+    samples: Sequence[ResidentSample] = (),
+    events: Sequence[TimelineEvent] = (),
+    title: str = "memory over one training step",
+) -> pathlib.Path:
+    """Writes the memory picture (PNG) to `path`.
+
+    Args:
+        path: the PNG to write.
+        graphs: the compiled graphs by kind (`CompileReport.graphs`).
+        samples: measured resident bytes (`ResidentSampler.samples`); none: the
+            measured panel is left out.
+        events: the timeline of the recorded step, to put the prediction on its
+            time axis.
+        title: the figure's title.
+
+    Returns:
+        the path written.
+    """
+    plt = _pyplot()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    predicted = list(predict_live_bytes(graphs))
+    times = align_regions(graphs, events) if events else None
+    origin = _origin(samples, events)
+    peaks = [p.peak for p in predicted] + [max(s.resident.values(), default=0) for s in samples]
+    scale, unit = _unit(max(peaks, default=0))
+    panels = 2 if samples else 1
+    figure, axes = plt.subplots(panels, 1, figsize=(12, 3.4 * panels + 0.6), sharex=times is not None, squeeze=False)
+    axes = [row[0] for row in axes]
+    if samples:
+        _draw_measured(axes[0], samples, origin, scale, unit)
+    _draw_predicted(axes[-1], predicted, times, graphs, origin, scale, unit)
+    if times is not None:
+        for axis in axes:
+            _shade_regions(axis, events, origin, label=axis is axes[0])
+    if times is None and samples:
+        axes[0].set_xlabel("time since the step started (ms)")
+    axes[-1].set_xlabel("time since the step started (ms)" if times is not None else "position in the graph (forward, then backward)")
+    figure.suptitle(title, fontsize=13)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _origin(samples: Sequence[ResidentSample], events: Sequence[TimelineEvent]) -> float:
+    starts = [s.time for s in samples[:1]] + [e.start for e in events if e.lane == "compute"][:1]
+    return min(starts, default=0.0)
+
+
+def _draw_measured(axis, samples, origin, scale, unit) -> None:
+    tiers = sorted({tier for s in samples for tier, count in s.resident.items() if count} | {"device"},
+                   key=lambda t: list(_TIER_COLORS).index(t) if t in _TIER_COLORS else 9)
+    xs = [(s.time - origin) * 1e3 for s in samples]
+    for tier in tiers:
+        ys = [s.resident.get(tier, 0) / scale for s in samples]
+        peak = max(ys, default=0)
+        axis.step(xs, ys, where="post", color=_TIER_COLORS.get(tier, "black"), linewidth=1.8,
+                  linestyle="-" if tier == "device" else "--", zorder=3 if tier == "device" else 2,
+                  label=f"{tier} (peak {peak:.1f} {unit})")
+    when = "at region boundaries" if any(s.label not in ("start", "end", "timer") for s in samples) else "on a timer"
+    axis.set_title(f"measured: bytes resident per tier (runtime accounting, sampled {when}; activations excluded)",
+                   fontsize=10, loc="left")
+    if not any(count for s in samples for count in s.resident.values()):
+        axis.text(0.5, 0.5, "the runtime held nothing on any tier during this step (no weights streamed)",
+                  transform=axis.transAxes, ha="center", va="center", fontsize=10, color="#555555")
+    axis.set_ylabel(unit)
+    axis.set_ylim(0, max((max(s.resident.values(), default=0) for s in samples), default=0) / scale * 1.35 or 1)
+    axis.legend(loc="upper right", fontsize=9, ncol=len(tiers))
+    axis.grid(alpha=0.3)
+
+
+def _draw_predicted(axis, predicted: list[PredictedMemory], times, graphs, origin, scale, unit) -> None:
+    xs: list[float] = []
+    weights: list[float] = []
+    other: list[float] = []
+    boundaries = []
+    offset = 0
+    for memory in predicted:
+        kind = memory.kind
+        for index, name in enumerate(memory.nodes):
+            if times is not None:
+                xs.append((times[kind][name] - origin) * 1e3)
+            else:
+                xs.append(offset + index)
+        weights += [w / scale for w in memory.weights]
+        other += [o / scale for o in memory.other]
+        offset += len(memory.nodes)
+        boundaries.append((xs[-len(memory.nodes)], kind))
+    peak = max((w + o for w, o in zip(weights, other)), default=0)
+    axis.stackplot(xs, weights, other, colors=(_WEIGHTS_COLOR, _OTHER_COLOR), step="post",
+                   labels=("fetched weights", "activations, saved values, gradients"))
+    axis.plot([], [], " ", label=f"peak {peak:.1f} {unit}")
+    for x, kind in boundaries:
+        axis.axvline(x, color="black", linewidth=0.8, linestyle="--")
+        axis.text(x, 1.0, f" {kind}", transform=axis.get_xaxis_transform(), va="top", fontsize=9)
+    where = "placed in the measured regions" if times is not None else "over node order: no region markers recorded"
+    axis.set_title(f"predicted: live values of the compiled graphs on the device (lifetime analysis, {where}; "
+                   "parameters and inputs excluded)", fontsize=10, loc="left")
+    axis.set_ylabel(unit)
+    axis.set_ylim(bottom=0)
+    axis.legend(loc="upper right", fontsize=9)
+    axis.grid(alpha=0.3)
+
+
+def _shade_regions(axis, events, origin, label: bool) -> None:
+    """Alternating bands per region (prefix, blk0, ..., suffix), named on the top panel."""
+    spans: list[list] = []
+    for event in (e for e in events if e.lane == "compute"):
+        head = event.label.split(".")[0].split(" ")[0]
+        phase = event.label.rsplit(" ", 1)[-1]
+        if spans and spans[-1][0] == (head, phase):
+            spans[-1][2] = event.end
+        else:
+            spans.append([(head, phase), event.start, event.end])
+    total = (spans[-1][2] - spans[0][1]) if spans else 0.0
+    for index, ((head, _), start, end) in enumerate(spans):
+        if index % 2:
+            axis.axvspan((start - origin) * 1e3, (end - origin) * 1e3, color="#000000", alpha=0.05, linewidth=0)
+        if label and end - start > total / 40:  # narrower bands would print their names over each other
+            axis.text(((start + end) / 2 - origin) * 1e3, 0.02, head, transform=axis.get_xaxis_transform(),
+                      ha="center", va="bottom", fontsize=7, color="#555555", rotation=90 if len(spans) > 16 else 0)
+    if label and spans:
+        right = axis.get_xlim()[1]
+        last = (spans[-1][2] - origin) * 1e3
+        if right - last > (right - axis.get_xlim()[0]) / 10:
+            axis.text((last + right) / 2, 0.5, "outside the compiled graphs\n(e.g. the optimizer step)",
+                      transform=axis.get_xaxis_transform(), ha="center", va="center", fontsize=8, color="#777777")
+
+
+def plot_timeline(path: str | pathlib.Path, trace: dict, title: str = "timeline of one training step") -> pathlib.Path:
+    """Writes the lanes of a Chrome trace (`trace.chrome_trace`) as a bar chart PNG.
+
+    Args:
+        path: the PNG to write.
+        trace: the trace document.
+        title: the figure's title.
+
+    Returns:
+        the path written.
+    """
+    plt = _pyplot()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lanes = trace_lanes(trace)
+    rows = sorted(lanes)
+    slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    figure, axis = plt.subplots(figsize=(14, 0.55 * len(rows) + 2.0))
+    end = max((e["ts"] + e["dur"] for e in slices), default=1.0) / 1e3
+    for event in slices:
+        row = rows.index(event["tid"])
+        start, width = event["ts"] / 1e3, max(event["dur"] / 1e3, end * 1e-4)
+        color = _LANE_COLORS.get(event["cat"], "#999999")
+        if event["cat"] == "compute" and ".sb" not in event["name"].split(" ")[0]:
+            color = _SHARED_COLOR
+        axis.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3)
+        if event["cat"] == "compute" and width > end / 60:
+            axis.text(start + width / 2, row, event["name"].split(" ")[0], ha="center", va="center", fontsize=6,
+                      rotation=90 if width < end / 25 else 0, clip_on=True)
+    if not any(e["cat"] == "compute" for e in slices) and "compute" in lanes.values():
+        row = rows.index(next(tid for tid, name in lanes.items() if name == "compute"))
+        axis.text(end / 2, row, "no compute regions recorded (graphs compiled with lowering aot_eager carry them)",
+                  ha="center", va="center", fontsize=9, color="#555555")
+    from matplotlib.patches import Patch
+
+    legend = [Patch(color=_LANE_COLORS["compute"], label="compute of one sub-batch"),
+              Patch(color=_SHARED_COLOR, label="compute shared by the sub-batches (weight fetches, combines)"),
+              Patch(color=_LANE_COLORS["stall"], label="compute waiting on a transfer"),
+              Patch(color=_LANE_COLORS["load"], label="load"), Patch(color=_LANE_COLORS["store"], label="store")]
+    figure.legend(handles=legend, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    axis.set_yticks(range(len(rows)), [lanes[tid] for tid in rows])
+    axis.set_ylim(len(rows) - 0.5, -0.5)  # every lane shown, the first on top, even when empty
+    axis.set_xlim(0, end)
+    axis.set_xlabel("ms since the first event")
+    loads = [e for e in slices if e["cat"] == "load"]
+    stores = [e for e in slices if e["cat"] == "store"]
+    summary = (f"{len(loads)} loads ({sum(e['args']['bytes'] for e in loads) / 1024:.1f} KB), "
+               f"{len(stores)} stores ({sum(e['args']['bytes'] for e in stores) / 1024:.1f} KB)")
+    axis.set_title(f"{title}: {summary}", fontsize=11, loc="left")
+    axis.grid(axis="x", alpha=0.3)
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -1,0 +1,226 @@
+"""The runtime's timeline as a Chrome trace (open in Perfetto or chrome://tracing).
+
+Where it sits: after a recorded step, `chrome_trace(timeline(), report.graphs)` turns
+the runtime's `TimelineEvent`s into the Trace Event Format; the CLI writes it with
+`write_chrome_trace`.
+
+Needs: `TimelineEvent`s from `slcompile.runtime.stats.timeline()`. Compute regions
+exist when the compiled graphs carry `slc::mark` markers (`passes.mark_regions`,
+aot_eager lowering); transfers are recorded by the transfer engine on its own.
+Guarantees:
+- One process, "slcompile"; lanes (threads) in this order: "compute" (one slice per
+  marked region, `blk3.sb1 fwd`; step boundaries as instant events), "compute waits"
+  (time compute was blocked on a transfer), then "load" and "store". Transfers that
+  overlap in time (several I/O threads) go to extra lanes "load 2", "load 3", ... so
+  no two slices of one lane overlap.
+- Exactly one complete ("X") slice per recorded transfer, with args: bytes, kind,
+  key, from, to, tier (the slower end), and the bandwidth.
+- A flow arrow from each load to the compute region that consumed it: read from the
+  graphs (a region that calls `slc::fetch_weight(key)` consumes one load of that key,
+  matched in time order), else from the stall that waited on it.
+- Timestamps are microseconds from the first event.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import json
+import logging
+import pathlib
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.fx
+
+from slcompile.runtime.stats import TimelineEvent
+from slcompile.viz.roles import format_bytes, short_key
+
+__all__ = ["chrome_trace", "write_chrome_trace", "trace_lanes", "TRANSFER_LANES"]
+
+log = logging.getLogger(__name__)
+
+TRANSFER_LANES = ("load", "store")
+_PID = 1
+_LANE_ORDER = ("compute", "stall", "load", "store")
+_LANE_NAMES = {"compute": "compute", "stall": "compute waits", "load": "load", "store": "store"}
+
+
+def chrome_trace(
+    events: Sequence[TimelineEvent], graphs: Mapping[str, torch.fx.GraphModule] | None = None
+) -> dict:
+    """The Trace Event Format document of `events`.
+
+    Args:
+        events: timeline events (`slcompile.runtime.stats.timeline()`).
+        graphs: the compiled graphs (`CompileReport.graphs`), to draw a flow from each
+            weight load to the region that fetched it.
+
+    Returns:
+        `{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}`.
+    """
+    events = sorted(events, key=lambda e: (e.start, e.end))
+    origin = events[0].start if events else 0.0
+
+    def micros(seconds: float) -> float:
+        return round((seconds - origin) * 1e6, 3)
+
+    lanes = _assign_lanes(events)
+    # "compute" always exists: the flows end there, and an empty lane says "no regions".
+    tids = {name: tid for tid, name in enumerate(_ordered_lanes({"compute", *lanes.values()}), start=1)}
+    position = {id(event): index for index, event in enumerate(events)}
+    trace: list[dict] = [{"ph": "M", "pid": _PID, "name": "process_name", "args": {"name": "slcompile"}}]
+    for name, tid in tids.items():
+        base = name.split(" ")[0]
+        title = _LANE_NAMES.get(base, base) + name[len(base):]
+        trace.append({"ph": "M", "pid": _PID, "tid": tid, "name": "thread_name", "args": {"name": title}})
+        trace.append({"ph": "M", "pid": _PID, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
+    for index, event in enumerate(events):
+        if event.lane == "step":
+            trace.append({"ph": "i", "s": "g", "pid": _PID, "tid": tids.get("compute", 1), "name": event.label,
+                          "ts": micros(event.start), "cat": "step"})
+            continue
+        slice_ = {"ph": "X", "pid": _PID, "tid": tids[lanes[index]], "ts": micros(event.start),
+                  "dur": round(max(event.end - event.start, 0.0) * 1e6, 3), "cat": event.lane}
+        if event.lane in TRANSFER_LANES:
+            slice_.update(name=_transfer_name(event), args=_transfer_args(event))
+        else:
+            slice_.update(name=event.label, args={})
+        trace.append(slice_)
+    for number, (load, consumer) in enumerate(_consumers(events, graphs or {})):
+        # Both ends must lie inside their slices for the viewer to bind them.
+        start = micros(load.start + (load.end - load.start) * 0.5)
+        finish = micros(min(max(load.end, consumer.start), consumer.end))
+        common = {"pid": _PID, "cat": "consumes", "name": "load -> compute", "id": number}
+        trace.append({**common, "ph": "s", "tid": tids[lanes[position[id(load)]]], "ts": start})
+        trace.append({**common, "ph": "f", "bp": "e", "tid": tids["compute"], "ts": finish})
+    return {
+        "traceEvents": trace,
+        "displayTimeUnit": "ms",
+        "otherData": {"producer": "slcompile", "lanes": list(tids)},
+    }
+
+
+def write_chrome_trace(
+    path: str | pathlib.Path,
+    events: Sequence[TimelineEvent],
+    graphs: Mapping[str, torch.fx.GraphModule] | None = None,
+) -> pathlib.Path:
+    """Writes `chrome_trace(events, graphs)` as JSON to `path`; returns the path."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(events, graphs)))
+    return path
+
+
+def trace_lanes(trace: dict) -> dict[int, str]:
+    """tid -> lane name of a trace made by `chrome_trace`."""
+    return {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+
+
+def _ordered_lanes(names: set[str]) -> list[str]:
+    def key(name: str):
+        base, _, number = name.partition(" ")
+        rank = _LANE_ORDER.index(base) if base in _LANE_ORDER else len(_LANE_ORDER)
+        return rank, base, int(number or 1)
+
+    return sorted(names, key=key)
+
+
+def _assign_lanes(events: Sequence[TimelineEvent]) -> dict[int, str]:
+    """Event index -> lane; overlapping transfers of one lane spill into `load 2`, ..."""
+    lanes: dict[int, str] = {}
+    free_at: dict[str, list[float]] = collections.defaultdict(list)  # per base lane, end of each row
+    for index, event in enumerate(events):
+        if event.lane == "step":
+            continue
+        if event.lane not in TRANSFER_LANES and event.lane != "stall":
+            lanes[index] = event.lane
+            continue
+        rows = free_at[event.lane]
+        for row, end in enumerate(rows):
+            if end <= event.start:
+                rows[row] = event.end
+                break
+        else:
+            rows.append(event.end)
+            row = len(rows) - 1
+        lanes[index] = event.lane if row == 0 else f"{event.lane} {row + 1}"
+    return lanes
+
+
+def _parse_transfer(label: str) -> tuple[str, str, str, str]:
+    """`"weight w0:name nvme->device"` -> (kind, key, source, destination)."""
+    kind, _, rest = label.partition(" ")
+    key, _, tiers = rest.rpartition(" ")
+    source, _, destination = tiers.partition("->")
+    return kind, key, source, destination
+
+
+def _transfer_name(event: TimelineEvent) -> str:
+    kind, key, source, destination = _parse_transfer(event.label)
+    return f"{kind} {short_key(key)} ({format_bytes(event.bytes)})"
+
+
+def _transfer_args(event: TimelineEvent) -> dict:
+    kind, key, source, destination = _parse_transfer(event.label)
+    seconds = event.end - event.start
+    return {
+        "bytes": event.bytes,
+        "kind": kind,
+        "key": key,
+        "from": source,
+        "to": destination,
+        "tier": source if event.lane == "load" else destination,
+        "MB/s": round(event.bytes / seconds / 1e6, 1) if seconds > 0 else None,
+    }
+
+
+def _consumers(
+    events: Sequence[TimelineEvent], graphs: Mapping[str, torch.fx.GraphModule]
+) -> list[tuple[TimelineEvent, TimelineEvent]]:
+    """(load, compute region that used it) pairs."""
+    computes = [e for e in events if e.lane == "compute"]
+    loads = [e for e in events if e.lane == "load"]
+    pairs: list[tuple[TimelineEvent, TimelineEvent]] = []
+    matched: set[int] = set()
+    fetches = _fetches_by_region(graphs)
+    by_key: dict[str, list[int]] = collections.defaultdict(list)
+    for index, load in enumerate(loads):
+        by_key[_parse_transfer(load.label)[1]].append(index)
+    for compute in computes:
+        for key in fetches.get(compute.label, ()):
+            for index in by_key.get(key, ()):
+                if index not in matched and loads[index].start <= compute.end:
+                    matched.add(index)
+                    pairs.append((loads[index], compute))
+                    break
+    starts = [c.start for c in computes]
+    for stall in (e for e in events if e.lane == "stall"):
+        waited = stall.label.removeprefix("wait ")
+        for index, load in enumerate(loads):
+            if index in matched or load.label != waited or load.start > stall.end:
+                continue
+            position = bisect.bisect_right(starts, stall.start) - 1
+            if position >= 0 and computes[position].end >= stall.start:
+                matched.add(index)
+                pairs.append((load, computes[position]))
+            break
+    return pairs
+
+
+def _fetches_by_region(graphs: Mapping[str, torch.fx.GraphModule]) -> dict[str, list[str]]:
+    """Region label -> the stored keys its `slc::fetch_weight` calls read."""
+    from slcompile.passes.mark_regions import marked_regions
+    from slcompile.runtime.weights import split_graph_key
+
+    fetch_op = torch.ops.slc.fetch_weight.default
+    fetches: dict[str, list[str]] = collections.defaultdict(list)
+    for gm in graphs.values():
+        nodes = {node.name: node for node in gm.graph.nodes}
+        for region in marked_regions(gm.graph):
+            for name in region.nodes:
+                node = nodes[name]
+                if node.op == "call_function" and node.target is fetch_op:
+                    fetches[region.label].append(split_graph_key(node.args[1])[1])
+    return fetches

@@ -1,0 +1,226 @@
+"""Pictures: the DOT of the compiled graphs, the Chrome trace, the memory plot, markers.
+
+One tiny GPT (2 blocks, K=2, weights on nvme, aot_eager) is compiled and trained one
+step for the whole module; a second step is recorded.
+"""
+
+import json
+import shutil
+
+import pydot
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import slcompile
+from models import GPTConfig, TinyGPT, make_gpt_batch
+from slcompile.passes.mark_regions import MARK, marked_regions
+from slcompile.viz import dot as viz_dot
+from slcompile.viz.dot import ROLE_COLORS, graph_to_dot, render
+from slcompile.viz.memory import predict_live_bytes
+from slcompile.viz.pictures import record_step, write_pictures
+from slcompile.viz.roles import classify_nodes, transfer_nodes
+from slcompile.viz.summary import summarize_schedule
+from slcompile.viz.trace import chrome_trace, trace_lanes
+from test_explain_and_blocks import EXPECTED_SCHEDULE_K2
+
+CFG = GPTConfig(n_layers=2)
+OPTIONS = {"lowering": "aot_eager", "num_subbatches": 2, "weights": "nvme"}
+PARAMS_PER_BLOCK = 12  # ln1, qkv, proj, ln2, fc, out: weight and bias each
+
+pytestmark = pytest.mark.filterwarnings("ignore:'setParseAction' deprecated")  # pydot's own parser
+
+
+@pytest.fixture(scope="module")
+def compiled_step():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    idx, targets = make_gpt_batch(CFG, 4)
+    compiled = torch.compile(model, backend="speedloader", options=OPTIONS)
+
+    def step():
+        compiled(idx, targets)[1].backward()
+
+    step()
+    report = slcompile.compile_reports()[-1]
+    recorded = record_step(step)
+    return report, recorded
+
+
+def _dot_nodes(graph: pydot.Dot):
+    """name -> (attributes, enclosing cluster names), through nested clusters."""
+    found = {}
+
+    def walk(subgraph, clusters):
+        for node in subgraph.get_nodes():
+            name = node.get_name().strip('"')
+            if name not in ("node", "edge", "graph"):
+                found[name] = (node.get_attributes(), clusters)
+        for child in subgraph.get_subgraphs():
+            child_name = child.get_name().strip('"')
+            walk(child, clusters + (child_name,) if child_name.startswith("cluster_") else clusters)
+
+    walk(graph, ())
+    return found
+
+
+def test_schedule_text_and_summary(compiled_step):
+    report, _ = compiled_step
+    assert report.schedule == EXPECTED_SCHEDULE_K2
+    assert summarize_schedule(report.schedule) == (
+        "fwd prefix.sb0-1 blk0.sb0-1 blk1.sb0-1 suffix.sb0-1\n"
+        "bwd suffix.sb1-0 blk1.sb1-0 blk0.sb1-0 prefix.sb1-0"
+    )
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_dot_holds_exactly_the_transfer_nodes(compiled_step, kind):
+    report, _ = compiled_step
+    gm = report.graphs[kind]
+    transfers = transfer_nodes(gm)
+    fetches = [n.name for n in gm.graph.nodes if n.target is torch.ops.slc.fetch_weight.default]
+    assert set(transfers) == set(fetches)
+    if kind == "forward":
+        assert len(fetches) == CFG.n_layers * PARAMS_PER_BLOCK
+    (graph,) = pydot.graph_from_dot_data(graph_to_dot(gm, kind, detail="ops"))
+    nodes = _dot_nodes(graph)
+    highlighted = {name for name, (attrs, _) in nodes.items() if attrs.get("fillcolor", "").strip('"') == ROLE_COLORS["load"]}
+    assert highlighted == set(transfers)
+    for node in gm.graph.nodes:
+        if node.name in fetches:  # drawn inside the block that fetches it
+            block = classify_nodes(gm)[node.name].cluster
+            assert nodes[node.name][1] == (f"cluster_{block}",)
+    assert not any(name in nodes for name in (n.name for n in gm.graph.nodes if n.target is MARK))
+
+
+def test_summary_dot_counts_every_transfer(compiled_step):
+    report, _ = compiled_step
+    gm = report.graphs["forward"]
+    (graph,) = pydot.graph_from_dot_data(graph_to_dot(gm, "forward", detail="summary", block_paths=report.blocks))
+    nodes = _dot_nodes(graph)
+    loads = {name: attrs for name, (attrs, _) in nodes.items() if attrs.get("fillcolor", "").strip('"') == ROLE_COLORS["load"]}
+    assert len(loads) == CFG.n_layers  # one "load ×12" box per block
+    listed = [member for attrs in loads.values() for member in attrs["tooltip"].strip('"').split()]
+    assert sorted(listed) == sorted(transfer_nodes(gm))
+    # One box per (block, sub-batch): far fewer nodes than ops.
+    assert len(nodes) < len(gm.graph.nodes) / 5
+
+
+def test_split_and_combine_are_recognised(compiled_step):
+    report, _ = compiled_step
+    roles = classify_nodes(report.graphs["forward"])
+    splits = sorted(name for name, role in roles.items() if role.role == "split")
+    combines = sorted(name for name, role in roles.items() if role.role == "combine")
+    # idx and targets, each sliced once per sub-batch; the loss sum, the count and the logits cat.
+    assert len(splits) == 2 * OPTIONS["num_subbatches"]
+    assert all(roles[name].cluster.startswith("prefix.sb") for name in splits)
+    assert len(combines) == 3 and all(roles[name].cluster == "suffix" for name in combines)
+
+
+def test_render_writes_dot_text_without_the_dot_program(compiled_step, tmp_path, monkeypatch):
+    report, _ = compiled_step
+    monkeypatch.setattr(viz_dot.shutil, "which", lambda name: None)
+    written = render(graph_to_dot(report.graphs["forward"], "forward", detail="summary"), tmp_path / "forward")
+    assert written == [tmp_path / "forward.dot"]
+    assert (tmp_path / "forward.dot").read_text().startswith("digraph")
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="the Graphviz dot program is not installed")
+def test_render_writes_svg_and_png(compiled_step, tmp_path):
+    report, _ = compiled_step
+    written = render(graph_to_dot(report.graphs["backward"], "backward", detail="summary"), tmp_path / "backward")
+    assert [p.suffix for p in written] == [".dot", ".svg", ".png"]
+    assert (tmp_path / "backward.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_markers_bracket_the_schedule(compiled_step):
+    report, _ = compiled_step
+    labels = [region.label for region in marked_regions(report.graphs["forward"].graph)]
+    per_subbatch = [label.split(" ")[0] for label in labels if ".sb" in label]
+    expected = [line.split(" ")[1] for line in report.schedule.splitlines() if line.startswith("fwd")]
+    assert per_subbatch == expected
+    assert all(label.endswith(" fwd") for label in labels)
+    assert [r.label for r in marked_regions(report.graphs["backward"].graph)][:3] == [
+        "suffix bwd", "suffix.sb1 bwd", "suffix.sb0 bwd"
+    ]
+
+
+def test_slc_disable_leaves_graphs_unmarked(monkeypatch):
+    monkeypatch.setenv("SLC_DISABLE", "mark_regions")
+    idx, targets = make_gpt_batch(CFG, 4)
+    compiled = torch.compile(TinyGPT(CFG), backend="speedloader", options={"lowering": "aot_eager"})
+    compiled(idx, targets)[1].backward()
+    for gm in slcompile.compile_reports()[-1].graphs.values():
+        assert not any(node.target is MARK for node in gm.graph.nodes)
+
+
+def test_trace_is_chrome_trace_json_with_one_event_per_transfer(compiled_step):
+    report, recorded = compiled_step
+    trace = json.loads(json.dumps(chrome_trace(recorded.events, report.graphs)))
+    events = trace["traceEvents"]
+    assert all({"ph", "pid", "name"} <= set(e) for e in events)
+    lanes = trace_lanes(trace)
+    assert lanes[1] == "compute" and "load" in lanes.values()
+    slices = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and {"ts", "tid", "cat"} <= set(e) for e in slices)
+    loads = [e for e in slices if e["cat"] == "load"]
+    assert all(lanes[e["tid"]].startswith("load") for e in loads)
+    assert len(loads) == sum(recorded.stats.transfers.values()) > 0
+    assert sum(e["args"]["bytes"] for e in loads) == sum(recorded.stats.bytes_moved.values())
+    assert {e["args"]["tier"] for e in loads} == {"nvme"}
+    for lane in {lanes[e["tid"]] for e in loads}:  # no two slices of a lane overlap
+        row = sorted((e["ts"], e["ts"] + e["dur"]) for e in loads if lanes[e["tid"]] == lane)
+        assert all(end <= start + 1e-3 for (_, end), (start, _) in zip(row, row[1:]))
+    computes = {e["name"] for e in slices if e["cat"] == "compute"}
+    assert {"blk0.sb0 fwd", "blk1.sb1 bwd"} <= computes
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    finishes = {e["id"]: e for e in events if e["ph"] == "f"}
+    assert starts and starts.keys() == finishes.keys()
+    for flow_id, start in starts.items():
+        assert any(s["tid"] == start["tid"] and s["ts"] <= start["ts"] <= s["ts"] + s["dur"] for s in loads)
+        finish = finishes[flow_id]
+        assert lanes[finish["tid"]] == "compute"
+        assert any(s["tid"] == finish["tid"] and s["ts"] <= finish["ts"] <= s["ts"] + s["dur"] + 1e-3 for s in slices)
+
+
+def test_predicted_live_bytes_of_a_small_graph():
+    def f(x):
+        doubled = x * 2  # 64 B
+        flat = doubled.view(-1)  # a view: no memory of its own
+        return flat + 1  # 64 B, the output
+
+    gm = make_fx(f)(torch.ones(4, 4))
+    (memory,) = predict_live_bytes({"forward": gm})
+    live = dict(zip(memory.nodes, memory.other))
+    assert [n.name for n in gm.graph.nodes] == ["x_1", "mul", "view", "add", "output"]
+    assert (live["x_1"], live["mul"], live["view"], live["add"], live["output"]) == (0, 64, 64, 128, 64)
+    assert memory.peak == 128 and set(memory.weights) == {0}
+
+
+def test_predicted_fetched_weights_live_only_inside_their_block(compiled_step):
+    report, _ = compiled_step
+    gm = report.graphs["forward"]
+    memory, backward = predict_live_bytes(report.graphs)
+    assert (memory.phase, backward.phase) == ("fwd", "bwd")
+    roles = classify_nodes(gm)
+    block_weights = sum(
+        n.meta["val"].numel() * 4 for n in gm.graph.nodes if n.target is torch.ops.slc.fetch_weight.default
+    ) // CFG.n_layers
+    assert max(memory.weights) == block_weights
+    for name, weights in zip(memory.nodes, memory.weights):
+        cluster = roles[name].cluster or ""
+        if cluster.startswith(("prefix", "suffix")):
+            assert weights == 0, name
+
+
+def test_write_pictures(compiled_step, tmp_path):
+    report, recorded = compiled_step
+    written = write_pictures(tmp_path, report, recorded, detail="summary")
+    assert set(written) >= {"schedule", "forward", "backward", "trace", "timeline", "memory"}
+    for paths in written.values():
+        for path in paths:
+            assert path.exists() and path.stat().st_size > 0
+    assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert recorded.samples and {"device", "nvme"} <= set(recorded.samples[0].resident)
