@@ -13,6 +13,9 @@ Schedules, all through the same backend, runtime and counters:
   every weight is loaded once per micro-batch and direction.
 - ``no_offload``: K=1 on the whole batch with every weight resident: the compute time
   of a step, and the ideal when the model fits.
+- ``resident_subbatched``: K sub-batches layer-major with every weight resident: the
+  compute time of the sub-batched step alone, so the cost of splitting the batch and
+  the cost of offloading show apart.
 
 Two regimes per K: few tokens per sub-batch (weight loads dominate: I/O-bound) and
 many (compute dominates). Each configuration runs in its own process, so peak RSS is
@@ -64,6 +67,9 @@ def run_one(spec: dict) -> dict:
     elif schedule == "grad_accumulation":
         options.update(num_subbatches=1, weights="nvme", live_blocks=2)
         micro = list(zip(idx.chunk(k), targets.chunk(k)))
+    elif schedule == "resident_subbatched":
+        options.update(num_subbatches=k, weights="device")
+        micro = [(idx, targets)]
     else:
         options.update(num_subbatches=1, weights="device")
         micro = [(idx, targets)]
@@ -160,6 +166,8 @@ def main() -> None:
         for k in ks:
             specs.append(dict(base, schedule="speedloader", k=k))
             specs.append(dict(base, schedule="grad_accumulation", k=k))
+            if k > 1:
+                specs.append(dict(base, schedule="resident_subbatched", k=k))
     results = []
     for spec in tqdm(specs, desc="train bench", unit="config"):
         proc = subprocess.run(
@@ -196,6 +204,7 @@ def summarize(results: list[dict], bandwidth: float) -> list[dict]:
             continue
         accumulation = by_key[(regime, "grad_accumulation", k)]
         resident = by_key[(regime, "no_offload", 1)]
+        split = by_key.get((regime, "resident_subbatched", k), resident)
         bound = max(resident["step_seconds"], run["weight_load_bytes"] / bandwidth)
         rows.append({
             "regime": regime,
@@ -206,6 +215,9 @@ def summarize(results: list[dict], bandwidth: float) -> list[dict]:
             "speedup_vs_grad_accumulation": accumulation["step_seconds"] / run["step_seconds"],
             "fraction_of_no_offload_throughput": resident["step_seconds"] / run["step_seconds"],
             "time_over_physical_bound": run["step_seconds"] / bound,
+            "resident_subbatched_step_s": split["step_seconds"],
+            "time_over_subbatched_bound": run["step_seconds"]
+            / max(split["step_seconds"], run["weight_load_bytes"] / bandwidth),
             "weight_load_bytes": run["weight_load_bytes"],
             "grad_accumulation_weight_load_bytes": accumulation["weight_load_bytes"],
             "streamed_bytes": run["streamed_bytes"],
@@ -219,13 +231,17 @@ def summarize(results: list[dict], bandwidth: float) -> list[dict]:
 
 def print_table(rows: list[dict], bandwidth: float) -> None:
     print(f"disk O_DIRECT read bandwidth: {bandwidth / 1e9:.2f} GB/s")
-    header = f"{'regime':14} {'K':>2} {'sl s':>7} {'ga s':>7} {'none s':>7} {'x ga':>6} {'% none':>7} {'/bound':>7} {'W load MB':>10} {'ga W MB':>9} {'RSS MB':>7}"
+    header = (
+        f"{'regime':14} {'K':>2} {'sl s':>7} {'ga s':>7} {'none s':>7} {'split s':>7} {'x ga':>6} {'% none':>7} "
+        f"{'/bound':>7} {'/sbound':>7} {'W load MB':>10} {'ga W MB':>9} {'RSS MB':>7}"
+    )
     print(header)
     for r in rows:
         print(
             f"{r['regime']:14} {r['k']:>2} {r['speedloader_step_s']:7.3f} {r['grad_accumulation_step_s']:7.3f} "
-            f"{r['no_offload_step_s']:7.3f} {r['speedup_vs_grad_accumulation']:6.2f} "
+            f"{r['no_offload_step_s']:7.3f} {r['resident_subbatched_step_s']:7.3f} {r['speedup_vs_grad_accumulation']:6.2f} "
             f"{100 * r['fraction_of_no_offload_throughput']:6.1f}% {r['time_over_physical_bound']:7.2f} "
+            f"{r['time_over_subbatched_bound']:7.2f} "
             f"{r['weight_load_bytes'] / 1e6:10.1f} {r['grad_accumulation_weight_load_bytes'] / 1e6:9.1f} "
             f"{r['peak_rss_bytes'] / 1e6:7.0f}"
         )
