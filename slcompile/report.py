@@ -39,6 +39,7 @@ class CompileReport:
         block_inputs: block index -> positions among the graph's inputs of the
             parameters it reads (AOTAutograd's backward returns gradients in that order).
         streamed_bytes: bytes of block weights fetched from their tier each pass (P).
+        fused_weight_grads: weight gradients summed over sub-batches in one matmul.
     """
 
     config: object
@@ -51,6 +52,7 @@ class CompileReport:
     graphs: dict[str, torch.fx.GraphModule] = dataclasses.field(default_factory=dict)
     block_inputs: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     streamed_bytes: int = 0
+    fused_weight_grads: int = 0
 
     def predicted_peak_bytes(self, sizes=None) -> int:
         """Peak bytes the compiled step allocates on the device, from the lifetimes

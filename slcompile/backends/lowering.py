@@ -22,6 +22,7 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from slcompile.passes.mark_regions import mark_regions
+from slcompile.passes.fuse_weight_grads import fuse_weight_grads
 from slcompile.passes.order_layer_major import order_layer_major
 from slcompile.passes.stream_weights import __file__ as stream_weights_file
 from slcompile.passes.stream_weights import plan_fetches, tag_fetch_views
@@ -47,7 +48,9 @@ def lower(
     """Compiles `gm` with the chosen lowering; records the AOT graphs in `report`.
 
     With `block_positions` (a rewritten graph), each AOT graph is put back into
-    layer-major order (`order_layer_major`) before it is compiled. With a weight
+    layer-major order (`order_layer_major`) before it is compiled; in the backward,
+    each weight's per-sub-batch gradients are first summed in one matmul
+    (`fuse_weight_grads`) where that moves fewer bytes. With a weight
     `streamer`, the joint graph's fetched-weight views are tagged for recomputation
     before partitioning (`tag_fetch_views`), and each compiled graph's fetch order
     becomes the streamer's prefetch plan (`plan_fetches`).
@@ -55,6 +58,9 @@ def lower(
     streams_weights = streamer is not None
 
     def prepare(kind: str, graph: torch.fx.GraphModule) -> None:
+        if kind == "backward" and num_subbatches > 1 and "fuse_weight_grads" not in _disabled():
+            _, fused = fuse_weight_grads(graph)
+            report.fused_weight_grads = fused
         if block_positions is not None and "order_layer_major" not in _disabled():
             phase = "bwd" if kind == "backward" else "fwd"
             _, moved = order_layer_major(graph, phase, block_positions, num_subbatches)

@@ -52,10 +52,14 @@ def order_layer_major(
         region = {"prefix": 0, "suffix": regions - 1}.get(meta.region)
         if region is None:
             region = 1 + block_positions.get(meta.block, 0)
-        sub = -1 if meta.subbatch is None else meta.subbatch
         if phase == "bwd":
             region = regions - 1 - region
-            sub = -1 if meta.subbatch is None else num_subbatches - 1 - meta.subbatch
+        if meta.subbatch is not None:
+            sub = meta.subbatch if phase == "fwd" else num_subbatches - 1 - meta.subbatch
+        elif meta.role == "combine":
+            sub = num_subbatches  # joins the sub-batches: after the last of them
+        else:
+            sub = -1  # shared by the sub-batches: before the first
         return region, sub
 
     for node in nodes:
