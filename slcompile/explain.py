@@ -129,15 +129,11 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig) -> GraphExplan
         state = run_pipeline(gm, example_inputs, config)
         reason = None
     except RefusedError as err:
-        state = None
-        reason = str(err)
-    if state is None:
         # Report what the analysis found before it refused.
-        partial = _partial_state(gm, example_inputs, config)
-        blocks = partial.blocks
-        batch = partial.batch
-    else:
-        blocks, batch = state.blocks, state.batch
+        state = err.state
+        reason = str(err)
+    blocks = state.blocks if state is not None else None
+    batch = state.batch if state is not None else None
     sources = {}
     if batch is not None:
         names = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
@@ -156,15 +152,3 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig) -> GraphExplan
         schedule=schedule,
     )
 
-
-def _partial_state(gm, example_inputs, config):
-    """Runs the passes one by one and keeps what succeeded before the refusal."""
-    from slcompile.pipeline import PASSES, PipelineState
-
-    state = PipelineState(gm=gm, example_inputs=example_inputs, config=config)
-    for step in PASSES:
-        try:
-            state = step.run(state)
-        except Exception:
-            break
-    return state

@@ -31,7 +31,7 @@ from slcompile.passes.find_blocks import BlockGraph, find_blocks
 from slcompile.passes.interleave import InterleaveReport, interleave
 from slcompile.passes.stream_weights import StreamedWeights, stream_weights
 
-__all__ = ["PipelineState", "Pass", "PASSES", "run_pipeline"]
+__all__ = ["PipelineState", "Pass", "PASSES", "run_pipeline", "disabled_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,11 @@ PASSES: tuple[Pass, ...] = (
 )
 
 
+def disabled_passes() -> set[str]:
+    """Pass names listed in `SLC_DISABLE` (comma separated)."""
+    return {p.strip() for p in os.environ.get("SLC_DISABLE", "").split(",") if p.strip()}
+
+
 def run_pipeline(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -171,9 +176,10 @@ def run_pipeline(
         the final state.
 
     Raises:
-        RefusedError: a pass refused the graph; the message names the passes run.
+        RefusedError: a pass refused the graph; the message names the passes run and
+            `err.state` holds what the passes before it produced.
     """
-    disabled = {p.strip() for p in os.environ.get("SLC_DISABLE", "").split(",") if p.strip()}
+    disabled = disabled_passes()
     dump_dir = os.environ.get("SLC_DUMP_DIR")
     state = PipelineState(gm=gm, example_inputs=example_inputs, config=config)
     for number, step in enumerate(passes):
@@ -188,13 +194,16 @@ def run_pipeline(
             state.gm.graph.lint()
         except RefusedError as err:
             err.pass_name = step.name
+            err.state = state
             raise
         except Exception as exc:
             ran = ", ".join(state.passes_run) or "none"
-            raise RefusedError(
+            err = RefusedError(
                 f"internal error in pass {step.name} ({type(exc).__name__}: {exc}); passes run: {ran}",
                 step.name,
-            ) from exc
+            )
+            err.state = state
+            raise err from exc
         took = time.perf_counter() - started
         state = dataclasses.replace(state, passes_run=(*state.passes_run, f"{step.name} ({took * 1e3:.0f} ms)"))
         if dump_dir:

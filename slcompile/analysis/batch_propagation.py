@@ -391,7 +391,7 @@ class _Propagator:
     def _mixes_samples(self, node, args, kwargs, full_out) -> str | None:
         """Reasons that the shapes alone cannot see: ops along the batch dimension."""
         name = _target_name(node)
-        bdims = [(n, v, d) for n, v, d in self._input_bdims(node)]
+        bdims = list(self._input_bdims(node))
         if node.target in (F.batch_norm, torch.batch_norm) or name == "batch_norm":
             named = _named_args(node, args, kwargs) or {}
             if named.get("training", False):

@@ -12,7 +12,6 @@ the CompileReport, so tests can read the order that is compiled.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +22,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from slcompile.passes.mark_regions import mark_regions
 from slcompile.passes.fuse_weight_grads import fuse_weight_grads
+from slcompile.pipeline import disabled_passes
 from slcompile.passes.order_layer_major import order_layer_major
 from slcompile.passes.stream_weights import __file__ as stream_weights_file
 from slcompile.passes.stream_weights import plan_fetches, tag_fetch_views
@@ -58,10 +58,10 @@ def lower(
     streams_weights = streamer is not None
 
     def prepare(kind: str, graph: torch.fx.GraphModule) -> None:
-        if kind == "backward" and num_subbatches > 1 and "fuse_weight_grads" not in _disabled():
+        if kind == "backward" and num_subbatches > 1 and "fuse_weight_grads" not in disabled_passes():
             _, fused = fuse_weight_grads(graph)
             report.fused_weight_grads = fused
-        if block_positions is not None and "order_layer_major" not in _disabled():
+        if block_positions is not None and "order_layer_major" not in disabled_passes():
             phase = "bwd" if kind == "backward" else "fwd"
             _, moved = order_layer_major(graph, phase, block_positions, num_subbatches)
             log.debug("order_layer_major moved %d nodes of the %s graph", moved, kind)
@@ -69,7 +69,7 @@ def lower(
             phase = "bwd" if kind == "backward" else "fwd"
             streamer.set_plan(phase, plan_fetches(graph.graph, phase))
             graph.recompile()
-        if lowering == "aot_eager" and "mark_regions" not in _disabled():  # Inductor: see mark_regions
+        if lowering == "aot_eager" and "mark_regions" not in disabled_passes():  # Inductor: see mark_regions
             mark_regions(graph, kind)
         report.record_graph(kind, graph)
 
@@ -79,9 +79,6 @@ def lower(
         return _inductor(gm, example_inputs, prepare, streams_weights)
     raise ValueError(f"unknown lowering {lowering!r}")
 
-
-def _disabled() -> set[str]:
-    return {p.strip() for p in os.environ.get("SLC_DISABLE", "").split(",") if p.strip()}
 
 
 def _aot_eager(gm, example_inputs, prepare, streams_weights):
