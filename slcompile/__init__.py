@@ -6,7 +6,7 @@ the next block, forward and backward, with the results of eager PyTorch.
 """
 
 from slcompile.config import SpeedLoaderConfig
-from slcompile.errors import RefusedError
+from slcompile.errors import BudgetError, RefusedError
 from slcompile.explain import Explanation, GraphExplanation, explain
 from slcompile.report import CompileReport, clear_compile_reports, compile_reports
 from slcompile.runtime.stats import reset_runtime_stats, runtime_stats
@@ -15,6 +15,7 @@ from slcompile.runtime.weights import gathered_weights, offloaded_parameters
 __all__ = [
     "SpeedLoaderConfig",
     "RefusedError",
+    "BudgetError",
     "explain",
     "Explanation",
     "GraphExplanation",

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["SpeedLoaderConfig", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS"]
+__all__ = ["SpeedLoaderConfig", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "parse_bytes"]
 
 LOWERINGS = ("inductor", "aot_eager")
 TIERS = ("device", "host", "nvme")
 SCHEDULES = ("speedloader",)
 ON_REFUSAL = ("fallback", "raise")
+RECOMPUTE = ("auto", "none", "blocks")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,22 @@ class SpeedLoaderConfig:
             computing and `live_blocks - 1` prefetched ahead.
         offload_dir: directory for the nvme tier's private files (default: the
             system's temporary directory).
+        activations: where the saved activations of the blocks rest between the
+            forward and the backward: "device" (kept), "host" or "nvme". Off the
+            device, each saved tensor of a (block, sub-batch) is stored when it is
+            made and loaded back one (block, sub-batch) ahead of its backward use.
+        min_offload_bytes: saved tensors smaller than this stay on the device
+            (default 64 KiB; transfers that small cost more than they free).
+        recompute: what the backward does with the activations inside a block:
+            "none" keeps every saved tensor, "blocks" saves only each block's input
+            (and random masks) and recomputes the block's internals from it during
+            the backward (block-level checkpointing), "auto" keeps them unless the
+            step would not fit `memory_budget` that way.
+        memory_budget: the device tier's limit for one training step, in bytes or as
+            a string ("2GiB", "512MB"); None means no limit. The peak is predicted
+            from the compiled graphs before anything runs; when no plan fits,
+            compiling raises `slcompile.BudgetError` naming the smallest budget that
+            would.
     """
 
     num_subbatches: int = 2
@@ -61,6 +81,10 @@ class SpeedLoaderConfig:
     weights: str = "device"
     live_blocks: int = 2
     offload_dir: str | None = None
+    activations: str = "device"
+    min_offload_bytes: int = 64 * 1024
+    recompute: str = "auto"
+    memory_budget: int | str | None = None
 
     def __post_init__(self) -> None:
         _check_int("num_subbatches", self.num_subbatches, minimum=1)
@@ -70,6 +94,11 @@ class SpeedLoaderConfig:
         _check_choice("on_refusal", self.on_refusal, ON_REFUSAL)
         _check_choice("weights", self.weights, TIERS)
         _check_int("live_blocks", self.live_blocks, minimum=1)
+        _check_choice("activations", self.activations, TIERS)
+        _check_int("min_offload_bytes", self.min_offload_bytes, minimum=0)
+        _check_choice("recompute", self.recompute, RECOMPUTE)
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget, "memory_budget"))
         if self.offload_dir is not None and not isinstance(self.offload_dir, str):
             raise ValueError(f"speedloader option 'offload_dir' must be a path string, got {self.offload_dir!r}")
 
@@ -102,6 +131,33 @@ class SpeedLoaderConfig:
     def cache_key(self) -> str:
         """A stable string of every option, for compile caches."""
         return repr(sorted(dataclasses.asdict(self).items()))
+
+
+def parse_bytes(value: Any, key: str = "value") -> int:
+    """Bytes from an int or a string with a unit: 2GiB, 512 MB, 1e9, 4096.
+
+    Raises:
+        ValueError: naming `key`, for anything else or a size below one byte.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"speedloader option {key!r} must be bytes or a size like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"speedloader option {key!r} must be bytes or a size like '2GiB' or '512MB', got {value!r}"
+            )
+        number = int(float(match.group(1)) * _UNITS[unit])
+    else:
+        raise ValueError(f"speedloader option {key!r} must be bytes or a size like '2GiB', got {value!r}")
+    if number < 1:
+        raise ValueError(f"speedloader option {key!r} must be at least one byte, got {value!r}")
+    return number
 
 
 def _check_int(key: str, value: Any, *, minimum: int) -> None:

@@ -3,7 +3,9 @@
 Captures the model's graphs with Dynamo (the model's forward runs once, eagerly, with
 the given inputs; no backward, no optimizer) and runs the analysis passes on each
 graph: the blocks found, the batch dimension, K, the fallback reason (or None) and the
-schedule as deterministic text.
+schedule as deterministic text. Graphs that would be rewritten are also lowered with
+AOTAutograd (traced and partitioned, nothing compiled to code, no weight moved) to
+predict the step's peak memory per tier from the lifetimes of its graphs.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import torch
 
 from slcompile.config import SpeedLoaderConfig
-from slcompile.errors import RefusedError
+from slcompile.errors import BudgetError, RefusedError
 from slcompile.pipeline import run_pipeline
 from slcompile.schedules.speedloader import speedloader_schedule
 
@@ -34,6 +36,12 @@ class GraphExplanation:
         num_subbatches: K.
         fallback_reason: why this graph would compile without sub-batching, or None.
         schedule: the schedule text, one line per step (`fwd blk3.sb1`).
+        predicted_peak_bytes: per tier ("device", "host", "nvme"), the predicted
+            peak of one step for the example inputs, or None.
+        memory_expressions: the same (and the step's own peak) as sympy expressions
+            of the size symbols.
+        memory: the full `MemoryPrediction`, or None.
+        budget_error: why no plan fits `memory_budget`, or None.
     """
 
     blocks: tuple[str, ...]
@@ -43,6 +51,10 @@ class GraphExplanation:
     num_subbatches: int
     fallback_reason: str | None
     schedule: str
+    predicted_peak_bytes: dict[str, int] | None = None
+    memory_expressions: dict | None = None
+    memory: Any = None
+    budget_error: str | None = None
 
     def __str__(self) -> str:
         lines = [
@@ -52,9 +64,12 @@ class GraphExplanation:
             + (", ".join(f"{k} dim {v}" for k, v in self.batch_inputs.items()) or "none"),
             f"num_subbatches: {self.num_subbatches}",
             f"fallback: {self.fallback_reason or 'none'}",
-            "schedule:",
-            *("  " + line for line in self.schedule.splitlines()),
         ]
+        if self.memory is not None:
+            lines.append(str(self.memory))
+        if self.budget_error is not None:
+            lines.append(f"memory budget: {self.budget_error}")
+        lines += ["schedule:", *("  " + line for line in self.schedule.splitlines())]
         return "\n".join(lines)
 
 
@@ -92,6 +107,14 @@ class Explanation:
     @property
     def schedule(self) -> str:
         return self._first().schedule
+
+    @property
+    def predicted_peak_bytes(self) -> dict[str, int] | None:
+        return self._first().predicted_peak_bytes
+
+    @property
+    def memory_expressions(self) -> dict | None:
+        return self._first().memory_expressions
 
     def __str__(self) -> str:
         parts = []
@@ -142,6 +165,9 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig) -> GraphExplan
             source = getattr(getattr(grapharg, "source", None), "name", name)
             sources[source() if callable(source) else source] = dim
     schedule = speedloader_schedule(blocks, config.num_subbatches).text() if blocks and reason is None else ""
+    memory, budget_error = None, None
+    if reason is None and state is not None and state.interleaved is not None:
+        memory, budget_error = _predict(state, example_inputs)
     return GraphExplanation(
         blocks=tuple(b.path for b in blocks.blocks) if blocks else (),
         block_groups=blocks.groups if blocks else (),
@@ -150,5 +176,23 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig) -> GraphExplan
         num_subbatches=config.num_subbatches,
         fallback_reason=reason,
         schedule=schedule,
+        predicted_peak_bytes=dict(memory.peak_bytes) if memory is not None else None,
+        memory_expressions=dict(memory.expressions) if memory is not None else None,
+        memory=memory,
+        budget_error=budget_error,
     )
+
+
+def _predict(state, example_inputs):
+    """(MemoryPrediction, None), or (None, why no plan fits the budget)."""
+    from slcompile.backends.lowering import lower
+    from slcompile.backends.speedloader import step_plan
+    from slcompile.report import CompileReport
+
+    report = CompileReport(config=state.config)
+    try:
+        lower(state.gm, example_inputs, "aot_eager", report, step_plan(state))
+    except BudgetError as err:
+        return None, str(err)
+    return report.memory, None
 

@@ -118,7 +118,7 @@ def _stream(state: PipelineState) -> PipelineState:
 
     if state.interleaved is None or state.config.weights == "device":
         return state
-    engine = _engine_for(state.config.offload_dir) if state.config.offload_dir else get_engine()
+    engine = engine_for(state.config.offload_dir)
     if engine.copies_nothing(Tier(state.config.weights), Tier.DEVICE):
         log.debug("weights=%s copies nothing on this machine: weights stay resident", state.config.weights)
         return state
@@ -130,10 +130,12 @@ def _stream(state: PipelineState) -> PipelineState:
 _ENGINES: dict[str, Any] = {}
 
 
-def _engine_for(offload_dir: str):
-    """One transfer engine per offload directory, for the whole process."""
-    from slcompile.runtime.engine import TransferEngine
+def engine_for(offload_dir: str | None):
+    """The process-wide engine, or one engine per offload directory."""
+    from slcompile.runtime.engine import TransferEngine, get_engine
 
+    if offload_dir is None:
+        return get_engine()
     if offload_dir not in _ENGINES:
         _ENGINES[offload_dir] = TransferEngine(offload_dir=offload_dir)
     return _ENGINES[offload_dir]

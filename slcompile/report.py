@@ -40,6 +40,9 @@ class CompileReport:
             parameters it reads (AOTAutograd's backward returns gradients in that order).
         streamed_bytes: bytes of block weights fetched from their tier each pass (P).
         fused_weight_grads: weight gradients summed over sub-batches in one matmul.
+        memory: the predicted memory per tier (`MemoryPrediction`) of the plan
+            compiled, for the example inputs.
+        offloaded_activations: which saved activations rest off the device.
     """
 
     config: object
@@ -53,6 +56,8 @@ class CompileReport:
     block_inputs: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     streamed_bytes: int = 0
     fused_weight_grads: int = 0
+    memory: object = None
+    offloaded_activations: object = None
 
     def predicted_peak_bytes(self, sizes=None) -> int:
         """Peak bytes the compiled step allocates on the device, from the lifetimes

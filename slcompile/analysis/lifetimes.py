@@ -102,6 +102,8 @@ def analyze_lifetimes(
     inputs_freed: bool | None = None,
     input_buffers: Mapping[str, tuple[str, sympy.Expr] | None] | None = None,
     output_order: list | None = None,
+    load_granularity: int = 1,
+    load_overhead: int = 0,
 ) -> LifetimeTable:
     """Lifetimes of `gm`'s values.
 
@@ -120,6 +122,11 @@ def analyze_lifetimes(
             read. Default: every input is its own buffer.
         output_order: the forward's outputs with the user outputs first and the
             saved ones last, when the graph does not order them so.
+        load_granularity: tensors loaded from a tier (fetched weights, reloaded
+            activations) take their size rounded up to this (the page, for loads
+            that read files with O_DIRECT straight into memory).
+        load_overhead: bytes each loaded tensor takes beyond that (the alignment
+            slack of `buffers_seen_by_profiler`).
 
     Returns:
         the LifetimeTable.
@@ -149,6 +156,15 @@ def analyze_lifetimes(
         size = _node_bytes(node)
         if size is None:
             continue
+        if isinstance(node.meta.get("val"), (list, tuple)):
+            # A multi-output op: each output its getitem picks is a value of its own;
+            # the ones nobody picks die at once.
+            picked = {u.args[1] for u in node.users if u.target is operator.getitem}
+            size = sympy.expand(sum(
+                (tensor_bytes(v) for i, v in enumerate(node.meta["val"])
+                 if isinstance(v, torch.Tensor) and i not in picked),
+                sympy.Integer(0),
+            ))
         symbols |= size.free_symbols
         if node.op == "placeholder":
             kind = "weight" if node in weights else ("saved" if graph_kind == "backward" else "input")
@@ -166,6 +182,10 @@ def analyze_lifetimes(
             else:
                 held.append(Value(node.name, size, 0, len(nodes) - 1, kind))
             continue
+        if node.target in _loads():
+            if load_granularity > 1:
+                size = sympy.ceiling(size / load_granularity) * load_granularity
+            size += load_overhead
         if fetch_op is not None and node.target is getattr(fetch_op, "default", None):
             kind = "weight"
         elif node in saved:
@@ -174,21 +194,47 @@ def analyze_lifetimes(
             kind = "gradient"
         else:
             kind = "activation"
-        values.append(Value(node.name, size, index[node], last_use.get(node, index[node]), kind))
+        start = index[node]
+        if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+            start = index[node.args[0]]  # made by the multi-output op it picks from
+        elif node.target in _issued_by_first_arg():
+            # The memory is taken when the load is issued, not when it is waited for.
+            start = index.get(node.args[0], start)
+        values.append(Value(node.name, size, start, last_use.get(node, index[node]), kind))
 
     for name, readers in shared.items():
         last = max(last_use.get(node, 0) for node, _ in readers)
         values.append(Value(name, readers[0][1], 0, last, "saved"))
-    resident = []
+    # A sweep over the nodes: a value joins at its first use and leaves after its last.
+    change: dict[int, sympy.Expr] = {}
+    for v in values:
+        change[v.first_use] = change.get(v.first_use, sympy.Integer(0)) + v.bytes
+        change[v.last_use + 1] = change.get(v.last_use + 1, sympy.Integer(0)) - v.bytes
+    resident, running = [], sympy.Integer(0)
     for i in range(len(nodes)):
-        live = [v.bytes for v in values if v.first_use <= i <= v.last_use]
-        resident.append(sympy.expand(sum(live, sympy.Integer(0))))
+        if i in change:
+            running = sympy.expand(running + change[i])
+        resident.append(running)
     user = {base[n] for n in flat_outputs[: len(flat_outputs) - num_saved]} - saved
     returned_bytes = sympy.expand(sum((v.bytes for v in values if any(v.name == u.name for u in user)), sympy.Integer(0)))
     return LifetimeTable(
         tuple(values), tuple(held), tuple(resident), tuple(sorted(symbols, key=str)), returned_bytes
     )
 
+
+
+def _loads() -> tuple:
+    """Ops whose result is memory a tier's load filled."""
+    from slcompile.runtime import activations, ops, weights
+
+    return (ops.WAIT_LOAD, activations.UNSTASH_WAIT, torch.ops.slc.fetch_weight.default)
+
+
+def _issued_by_first_arg() -> tuple:
+    """Ops that return the memory of a load their first argument issued."""
+    from slcompile.runtime import activations, ops
+
+    return (ops.WAIT_LOAD, activations.UNSTASH_WAIT)
 
 
 def _node_bytes(node: torch.fx.Node) -> sympy.Expr | None:
@@ -223,7 +269,11 @@ class StepLifetimes:
 
 
 def analyze_training_step(
-    forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, weight_inputs: frozenset[int] = frozenset()
+    forward: torch.fx.GraphModule,
+    backward: torch.fx.GraphModule,
+    weight_inputs: frozenset[int] = frozenset(),
+    load_granularity: int = 1,
+    load_overhead: int = 0,
 ) -> StepLifetimes:
     """Lifetimes of a partitioned forward and backward pair.
 
@@ -242,7 +292,8 @@ def analyze_training_step(
     user_first = [o for o in outputs if o.name not in saved_names] + [o for o in outputs if o.name in saved_names]
     fw_table = analyze_lifetimes(
         forward, "forward", num_saved=len(outputs) - sum(o.name not in saved_names for o in outputs),
-        weight_inputs=weight_inputs, output_order=user_first,
+        weight_inputs=weight_inputs, output_order=user_first, load_granularity=load_granularity,
+        load_overhead=load_overhead,
     )
     bases = _bases(fw_nodes)
     made = {v.name: v.bytes for v in fw_table.values}
@@ -250,7 +301,8 @@ def analyze_training_step(
     for bw_input in saved_inputs:
         base = bases[by_name[bw_input.name]]
         buffers[bw_input.name] = (base.name, made[base.name]) if base.name in made else None
-    bw_table = analyze_lifetimes(backward, "backward", input_buffers=buffers)
+    bw_table = analyze_lifetimes(backward, "backward", input_buffers=buffers, load_granularity=load_granularity,
+                                 load_overhead=load_overhead)
     return StepLifetimes(fw_table, bw_table)
 
 
@@ -268,7 +320,13 @@ def _bases(nodes) -> dict:
     for node in nodes:
         root = node
         if node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
-            if getattr(node.target, "is_view", False) or node.target is operator.getitem:
-                root = base.get(node.args[0], node.args[0])
+            source = node.args[0]
+            aliases = getattr(node.target, "is_view", False)
+            if node.target is operator.getitem:
+                # An output of a multi-output op owns its memory, unless the op
+                # returns views (split, unbind).
+                aliases = getattr(source.target, "is_view", False) or source.op != "call_function"
+            if aliases:
+                root = base.get(source, source)
         base[node] = root
     return base

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from slcompile.backends.lowering import lower
+from slcompile.backends.lowering import StepPlan, lower
 from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import RefusedError
 from slcompile.pipeline import run_pipeline
@@ -63,18 +63,47 @@ def speedloader_backend(
     }
     report.passes_run = state.passes_run
     report.schedule = speedloader_schedule(state.blocks, config.num_subbatches).text()
-    positions = {block.index: pos for pos, block in enumerate(state.blocks.blocks)}
     streams = state.streamed is not None
-    compiled = lower(
-        state.gm, example_inputs, config.lowering, report, positions, config.num_subbatches,
-        streamer=state.streamer if streams else None,
-    )
+    compiled = lower(state.gm, example_inputs, config.lowering, report, step_plan(state))
     if streams:
         _offload_weights(state)
         report.streamed_bytes = state.streamed.streamed_bytes
     if not state.batch.dynamic or config.num_subbatches == 1:
         return compiled
     return _DivisibleBatchGuard(compiled, original, example_inputs, state, report)
+
+
+def step_plan(state) -> StepPlan:
+    """The StepPlan of a pipeline state that ran through `interleave`."""
+    config = state.config
+    return StepPlan(
+        block_positions={block.index: pos for pos, block in enumerate(state.blocks.blocks)},
+        num_subbatches=config.num_subbatches,
+        streamer=state.streamer,
+        stash=_activation_stash(config),
+        recompute=config.recompute,
+        min_offload_bytes=config.min_offload_bytes,
+        memory_budget=config.memory_budget,
+        live_blocks=config.live_blocks,
+        weights_tier=config.weights if state.streamer is not None else "device",
+        activations_tier=config.activations,
+        streamed_bytes=state.streamed.streamed_bytes if state.streamed is not None else 0,
+    )
+
+
+def _activation_stash(config: SpeedLoaderConfig):
+    """An ActivationStash on the configured tier, or None when activations stay."""
+    from slcompile.pipeline import engine_for
+    from slcompile.runtime.activations import ActivationStash
+    from slcompile.runtime.tiers import Tier
+
+    if config.activations == "device":
+        return None
+    engine = engine_for(config.offload_dir)
+    if engine.copies_nothing(Tier(config.activations), Tier.DEVICE):
+        log.debug("activations=%s copies nothing on this machine: they stay on the device", config.activations)
+        return None
+    return ActivationStash(engine, config.activations)
 
 
 def _offload_weights(state) -> None:

@@ -640,7 +640,9 @@ class TransferEngine:
                     entry.nbytes, entry.dtype, entry.shape,
                     on_release=lambda: self._recorder.resident_change(Tier.DEVICE, -entry.nbytes),
                 )
-                address, writable = result.data_ptr(), result.untyped_storage().nbytes()
+                storage = result.untyped_storage()
+                address = result.data_ptr()
+                writable = storage.nbytes() - (address - storage.data_ptr())
 
             def on_done(outcome: IoOutcome) -> None:
                 if outcome.start is not None:

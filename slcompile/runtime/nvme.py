@@ -35,6 +35,7 @@ Guarantees:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import errno
 import logging
@@ -48,7 +49,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -68,6 +69,7 @@ __all__ = [
     "IoOutcome",
     "PageBuffer",
     "PageBufferCache",
+    "buffers_seen_by_profiler",
     "clean_stale_dirs",
     "PRIVATE_DIR_PREFIX",
 ]
@@ -95,6 +97,23 @@ class PageBuffer(mmap.mmap):
         # No MADV_HUGEPAGE: fewer faults, but the kernel's compaction to find huge
         # pages made first loads 3x slower here than plain pages.
         return cls(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+_PROFILER_VISIBLE = [0]  # nesting depth of buffers_seen_by_profiler
+
+
+@contextlib.contextmanager
+def buffers_seen_by_profiler() -> Iterator[None]:
+    """Within the block, loads land in memory from torch's CPU
+    allocator instead of private mappings, so `torch.profiler`'s memory timeline
+    counts them with every other tensor. For measuring memory, not for speed: the
+    memory is not reused between loads and each buffer carries one page of slack
+    for alignment."""
+    _PROFILER_VISIBLE[0] += 1
+    try:
+        yield
+    finally:
+        _PROFILER_VISIBLE[0] -= 1
 
 
 class PageBufferCache:
@@ -141,6 +160,8 @@ class PageBufferCache:
             The tensor; not a view (its storage is the whole padded buffer).
         """
         size = round_up(nbytes, PAGE_BYTES)
+        if _PROFILER_VISIBLE[0]:
+            return _allocator_tensor(size, dtype, shape, on_release)
         with self._lock:
             idle = self._idle.get(size)
             buffer = idle.pop() if idle else None
@@ -169,6 +190,20 @@ class PageBufferCache:
         with self._lock:
             self._idle.clear()
             self._idle_bytes = 0
+
+
+def _allocator_tensor(size: int, dtype: torch.dtype, shape: tuple[int, ...], on_release) -> torch.Tensor:
+    """A tensor on page-aligned memory inside a buffer from torch's CPU allocator
+    (a view of it, so the profiler ties the tensor to that allocation)."""
+    base = torch.empty(size + PAGE_BYTES, dtype=torch.uint8)
+    offset = -base.data_ptr() % PAGE_BYTES
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    tensor = base[offset : offset + size].view(dtype)[:numel].view(shape)
+    if on_release is not None:
+        weakref.finalize(tensor, on_release)
+    return tensor
 
 
 def _address_of(buffer: mmap.mmap) -> int:

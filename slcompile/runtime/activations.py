@@ -1,0 +1,151 @@
+"""Saved activations that rest on a slower tier between the forward and the backward.
+
+The `offload_activations` pass rewrites a partitioned forward/backward pair: the
+forward stores each chosen saved tensor when it is made and hands the backward a
+*stash token* in its place; the backward issues the load one (block, sub-batch)
+before it needs the tensor and waits for it just before its first use.
+
+    slc::stash(Tensor x, str key) -> Tensor                 # forward: issue the store
+    slc::wait(Tensor token, Tensor[] keepalive) -> Tensor   # forward: store done (ops.py)
+    slc::unstash(Tensor stash_token) -> Tensor              # backward: issue the load
+    slc::unstash_wait(Tensor load_token, SymInt[] size, ScalarType dtype,
+                      Device device) -> Tensor              # backward: the tensor
+
+Keys in the graph look like `a2|blk3.sb1.mul_4`: the `ActivationStash` (engine and
+tier) and the tensor's name. Every store gets a fresh stored key (`...#17`), so two
+forwards of the same graph before their backwards never overwrite each other. The
+stored copy lives as long as the stash token: AOTAutograd keeps the token as a saved
+tensor and drops it when the backward is done with it (or when the graph is freed
+without a backward), and the token's finalizer frees the copy. A backward run twice
+with `retain_graph=True` therefore reads the copy twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch._library.effects import EffectType
+
+from slcompile.runtime import ops
+from slcompile.runtime.engine import TransferEngine
+from slcompile.runtime.errors import OffloadError
+from slcompile.runtime.stats import RECORDER
+from slcompile.runtime.tiers import Tier, TransferKind
+
+__all__ = ["ActivationStash", "STASH", "UNSTASH", "UNSTASH_WAIT", "split_stash_key"]
+
+_STASHES: dict[str, ActivationStash] = {}
+_LOCK = threading.Lock()
+_NUMBERS = itertools.count()
+_STORES = itertools.count()
+
+
+def split_stash_key(key: str) -> tuple[str, str]:
+    """`a2|blk3.sb1.mul_4` -> ("a2", "blk3.sb1.mul_4")."""
+    stash, _, name = key.partition("|")
+    return stash, name
+
+
+class ActivationStash:
+    """Where one compiled graph's offloaded activations rest.
+
+    Args:
+        engine: the transfer engine that stores and loads them.
+        tier: the tier they rest on.
+    """
+
+    def __init__(self, engine: TransferEngine, tier: Tier | str):
+        self.engine = engine
+        self.tier = Tier(tier)
+        self.name = f"a{next(_NUMBERS)}"
+        with _LOCK:
+            _STASHES[self.name] = self
+
+    def graph_key(self, name: str) -> str:
+        return f"{self.name}|{name}"
+
+
+def _stash_of(key: str) -> ActivationStash:
+    name, _ = split_stash_key(key)
+    with _LOCK:
+        stash = _STASHES.get(name)
+    if stash is None:
+        raise OffloadError(f"no activation stash {name!r} for key {key!r}", key=key)
+    return stash
+
+
+def _free_stored(engine: TransferEngine, stored_key: str) -> None:
+    if stored_key in engine:
+        engine.free(stored_key)
+
+
+@torch.library.custom_op("slc::stash", mutates_args=())
+def stash(x: torch.Tensor, key: str) -> torch.Tensor:
+    """Issues the store of a saved activation; returns the stash token."""
+    owner = _stash_of(key)
+    engine = owner.engine
+    if engine.copies_nothing(engine.tier_of(x), owner.tier):
+        x = x.detach().clone(memory_format=torch.contiguous_format)
+        RECORDER.local_copy(x.numel() * x.element_size())
+    stored_key = f"{split_stash_key(key)[1]}#{next(_STORES)}"
+    handle = engine.store(stored_key, x, owner.tier, TransferKind.ACTIVATION)
+    # A finished store's handle would keep the source alive as its result for as
+    # long as the token lives (until the backward): exactly what offloading frees.
+    handle._when_done(lambda: setattr(handle, "_result", None))
+    token = ops._token_for(engine, handle)
+    weakref.finalize(token, _free_stored, engine, stored_key)
+    return token
+
+
+@stash.register_fake
+def _(x, key):
+    return ops.fake_token()
+
+
+@torch.library.custom_op("slc::unstash", mutates_args=())
+def unstash(stash_token: torch.Tensor) -> torch.Tensor:
+    """Issues the load of a stashed activation; returns the load's token."""
+    engine, handle = ops._lookup(stash_token)
+    if handle.direction != "store":
+        raise OffloadError(f"token {handle.id} is a {handle.direction}, not a stash", key=handle.key)
+    return ops._token_for(engine, engine.load(handle.key, TransferKind.ACTIVATION))
+
+
+@unstash.register_fake
+def _(stash_token):
+    return ops.fake_token()
+
+
+@torch.library.custom_op("slc::unstash_wait", mutates_args=())
+def unstash_wait(
+    load_token: torch.Tensor, size: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Blocks until the load is done; returns the activation as the graph's own tensor."""
+    engine, handle = ops._lookup(load_token)
+    result = engine.wait(handle)
+    if tuple(result.shape) != tuple(size) or result.dtype != dtype:
+        raise OffloadError(
+            f"unstashed {result.dtype} {tuple(result.shape)}, but the graph expects {dtype} {tuple(size)}",
+            key=handle.key,
+        )
+    if handle.zero_copy:
+        result = result.clone()
+        RECORDER.local_copy(result.numel() * result.element_size())
+    return result
+
+
+@unstash_wait.register_fake
+def _(load_token, size, dtype, device):
+    return torch.empty(size, dtype=dtype, device=device)
+
+
+for _op in (stash, unstash, unstash_wait):
+    _op.register_effect(EffectType.ORDERED)
+
+STASH = torch.ops.slc.stash.default
+UNSTASH = torch.ops.slc.unstash.default
+UNSTASH_WAIT = torch.ops.slc.unstash_wait.default
