@@ -1,0 +1,132 @@
+"""One entry point for the benchmarks: ``python -m bench SCENARIO [ARGS...]``.
+
+Usage:
+    python -m bench list                      # the scenarios and the command each runs
+    python -m bench train [--quick] ...       # bench/train_bench.py with these arguments
+    python -m bench prefill ...               # bench/prefill_bench.py
+    python -m bench io ...                    # bench/io_bench.py
+    python -m bench deepspeed ...             # bench/deepspeed_bench.py
+    python -m bench all [--quick] [--only train,io]
+
+A single scenario runs its script with the arguments given after its name, as
+``python bench/<script>.py ARGS`` would (every script stays runnable on its own).
+``all`` runs the scenarios one after another with the arguments bench/README.md
+documents, writing bench/results/ (``--quick``: each script's smoke settings instead,
+results in a temp dir), under a progress bar over scenarios; each script's own output
+is kept in a log file and its result table printed, and a failed scenario does not
+stop the ones after it. Run from the
+repository root, with the venv's python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A benchmark script and the arguments `all` runs it with."""
+
+    name: str
+    script: str
+    full_args: tuple[str, ...]
+    quick_args: tuple[str, ...]
+    summary: str
+
+
+SCENARIOS = (
+    Scenario("train", "train_bench.py", ("--repeats", "3"), ("--quick", "--repeats", "1"),
+             "training step, weights on nvme: speedloader vs gradient accumulation vs resident"),
+    Scenario("prefill", "prefill_bench.py", ("--repeats", "3"), ("--repeats", "1"),
+             "forward-only prefill: speedloader vs accelerate disk_offload"),
+    Scenario("io", "io_bench.py", ("--gib", "2", "--repeats", "3"), ("--gib", "0.5", "--repeats", "1"),
+             "nvme tier: transfer engine vs dd, overlap, page cache"),
+    Scenario("deepspeed", "deepspeed_bench.py", ("--steps", "8"), ("--quick", "--steps", "3"),
+             "training: speedloader vs DeepSpeed ZeRO-3 offload (needs deepspeed installed)"),
+)
+BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
+
+
+def command_for(scenario: Scenario, args: list[str]) -> list[str]:
+    return [sys.executable, os.path.join(HERE, scenario.script), *args]
+
+
+def run_all(names: list[str], quick: bool, results_dir: str | None) -> int:
+    """Runs the scenarios in order under one progress bar; returns the exit status."""
+    from tqdm import tqdm
+
+    log_dir = tempfile.mkdtemp(prefix="slc-bench-logs-")
+    # Smoke runs must not overwrite the measured results next to the README.
+    results_dir = results_dir or (log_dir if quick else os.path.join(HERE, "results"))
+    failed = []
+    bar = tqdm(names, desc="benchmarks", unit="scenario")
+    for name in bar:
+        scenario = BY_NAME[name]
+        args = [*(scenario.quick_args if quick else scenario.full_args)]
+        if results_dir != os.path.join(HERE, "results"):
+            args += ["--out", os.path.join(results_dir, scenario.script.replace(".py", ".json"))]
+        bar.set_postfix_str(name)
+        log_path = os.path.join(log_dir, f"{name}.log")
+        started = time.perf_counter()
+        with open(log_path, "w") as log:
+            # The scripts' own progress bars and warnings go to the log; their
+            # tables (stdout) are shown once the scenario is done.
+            proc = subprocess.run(command_for(scenario, args), stdout=subprocess.PIPE, stderr=log, text=True)
+        seconds = time.perf_counter() - started
+        shown = " ".join(["python", f"bench/{scenario.script}", *args])
+        tqdm.write(f"== {name} ({shown}): {'ok' if proc.returncode == 0 else 'FAILED'} in {seconds:.0f} s")
+        tqdm.write(proc.stdout.rstrip())
+        if proc.returncode != 0:
+            failed.append(name)
+            with open(log_path) as log:
+                tqdm.write("".join(log.readlines()[-15:]).rstrip())
+    bar.close()
+    print(f"logs: {log_dir}; results: {results_dir}")
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+def main() -> None:
+    names = [scenario.name for scenario in SCENARIOS]
+    argv = sys.argv[1:]
+    if argv and argv[0] in BY_NAME:
+        # Everything after the scenario's name belongs to its script.
+        scenario = BY_NAME[argv[0]]
+        raise SystemExit(subprocess.call(command_for(scenario, argv[1:])))
+
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{list,all," + ",".join(names) + "}")
+    commands.add_parser("list", help="the scenarios and the commands `all` runs")
+    every = commands.add_parser("all", help="run the scenarios one after another")
+    every.add_argument("--quick", action="store_true", help="each script's smoke settings")
+    every.add_argument("--only", default=",".join(names), help=f"comma-separated subset of {','.join(names)}")
+    every.add_argument("--results-dir", default=None,
+                       help="where the JSON and PNG files go (default: bench/results; with --quick, a temp dir)")
+    for scenario in SCENARIOS:
+        commands.add_parser(scenario.name, help=f"{scenario.summary} (arguments go to bench/{scenario.script})")
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        for scenario in SCENARIOS:
+            print(f"{scenario.name:10} {scenario.summary}")
+            print(f"{'':10} full:  python bench/{scenario.script} {' '.join(scenario.full_args)}")
+            print(f"{'':10} quick: python bench/{scenario.script} {' '.join(scenario.quick_args)}")
+        return
+    chosen = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        parser.error(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(names)}")
+    raise SystemExit(run_all(chosen, args.quick, args.results_dir))
+
+
+if __name__ == "__main__":
+    main()
