@@ -117,3 +117,28 @@ def test_backend_resolves_by_entry_point_without_import():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_explain_predicts_memory_per_tier_without_moving_weights():
+    model = TinyGPT(GPTConfig())
+    idx, targets = make_gpt_batch(GPTConfig(), 8)
+    options = dict(lowering="aot_eager", num_subbatches=2, weights="nvme", activations="nvme", min_offload_bytes=0)
+    explanation = slcompile.explain(model, idx, targets, **options)
+    predicted = explanation.predicted_peak_bytes
+    assert set(predicted) == {"device", "host", "nvme"}
+    assert not slcompile.offloaded_parameters(model)  # explaining moves nothing
+    streamed = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("layers."))
+    assert predicted["nvme"] > streamed  # the block weights and the saved activations
+    assert "predicted peak" in str(explanation)
+    # The same figures as compiling the step for real.
+    torch.compile(model, backend="speedloader", options=options)(idx, targets)[1].backward()
+    assert slcompile.compile_reports()[-1].memory.peak_bytes == predicted
+
+
+def test_explain_reports_an_infeasible_budget():
+    idx, targets = make_gpt_batch(GPTConfig(), 8)
+    explanation = slcompile.explain(
+        TinyGPT(GPTConfig()), idx, targets, lowering="aot_eager", num_subbatches=2, memory_budget="1KiB"
+    )
+    assert explanation.predicted_peak_bytes is None
+    assert "over memory_budget=1024" in explanation.graphs[0].budget_error

@@ -210,3 +210,18 @@ def test_predicted_peak_within_five_percent_with_weights_and_activations_on_nvme
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
     # Without the profiler's slack, the compiled plan's own prediction is lower.
     assert report.memory.step_peak_bytes <= predicted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["none", "blocks"])
+def test_inductor_with_weights_and_activations_on_nvme_matches_eager(recompute):
+    idx, targets = make_gpt_batch(CFG, 8)
+    reset_runtime_stats()
+    options = {
+        "lowering": "inductor", "weights": "nvme", "activations": "nvme", "min_offload_bytes": 0,
+        "num_subbatches": 2, "recompute": recompute,
+    }
+    assert_matches_eager(TinyGPT(CFG), lambda m: m(idx, targets), options)
+    offloaded = slcompile.compile_reports()[-1].offloaded_activations
+    assert offloaded.names
+    assert _activation_bytes() == (int(offloaded.bytes), int(offloaded.bytes))

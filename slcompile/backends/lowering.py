@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn, get_hash_for_files
 
 from slcompile.analysis.memory import MemoryPrediction, predict_memory
 from slcompile.errors import BudgetError
@@ -140,16 +140,26 @@ class _PlannedPartition:
     def __init__(self, plan: StepPlan, report: CompileReport):
         self.plan = plan
         self.report = report
+        # Set when a joint-graph pre-pass already tagged the graph for the first plan.
+        self.pre_tagged = False
+
+    def tag_first(self, joint: torch.fx.Graph) -> None:
+        """The joint-graph tags of the first plan tried."""
+        if self.plan.streamer is not None:
+            tag_fetch_views(joint)
+        if self.plan.recompute == "blocks":
+            tag_block_recompute(joint)
+        self.pre_tagged = True
 
     def __call__(self, partitioner, joint: torch.fx.GraphModule, joint_inputs, **kwargs):
         plan = self.plan
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         candidates = ("none", "blocks") if plan.recompute == "auto" else (plan.recompute,)
         tried: list[MemoryPrediction] = []
-        for recompute in candidates:
-            if plan.streamer is not None:
+        for attempt, recompute in enumerate(candidates):
+            if plan.streamer is not None and not (self.pre_tagged and attempt == 0):
                 tag_fetch_views(joint.graph)
-            if recompute == "blocks":
+            if recompute == "blocks" and not (self.pre_tagged and attempt == 0):
                 tagged = tag_block_recompute(joint.graph)
                 log.debug("recomputing %d forward nodes of the blocks in the backward", tagged)
             fw, bw = partitioner(joint, joint_inputs, **kwargs)
@@ -211,11 +221,34 @@ def _aot_eager(gm, example_inputs, prepare, partition_hook):
     return backend(gm, example_inputs)
 
 
+class _TagJoint(CustomGraphPass):
+    """Inductor joint-graph pre-pass: the first plan's tags, before Inductor's own
+    joint-graph rewrites (tagging after them makes the min-cut partitioner fail on
+    fetched weights)."""
+
+    def __init__(self, hook: _PlannedPartition):
+        self.hook = hook
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.hook.tag_first(graph)
+
+    def uuid(self):
+        return _InductorPartition(self.hook).uuid()
+
+
 class _InductorPartition(CustomPartitionerFn):
     """Inductor's partitioner (min-cut) wrapped with the step plan."""
 
     def __init__(self, hook: _PlannedPartition):
         self.hook = hook
+
+    def __deepcopy__(self, memo):
+        # Inductor copies its config for cache keys; the plan (a streamer with its
+        # locks) is shared, and the key comes from `uuid`.
+        return self
 
     def __call__(self, gm, joint_inputs, **kwargs):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -226,7 +259,7 @@ class _InductorPartition(CustomPartitionerFn):
         # The plan is part of the graph (fetch and stash keys), the code is in these files.
         return get_hash_for_files(
             (__file__, stream_weights_module.__file__, offload_activations_module.__file__)
-        ) + repr(dataclasses.astuple(_plan_key(self.hook.plan)))
+        ) + repr(dataclasses.astuple(_plan_key(self.hook.plan))).encode()
 
 
 def _plan_key(plan: StepPlan):
@@ -251,5 +284,6 @@ def _inductor(gm, example_inputs, prepare, partition_hook):
     patches = dict(INDUCTOR_PATCHES)
     if partition_hook is not None:
         patches["custom_partitioner_fn"] = _InductorPartition(partition_hook)
+        patches["joint_custom_pre_pass"] = _TagJoint(partition_hook)
     with inductor_config.patch(patches):
         return compile_fx(gm, example_inputs, inner_compile=inner)

@@ -85,8 +85,23 @@ def _meta(group: tuple[int, int], role: str) -> SlcMeta:
 
 
 def _is_random(node: torch.fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
+    """Whether running the node again could draw other random numbers: ops tagged
+    as seeded, unless their dropout probability is 0 or they run in eval mode
+    (attention kernels carry the tag for their optional dropout)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return True
+    values = {arg.name: arg.default_value for arg in schema.arguments if arg.has_default_value()}
+    values.update(zip((arg.name for arg in schema.arguments), node.args))
+    values.update(node.kwargs)
+    if values.get("train") is False:
+        return False
+    for name in ("dropout_p", "p"):
+        if name in values and isinstance(values[name], (int, float)) and values[name] == 0:
+            return False
+    return True
 
 
 def tag_block_recompute(joint: torch.fx.Graph) -> int:
@@ -96,7 +111,8 @@ def tag_block_recompute(joint: torch.fx.Graph) -> int:
         the number of forward nodes tagged for recomputation.
     """
     tagged = 0
-    for node in forward_nodes(joint):
+    forward = forward_nodes(joint)
+    for node in [n for n in joint.nodes if n in forward]:
         group = _group(node)
         if node.op != "call_function" or group is None or group[0] == _PREFIX:
             continue
@@ -104,7 +120,14 @@ def tag_block_recompute(joint: torch.fx.Graph) -> int:
             continue  # a fetched weight or its view
         leaves_group = any(_group(user) != group for user in node.users if user.op != "output")
         if leaves_group or _is_random(node):
-            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            if isinstance(node.meta.get("val"), torch.Tensor):
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            else:  # several outputs: their getitems are what can be saved
+                for user in node.users:
+                    if user.target is operator.getitem:
+                        user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        elif node.target is operator.getitem and node.meta.get("recompute") == CheckpointPolicy.MUST_SAVE:
+            continue
         else:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             tagged += 1
