@@ -11,6 +11,7 @@ from slcompile.explain import Explanation, GraphExplanation, explain
 from slcompile.report import CompileReport, clear_compile_reports, compile_reports
 from slcompile.runtime.stats import reset_runtime_stats, runtime_stats
 from slcompile.runtime.weights import gathered_weights, offloaded_parameters
+from slcompile.tune import TuneResult, tune
 
 __all__ = [
     "SpeedLoaderConfig",
@@ -26,4 +27,6 @@ __all__ = [
     "reset_runtime_stats",
     "gathered_weights",
     "offloaded_parameters",
+    "tune",
+    "TuneResult",
 ]

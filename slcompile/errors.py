@@ -41,9 +41,10 @@ class BudgetError(Exception):
         self.smallest = smallest
         self.tried = tried
         plans = "; ".join(f"recompute={p.recompute}: {p.peak_bytes['device']} bytes" for p in tried)
+        plans = f" [{plans}]" if plans else ""
         super().__init__(
             f"the step needs at least {smallest} bytes ({smallest / 2**20:.2f} MiB) on the device, "
             f"over memory_budget={budget} ({budget / 2**20:.2f} MiB); set memory_budget >= {smallest}, "
             f"or lower it with more sub-batches, recompute='blocks', activations='nvme' or "
-            f"weights='nvme' [{plans}]"
+            f"weights='nvme'{plans}"
         )
