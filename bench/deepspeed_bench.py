@@ -485,7 +485,7 @@ def main() -> None:
         "machine": {
             "platform": platform.platform(), "cores": os.cpu_count(),
             "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "loadavg_start": load_at_start, "loadavg_end": load_at_end,
+            "loadavg_start": load_at_start, "loadavg_end": load_at_end, "niceness": os.nice(0),
         },
         "source": source_state(),
         "versions": {"torch": torch.__version__, "deepspeed": version("deepspeed"),
