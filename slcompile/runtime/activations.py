@@ -92,10 +92,9 @@ def stash(x: torch.Tensor, key: str) -> torch.Tensor:
         x = x.detach().clone(memory_format=torch.contiguous_format)
         RECORDER.local_copy(x.numel() * x.element_size())
     stored_key = f"{split_stash_key(key)[1]}#{next(_STORES)}"
-    handle = engine.store(stored_key, x, owner.tier, TransferKind.ACTIVATION)
-    # A finished store's handle would keep the source alive as its result for as
-    # long as the token lives (until the backward): exactly what offloading frees.
-    handle._when_done(lambda: setattr(handle, "_result", None))
+    # The handle must not keep the source as its result for as long as the token
+    # lives (until the backward): that memory is what offloading frees.
+    handle = engine.store(stored_key, x, owner.tier, TransferKind.ACTIVATION, forget_source=True)
     token = ops._token_for(engine, handle)
     weakref.finalize(token, _free_stored, engine, stored_key)
     return token

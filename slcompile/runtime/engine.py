@@ -129,7 +129,7 @@ class TransferHandle:
     __slots__ = (
         "id", "key", "kind", "source", "destination", "nbytes", "direction",
         "zero_copy", "issued", "_done", "_error", "_result", "_cuda_event",
-        "_callbacks", "_lock", "_keep", "__weakref__",
+        "_callbacks", "_lock", "_keep", "forget_source", "__weakref__",
     )
 
     def __init__(self, id_, key, kind, source, destination, nbytes, direction):
@@ -149,6 +149,8 @@ class TransferHandle:
         self._callbacks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._keep: object = None
+        # A store that does not keep its source as its result (see `store`).
+        self.forget_source = False
 
     @property
     def label(self) -> str:
@@ -161,7 +163,7 @@ class TransferHandle:
 
     def _finish(self, result: torch.Tensor | None, error: OffloadError | None) -> None:
         with self._lock:
-            self._result = result
+            self._result = None if self.forget_source else result
             self._error = error
             self._keep = None
             self._done.set()
@@ -310,6 +312,7 @@ class TransferEngine:
         tensor: torch.Tensor,
         tier: Tier | str,
         kind: TransferKind | str,
+        forget_source: bool = False,
     ) -> TransferHandle:
         """Issues a store of ``tensor`` under ``key`` onto ``tier``.
 
@@ -321,6 +324,9 @@ class TransferEngine:
             tensor: The values to store.
             tier: Where they should rest.
             kind: What they are, for the byte counters.
+            forget_source: drop the handle's reference to ``tensor`` when the store
+                is done (``wait`` then returns None), so the caller's last
+                reference frees it, on the caller's thread.
 
         Returns:
             The handle; ``wait`` on it returns the stored (source) tensor.
@@ -336,6 +342,7 @@ class TransferEngine:
         nbytes = source.numel() * source.element_size()
         source_tier = self.tier_of(source)
         handle = TransferHandle(next(self._ids), key, kind, source_tier, tier, nbytes, "store")
+        handle.forget_source = forget_source
         entry = _Entry(key, tier, kind, tuple(source.shape), source.dtype, nbytes)
         if self.copies_nothing(source_tier, tier):
             entry.tensor = source
