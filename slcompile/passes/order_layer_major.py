@@ -10,6 +10,17 @@ of their latest input, so a block's weight gradients are summed as soon as its l
 sub-batch is done; every node then inherits the rank of its most urgent user, so what
 an early step waits for is not stuck behind work of a later block. Seeded
 random ops keep their relative order, so random draws are unchanged.
+
+With `sample_major=True` (the grad_accumulation schedule) the rank is (sub-batch,
+block) instead: the forward runs sub-batch 0 through every block, then sub-batch 1;
+the backward runs sub-batch K-1 through every block in reverse, then K-2, and each
+weight gradient is added up as each sub-batch finishes its block. Work shared by the
+sub-batches ranks with the first sub-batch of the phase, or after its latest input.
+The graphs AOTAutograd hands over already run the blocks sample-major (TinyGPT, GPT-2,
+Llama at K=2 and 4), but not always the rest: on Llama, sub-batch 1's embedding comes
+before sub-batch 0's blocks (`interleave` keeps it ahead of the rotary embedding's
+autocast switch) and its backward comes last; this pass moves both next to their
+sub-batch's blocks.
 """
 
 from __future__ import annotations
@@ -28,15 +39,21 @@ log = logging.getLogger(__name__)
 
 
 def order_layer_major(
-    gm: torch.fx.GraphModule, phase: str, block_positions: dict[int, int], num_subbatches: int
+    gm: torch.fx.GraphModule,
+    phase: str,
+    block_positions: dict[int, int],
+    num_subbatches: int,
+    *,
+    sample_major: bool = False,
 ) -> tuple[torch.fx.GraphModule, int]:
-    """Reorders `gm`'s nodes in place into layer-major order.
+    """Reorders `gm`'s nodes in place into layer-major (or sample-major) order.
 
     Args:
         gm: an AOTAutograd forward, backward or inference graph with slc tags.
         phase: "fwd" or "bwd".
         block_positions: block index -> position in forward execution order.
         num_subbatches: K.
+        sample_major: rank by (sub-batch, block) instead of (block, sub-batch).
 
     Returns:
         (gm, number of nodes that moved).
@@ -58,15 +75,21 @@ def order_layer_major(
             sub = meta.subbatch if phase == "fwd" else num_subbatches - 1 - meta.subbatch
         elif meta.role == "combine":
             sub = num_subbatches  # joins the sub-batches: after the last of them
+        elif sample_major:
+            # Shared by the sub-batches: with the first to reach the region, or after
+            # the latest input (the loss summed over sub-batches, whose "combine"
+            # role AOTAutograd's graphs do not carry); ranked before its inputs, it
+            # would pull a whole sub-batch's pass ahead of the one before it.
+            return max([(0, region), *(rank[i] for i in node.all_input_nodes)])
         else:
             sub = -1  # shared by the sub-batches: before the first
-        return region, sub
+        return (sub, region) if sample_major else (region, sub)
 
     for node in nodes:
         if node.op == "placeholder":
             rank[node] = (-1, -1)
         elif node.op == "output":
-            rank[node] = (regions + 1, 0)
+            rank[node] = (regions + num_subbatches + 1, 0)
         else:
             own = tag_rank(node)
             if own is None:
