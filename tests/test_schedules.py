@@ -10,6 +10,7 @@ from models import GPTConfig, TinyGPT, hf_llama, make_gpt_batch
 from slcompile.analysis.order import block_order, layer_major_violations, sample_major_violations, step_order
 from slcompile.config import SCHEDULES
 from slcompile.meta import get_slc_meta
+from slcompile.passes.mark_regions import is_bookkeeping
 from slcompile.runtime import Tier, TransferKind, mark_step, reset_runtime_stats
 from slcompile.runtime.weights import split_graph_key
 from slcompile.schedules import POLICIES
@@ -163,6 +164,16 @@ def test_grad_accumulation_fetches_each_block_once_per_subbatch():
         assert seen and all(sorted(subs) == list(range(k)) for subs in seen.values()), kind
         keys = [node.args[1] for node in _fetches(report.graphs[kind])]
         assert len(set(keys)) == len(keys), "fetches a CSE pass could merge"
+        # A sub-batch's fetches open its run of the block, before anything computes.
+        started = set()
+        for node in report.graphs[kind].graph.nodes:
+            meta = get_slc_meta(node) if node.op == "call_function" else None
+            if meta is None or meta.region != "block" or is_bookkeeping(node):
+                continue
+            if node.target is torch.ops.slc.fetch_weight.default:
+                assert (meta.block, meta.subbatch) not in started, (kind, node.name)
+            else:
+                started.add((meta.block, meta.subbatch))
 
 
 def test_grad_accumulation_loads_k_times_the_weight_bytes_of_speedloader():
@@ -213,6 +224,21 @@ def test_grad_accumulation_prefetch_serves_every_fetch_with_one_load(k, live_blo
     # prefetched at the end of the last backward and dropped, and the gather itself.
     ahead = sum(_block_bytes(model, position) for position in range(live_blocks - 1))
     assert gathered == steps * cycle + ahead + report.streamed_bytes
+
+
+@pytest.mark.parametrize("recompute", ["none", "blocks"])
+def test_grad_accumulation_with_activations_on_nvme_matches_eager(recompute):
+    idx, targets = make_gpt_batch(CFG, 8)
+    options = _options("grad_accumulation", 2, activations="nvme", min_offload_bytes=0, recompute=recompute)
+    reset_runtime_stats()
+    assert_matches_eager(TinyGPT(CFG), lambda m: m(idx, targets), options)
+    report = slcompile.compile_reports()[-1]
+    offloaded = int(report.offloaded_activations.bytes)
+    assert offloaded > 0
+    moved = slcompile.runtime_stats().bytes_moved
+    stored = moved[TransferKind.ACTIVATION, Tier.DEVICE, Tier.NVME]
+    loaded = moved[TransferKind.ACTIVATION, Tier.NVME, Tier.DEVICE]
+    assert stored == loaded == offloaded
 
 
 def test_no_offload_moves_no_bytes():

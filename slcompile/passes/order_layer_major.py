@@ -15,7 +15,8 @@ With `sample_major=True` (the grad_accumulation schedule) the rank is (sub-batch
 block) instead: the forward runs sub-batch 0 through every block, then sub-batch 1;
 the backward runs sub-batch K-1 through every block in reverse, then K-2, and each
 weight gradient is added up as each sub-batch finishes its block. Work shared by the
-sub-batches ranks with the first sub-batch of the phase, or after its latest input.
+sub-batches ranks with the first sub-batch of the phase, or after its latest input;
+a sub-batch's weight fetches open its run of each block.
 The graphs AOTAutograd hands over already run the blocks sample-major (TinyGPT, GPT-2,
 Llama at K=2 and 4), but not always the rest: on Llama, sub-batch 1's embedding comes
 before sub-batch 0's blocks (`interleave` keeps it ahead of the rotary embedding's
@@ -58,32 +59,46 @@ def order_layer_major(
     Returns:
         (gm, number of nodes that moved).
     """
+    from slcompile.runtime import weights as _weights  # noqa: F401  registers slc::fetch_weight
+
+    fetch_op = torch.ops.slc.fetch_weight.default
     nodes = list(gm.graph.nodes)
     regions = len(block_positions) + 2
-    rank: dict[torch.fx.Node, tuple[int, int]] = {}
+    rank: dict[torch.fx.Node, tuple[int, ...]] = {}
+
+    def region_of(meta):
+        region = {"prefix": 0, "suffix": regions - 1}.get(meta.region)
+        if region is None:
+            region = 1 + block_positions.get(meta.block, 0)
+        return regions - 1 - region if phase == "bwd" else region
 
     def tag_rank(node):
         meta = get_slc_meta(node)
         if meta is None:
             return None
-        region = {"prefix": 0, "suffix": regions - 1}.get(meta.region)
-        if region is None:
-            region = 1 + block_positions.get(meta.block, 0)
-        if phase == "bwd":
-            region = regions - 1 - region
+        if sample_major:
+            return sample_major_rank(node, meta)
+        region = region_of(meta)
         if meta.subbatch is not None:
             sub = meta.subbatch if phase == "fwd" else num_subbatches - 1 - meta.subbatch
         elif meta.role == "combine":
             sub = num_subbatches  # joins the sub-batches: after the last of them
-        elif sample_major:
+        else:
+            sub = -1  # shared by the sub-batches: before the first
+        return region, sub
+
+    def sample_major_rank(node, meta):
+        region = region_of(meta)
+        if meta.subbatch is None:
             # Shared by the sub-batches: with the first to reach the region, or after
             # the latest input (the loss summed over sub-batches, whose "combine"
             # role AOTAutograd's graphs do not carry); ranked before its inputs, it
             # would pull a whole sub-batch's pass ahead of the one before it.
-            return max([(0, region), *(rank[i] for i in node.all_input_nodes)])
-        else:
-            sub = -1  # shared by the sub-batches: before the first
-        return (sub, region) if sample_major else (region, sub)
+            return max([(0, region, 1), *(rank[i] for i in node.all_input_nodes)])
+        sub = meta.subbatch if phase == "fwd" else num_subbatches - 1 - meta.subbatch
+        # A sub-batch's weight fetches open its run of the block, as a block's
+        # shared fetches open the block in layer-major order.
+        return sub, region, 0 if node.target is fetch_op else 1
 
     for node in nodes:
         if node.op == "placeholder":

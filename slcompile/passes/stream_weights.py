@@ -85,6 +85,7 @@ def stream_weights(
     per_block: dict[int, list[tuple[str, str]]] = defaultdict(list)
     resident = []
     streamed_bytes = 0
+    order_of = _order_of(gm)
     for node in list(gm.graph.nodes):
         if node.op != "placeholder" or node.name not in params:
             continue
@@ -96,7 +97,7 @@ def stream_weights(
         block = readers.pop()
         key = key_for(node.name, params[node.name].value)
         value = params[node.name].value
-        for subbatch, users in _user_groups(node, per_subbatch, _order_of(gm)):
+        for subbatch, users in _user_groups(node, per_subbatch, order_of):
             graph_key = graph_key_for(key) if subbatch is None else graph_key_for(key) + copy_suffix(subbatch)
             with gm.graph.inserting_before(users[0]):
                 fetch = gm.graph.call_function(fetch_op, (node, graph_key))
