@@ -98,12 +98,16 @@ def _demo(args: argparse.Namespace) -> int:
     from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
     from slcompile.report import compile_reports
     from slcompile.runtime.stats import mark_step, runtime_stats
+    from slcompile.schedules.policies import policy_for
     from slcompile.viz.pictures import record_step, write_pictures
     from slcompile.viz.summary import summarize_bytes, summarize_schedule
 
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    options = _options(args, **DEMO_DEFAULTS)
+    defaults = dict(DEMO_DEFAULTS)
+    if args.schedule == "no_offload":
+        defaults["weights"] = "device"  # the demo's nvme default; an explicit --weights still conflicts
+    options = _options(args, **defaults)
     config = SpeedLoaderConfig.from_options(options)
     out = pathlib.Path(args.out)
     torch.manual_seed(0)
@@ -114,7 +118,8 @@ def _demo(args: argparse.Namespace) -> int:
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (eager, model)]
     print(
         f"slcompile demo: GPT with {args.layers} blocks, d_model {args.width}, batch {args.batch}, "
-        f"K={config.num_subbatches}, lowering {config.lowering}, weights on {config.weights}"
+        f"K={config.num_subbatches}, schedule {config.schedule}, lowering {config.lowering}, "
+        f"weights on {config.weights}"
     )
     recorded = None
     losses: list[float] = []
@@ -156,8 +161,11 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"  forward and backward: {summarize_bytes(passes.bytes_moved, passes.transfers)}")
         print(f"  optimizer step:       {summarize_bytes({k: n for k, n in update.items() if n}, update_count)}")
         if report.streamed_bytes:
-            print(f"block weights streamed per pass: {report.streamed_bytes / 1024:.1f} KB "
-                  f"(forward and backward each fetch every block once, for all {config.num_subbatches} sub-batches)")
+            if policy_for(config.schedule).sample_major:
+                how = f"fetched once per sub-batch: {config.num_subbatches} times in the forward and in the backward"
+            else:
+                how = f"forward and backward each fetch every block once, for all {config.num_subbatches} sub-batches"
+            print(f"block weights streamed: {report.streamed_bytes / 1024:.1f} KB ({how})")
     written = write_pictures(out, report, recorded, detail=args.detail)
     _print_written(out, written)
     if config.lowering != "aot_eager":

@@ -17,7 +17,7 @@ __all__ = ["SpeedLoaderConfig", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS",
 
 LOWERINGS = ("inductor", "aot_eager")
 TIERS = ("device", "host", "nvme")
-SCHEDULES = ("speedloader",)
+SCHEDULES = ("speedloader", "grad_accumulation", "no_offload")
 ON_REFUSAL = ("fallback", "raise")
 RECOMPUTE = ("auto", "none", "blocks")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -35,8 +35,25 @@ class SpeedLoaderConfig:
             sub-batch (layer-major is then the plain order).
         lowering: what compiles the rewritten graph: "inductor" (default) or
             "aot_eager" (AOTAutograd without code generation; fast to compile).
-        schedule: the policy that orders compute: "speedloader" (layer-major over
-            sub-batches).
+        schedule: the policy that orders compute and moves weights; the three share
+            every pass and runtime op, so a comparison differs only in the schedule.
+            "speedloader": layer-major over sub-batches: each block runs all K
+            sub-batches before the next block starts, and a block's weights, when
+            they rest off the device, are fetched once per pass for all K.
+            "grad_accumulation": the usual baseline: K micro-batches, each runs
+            every block before the next micro-batch starts (sample-major, forward
+            and backward), and each block's weights are fetched once per
+            micro-batch per pass, K times per forward and K times per backward:
+            K times speedloader's weight traffic, with the same compute and the
+            same results. Inside one graph the activations saved for the backward
+            of all K micro-batches are alive at once (calling the model K times
+            frees each micro-batch's before the next one starts), so it matches
+            gradient accumulation in weight traffic and compute, not in activation
+            memory.
+            "no_offload": speedloader's order with every weight and activation
+            resident on the device and no transfers, the ideal when the model fits;
+            it requires `weights="device"` and `activations="device"` and equals
+            "speedloader" with those settings.
         batch_dim: the dimension of the batched inputs that is the batch (0 for the
             usual (batch, seq, ...) layout).
         on_refusal: what happens when the model cannot be split into sub-batches
@@ -99,6 +116,13 @@ class SpeedLoaderConfig:
         _check_choice("recompute", self.recompute, RECOMPUTE)
         if self.memory_budget is not None:
             object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget, "memory_budget"))
+        if self.schedule == "no_offload":
+            for key in ("weights", "activations"):
+                if getattr(self, key) != "device":
+                    raise ValueError(
+                        f"speedloader options 'schedule' and {key!r} conflict: schedule='no_offload' keeps "
+                        f"everything on the device, but {key}={getattr(self, key)!r}; use {key}='device' with it"
+                    )
         if self.offload_dir is not None and not isinstance(self.offload_dir, str):
             raise ValueError(f"speedloader option 'offload_dir' must be a path string, got {self.offload_dir!r}")
 

@@ -30,6 +30,7 @@ from slcompile.passes.find_batch_dim import BatchInfo, find_batch_dim
 from slcompile.passes.find_blocks import BlockGraph, find_blocks
 from slcompile.passes.interleave import InterleaveReport, interleave
 from slcompile.passes.stream_weights import StreamedWeights, stream_weights
+from slcompile.schedules.policies import policy_for
 
 __all__ = ["PipelineState", "Pass", "PASSES", "run_pipeline", "disabled_passes"]
 
@@ -107,7 +108,8 @@ def _check(state: PipelineState) -> PipelineState:
 
 
 def _interleave(state: PipelineState) -> PipelineState:
-    gm, report = interleave(state.gm, state.blocks, state.batch, state.plan)
+    sample_major = policy_for(state.config.schedule).sample_major
+    gm, report = interleave(state.gm, state.blocks, state.batch, state.plan, sample_major=sample_major)
     return dataclasses.replace(state, gm=gm, interleaved=report)
 
 
@@ -123,7 +125,10 @@ def _stream(state: PipelineState) -> PipelineState:
         log.debug("weights=%s copies nothing on this machine: weights stay resident", state.config.weights)
         return state
     streamer = WeightStreamer(engine, state.config.weights, state.config.live_blocks)
-    gm, streamed = stream_weights(state.gm, state.blocks, state.inputs, streamer.stored_key_for, streamer.graph_key)
+    gm, streamed = stream_weights(
+        state.gm, state.blocks, state.inputs, streamer.stored_key_for, streamer.graph_key,
+        per_subbatch=policy_for(state.config.schedule).sample_major,
+    )
     return dataclasses.replace(state, gm=gm, streamer=streamer, streamed=streamed)
 
 

@@ -1,4 +1,5 @@
-"""Read the layer-major order back from a partitioned forward or backward graph.
+"""Read the compute order (layer-major or sample-major) back from a partitioned forward
+or backward graph.
 
 Needs a graph whose nodes carry slc tags (`slcompile.meta`): the rewritten Dynamo
 graph, or the AOTAutograd forward and backward graphs derived from it (AOTAutograd
@@ -10,13 +11,21 @@ moves them freely), and neither does size arithmetic on SymInts.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx
 
 from slcompile.meta import get_slc_meta
 
-__all__ = ["BlockOrder", "block_order", "layer_major_violations", "grads_ready_before_next_block"]
+__all__ = [
+    "BlockOrder",
+    "block_order",
+    "step_order",
+    "layer_major_violations",
+    "sample_major_violations",
+    "grads_ready_before_next_block",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +59,23 @@ def block_order(gm: torch.fx.GraphModule) -> BlockOrder:
     return BlockOrder(tuple(steps))
 
 
+def step_order(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    """The tags of the ops that compute for one sub-batch (prefix, blocks and suffix),
+    runs collapsed: the steps a schedule's text lists for this graph's phase
+    (`fwd blk3.sb1` -> `blk3.sb1`). Shared and combining ops, getitems and detaches
+    are left out."""
+    steps: list[str] = []
+    for node in gm.graph.nodes:
+        if not _computes(node) or node.target is operator.getitem or node.target is torch.ops.aten.detach.default:
+            continue
+        meta = get_slc_meta(node)
+        if meta is None or meta.subbatch is None:
+            continue
+        if not steps or steps[-1] != meta.tag:
+            steps.append(meta.tag)
+    return tuple(steps)
+
+
 def layer_major_violations(order: BlockOrder, blocks: list[int], num_subbatches: int, phase: str) -> list[str]:
     """Differences between `order` and layer-major order; empty when it is layer-major.
 
@@ -63,7 +89,27 @@ def layer_major_violations(order: BlockOrder, blocks: list[int], num_subbatches:
     subbatches = list(range(num_subbatches))
     if phase == "bwd":
         blocks, subbatches = list(reversed(blocks)), list(reversed(subbatches))
-    expected = [(b, s) for b in blocks for s in subbatches]
+    return _differences(order, [(b, s) for b in blocks for s in subbatches])
+
+
+def sample_major_violations(order: BlockOrder, blocks: list[int], num_subbatches: int, phase: str) -> list[str]:
+    """Differences between `order` and sample-major order (gradient accumulation's);
+    empty when it is sample-major.
+
+    Args:
+        order: what the graph does.
+        blocks: block indices in forward execution order.
+        num_subbatches: K.
+        phase: "fwd" (sub-batches 0..K-1, each through the blocks in order) or "bwd"
+            (sub-batches K-1..0, each through the blocks reversed).
+    """
+    subbatches = list(range(num_subbatches))
+    if phase == "bwd":
+        blocks, subbatches = list(reversed(blocks)), list(reversed(subbatches))
+    return _differences(order, [(b, s) for s in subbatches for b in blocks])
+
+
+def _differences(order: BlockOrder, expected: list[tuple[int, int]]) -> list[str]:
     actual = list(order.steps)
     if actual == expected:
         return []

@@ -56,6 +56,8 @@ class StepPlan:
         live_blocks: the weight streamer's window.
         weights_tier, activations_tier: where each rests.
         streamed_bytes: bytes of the streamed weights (P).
+        sample_major: the graphs run each sub-batch through every block before the
+            next sub-batch (the grad_accumulation schedule) instead of layer-major.
     """
 
     block_positions: dict[int, int]
@@ -69,6 +71,7 @@ class StepPlan:
     weights_tier: str = "device"
     activations_tier: str = "device"
     streamed_bytes: int = 0
+    sample_major: bool = False
 
 
 def lower(
@@ -84,8 +87,9 @@ def lower(
     fetched-weight views are tagged for recomputation (`tag_fetch_views`) and, when
     the plan recomputes blocks, every block's internals (`tag_block_recompute`);
     after partitioning, the backward's per-sub-batch weight gradients are summed in
-    one matmul where that moves fewer bytes (`fuse_weight_grads`), both graphs are
-    put back into layer-major order (`order_layer_major`), saved activations move to
+    one matmul where that moves fewer bytes (`fuse_weight_grads`; layer-major plans
+    only), both graphs are put back into layer-major order (`order_layer_major`;
+    sample-major for the grad_accumulation schedule), saved activations move to
     their tier (`offload_saved`), and the step's memory is predicted. With
     `recompute="auto"` and a budget the step would exceed, it partitions again
     with block recomputation; when nothing fits it raises `BudgetError` with the
@@ -130,7 +134,9 @@ def _load_granularity() -> int:
 def _order(graph: torch.fx.GraphModule, phase: str, plan: StepPlan) -> None:
     if "order_layer_major" in disabled_passes():
         return
-    _, moved = order_layer_major(graph, phase, plan.block_positions, plan.num_subbatches)
+    _, moved = order_layer_major(
+        graph, phase, plan.block_positions, plan.num_subbatches, sample_major=plan.sample_major
+    )
     log.debug("order_layer_major moved %d nodes of the %s graph", moved, phase)
 
 
@@ -185,7 +191,11 @@ class _PlannedPartition:
 
     def _after_partition(self, fw, bw, num_fwd_outputs) -> OffloadedActivations:
         plan = self.plan
-        if plan.num_subbatches > 1 and "fuse_weight_grads" not in disabled_passes():
+        # Sample-major, one matmul over all sub-batches would keep every sub-batch's
+        # output gradients alive until the last one reaches the block: gradient
+        # accumulation adds each sub-batch's gradient as soon as it is done.
+        fuses = plan.num_subbatches > 1 and not plan.sample_major
+        if fuses and "fuse_weight_grads" not in disabled_passes():
             _, fused = fuse_weight_grads(bw)
             self.report.fused_weight_grads = fused
         _order(fw, "fwd", plan)

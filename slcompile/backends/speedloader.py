@@ -25,7 +25,7 @@ from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import RefusedError
 from slcompile.pipeline import run_pipeline
 from slcompile.report import CompileReport, add_report
-from slcompile.schedules.speedloader import speedloader_schedule
+from slcompile.schedules.policies import policy_for
 
 __all__ = ["speedloader_backend"]
 
@@ -62,7 +62,7 @@ def speedloader_backend(
         b.index: tuple(state.batch.input_index[name] for name in b.params) for b in state.blocks.blocks
     }
     report.passes_run = state.passes_run
-    report.schedule = speedloader_schedule(state.blocks, config.num_subbatches).text()
+    report.schedule = policy_for(config.schedule).build(state.blocks, config.num_subbatches).text()
     streams = state.streamed is not None
     compiled = lower(state.gm, example_inputs, config.lowering, report, step_plan(state))
     if streams:
@@ -88,6 +88,7 @@ def step_plan(state) -> StepPlan:
         weights_tier=config.weights if state.streamer is not None else "device",
         activations_tier=config.activations,
         streamed_bytes=state.streamed.streamed_bytes if state.streamed is not None else 0,
+        sample_major=policy_for(config.schedule).sample_major,
     )
 
 

@@ -1,4 +1,4 @@
-"""Rewrite the Dynamo graph to run layer-major over K sub-batches.
+"""Rewrite the Dynamo graph to run layer-major (or sample-major) over K sub-batches.
 
 Runs after `check_splittable`. Needs the BlockGraph (regions), BatchInfo (which inputs
 are batched) and the BatchPlan (how each node runs). Returns a new GraphModule whose
@@ -14,10 +14,17 @@ forward computes exactly what the original does, in this order:
    and runs once.
 5. Per-sample outputs are concatenated back along their batch dimension.
 
+With `sample_major=True` (the grad_accumulation schedule) steps 2-4 run by sub-batch
+instead: sub-batch 0 through the prefix, every block and its share of the suffix, then
+sub-batch 1, and so on; the combining ops run after the last sub-batch. The nodes
+emitted are the same, only their order differs.
+
 Shared (batch-free) values are computed once and sliced where a sub-batch reads them
-along the batch. Ops that change global state (grad mode, autocast) keep their place
-relative to every other op. Every emitted node is tagged with its block and sub-batch
-(`slcompile.meta`). AOTAutograd then derives a backward that is layer-major too.
+along the batch; sample-major, they run with sub-batch 0, at their place in its pass.
+Ops that change global state (grad mode, autocast) keep their place relative to every
+other op. Every emitted node is tagged with its block and sub-batch
+(`slcompile.meta`). AOTAutograd then derives a backward in the same order (layer-major
+or sample-major), reversed.
 """
 
 from __future__ import annotations
@@ -68,10 +75,11 @@ class InterleaveReport:
 
 
 def interleave(
-    gm: torch.fx.GraphModule, blocks: BlockGraph, batch: BatchInfo, plan: BatchPlan
+    gm: torch.fx.GraphModule, blocks: BlockGraph, batch: BatchInfo, plan: BatchPlan, *, sample_major: bool = False
 ) -> tuple[torch.fx.GraphModule, InterleaveReport]:
-    """Returns the layer-major GraphModule and a report of what was emitted."""
-    return _Interleaver(gm, blocks, batch, plan).run()
+    """Returns the layer-major (or, with `sample_major`, sample-major) GraphModule and
+    a report of what was emitted."""
+    return _Interleaver(gm, blocks, batch, plan, sample_major).run()
 
 
 @dataclasses.dataclass(order=True)
@@ -82,8 +90,9 @@ class _Item:
 
 
 class _Interleaver:
-    def __init__(self, gm, blocks, batch, plan):
+    def __init__(self, gm, blocks, batch, plan, sample_major):
         self.gm = gm
+        self.sample_major = sample_major
         self.blocks = blocks
         self.batch = batch
         self.plan = plan
@@ -153,12 +162,11 @@ class _Interleaver:
         for node in originals:
             if node.op == "placeholder" and self.plan.nodes[node.name].kind == "batched":
                 for k in range(self.k):
-                    items[(node.name, k)] = _Item((0, k, -1), node, k)
+                    items[(node.name, k)] = _Item(self._priority(0, k, -1), node, k)
         for node in calls:
             region_index, _, _ = self._region(node)
             for slot in self._slots(node):
-                sub_key = -1 if slot == _SHARED else (self.k if slot == _COMBINE else slot)
-                items[(node.name, slot)] = _Item((region_index, sub_key, index[node.name]), node, slot)
+                items[(node.name, slot)] = _Item(self._priority(region_index, slot, index[node.name]), node, slot)
 
         deps: dict[tuple[str, Any], set] = {key: set() for key in items}
         for key, item in items.items():
@@ -196,6 +204,19 @@ class _Interleaver:
             nodes_after=nodes_after,
         )
         return new_gm, report
+
+    def _priority(self, region_index: int, slot: Any, index: int) -> tuple[int, int, int]:
+        """The emission priority of an item; dependencies always come first.
+
+        Layer-major: by region, then sub-batch (shared work before the sub-batches,
+        combining work after them). Sample-major: by sub-batch, then region; shared
+        work runs with sub-batch 0 and combining work after the last sub-batch.
+        """
+        if self.sample_major:
+            major = 0 if slot == _SHARED else (self.k if slot == _COMBINE else slot)
+            return major, region_index, index
+        sub_key = -1 if slot == _SHARED else (self.k if slot == _COMBINE else slot)
+        return region_index, sub_key, index
 
     def _order_barriers(self, calls, items, deps) -> None:
         """Global-state ops stay between everything before and everything after them."""

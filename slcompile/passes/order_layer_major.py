@@ -10,6 +10,18 @@ of their latest input, so a block's weight gradients are summed as soon as its l
 sub-batch is done; every node then inherits the rank of its most urgent user, so what
 an early step waits for is not stuck behind work of a later block. Seeded
 random ops keep their relative order, so random draws are unchanged.
+
+With `sample_major=True` (the grad_accumulation schedule) the rank is (sub-batch,
+block) instead: the forward runs sub-batch 0 through every block, then sub-batch 1;
+the backward runs sub-batch K-1 through every block in reverse, then K-2, and each
+weight gradient is added up as each sub-batch finishes its block. Work shared by the
+sub-batches ranks with the first sub-batch of the phase, or after its latest input;
+a sub-batch's weight fetches open its run of each block.
+The graphs AOTAutograd hands over already run the blocks sample-major (TinyGPT, GPT-2,
+Llama at K=2 and 4), but not always the rest: on Llama, sub-batch 1's embedding comes
+before sub-batch 0's blocks (`interleave` keeps it ahead of the rotary embedding's
+autocast switch) and its backward comes last; this pass moves both next to their
+sub-batch's blocks.
 """
 
 from __future__ import annotations
@@ -28,32 +40,45 @@ log = logging.getLogger(__name__)
 
 
 def order_layer_major(
-    gm: torch.fx.GraphModule, phase: str, block_positions: dict[int, int], num_subbatches: int
+    gm: torch.fx.GraphModule,
+    phase: str,
+    block_positions: dict[int, int],
+    num_subbatches: int,
+    *,
+    sample_major: bool = False,
 ) -> tuple[torch.fx.GraphModule, int]:
-    """Reorders `gm`'s nodes in place into layer-major order.
+    """Reorders `gm`'s nodes in place into layer-major (or sample-major) order.
 
     Args:
         gm: an AOTAutograd forward, backward or inference graph with slc tags.
         phase: "fwd" or "bwd".
         block_positions: block index -> position in forward execution order.
         num_subbatches: K.
+        sample_major: rank by (sub-batch, block) instead of (block, sub-batch).
 
     Returns:
         (gm, number of nodes that moved).
     """
+    from slcompile.runtime import weights as _weights  # noqa: F401  registers slc::fetch_weight
+
+    fetch_op = torch.ops.slc.fetch_weight.default
     nodes = list(gm.graph.nodes)
     regions = len(block_positions) + 2
-    rank: dict[torch.fx.Node, tuple[int, int]] = {}
+    rank: dict[torch.fx.Node, tuple[int, ...]] = {}
+
+    def region_of(meta):
+        region = {"prefix": 0, "suffix": regions - 1}.get(meta.region)
+        if region is None:
+            region = 1 + block_positions.get(meta.block, 0)
+        return regions - 1 - region if phase == "bwd" else region
 
     def tag_rank(node):
         meta = get_slc_meta(node)
         if meta is None:
             return None
-        region = {"prefix": 0, "suffix": regions - 1}.get(meta.region)
-        if region is None:
-            region = 1 + block_positions.get(meta.block, 0)
-        if phase == "bwd":
-            region = regions - 1 - region
+        if sample_major:
+            return sample_major_rank(node, meta)
+        region = region_of(meta)
         if meta.subbatch is not None:
             sub = meta.subbatch if phase == "fwd" else num_subbatches - 1 - meta.subbatch
         elif meta.role == "combine":
@@ -62,11 +87,24 @@ def order_layer_major(
             sub = -1  # shared by the sub-batches: before the first
         return region, sub
 
+    def sample_major_rank(node, meta):
+        region = region_of(meta)
+        if meta.subbatch is None:
+            # Shared by the sub-batches: with the first to reach the region, or after
+            # the latest input (the loss summed over sub-batches, whose "combine"
+            # role AOTAutograd's graphs do not carry); ranked before its inputs, it
+            # would pull a whole sub-batch's pass ahead of the one before it.
+            return max([(0, region, 1), *(rank[i] for i in node.all_input_nodes)])
+        sub = meta.subbatch if phase == "fwd" else num_subbatches - 1 - meta.subbatch
+        # A sub-batch's weight fetches open its run of the block, as a block's
+        # shared fetches open the block in layer-major order.
+        return sub, region, 0 if node.target is fetch_op else 1
+
     for node in nodes:
         if node.op == "placeholder":
             rank[node] = (-1, -1)
         elif node.op == "output":
-            rank[node] = (regions + 1, 0)
+            rank[node] = (regions + num_subbatches + 1, 0)
         else:
             own = tag_rank(node)
             if own is None:

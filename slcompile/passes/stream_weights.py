@@ -11,6 +11,14 @@ Parameters read by the prefix, the suffix or several blocks (tied embeddings) st
 resident. `tag_fetch_views` finishes the job on the joint graph: views of a fetched
 weight (`t` for a matmul) are recomputed with it, else the partitioner would save the
 view and with it the whole weight.
+
+With `per_subbatch=True` (the grad_accumulation schedule, whose graph is
+sample-major) each sub-batch gets its own fetch of the block's weights, inserted
+before that sub-batch's first use and read by it alone, tagged with the sub-batch:
+K fetches per block per pass, as gradient accumulation loads them. Ops of the block
+shared by all sub-batches run with sub-batch 0 and read its fetch. The fetches' graph
+keys differ by sub-batch (`...#sb1`): with equal keys, Inductor's
+common-subexpression elimination merges the K fetches of a weight into one.
 """
 
 from __future__ import annotations
@@ -53,6 +61,8 @@ def stream_weights(
     inputs: tuple[GraphInput, ...],
     key_for,
     graph_key_for,
+    *,
+    per_subbatch: bool = False,
 ) -> tuple[torch.fx.GraphModule, StreamedWeights]:
     """Inserts the fetches into the interleaved graph `gm` (changed in place).
 
@@ -62,11 +72,12 @@ def stream_weights(
         inputs: the classified placeholders (parameters carry their real values).
         key_for: `key_for(placeholder name, parameter) -> stored key`.
         graph_key_for: `graph_key_for(stored key) -> the key the fetch op carries`.
+        per_subbatch: one fetch per (block, sub-batch) instead of one per block.
 
     Returns:
         (gm, what was streamed).
     """
-    from slcompile.runtime import weights as _weights  # noqa: F401  registers slc::fetch_weight
+    from slcompile.runtime.weights import copy_suffix  # also registers slc::fetch_weight
 
     fetch_op = torch.ops.slc.fetch_weight.default
     params = {i.name: i for i in inputs if i.kind == "param"}
@@ -74,6 +85,7 @@ def stream_weights(
     per_block: dict[int, list[tuple[str, str]]] = defaultdict(list)
     resident = []
     streamed_bytes = 0
+    order_of = _order_of(gm)
     for node in list(gm.graph.nodes):
         if node.op != "placeholder" or node.name not in params:
             continue
@@ -83,16 +95,17 @@ def stream_weights(
             resident.append((node.name, f"read by {where}"))
             continue
         block = readers.pop()
-        first_user = min(node.users, key=_order_of(gm))
         key = key_for(node.name, params[node.name].value)
-        graph_key = graph_key_for(key)
-        with gm.graph.inserting_before(first_user):
-            fetch = gm.graph.call_function(fetch_op, (node, graph_key))
-        node.replace_all_uses_with(fetch, delete_user_cb=lambda user: user is not fetch)
-        set_slc_meta(fetch, SlcMeta(region="block", block=block, role="load"))
-        fetch.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         value = params[node.name].value
-        fetch.meta["val"] = torch.empty_like(value, device="meta")
+        for subbatch, users in _user_groups(node, per_subbatch, order_of):
+            graph_key = graph_key_for(key) if subbatch is None else graph_key_for(key) + copy_suffix(subbatch)
+            with gm.graph.inserting_before(users[0]):
+                fetch = gm.graph.call_function(fetch_op, (node, graph_key))
+            for user in users:
+                user.replace_input_with(node, fetch)
+            set_slc_meta(fetch, SlcMeta(region="block", block=block, subbatch=subbatch, role="load"))
+            fetch.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            fetch.meta["val"] = torch.empty_like(value, device="meta")
         per_block[position[block]].append((node.name, key))
         streamed_bytes += value.numel() * value.element_size()
     gm.graph.lint()
@@ -104,6 +117,18 @@ def stream_weights(
     )
     log.debug("streaming %d bytes of block weights; %d parameters stay resident", streamed_bytes, len(resident))
     return gm, result
+
+
+def _user_groups(param: torch.fx.Node, per_subbatch: bool, order_of) -> list[tuple[int | None, list]]:
+    """(sub-batch or None, the users that read one fetch, first user first)."""
+    users = sorted(param.users, key=order_of)
+    if not per_subbatch:
+        return [(None, users)]
+    groups: dict[int, list] = defaultdict(list)
+    for user in users:
+        meta = get_slc_meta(user)
+        groups[meta.subbatch if meta.subbatch is not None else 0].append(user)
+    return sorted(groups.items(), key=lambda group: order_of(group[1][0]))
 
 
 def _block_of(node: torch.fx.Node) -> int | None:
@@ -154,8 +179,8 @@ def plan_fetches(graph: torch.fx.Graph, phase: str) -> list[tuple[int, str]]:
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not fetch_op:
             continue
-        streamer, stored, _ = split_graph_key(node.args[1])
-        node.args = (node.args[0], f"{streamer}|{stored}@{phase}")
+        _, stored, _ = split_graph_key(node.args[1])
+        node.args = (node.args[0], f"{node.args[1].partition('@')[0]}@{phase}")
         meta = get_slc_meta(node)
         fetches.append((meta.block if meta is not None else -1, stored))
     return fetches

@@ -19,7 +19,9 @@ of the rewritten graph; this module keeps the weights and answers those fetches.
   it first drops prefetched copies, so no stale value is ever read.
 
 Graph keys look like `w3|w0:layers_0_fc_weight@bwd`: the streamer of the compiled
-graph, the stored tensor's key, and the phase.
+graph, the stored tensor's key, and the phase. A graph that fetches the same weight
+once per sub-batch (the grad_accumulation schedule) tells the fetches apart with a
+suffix on the stored key, `w3|w0:layers_0_fc_weight#sb1@bwd`; the runtime ignores it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from slcompile.runtime.engine import TransferEngine, TransferHandle
 from slcompile.runtime.tiers import Tier, TransferKind
 
-__all__ = ["WeightStreamer", "gathered_weights", "offloaded_parameters", "split_graph_key"]
+__all__ = ["WeightStreamer", "gathered_weights", "offloaded_parameters", "split_graph_key", "copy_suffix"]
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +52,15 @@ _NUMBERS = itertools.count()
 
 
 def split_graph_key(graph_key: str) -> tuple[str, str, str]:
-    """`w3|w0:name@bwd` -> ("w3", "w0:name", "bwd"); the phase defaults to "fwd"."""
+    """`w3|w0:name#sb1@bwd` -> ("w3", "w0:name", "bwd"); the phase defaults to "fwd"."""
     streamer, _, rest = graph_key.partition("|")
     stored, _, phase = rest.partition("@")
-    return streamer, stored, phase or "fwd"
+    return streamer, stored.partition("#")[0], phase or "fwd"
+
+
+def copy_suffix(subbatch: int) -> str:
+    """What tells one sub-batch's fetch of a weight from the others' in a graph key."""
+    return f"#sb{subbatch}"
 
 
 class WeightStreamer:
