@@ -2,7 +2,8 @@
 DeepSpeed ZeRO-3 with offload, the same Hugging Face Llama, data and optimizer.
 
 Usage:
-    python bench/deepspeed_bench.py [--quick] [--steps 8] [--out bench/results/deepspeed_bench.json]
+    python bench/deepspeed_bench.py [--quick] [--steps 8] [--omp-wait-policy PASSIVE]
+                                    [--out bench/results/deepspeed_bench.json]
 
 DeepSpeed is not a dependency of the package (it is in the ``bench`` extra); its
 nvme offload needs libaio's headers to build the async_io op (bench/README.md). It
@@ -31,6 +32,12 @@ fixed random batch: the loss then falls step by step, which makes any difference
 the updates visible). DeepSpeed divides each micro-batch loss by K before its
 backward; every micro-batch has the same number of tokens, so the sum of those
 gradients is the gradient of the whole-batch mean loss that speedloader computes.
+
+libgomp's default lets idle OpenMP threads spin for a while before sleeping. On two
+cores shared with other jobs those spins take the cores that the thread they wait
+for needs, and the compiled speedloader step (many short parallel regions with Python
+and transfer waits between them) suffered far more than DeepSpeed's eager steps:
+``--omp-wait-policy PASSIVE`` sets ``OMP_WAIT_POLICY`` for every run, both systems.
 
 Per run: the loss of every step; over the steps after the first (which compiles or
 initialises): median step time, tokens/s, disk bytes read and written per step
@@ -307,9 +314,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_in_subprocess(spec: dict) -> dict:
+def run_in_subprocess(spec: dict, omp_wait_policy: str | None) -> dict:
     env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = omp_wait_policy
     proc = subprocess.run(
         [sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True, env=env
     )
@@ -434,6 +443,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small model and K in {1, 4}: a smoke run")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run; the first is not timed")
     parser.add_argument("--dir", default=None, help="where offload files go (default: a temp dir)")
+    parser.add_argument(
+        "--omp-wait-policy", choices=["PASSIVE", "ACTIVE"], default=None,
+        help="OMP_WAIT_POLICY for every run (default: inherited). PASSIVE stops idle OpenMP threads from "
+             "spinning, which on a machine shared with other jobs decides the timings",
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results", "deepspeed_bench.json"))
     args = parser.parse_args()
     if args.one:
@@ -462,7 +476,7 @@ def main() -> None:
     try:
         for spec in tqdm([*specs, probe], desc="deepspeed bench", unit="run"):
             os.makedirs(spec["dir"])
-            outcome = run_in_subprocess(spec)
+            outcome = run_in_subprocess(spec, args.omp_wait_policy)
             (probes if spec is probe else results).append(outcome)
             shutil.rmtree(spec["dir"], ignore_errors=True)
             if "error" in outcome:
@@ -480,12 +494,15 @@ def main() -> None:
     import torch
 
     command = "python bench/deepspeed_bench.py" + (" --quick" if args.quick else "") + f" --steps {args.steps}"
+    if args.omp_wait_policy:
+        command += f" --omp-wait-policy {args.omp_wait_policy}"
     record = {
         "command": command,
         "machine": {
             "platform": platform.platform(), "cores": os.cpu_count(),
             "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             "loadavg_start": load_at_start, "loadavg_end": load_at_end, "niceness": os.nice(0),
+            "omp_wait_policy": args.omp_wait_policy or os.environ.get("OMP_WAIT_POLICY"),
         },
         "source": source_state(),
         "versions": {"torch": torch.__version__, "deepspeed": version("deepspeed"),
