@@ -49,7 +49,8 @@ SCENARIOS = (
              "forward-only prefill: speedloader vs accelerate disk_offload"),
     Scenario("io", "io_bench.py", ("--gib", "2", "--repeats", "3"), ("--gib", "0.5", "--repeats", "1"),
              "nvme tier: transfer engine vs dd, overlap, page cache"),
-    Scenario("deepspeed", "deepspeed_bench.py", ("--steps", "8"), ("--quick", "--steps", "3"),
+    Scenario("deepspeed", "deepspeed_bench.py", ("--steps", "8", "--omp-wait-policy", "PASSIVE"),
+             ("--quick", "--steps", "3"),
              "training: speedloader vs DeepSpeed ZeRO-3 offload (needs deepspeed installed)"),
 )
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}

@@ -158,12 +158,12 @@ def deepspeed_config(spec: dict, model) -> dict:
     if spec["system"] == "deepspeed_nvme":
         # Each parameter swapped in takes one buffer of `buffer_size` elements (at
         # least the largest parameter; the default, 1e8 elements, would be 400 MB
-        # each). Buffers for two blocks, like speedloader's live_blocks=2, and the
-        # same two-block bound on live parameters; a reuse distance of 0 releases a
-        # block's parameters after use instead of keeping them for the backward,
-        # which the buffers could not hold. `max_in_cpu` defaults to 1e9 elements,
-        # which copies every parameter of a model this size back into RAM at start-up
-        # for good (no disk reads while training): 0 keeps them in the swap files.
+        # each). Buffers for two blocks, like speedloader's live_blocks=2, with live
+        # parameters bounded to two blocks and a reuse distance of 0 so that used
+        # parameters give their buffers back (with the defaults, 5 buffers ran out
+        # at the sixth parameter of the first forward). `max_in_cpu` defaults to 1e9
+        # elements, which copies every parameter of a model this size back into RAM
+        # at start-up for good (no disk reads while training): 0 keeps them on disk.
         block = model.model.layers[0]
         block_numel = sum(p.numel() for p in block.parameters())
         zero["offload_param"] = {
