@@ -91,20 +91,9 @@ def runqueue_wait_seconds() -> float:
 
 
 def measured_peak_bytes(fn) -> int:
-    """Peak bytes the CPU allocator handed out while `fn` ran, relative to its start:
-    the running sum of every allocation (+) and free (-) the profiler recorded."""
-    from torch.profiler import profile
+    from slcompile.analysis.memory import measured_peak_bytes as measure
 
-    with profile(profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
+    return measure(fn)
 
 
 def mark_every_op_for_offloading(gm, joint_inputs):

@@ -29,18 +29,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 
 def measured_peak_bytes(fn) -> int:
-    import torch.profiler
+    from slcompile.analysis.memory import measured_peak_bytes as measure
 
-    with torch.profiler.profile(profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
+    return measure(fn)
 
 
 def run(k: int, live_blocks: int, recompute: str, d_model: int) -> dict:

@@ -6,12 +6,11 @@ import gc
 
 import pytest
 import torch
-from torch.profiler import profile
 
 import slcompile
 from conftest import assert_matches_eager
 from models import GPTConfig, TinyGPT, hf_gpt2, make_gpt_batch
-from slcompile.analysis.memory import predict_memory
+from slcompile.analysis.memory import measured_peak_bytes, predict_memory
 from slcompile.runtime import Tier, TransferKind, get_engine, reset_runtime_stats, runtime_stats
 from slcompile.runtime.nvme import buffers_seen_by_profiler
 from slcompile.runtime.tiers import PAGE_BYTES
@@ -157,21 +156,6 @@ def test_budget_keeps_activations_when_they_fit():
     )
     compiled(idx, targets)[1].backward()
     assert slcompile.compile_reports()[-1].memory.recompute == "none"
-
-
-def measured_peak_bytes(fn) -> int:
-    """Peak bytes the CPU allocator handed out while `fn` ran, relative to its start:
-    the running sum of every allocation (+) and free (-) the profiler recorded."""
-    with profile(profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
 
 
 MEASURED_CFG = GPTConfig(d_model=64, seq_len=32)

@@ -28,7 +28,7 @@ import torch.fx
 from slcompile.analysis.lifetimes import LifetimeTable, analyze_lifetimes, analyze_training_step, tensor_bytes
 from slcompile.meta import get_slc_meta
 
-__all__ = ["MemoryPrediction", "predict_memory", "size_hints"]
+__all__ = ["MemoryPrediction", "predict_memory", "size_hints", "measured_peak_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,3 +209,22 @@ def predict_memory(
         expressions={**{f"peak_{tier}": expr for tier, expr in tier_exprs.items()}, "step_peak": step_expr},
         recompute=recompute,
     )
+
+
+def measured_peak_bytes(fn) -> int:
+    """Peak bytes torch's CPU allocator handed out while `fn()` ran, relative to its
+    start: the running sum of every allocation (+) and free (-) torch.profiler
+    records. Memory allocated before the call is not seen; loads of the transfer
+    engine are seen inside `slcompile.runtime.nvme.buffers_seen_by_profiler()`."""
+    from torch.profiler import profile
+
+    with profile(profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return peak
