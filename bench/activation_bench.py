@@ -52,6 +52,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from bench.deepspeed_bench import runqueue_wait_seconds  # noqa: E402
+from bench.train_bench import dd_read_bandwidth  # noqa: E402
+
 WARMUP_STEPS = 2
 MIN_OFFLOAD_BYTES = 65536
 
@@ -75,19 +78,6 @@ def page_cache_of_files(directory: str) -> dict:
     proc = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *paths],
                           capture_output=True, text=True, check=True)
     return {"files": len(paths), "bytes": size, "page_cache_bytes": sum(int(v) for v in proc.stdout.split())}
-
-
-def runqueue_wait_seconds() -> float:
-    """Time this process's threads spent runnable but waiting for a core (schedstat),
-    summed over the threads alive now: how much other work delayed this one."""
-    total = 0
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/schedstat") as handle:
-                total += int(handle.read().split()[1])
-        except (FileNotFoundError, ProcessLookupError):
-            pass  # the thread ended meanwhile
-    return total / 1e9
 
 
 def measured_peak_bytes(fn) -> int:
@@ -368,22 +358,6 @@ def pytorch_offload_evidence() -> dict:
             if any(word in line for word in ("clone", "copy", "device_put", ".to("))
         ],
     }
-
-
-def dd_read_bandwidth(directory: str, nbytes: int = 1 << 30) -> float:
-    """O_DIRECT read bandwidth of the disk under `directory`, in bytes/s (dd, 8 MiB
-    blocks, one stream), as bench/train_bench.py measures it."""
-    path = os.path.join(directory, "dd-bench")
-    count = nbytes // (8 << 20)
-    subprocess.run(
-        ["dd", "if=/dev/zero", f"of={path}", "bs=8M", f"count={count}", "oflag=direct"],
-        check=True, capture_output=True,
-    )
-    started = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=8M", "iflag=direct"], check=True, capture_output=True)
-    seconds = time.perf_counter() - started
-    os.unlink(path)
-    return count * (8 << 20) / seconds
 
 
 def source_version() -> dict:
