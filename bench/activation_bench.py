@@ -20,13 +20,14 @@ Configurations, each in its own process (so peak RSS is its own), every one with
 Per configuration: the median of ``--repeats`` steps after 2 warm-up steps, timed
 without the profiler (wall and CPU seconds); then one step under `torch.profiler`,
 inside `buffers_seen_by_profiler()` so that reloaded activations come from torch's
-allocator, whose allocator events give the peak bytes the step allocates, exactly as
-tests/test_offload_activations.py measures it. Next to it: speedloader's
-predicted peak (`compile_reports()[-1].memory`), activation bytes stored and loaded per
-step (`runtime_stats()`), peak RSS, `Cached` of /proc/meminfo around the timed steps
-and the page-cache bytes of the nvme tier's own files (`fincore`), the load average and the time the process's threads waited for a core (schedstat).
-The run also measures the disk's O_DIRECT read bandwidth (dd) and records what
-PyTorch's offloading pass does on this CPU-only machine.
+allocator, whose allocator events give the peak bytes the step allocates
+(`slcompile.analysis.memory.measured_peak_bytes`, as the tests measure it). Next to
+it: speedloader's predicted peak (`compile_reports()[-1].memory`), activation bytes
+stored and loaded per step (`runtime_stats()`), peak RSS, `Cached` of /proc/meminfo
+around the timed steps and the page-cache bytes of the nvme tier's own files
+(`fincore`), the load average and the time the process's threads waited for a core
+(schedstat). The run also measures the disk's O_DIRECT read bandwidth (dd) and
+records what PyTorch's offloading pass does on this CPU-only machine.
 
 libgomp lets idle OpenMP threads spin before they sleep; on two cores shared with other
 jobs, spinning workers take the cores that the thread they wait for, the I/O threads
@@ -78,12 +79,6 @@ def page_cache_of_files(directory: str) -> dict:
     proc = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *paths],
                           capture_output=True, text=True, check=True)
     return {"files": len(paths), "bytes": size, "page_cache_bytes": sum(int(v) for v in proc.stdout.split())}
-
-
-def measured_peak_bytes(fn) -> int:
-    from slcompile.analysis.memory import measured_peak_bytes as measure
-
-    return measure(fn)
 
 
 def mark_every_op_for_offloading(gm, joint_inputs):
@@ -161,7 +156,7 @@ def run_one(spec: dict) -> dict:
     import torch._functorch.config
 
     import slcompile
-    from slcompile.analysis.memory import predict_memory
+    from slcompile.analysis.memory import measured_peak_bytes, predict_memory
     from slcompile.examples import GPTConfig, TinyGPT
     from slcompile.runtime import Tier, TransferKind, mark_step, reset_runtime_stats
     from slcompile.runtime.nvme import buffers_seen_by_profiler
@@ -248,7 +243,8 @@ def run_one(spec: dict) -> dict:
         "step_seconds": median,
         "all_step_seconds": times,
         # CPU seconds of the process's threads: less sensitive than wall time to other
-        # work on the shared cores (though OpenMP threads spin while they wait).
+        # work on the shared cores, but they include OpenMP threads spinning while
+        # they wait unless OMP_WAIT_POLICY=PASSIVE.
         "step_cpu_seconds": statistics.median(cpu_seconds),
         "all_step_cpu_seconds": list(cpu_seconds),
         "all_step_runqueue_wait_seconds": list(waits),
