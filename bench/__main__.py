@@ -6,6 +6,9 @@ Usage:
     python -m bench prefill ...               # bench/prefill_bench.py
     python -m bench io ...                    # bench/io_bench.py
     python -m bench deepspeed ...             # bench/deepspeed_bench.py
+    python -m bench activation ...            # bench/activation_bench.py
+    python -m bench memory ...                # bench/memory_bench.py
+    python -m bench gpu [--small|--cpu-smoke] # bench/gpu_bench.py (CUDA)
     python -m bench all [--quick] [--only train,io]
 
 A single scenario runs its script with the arguments given after its name, as
@@ -13,9 +16,10 @@ A single scenario runs its script with the arguments given after its name, as
 ``all`` runs the scenarios one after another with the arguments bench/README.md
 documents, writing bench/results/ (``--quick``: each script's smoke settings instead,
 results in a temp dir), under a progress bar over scenarios; each script's own output
-is kept in a log file and its result table printed, and a failed scenario does not
-stop the ones after it. Run from the
-repository root, with the venv's python.
+is kept in a log file and its result table printed (a script that prints one JSON
+object gets it drawn as a table), then one table of every scenario's status and time;
+a failed scenario does not stop the ones after it. Run from the repository root, with
+the venv's python.
 """
 
 from __future__ import annotations
@@ -52,12 +56,74 @@ SCENARIOS = (
     Scenario("deepspeed", "deepspeed_bench.py", ("--steps", "8", "--omp-wait-policy", "PASSIVE"),
              ("--quick", "--steps", "3"),
              "training: speedloader vs DeepSpeed ZeRO-3 offload (needs deepspeed installed)"),
+    Scenario("activation", "activation_bench.py", ("--repeats", "3"),
+             ("--quick", "--repeats", "1"),
+             "saved activations: nvme tier and block recompute vs AOTAutograd's activation offloading"),
+    Scenario("memory", "memory_bench.py", ("--d-model", "128"), ("--d-model", "64"),
+             "predicted vs measured peak device memory of a training step"),
+    Scenario("optimizer", "optimizer_bench.py", ("--repeats", "5"), ("--quick", "--repeats", "1"),
+             "training with AdamW: offload_optimizer (host, nvme) vs gathered_weights vs resident"),
+    Scenario("gpu", "gpu_bench.py", (), ("--cpu-smoke",),
+             "HF Llama training step on a CUDA GPU: tiers and K vs resident Inductor (needs CUDA; not in `all` "
+             "unless named in --only)"),
 )
+# Scenarios `all` runs unless --only names them: they need hardware this machine may lack.
+NEEDS_CUDA = ("gpu",)
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
 
 
 def command_for(scenario: Scenario, args: list[str]) -> list[str]:
     return [sys.executable, os.path.join(HERE, scenario.script), *args]
+
+
+def as_table(stdout: str) -> str:
+    """A script's output for people: printed as it is, unless it is one JSON object,
+    which becomes a table of its leaves (sizes in 1024-based units)."""
+    import io
+    import json
+
+    try:
+        record = json.loads(stdout)
+    except ValueError:
+        return stdout
+    if not isinstance(record, dict):
+        return stdout
+    rows = []
+
+    def leaves(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                leaves(f"{prefix}.{key}" if prefix else str(key), inner)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and prefix.endswith("bytes"):
+            from slcompile.units import format_bytes
+
+            rows.append((prefix, format_bytes(value)))
+        elif isinstance(value, float):
+            rows.append((prefix, f"{value:.4g}"))
+        else:
+            rows.append((prefix, str(value)))
+
+    leaves("", record)
+    out = io.StringIO()
+    print_table(("figure", "value"), rows, file=out)
+    return out.getvalue()
+
+
+def print_table(header: tuple[str, ...], rows: list[tuple[str, ...]], file=None) -> None:
+    """Prints rows under a header: with `rich` when it is installed, else as plain
+    aligned text."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+        for row in (header, tuple("-" * w for w in widths), *rows):
+            print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip(), file=file)
+        return
+    table = Table(*header)
+    for row in rows:
+        table.add_row(*map(str, row))
+    Console(file=file or sys.stdout, width=200).print(table)
 
 
 def run_all(names: list[str], quick: bool, results_dir: str | None) -> int:
@@ -68,6 +134,7 @@ def run_all(names: list[str], quick: bool, results_dir: str | None) -> int:
     # Smoke runs must not overwrite the measured results next to the README.
     results_dir = results_dir or (log_dir if quick else os.path.join(HERE, "results"))
     failed = []
+    summary: list[tuple[str, ...]] = []
     bar = tqdm(names, desc="benchmarks", unit="scenario")
     for name in bar:
         scenario = BY_NAME[name]
@@ -83,13 +150,16 @@ def run_all(names: list[str], quick: bool, results_dir: str | None) -> int:
             proc = subprocess.run(command_for(scenario, args), stdout=subprocess.PIPE, stderr=log, text=True)
         seconds = time.perf_counter() - started
         shown = " ".join(["python", f"bench/{scenario.script}", *args])
-        tqdm.write(f"== {name} ({shown}): {'ok' if proc.returncode == 0 else 'FAILED'} in {seconds:.0f} s")
-        tqdm.write(proc.stdout.rstrip())
+        status = "ok" if proc.returncode == 0 else "FAILED"
+        tqdm.write(f"== {name} ({shown}): {status} in {seconds:.0f} s")
+        tqdm.write(as_table(proc.stdout).rstrip())
+        summary.append((name, status, f"{seconds:.0f}", shown))
         if proc.returncode != 0:
             failed.append(name)
             with open(log_path) as log:
                 tqdm.write("".join(log.readlines()[-15:]).rstrip())
     bar.close()
+    print_table(("scenario", "status", "seconds", "command"), summary)
     print(f"logs: {log_dir}; results: {results_dir}")
     if failed:
         print(f"failed: {', '.join(failed)}")
@@ -105,12 +175,17 @@ def main() -> None:
         scenario = BY_NAME[argv[0]]
         raise SystemExit(subprocess.call(command_for(scenario, argv[1:])))
 
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Runs slcompile's benchmarks: one scenario with its script's own arguments, or all of "
+                    "them one after another (results in bench/results/).",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{list,all," + ",".join(names) + "}")
     commands.add_parser("list", help="the scenarios and the commands `all` runs")
     every = commands.add_parser("all", help="run the scenarios one after another")
     every.add_argument("--quick", action="store_true", help="each script's smoke settings")
-    every.add_argument("--only", default=",".join(names), help=f"comma-separated subset of {','.join(names)}")
+    every.add_argument("--only", default=",".join(n for n in names if n not in NEEDS_CUDA),
+                       help=f"comma-separated subset of {','.join(names)}")
     every.add_argument("--results-dir", default=None,
                        help="where the JSON and PNG files go (default: bench/results; with --quick, a temp dir)")
     for scenario in SCENARIOS:

@@ -5,18 +5,22 @@ the batch into sub-batches and runs every transformer block for all of them befo
 the next block, forward and backward, with the results of eager PyTorch.
 """
 
-from slcompile.config import SpeedLoaderConfig
-from slcompile.errors import BudgetError, RefusedError
+from slcompile.config import SpeedLoaderConfig, options
+from slcompile.errors import BudgetError, CompileError, OptionError, RefusedError
 from slcompile.explain import Explanation, GraphExplanation, explain
 from slcompile.report import CompileReport, clear_compile_reports, compile_reports
-from slcompile.runtime.stats import reset_runtime_stats, runtime_stats
+from slcompile.runtime.stats import mark_step, reset_runtime_stats, runtime_stats
 from slcompile.runtime.weights import gathered_weights, offloaded_parameters
+from slcompile.optim import OffloadedOptimizer, offload_optimizer
 from slcompile.tune import TuneResult, tune
 
 __all__ = [
     "SpeedLoaderConfig",
+    "options",
     "RefusedError",
     "BudgetError",
+    "CompileError",
+    "OptionError",
     "explain",
     "Explanation",
     "GraphExplanation",
@@ -24,9 +28,12 @@ __all__ = [
     "compile_reports",
     "clear_compile_reports",
     "runtime_stats",
+    "mark_step",
     "reset_runtime_stats",
     "gathered_weights",
     "offloaded_parameters",
+    "offload_optimizer",
+    "OffloadedOptimizer",
     "tune",
     "TuneResult",
 ]

@@ -1,12 +1,15 @@
-"""`slcompile demo | explain`: the command line.
+"""`slcompile demo | explain | tune`: the command line.
 
 `slcompile demo` trains a small GPT for a few steps with the speedloader backend next
 to eager PyTorch, prints the schedule, the bytes moved and both losses, and writes the
 pictures (graphs, timeline, memory) into an output folder. `slcompile explain
 module:factory` prints what the backend would do with a model (`factory()` returns
-`(model, args)` or `(model, args, kwargs)`); with `--dot`, `--plot` or `--trace` it
-also compiles the model, runs one training step and writes those pictures. Errors
-print one line and exit non-zero; `--debug` shows the traceback.
+`(model, args)` or `(model, args, kwargs)`; the module is looked up in the current
+folder too, and `slcompile.examples:tiny_gpt` is ready to try); with `--dot`,
+`--plot` or `--trace` it also compiles the model, runs one training step and writes
+those pictures. `slcompile tune module:factory --memory-budget 2GiB` chooses the
+options that fit a budget. Errors print one line and exit non-zero; `--debug`
+(before or after the command) shows the traceback.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import dataclasses
 import importlib
 import logging
 import pathlib
+import re
 import sys
 import time
 
 import torch
 
 from slcompile.config import SpeedLoaderConfig
+from slcompile.units import format_bytes
 from slcompile.viz.dot import AUTO_SUMMARY_NODES
 
 __all__ = ["main"]
@@ -40,10 +45,18 @@ def _add_config_flags(parser: argparse.ArgumentParser, defaults: dict | None = N
     for field in dataclasses.fields(SpeedLoaderConfig):
         flag = "--" + field.name.replace("_", "-")
         help_text = _field_doc(doc, field.name)
-        default = (defaults or {}).get(field.name, field.default)
         kind = str if field.default is None else type(field.default)
+        if defaults and field.name in defaults:  # this command's own default
+            help_text = f"{_without_default(help_text)} (default here: {defaults[field.name]})"
+        elif "default" not in help_text:  # the docstring states most defaults itself
+            help_text = f"{help_text} (default: {field.default})"
         group.add_argument(flag, dest=field.name, type=kind, default=None, metavar=field.name.upper(),
-                           help=f"{help_text} (default: {default})")
+                           help=help_text)
+
+
+def _without_default(text: str) -> str:
+    """The option's documentation without the sentence part naming its default."""
+    return re.sub(r"\s*\(default[^)]*\)", "", text)
 
 
 def _field_doc(doc: str, name: str) -> str:
@@ -98,7 +111,6 @@ def _demo(args: argparse.Namespace) -> int:
     from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
     from slcompile.report import compile_reports
     from slcompile.runtime.stats import mark_step, runtime_stats
-    from slcompile.schedules.policies import policy_for
     from slcompile.viz.pictures import record_step, write_pictures
     from slcompile.viz.summary import summarize_bytes, summarize_schedule
 
@@ -161,16 +173,33 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"  forward and backward: {summarize_bytes(passes.bytes_moved, passes.transfers)}")
         print(f"  optimizer step:       {summarize_bytes({k: n for k, n in update.items() if n}, update_count)}")
         if report.streamed_bytes:
-            if policy_for(config.schedule).sample_major:
+            fetches = 2
+            if report.planned_schedule is not None and report.planned_schedule.fetches_per_subbatch():
+                fetches *= config.num_subbatches
                 how = f"fetched once per sub-batch: {config.num_subbatches} times in the forward and in the backward"
             else:
                 how = f"forward and backward each fetch every block once, for all {config.num_subbatches} sub-batches"
-            print(f"block weights streamed: {report.streamed_bytes / 1024:.1f} KB ({how})")
+            print(f"block weights streamed: P = {format_bytes(report.streamed_bytes)} ({how})")
+            _explain_weight_loads(passes.bytes_moved, report.streamed_bytes, fetches)
     written = write_pictures(out, report, recorded, detail=args.detail)
     _print_written(out, written)
     if config.lowering != "aot_eager":
         print("note: compute regions are recorded on the timeline with --lowering aot_eager only")
     return 0
+
+
+def _explain_weight_loads(bytes_moved, streamed_bytes: int, fetches: int) -> None:
+    """Says what the forward and backward's weight loads are made of: `fetches` times
+    P, and what the backward loaded ahead for the next step."""
+    loads = sum(n for (kind, _, destination), n in bytes_moved.items()
+                if getattr(kind, "value", kind) == "weight" and getattr(destination, "value", destination) == "device")
+    ahead = loads - fetches * streamed_bytes
+    line = f"  forward and backward loaded {format_bytes(loads)} = {fetches} x P"
+    if ahead > 0:
+        line += (f" + {format_bytes(ahead)}: the first block(s), loaded ahead after the backward for the next "
+                 "step's forward; gathered_weights drops that load before the optimizer step, whose own loads "
+                 "and stores of P are counted above")
+    print(line)
 
 
 def _sample_interval(config: SpeedLoaderConfig) -> float | None:
@@ -212,6 +241,10 @@ def _load_target(target: str):
     if ":" not in target:
         raise ValueError(f"TARGET must be module:factory, got {target!r}")
     module_name, factory_name = target.split(":", 1)
+    if "" not in sys.path and str(pathlib.Path.cwd()) not in sys.path:
+        # As `python -m` does: a module in the current folder is found (`slcompile`
+        # runs as a script, whose sys.path starts at the script's own folder).
+        sys.path.insert(0, str(pathlib.Path.cwd()))
     module = importlib.import_module(module_name)
     factory = getattr(module, factory_name, None)
     if factory is None:
@@ -262,6 +295,26 @@ def _explain_pictures(model, call_args, call_kwargs, options, pictures, args) ->
         print("note: compute regions are recorded on the timeline with --lowering aot_eager only")
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from slcompile.tune import tune
+
+    model, call_args, call_kwargs = _load_target(args.target)
+    options = _options(args)
+    if "memory_budget" not in options:
+        raise ValueError("tune needs --memory-budget (bytes or a size like 2GiB)")
+    budget = options.pop("memory_budget")
+    for fixed in ("num_subbatches", "live_blocks"):  # tune chooses these
+        if fixed in options:
+            options[fixed] = [options[fixed]]
+    result = tune(model, *call_args, kwargs=call_kwargs, memory_budget=budget, **options)
+    print(f"chosen options: {result.options}")
+    print(result.memory)
+    print("candidates tried (num_subbatches, live_blocks, predicted device peak):")
+    for k, live, peak in result.tried:
+        print(f"  K={k} live_blocks={live}: " + (format_bytes(peak) if peak is not None else "refused"))
+    return 0
+
+
 def _loss_of(output) -> torch.Tensor | None:
     """The value to backpropagate: a `.loss`, a scalar that needs a gradient, or the
     sum of the first output that needs one; None when nothing does (inference)."""
@@ -279,12 +332,21 @@ def _loss_of(output) -> torch.Tensor | None:
 # -- entry point ---------------------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slcompile", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="slcompile",
+        description="Runs block-structured models layer-major over sub-batches under torch.compile "
+                    "(backend=\"speedloader\"): try it on a small GPT (demo), see what it would do with "
+                    "your model (explain), or choose options that fit a memory budget (tune).",
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,explain}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,explain,tune}")
+    # --debug after the command too; SUPPRESS keeps the one given before it.
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show tracebacks and debug logs")
 
     demo = commands.add_parser(
-        "demo", help="train a small GPT a few steps next to eager and draw what happened",
+        "demo", parents=[debug], help="train a small GPT a few steps next to eager and draw what happened",
         description="Trains a small GPT for a few steps with the speedloader backend next to eager PyTorch "
                     "(SGD, same seed), prints the schedule, the bytes moved and both losses, and writes the "
                     "graph pictures, the timeline (Chrome trace) and the memory plot of the last step into "
@@ -300,13 +362,16 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
 
     explain = commands.add_parser(
-        "explain", help="what the backend would do with a model; --dot/--plot/--trace draw it",
+        "explain", parents=[debug], help="what the backend would do with a model; --dot/--plot/--trace draw it",
         description="Prints the blocks, the batch dimension, K, the fallback reason and the schedule of "
                     "the model factory() builds. With --dot, --plot or --trace it then compiles a copy "
                     "of the model with these options, runs one training step (backward on the loss) and "
                     "writes the pictures into --out.",
     )
-    explain.add_argument("target", help="module:factory; factory() returns (model, args) or (model, args, kwargs)")
+    target_help = ("module:factory, the module found in the current folder or installed; factory() returns "
+                   "(model, args) or (model, args, kwargs). Ready to try: slcompile.examples:tiny_gpt, "
+                   "slcompile.examples:tiny_llama (needs transformers)")
+    explain.add_argument("target", help=target_help)
     explain.add_argument("--dot", action="store_true",
                          help="write the compiled forward and backward graphs (DOT, and SVG/PNG when the "
                               "Graphviz dot program is installed)")
@@ -319,6 +384,18 @@ def _parser() -> argparse.ArgumentParser:
     _add_picture_flags(explain)
     _add_config_flags(explain)
     explain.set_defaults(run=_explain)
+
+    tune = commands.add_parser(
+        "tune", parents=[debug], help="choose K, live blocks and recomputation that fit a memory budget",
+        description="Captures the model factory() builds once and evaluates candidate plans on that graph "
+                    "without running a step (fewer sub-batches first, then more live blocks, keeping "
+                    "activations before recomputing); prints the first plan whose predicted device peak fits "
+                    "--memory-budget, as options for torch.compile. --num-subbatches and --live-blocks fix "
+                    "those instead of trying them; the other options are fixed as given.",
+    )
+    tune.add_argument("target", help=target_help)
+    _add_config_flags(tune)
+    tune.set_defaults(run=_tune)
     return parser
 
 

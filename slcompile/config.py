@@ -13,13 +13,16 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["SpeedLoaderConfig", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "parse_bytes"]
+from slcompile.errors import OptionError
+
+__all__ = ["SpeedLoaderConfig", "options", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "GRADIENTS", "parse_bytes"]
 
 LOWERINGS = ("inductor", "aot_eager")
 TIERS = ("device", "host", "nvme")
-SCHEDULES = ("speedloader", "grad_accumulation", "no_offload")
+SCHEDULES = ("speedloader", "grad_accumulation", "no_offload", "lifetime_aware")
 ON_REFUSAL = ("fallback", "raise")
 RECOMPUTE = ("auto", "none", "blocks")
+GRADIENTS = ("auto",) + TIERS
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -54,6 +57,10 @@ class SpeedLoaderConfig:
             resident on the device and no transfers, the ideal when the model fits;
             it requires `weights="device"` and `activations="device"` and equals
             "speedloader" with those settings.
+            "lifetime_aware": speedloader's order, but the saved activations of a
+            (block, sub-batch) whose reload could not hide behind other block steps
+            stay on the device (`slcompile.schedules.examples.lifetime_aware`).
+            A `slcompile.schedules.Policy` object is accepted too.
         batch_dim: the dimension of the batched inputs that is the batch (0 for the
             usual (batch, seq, ...) layout).
         on_refusal: what happens when the model cannot be split into sub-batches
@@ -88,6 +95,22 @@ class SpeedLoaderConfig:
             from the compiled graphs before anything runs; when no plan fits,
             compiling raises `slcompile.BudgetError` naming the smallest budget that
             would.
+        gradients: where the gradients of streamed block weights go when the
+            backward has summed them over the K sub-batches: "device" returns them
+            as `.grad`; "host" or "nvme" stores each block's gradients there once
+            per backward and returns no `.grad` for them, for an optimizer that
+            steps off the device (`slcompile.offload_optimizer`; a backward with no
+            such optimizer holding the parameters raises); "auto" (default) does
+            that, to the optimizer's `gradients` tier, for the streamed weights an
+            offloaded optimizer holds when the graph compiles, else "device". Only
+            streamed weights (`weights` off the device) are concerned. On a CPU
+            machine "host" moves no bytes (host memory is the device's).
+        host_memory: the most pinned host memory the offload runtime may hold, in
+            bytes or as a string ("24GiB"); None (default) sizes the pool from the
+            compiled plan (streamed weights and offloaded activations on the host),
+            pinned in chunks once. A plan that needs more than this raises
+            `slcompile.runtime.HostPoolFullError` naming the bytes it needs. GPU
+            machines only: on a CPU machine nothing is pinned.
     """
 
     num_subbatches: int = 2
@@ -102,29 +125,35 @@ class SpeedLoaderConfig:
     min_offload_bytes: int = 64 * 1024
     recompute: str = "auto"
     memory_budget: int | str | None = None
+    gradients: str = "auto"
+    host_memory: int | str | None = None
 
     def __post_init__(self) -> None:
         _check_int("num_subbatches", self.num_subbatches, minimum=1)
         _check_int("batch_dim", self.batch_dim, minimum=0)
         _check_choice("lowering", self.lowering, LOWERINGS)
-        _check_choice("schedule", self.schedule, SCHEDULES)
+        if not callable(getattr(self.schedule, "build", None)):  # else a Policy object
+            _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("on_refusal", self.on_refusal, ON_REFUSAL)
         _check_choice("weights", self.weights, TIERS)
         _check_int("live_blocks", self.live_blocks, minimum=1)
         _check_choice("activations", self.activations, TIERS)
         _check_int("min_offload_bytes", self.min_offload_bytes, minimum=0)
         _check_choice("recompute", self.recompute, RECOMPUTE)
+        _check_choice("gradients", self.gradients, GRADIENTS)
         if self.memory_budget is not None:
             object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget, "memory_budget"))
+        if self.host_memory is not None:
+            object.__setattr__(self, "host_memory", parse_bytes(self.host_memory, "host_memory"))
         if self.schedule == "no_offload":
             for key in ("weights", "activations"):
                 if getattr(self, key) != "device":
-                    raise ValueError(
+                    raise OptionError(
                         f"speedloader options 'schedule' and {key!r} conflict: schedule='no_offload' keeps "
                         f"everything on the device, but {key}={getattr(self, key)!r}; use {key}='device' with it"
                     )
-        if self.offload_dir is not None and not isinstance(self.offload_dir, str):
-            raise ValueError(f"speedloader option 'offload_dir' must be a path string, got {self.offload_dir!r}")
+        if self.offload_dir is not None:
+            _check_offload_dir(self.offload_dir)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> SpeedLoaderConfig:
@@ -138,7 +167,7 @@ class SpeedLoaderConfig:
         if isinstance(options, cls):
             return options
         if not isinstance(options, Mapping):
-            raise ValueError(
+            raise OptionError(
                 f"speedloader options must be a dict, got {type(options).__name__}"
             )
         known = {f.name for f in dataclasses.fields(cls)}
@@ -146,7 +175,7 @@ class SpeedLoaderConfig:
             if key not in known:
                 close = difflib.get_close_matches(str(key), sorted(known), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(
+                raise OptionError(
                     f"unknown speedloader option {key!r}{hint} "
                     f"(known options: {', '.join(sorted(known))})"
                 )
@@ -157,6 +186,44 @@ class SpeedLoaderConfig:
         return repr(sorted(dataclasses.asdict(self).items()))
 
 
+def options(**values: Any) -> dict[str, Any]:
+    """The options of `torch.compile(model, backend="speedloader", options=...)`,
+    checked now rather than at the first call of the compiled model.
+
+    Example: `torch.compile(model, backend="speedloader",
+    options=slcompile.options(num_subbatches=4, weights="nvme"))`.
+
+    Returns:
+        `values` as a dict, unchanged.
+
+    Raises:
+        ValueError: an unknown option (with the closest known one) or a bad value.
+    """
+    SpeedLoaderConfig.from_options(values)
+    return dict(values)
+
+
+def _check_offload_dir(path: Any) -> None:
+    """Refuses an `offload_dir` that cannot work, naming the cause. What only an
+    attempt can tell (permissions, a filesystem that takes no new files) is found
+    when the nvme tier creates its private directory there."""
+    import os
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise OptionError(f"speedloader option 'offload_dir' must be a path string, got {path!r}")
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise OptionError(f"speedloader option 'offload_dir': {path} is not a directory")
+        return
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise OptionError(
+            f"speedloader option 'offload_dir': {path} does not exist, nor does its parent {parent} "
+            "(only the last folder is created); create it first or choose another directory"
+        )
+
+
 def parse_bytes(value: Any, key: str = "value") -> int:
     """Bytes from an int or a string with a unit: 2GiB, 512 MB, 1e9, 4096.
 
@@ -164,7 +231,7 @@ def parse_bytes(value: Any, key: str = "value") -> int:
         ValueError: naming `key`, for anything else or a size below one byte.
     """
     if isinstance(value, bool):
-        raise ValueError(f"speedloader option {key!r} must be bytes or a size like '2GiB', got {value!r}")
+        raise OptionError(f"speedloader option {key!r} must be bytes or a size like '2GiB', got {value!r}")
     if isinstance(value, int):
         number = value
     elif isinstance(value, float) and value.is_integer():
@@ -173,31 +240,31 @@ def parse_bytes(value: Any, key: str = "value") -> int:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
-            raise ValueError(
+            raise OptionError(
                 f"speedloader option {key!r} must be bytes or a size like '2GiB' or '512MB', got {value!r}"
             )
         number = int(float(match.group(1)) * _UNITS[unit])
     else:
-        raise ValueError(f"speedloader option {key!r} must be bytes or a size like '2GiB', got {value!r}")
+        raise OptionError(f"speedloader option {key!r} must be bytes or a size like '2GiB', got {value!r}")
     if number < 1:
-        raise ValueError(f"speedloader option {key!r} must be at least one byte, got {value!r}")
+        raise OptionError(f"speedloader option {key!r} must be at least one byte, got {value!r}")
     return number
 
 
 def _check_int(key: str, value: Any, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(
+        raise OptionError(
             f"speedloader option {key!r} must be an int, got {value!r}"
         )
     if value < minimum:
-        raise ValueError(
+        raise OptionError(
             f"speedloader option {key!r} must be >= {minimum}, got {value}"
         )
 
 
 def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(
+        raise OptionError(
             f"speedloader option {key!r} must be one of {', '.join(map(repr, choices))}, "
             f"got {value!r}"
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["RefusedError", "BudgetError"]
+__all__ = ["RefusedError", "BudgetError", "OptionError", "OffloadError", "CompileError", "OptionCompileError", "compile_error"]
 
 
 class RefusedError(Exception):
@@ -40,11 +40,94 @@ class BudgetError(Exception):
         self.budget = budget
         self.smallest = smallest
         self.tried = tried
+        from slcompile.units import format_bytes
+
         plans = "; ".join(f"recompute={p.recompute}: {p.peak_bytes['device']} bytes" for p in tried)
         plans = f" [{plans}]" if plans else ""
         super().__init__(
-            f"the step needs at least {smallest} bytes ({smallest / 2**20:.2f} MiB) on the device, "
-            f"over memory_budget={budget} ({budget / 2**20:.2f} MiB); set memory_budget >= {smallest}, "
+            f"the step needs at least {smallest} bytes ({format_bytes(smallest)}) on the device, "
+            f"over memory_budget={budget} ({format_bytes(budget)}); set memory_budget >= {smallest}, "
             f"or lower it with more sub-batches, recompute='blocks', activations='nvme' or "
             f"weights='nvme'{plans}"
         )
+
+
+class OptionError(ValueError):
+    """A bad `torch.compile(..., options=...)` key or value; the message names the
+    option and how to fix it."""
+
+
+def _dynamo_exc():
+    from torch._dynamo import exc
+
+    return exc
+
+
+class CompileError(_dynamo_exc().BackendCompilerFailed):
+    """What the speedloader backend raises through `torch.compile` for a problem the
+    user can fix (a bad option, an unusable `offload_dir`, a budget no plan meets, a
+    refused graph with `on_refusal="raise"`).
+
+    Dynamo wraps what a backend raises in `BackendCompilerFailed`, whose message
+    starts with the backend's name, and appends its own hints for reporting bugs to
+    PyTorch. This subclass is re-raised by Dynamo as it is, so the first line of the
+    message is the cause's own, and the traceback starts at the backend.
+
+    Attributes:
+        inner_exception: the cause, whose message this one repeats.
+    """
+
+    def __init__(self, cause: Exception, first_useful_frame=None):
+        _dynamo_exc().ShortenTraceback.__init__(self, str(cause), first_useful_frame=first_useful_frame)
+        self.backend_name = "speedloader"
+        self.inner_exception = cause
+
+    # Dynamo appends "Set TORCHDYNAMO_VERBOSE=1 ... reporting a bug to PyTorch" to any
+    # exception carrying `real_stack`, which it attaches on the way out; the stack is
+    # Dynamo's own and the hint is wrong for a user error, so the attribute never sticks.
+    @property
+    def real_stack(self):
+        raise AttributeError("real_stack")
+
+    @real_stack.setter
+    def real_stack(self, value) -> None:
+        pass
+
+
+class OptionCompileError(CompileError, ValueError):
+    """A `CompileError` whose cause is a bad option: also a `ValueError`."""
+
+
+def compile_error(cause: Exception, first_useful_frame=None) -> CompileError:
+    """The `CompileError` for `cause` (an `OptionCompileError` for a ValueError)."""
+    kind = OptionCompileError if isinstance(cause, ValueError) else CompileError
+    return kind(cause, first_useful_frame)
+
+
+class OffloadError(RuntimeError):
+    """Base class of every runtime transfer and storage failure.
+
+    Args:
+        message: What went wrong, in words.
+        key: The tensor key the failure concerns, if any.
+        path: The file or directory involved, if any.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, path: str | None = None):
+        self.reason = message
+        self.key = key
+        self.path = path
+        parts = [message]
+        if key is not None:
+            parts.append(f"tensor key {key!r}")
+        if path is not None:
+            parts.append(f"path {path!r}")
+        super().__init__("; ".join(parts))
+
+    def with_key(self, key: str) -> "OffloadError":
+        """Returns the same kind of error, naming ``key`` as well."""
+        if self.key is not None:
+            return self
+        error = type(self)(self.reason, key=key, path=self.path)
+        error.__cause__ = self.__cause__ or self
+        return error

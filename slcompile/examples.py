@@ -1,8 +1,13 @@
-"""A small GPT for the demo, the benchmarks and the tests.
+"""A small GPT for the demo, the benchmarks and the tests, and ready targets for
+the command line.
 
 `TinyGPT(GPTConfig(...))` is a decoder-only transformer whose blocks live in
 `model.layers`; `forward(idx, targets=None)` returns (logits, loss) with a
 cross-entropy loss that ignores -100 targets, the layout of most language models.
+
+`tiny_gpt()` and `tiny_llama()` build a model and a batch in the form
+`slcompile explain` and `slcompile tune` take (`slcompile explain
+slcompile.examples:tiny_gpt`); `tiny_llama` needs `transformers`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "TinyGPT", "make_gpt_batch"]
+__all__ = ["GPTConfig", "TinyGPT", "make_gpt_batch", "tiny_gpt", "tiny_llama"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,3 +119,31 @@ def make_gpt_batch(
         cut = int(cfg.seq_len * ignore_fraction * (row + 1) / batch * 2)
         targets[row, : min(cut, cfg.seq_len - 1)] = -100
     return idx, targets
+
+
+def tiny_gpt(batch: int = 8) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """A 4-block TinyGPT (d_model 64) and a batch: `model(*args)` returns (logits, loss)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layers=4, d_model=64, seq_len=32, vocab_size=256)
+    return TinyGPT(cfg), make_gpt_batch(cfg, batch)
+
+
+def tiny_llama(batch: int = 8) -> tuple[nn.Module, tuple[torch.Tensor], dict[str, torch.Tensor]]:
+    """A 4-block Hugging Face Llama (hidden size 64) built from a config, no download,
+    and a batch: `model(input_ids, labels=labels).loss`.
+
+    Raises:
+        ModuleNotFoundError: `transformers` is not installed (the message says how).
+    """
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(
+            "tiny_llama needs transformers: pip install transformers "
+            "(or try slcompile.examples:tiny_gpt, which needs nothing more)"
+        ) from error
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=1000))
+    input_ids = torch.randint(0, 1000, (batch, 32))
+    return model, (input_ids,), {"labels": input_ids.clone()}

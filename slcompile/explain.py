@@ -19,7 +19,6 @@ import torch
 from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import BudgetError, RefusedError
 from slcompile.pipeline import run_pipeline
-from slcompile.schedules.policies import policy_for
 
 __all__ = ["Explanation", "GraphExplanation", "explain"]
 
@@ -164,8 +163,8 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig) -> GraphExplan
             grapharg = names[name].meta.get("grapharg")
             source = getattr(getattr(grapharg, "source", None), "name", name)
             sources[source() if callable(source) else source] = dim
-    build = policy_for(config.schedule).build
-    schedule = build(blocks, config.num_subbatches).text() if blocks and reason is None else ""
+    planned = getattr(state, "schedule", None)
+    schedule = planned.text() if planned is not None and reason is None else ""
     memory, budget_error = None, None
     if reason is None and state is not None and state.interleaved is not None:
         memory, budget_error = _predict(state, example_inputs)

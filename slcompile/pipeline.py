@@ -1,21 +1,32 @@
-"""The pass pipeline: the order is data, and every pass can be dumped or skipped.
+"""The pass pipeline: every stage's passes, declared as data in one place.
 
-`run_pipeline(gm, example_inputs, config)` runs `PASSES` in order on a Dynamo graph.
-Each pass is a pure function of the state so far; the runner lints the graph after
-every pass, names the passes run so far in any error, writes
-`$SLC_DUMP_DIR/NNN_passname.txt` after each pass when that variable is set, and skips
-the passes named in `SLC_DISABLE` (comma separated; only the optional ones), saying so
-in the log.
+A graph Dynamo hands the backend goes through these stages (see
+`slcompile.passes.manager` for the runner, which lints, times, dumps and disables):
+
+- `PASSES` ("dynamo"): classify the inputs, find the blocks and the batch dimension,
+  propagate the batch, check the graph splits, plan the policy's schedule,
+  interleave the sub-batches in its order, stream the block weights. `run_pipeline` runs them.
+- `JOINT_PASSES` ("joint"): tag AOTAutograd's joint graph for the partitioner
+  (fetched weights and, when the plan recomputes blocks, their internals).
+- `PARTITIONED_PASSES` ("partitioned"): on the forward and backward graphs the
+  partitioner returned: fuse the weight gradients, restore the schedule's order,
+  offload saved activations and gradients, issue weight loads ahead, and predict the
+  step's memory and read its schedule back from the graphs.
+- `INFERENCE_PASSES` ("inference"): the same for an inference graph.
+- `COMPILED_PASSES` ("compiled"): each AOT graph as it is handed to its compiler
+  (compute-region markers).
+
+The lowering (`slcompile.backends.lowering`) runs the stages after Dynamo's from
+AOTAutograd's hooks, once per recompute choice it tries. To add a pass, write a
+function of the stage's state (see `slcompile.passes.manager`) and add a `Pass` to
+the stage's list; the Inductor cache key covers its module.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import pathlib
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,16 +34,35 @@ import torch.fx
 
 from slcompile.analysis.batch_propagation import BatchPlan, propagate_batch
 from slcompile.analysis.inputs import GraphInput, classify_inputs
+from slcompile.analysis.memory import predict_memory
 from slcompile.config import SpeedLoaderConfig
-from slcompile.errors import RefusedError
 from slcompile.passes.check_splittable import check_splittable
 from slcompile.passes.find_batch_dim import BatchInfo, find_batch_dim
 from slcompile.passes.find_blocks import BlockGraph, find_blocks
+from slcompile.passes.fuse_weight_grads import fuse_weight_grads
 from slcompile.passes.interleave import InterleaveReport, interleave
-from slcompile.passes.stream_weights import StreamedWeights, stream_weights
-from slcompile.schedules.policies import policy_for
+from slcompile.passes.manager import Pass, PassLog, StepState, disabled_passes, run_passes
+from slcompile.passes.mark_regions import mark_regions
+from slcompile.passes.offload_activations import OffloadedActivations, offload_saved, tag_block_recompute
+from slcompile.passes.offload_gradients import offload_gradients
+from slcompile.passes.order_layer_major import order_layer_major
+from slcompile.passes.stream_weights import StreamedWeights, place_prefetches, stream_weights, tag_fetch_views
+from slcompile.schedules.base import Schedule
+from slcompile.schedules.derive import schedule_of
+from slcompile.schedules.policies import plan_schedule
 
-__all__ = ["PipelineState", "Pass", "PASSES", "run_pipeline", "disabled_passes"]
+__all__ = [
+    "PipelineState",
+    "Pass",
+    "PASSES",
+    "JOINT_PASSES",
+    "PARTITIONED_PASSES",
+    "INFERENCE_PASSES",
+    "COMPILED_PASSES",
+    "all_passes",
+    "run_pipeline",
+    "disabled_passes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +79,7 @@ class PipelineState:
         blocks: prefix, blocks, suffix.
         batch: the batch dimension of each input.
         plan: how each node runs over sub-batches.
+        schedule: the policy's schedule for this graph, the order the rewrite emits.
         interleaved: what `interleave` emitted, if it ran.
         streamer: the runtime's WeightStreamer when weights rest off the device.
         streamed: which weights `stream_weights` fetches per block.
@@ -62,17 +93,11 @@ class PipelineState:
     blocks: BlockGraph | None = None
     batch: BatchInfo | None = None
     plan: BatchPlan | None = None
+    schedule: Schedule | None = None
     interleaved: InterleaveReport | None = None
     streamer: Any = None
     streamed: StreamedWeights | None = None
     passes_run: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Pass:
-    name: str
-    run: Callable[[PipelineState], PipelineState]
-    optional: bool = False
 
 
 def _classify(state: PipelineState) -> PipelineState:
@@ -107,10 +132,27 @@ def _check(state: PipelineState) -> PipelineState:
     return dataclasses.replace(state, plan=check_splittable(state.plan))
 
 
+def _plan_schedule(state: PipelineState) -> PipelineState:
+    config = state.config
+    schedule = plan_schedule(
+        state.blocks, config,
+        weights_streamed=moves_off_device(config, config.weights),
+        activations_offloaded=moves_off_device(config, config.activations),
+    )
+    return dataclasses.replace(state, schedule=schedule)
+
+
 def _interleave(state: PipelineState) -> PipelineState:
-    sample_major = policy_for(state.config.schedule).sample_major
-    gm, report = interleave(state.gm, state.blocks, state.batch, state.plan, sample_major=sample_major)
+    gm, report = interleave(state.gm, state.blocks, state.batch, state.plan, state.schedule)
     return dataclasses.replace(state, gm=gm, interleaved=report)
+
+
+def moves_off_device(config: SpeedLoaderConfig, tier: str) -> bool:
+    """Whether values resting on `tier` are copied to and from the device (host
+    memory is the device's on a CPU machine: nothing moves)."""
+    from slcompile.runtime.tiers import Tier
+
+    return tier != "device" and not engine_for(config.offload_dir).copies_nothing(Tier(tier), Tier.DEVICE)
 
 
 def _stream(state: PipelineState) -> PipelineState:
@@ -127,7 +169,7 @@ def _stream(state: PipelineState) -> PipelineState:
     streamer = WeightStreamer(engine, state.config.weights, state.config.live_blocks)
     gm, streamed = stream_weights(
         state.gm, state.blocks, state.inputs, streamer.stored_key_for, streamer.graph_key,
-        per_subbatch=policy_for(state.config.schedule).sample_major,
+        per_subbatch=state.schedule.fetches_per_subbatch(),
     )
     return dataclasses.replace(state, gm=gm, streamer=streamer, streamed=streamed)
 
@@ -147,19 +189,16 @@ def engine_for(offload_dir: str | None):
 
 
 PASSES: tuple[Pass, ...] = (
-    Pass("classify_inputs", _classify),
-    Pass("find_blocks", _find_blocks),
-    Pass("find_batch_dim", _find_batch_dim),
-    Pass("propagate_batch", _propagate),
-    Pass("check_splittable", _check, optional=True),
-    Pass("interleave", _interleave, optional=True),
-    Pass("stream_weights", _stream, optional=True),
+    Pass("classify_inputs", "dynamo", "analysis", _classify, required=True, code=(classify_inputs,)),
+    Pass("find_blocks", "dynamo", "analysis", _find_blocks, required=True, code=(find_blocks,)),
+    Pass("find_batch_dim", "dynamo", "analysis", _find_batch_dim, required=True, code=(find_batch_dim,)),
+    Pass("propagate_batch", "dynamo", "analysis", _propagate, required=True, code=(propagate_batch,)),
+    Pass("check_splittable", "dynamo", "check", _check, code=(check_splittable,)),
+    # The schedule orders every later stage's graphs, interleaved or not.
+    Pass("plan_schedule", "dynamo", "analysis", _plan_schedule, required=True, code=(plan_schedule,)),
+    Pass("interleave", "dynamo", "rewrite", _interleave, code=(interleave,)),
+    Pass("stream_weights", "dynamo", "rewrite", _stream, code=(stream_weights,)),
 )
-
-
-def disabled_passes() -> set[str]:
-    """Pass names listed in `SLC_DISABLE` (comma separated)."""
-    return {p.strip() for p in os.environ.get("SLC_DISABLE", "").split(",") if p.strip()}
 
 
 def run_pipeline(
@@ -169,8 +208,9 @@ def run_pipeline(
     *,
     passes: Sequence[Pass] = PASSES,
     stop_after: str | None = None,
+    passes_log: PassLog | None = None,
 ) -> PipelineState:
-    """Runs the passes on a Dynamo graph.
+    """Runs the Dynamo stage's passes on a Dynamo graph.
 
     Args:
         gm: the Dynamo graph.
@@ -178,53 +218,188 @@ def run_pipeline(
         config: the backend's options.
         passes: the passes to run, in order.
         stop_after: the name of the last pass to run (analysis without rewriting).
+        passes_log: the log the later stages continue (`CompileReport.pass_log`);
+            default: a new one.
 
     Returns:
-        the final state.
+        the final state; `passes_run` lists the passes run, with their time.
 
     Raises:
         RefusedError: a pass refused the graph; the message names the passes run and
             `err.state` holds what the passes before it produced.
+        ValueError: `SLC_DISABLE` names an unknown pass or one that cannot be disabled.
     """
-    disabled = disabled_passes()
-    dump_dir = os.environ.get("SLC_DUMP_DIR")
     state = PipelineState(gm=gm, example_inputs=example_inputs, config=config)
-    for number, step in enumerate(passes):
-        if step.name in disabled:
-            if not step.optional:
-                raise ValueError(f"SLC_DISABLE names {step.name}, which the pipeline cannot run without")
-            log.warning("speedloader: pass %s skipped (SLC_DISABLE)", step.name)
-            continue
-        started = time.perf_counter()
-        try:
-            state = step.run(state)
-            state.gm.graph.lint()
-        except RefusedError as err:
-            err.pass_name = step.name
-            err.state = state
-            raise
-        except Exception as exc:
-            ran = ", ".join(state.passes_run) or "none"
-            err = RefusedError(
-                f"internal error in pass {step.name} ({type(exc).__name__}: {exc}); passes run: {ran}",
-                step.name,
-            )
-            err.state = state
-            raise err from exc
-        took = time.perf_counter() - started
-        state = dataclasses.replace(state, passes_run=(*state.passes_run, f"{step.name} ({took * 1e3:.0f} ms)"))
-        if dump_dir:
-            _dump(pathlib.Path(dump_dir), number, step.name, state)
-        if step.name == stop_after:
-            break
-    return state
+    return run_passes(passes, state, passes_log if passes_log is not None else PassLog(), stop_after=stop_after)
 
 
-def _dump(directory: pathlib.Path, number: int, name: str, state: PipelineState) -> None:
-    from slcompile.viz.dot import graph_to_dot
 
-    directory.mkdir(parents=True, exist_ok=True)
-    stem = directory / f"{number:03d}_{name}"
-    header = f"# after {state.passes_run[-1]}\n"
-    stem.with_suffix(".txt").write_text(header + state.gm.print_readable(print_output=False))
-    stem.with_suffix(".dot").write_text(graph_to_dot(state.gm, title=name))
+# The stages after Dynamo's. Each function takes the StepState and returns its
+# record (stored in `step.results[name]`).
+
+
+def _joint_graph(step: StepState) -> torch.fx.Graph:
+    joint = step.graphs["joint"]
+    return joint.graph if isinstance(joint, torch.fx.GraphModule) else joint
+
+
+def _tag_fetch_views(step: StepState) -> int:
+    if step.plan.streamer is None:
+        return 0
+    return tag_fetch_views(_joint_graph(step))
+
+
+def _tag_block_recompute(step: StepState) -> int:
+    if step.recompute != "blocks":
+        return 0
+    tagged = tag_block_recompute(_joint_graph(step))
+    log.debug("recomputing %d forward nodes of the blocks in the backward", tagged)
+    return tagged
+
+
+JOINT_PASSES: tuple[Pass, ...] = (
+    Pass("tag_fetch_views", "joint", "rewrite", _tag_fetch_views, graphs=("joint",), code=(tag_fetch_views,)),
+    Pass(
+        "tag_block_recompute", "joint", "rewrite", _tag_block_recompute, graphs=("joint",),
+        code=(tag_block_recompute,),
+    ),
+)
+
+
+def _fuse_weight_grads(step: StepState) -> int:
+    plan = step.plan
+    # When sub-batches reach a block apart (sample-major), one matmul over all of
+    # them would keep every sub-batch's output gradients alive until the last one
+    # reaches the block: gradient accumulation adds each one's as soon as it is done.
+    backward = plan.schedule.order("bwd")
+    together = all(backward.contiguous("block", block) for block in plan.block_positions)
+    if plan.num_subbatches <= 1 or not together:
+        return 0
+    _, fused = fuse_weight_grads(step.graphs["backward"])
+    step.report.fused_weight_grads = fused
+    return fused
+
+
+def _order_layer_major(step: StepState) -> dict[str, int]:
+    moved = {}
+    for kind, phase in (("forward", "fwd"), ("backward", "bwd"), ("inference", "fwd")):
+        if kind in step.graphs:
+            _, moved[kind] = order_layer_major(step.graphs[kind], phase, step.plan.schedule)
+            log.debug("order_layer_major moved %d nodes of the %s graph", moved[kind], kind)
+    return moved
+
+
+def _offload_activations(step: StepState) -> OffloadedActivations:
+    plan = step.plan
+    if plan.stash is None:
+        return OffloadedActivations()
+    return offload_saved(
+        step.graphs["forward"], step.graphs["backward"], step.num_fwd_outputs, plan.stash.graph_key,
+        plan.min_offload_bytes, plan.schedule.stashes(),
+    )
+
+
+def _place_prefetches(step: StepState):
+    if step.plan.streamer is None:
+        return None
+    forward = step.graphs.get("forward", step.graphs.get("inference"))
+    return place_prefetches(forward, step.graphs.get("backward"), step.plan.live_blocks)
+
+
+def _offload_gradients(step: StepState):
+    gradients = step.plan.gradients
+    if gradients is None:
+        return None
+    _, stored = offload_gradients(step.graphs["forward"], step.graphs["backward"], gradients.graph_key, gradients.wants)
+    gradients.expect(stored)
+    return stored
+
+
+def load_granularity() -> int:
+    """On a CPU machine, loads read files straight into page-padded memory."""
+    from slcompile.runtime.tiers import PAGE_BYTES
+
+    return 1 if torch.cuda.is_available() else PAGE_BYTES
+
+
+def _predict_memory(step: StepState):
+    plan = step.plan
+    if "inference" in step.graphs:
+        return predict_memory(
+            step.graphs["inference"], graph_kind="inference", live_blocks=plan.live_blocks,
+            weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes,
+            load_granularity=load_granularity(),
+        )
+    offloaded = step.results.get("offload_activations") or OffloadedActivations()
+    return predict_memory(
+        step.graphs["forward"], step.graphs["backward"],
+        live_blocks=plan.live_blocks if plan.streamer is not None else 1,
+        weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes,
+        activations_tier=plan.activations_tier, offloaded_bytes=offloaded.bytes,
+        recompute=step.recompute, load_granularity=load_granularity(),
+    )
+
+
+def _derive_schedule(step: StepState) -> Schedule:
+    if "inference" in step.graphs:
+        return schedule_of(step.graphs["inference"])
+    return schedule_of(step.graphs["forward"], step.graphs["backward"])
+
+
+PARTITIONED_PASSES: tuple[Pass, ...] = (
+    Pass(
+        "fuse_weight_grads", "partitioned", "rewrite", _fuse_weight_grads, graphs=("backward",),
+        code=(fuse_weight_grads,),
+    ),
+    Pass(
+        "order_layer_major", "partitioned", "rewrite", _order_layer_major, graphs=("forward", "backward"),
+        code=(order_layer_major,),
+    ),
+    Pass(
+        "offload_activations", "partitioned", "rewrite", _offload_activations, graphs=("forward", "backward"),
+        code=(offload_saved,),
+    ),
+    # Marks each fetch with its phase: the runtime needs it to find the weights.
+    Pass(
+        "place_prefetches", "partitioned", "rewrite", _place_prefetches, graphs=("forward", "backward"),
+        required=True, code=(place_prefetches,),
+    ),
+    Pass(
+        "offload_gradients", "partitioned", "rewrite", _offload_gradients, graphs=("forward", "backward"),
+        code=(offload_gradients,),
+    ),
+    Pass("derive_schedule", "partitioned", "analysis", _derive_schedule, code=(schedule_of,)),
+    # The recompute search reads its figure.
+    Pass("predict_memory", "partitioned", "analysis", _predict_memory, required=True, code=(predict_memory,)),
+)
+
+INFERENCE_PASSES: tuple[Pass, ...] = (
+    Pass(
+        "order_layer_major", "inference", "rewrite", _order_layer_major, graphs=("inference",),
+        code=(order_layer_major,),
+    ),
+    Pass(
+        "place_prefetches", "inference", "rewrite", _place_prefetches, graphs=("inference",),
+        required=True, code=(place_prefetches,),
+    ),
+    Pass("derive_schedule", "inference", "analysis", _derive_schedule, code=(schedule_of,)),
+    Pass("predict_memory", "inference", "analysis", _predict_memory, required=True, code=(predict_memory,)),
+)
+
+
+def _mark_regions(step: StepState):
+    # Inductor fuses kernels across markers (see `mark_regions`).
+    if step.lowering != "aot_eager":
+        return None
+    _, marks = mark_regions(step.graphs[step.kind], step.kind)
+    return marks
+
+
+COMPILED_PASSES: tuple[Pass, ...] = (
+    Pass("mark_regions", "compiled", "rewrite", _mark_regions, graphs=("compiled",), code=(mark_regions,)),
+)
+
+
+def all_passes() -> tuple[Pass, ...]:
+    """Every declared pass of every stage, in stage order."""
+    return (*PASSES, *JOINT_PASSES, *PARTITIONED_PASSES, *INFERENCE_PASSES, *COMPILED_PASSES)

@@ -14,6 +14,7 @@ import threading
 import torch.fx
 
 from slcompile.meta import get_slc_meta
+from slcompile.passes.manager import PassLog
 
 __all__ = ["CompileReport", "compile_reports", "clear_compile_reports"]
 
@@ -31,8 +32,12 @@ class CompileReport:
         fallback_reason: why the graph compiled without sub-batching, or None.
         blocks: the block paths found.
         batch_size: the batch size of the example inputs, if found.
-        schedule: the schedule text of the policy.
-        passes_run: the passes that ran, with their time.
+        schedule: the schedule text, read from the compiled graphs once they are
+            partitioned (`slcompile.schedules.schedule_of`); the policy's until then.
+        planned_schedule: the policy's Schedule, which the passes followed.
+        pass_log: the passes run on this graph, every stage's, with their time, and
+            the dump counter (`slcompile.passes.manager.PassLog`); `passes_run` is
+            its entries.
         graph_order: per AOT graph kind ("forward", "backward", "inference"), the tags
             of its ops in order (`blk3.sb1`), untagged ops left out.
         graphs: the AOT graphs themselves, by kind (the last one of each kind).
@@ -50,7 +55,8 @@ class CompileReport:
     blocks: tuple[str, ...] = ()
     batch_size: int | None = None
     schedule: str = ""
-    passes_run: tuple[str, ...] = ()
+    planned_schedule: object = None
+    pass_log: PassLog = dataclasses.field(default_factory=PassLog)
     graph_order: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     graphs: dict[str, torch.fx.GraphModule] = dataclasses.field(default_factory=dict)
     block_inputs: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
@@ -59,19 +65,24 @@ class CompileReport:
     memory: object = None
     offloaded_activations: object = None
 
+    @property
+    def passes_run(self) -> tuple[str, ...]:
+        """`"stage/name (N ms)"` per pass run, in order, across all stages."""
+        return tuple(self.pass_log.entries)
+
     def predicted_peak_bytes(self, sizes=None) -> int:
         """Peak bytes the compiled step allocates on the device, from the lifetimes
-        of its forward and backward graphs (parameters and inputs excluded).
+        of its forward and backward graphs (parameters and inputs excluded; no
+        prefetch, loads at their own size): `predict_step_memory(...).step_peak_bytes`
+        of the graphs as compiled.
 
         Args:
-            sizes: values for the size symbols of a dynamic graph.
+            sizes: values for the size symbols of a dynamic graph; default: the
+                example inputs'.
         """
-        from slcompile.analysis.lifetimes import analyze_lifetimes, analyze_training_step
+        from slcompile.analysis.memory import predict_step_memory
 
-        if "backward" in self.graphs:
-            return analyze_training_step(self.graphs["forward"], self.graphs["backward"]).peak(sizes)
-        kind = "inference" if "inference" in self.graphs else "forward"
-        return analyze_lifetimes(self.graphs[kind], kind).peak(sizes)
+        return predict_step_memory(self.graphs, sizes=sizes).step_peak_bytes
 
     def record_graph(self, kind: str, gm: torch.fx.GraphModule) -> None:
         tags = []

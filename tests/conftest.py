@@ -1,4 +1,5 @@
-"""Shared fixtures: a clean Dynamo state per test and the eager-vs-compiled comparison."""
+"""Shared fixtures: a clean Dynamo state per test, the eager-vs-compiled comparison
+and the layer-major order check of a compiled step."""
 
 from __future__ import annotations
 
@@ -56,3 +57,15 @@ def assert_matches_eager(model, call, options, *, dynamic_inputs=(), atol=1e-5, 
     for name in grads_ref:
         torch.testing.assert_close(grads[name], grads_ref[name], atol=atol, rtol=rtol, msg=name)
     return compiled
+
+
+def check_layer_major(report, k):
+    """Asserts that the report's forward and backward run layer-major over `k`
+    sub-batches and that each block's weight gradients are complete before the
+    previous block's backward starts."""
+    from slcompile.analysis.order import block_order, grads_ready_before_next_block, layer_major_violations
+
+    blocks = sorted(report.block_inputs)
+    assert layer_major_violations(block_order(report.graphs["forward"]), blocks, k, "fwd") == []
+    assert layer_major_violations(block_order(report.graphs["backward"]), blocks, k, "bwd") == []
+    assert grads_ready_before_next_block(report.graphs["backward"], report.block_inputs, blocks) == []

@@ -1,4 +1,6 @@
-"""Tiny models for the tests: the package's GPT and Hugging Face models built from configs.
+"""Tiny models for the tests: the package's GPT, Hugging Face models built from
+configs, and small stacks of blocks of any kind; with what every test file shares
+about them. Test files import from here (and from conftest), never from each other.
 
 Every model here is built from a config with random weights (seeded); nothing is
 downloaded. The Hugging Face factories import `transformers` lazily.
@@ -6,9 +8,58 @@ downloaded. The Hugging Face factories import `transformers` lazily.
 
 from __future__ import annotations
 
+from torch import nn
+
 from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
 
-__all__ = ["GPTConfig", "TinyGPT", "make_gpt_batch", "hf_gpt2", "hf_llama"]
+__all__ = ["GPTConfig", "TinyGPT", "make_gpt_batch", "hf_gpt2", "hf_llama", "Stack", "BatchNormBlock",
+           "EXPECTED_SCHEDULE_K2"]
+
+# The schedule of any 2-block model at K=2 (speedloader's order), as explain() prints it.
+EXPECTED_SCHEDULE_K2 = """\
+fwd prefix.sb0
+fwd prefix.sb1
+fwd blk0.sb0
+fwd blk0.sb1
+fwd blk1.sb0
+fwd blk1.sb1
+fwd suffix.sb0
+fwd suffix.sb1
+bwd suffix.sb1
+bwd suffix.sb0
+bwd blk1.sb1
+bwd blk1.sb0
+bwd blk0.sb1
+bwd blk0.sb0
+bwd prefix.sb1
+bwd prefix.sb0"""
+
+
+class Stack(nn.Module):
+    """Blocks of any kind around a linear head; forward(x) -> (out, loss)."""
+
+    def __init__(self, make_block, width=8, n=3):
+        super().__init__()
+        self.layers = nn.ModuleList(make_block(width) for _ in range(n))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        out = self.head(x)
+        return out, out.square().mean()
+
+
+class BatchNormBlock(nn.Module):
+    """A linear layer and BatchNorm: mixes samples in training mode."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
 
 
 def hf_gpt2(n_layer: int = 4, n_embd: int = 32, vocab_size: int = 96, n_positions: int = 32):

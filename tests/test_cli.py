@@ -43,7 +43,12 @@ def test_demo_trains_matches_eager_and_writes_pictures(tmp_path):
         fields = line.split()
         ours, eager = float(fields[4]), float(fields[6])
         assert abs(ours - eager) < 1e-4
-    assert re.search(r"forward and backward: weight nvme->device [\d.]+ KB in \d+ transfers", stdout)
+    assert re.search(r"forward and backward: weight nvme->device [\d.]+ KiB in \d+ transfers", stdout)
+    # 2·P, plus the first block loaded ahead for the next step (dropped by gathered_weights).
+    streamed = float(re.search(r"block weights streamed: P = ([\d.]+) KiB", stdout).group(1))
+    loaded, ahead = map(float, re.search(r"forward and backward loaded ([\d.]+) KiB = 2 x P \+ ([\d.]+) KiB: "
+                                         r"the first block", stdout).groups())
+    assert abs(loaded - 2 * streamed - ahead) < 0.02 and 0 < ahead < streamed
     names = {p.name for p in _written(stdout)}
     assert {"forward.dot", "backward.dot", "trace.json", "timeline.png", "memory.png", "schedule.txt"} <= names
     assert all(path.exists() and path.stat().st_size > 0 for path in _written(stdout))
@@ -112,13 +117,65 @@ def test_errors_are_one_line_and_non_zero(tmp_path):
     assert bad_steps.returncode != 0 and "--steps must be >= 1" in bad_steps.stderr
 
 
-@pytest.mark.parametrize("command", ["demo", "explain"])
+@pytest.mark.parametrize("command", ["demo", "explain", "tune"])
 def test_help_documents_every_option(command):
     result = _run(command, "--help")
     assert result.returncode == 0
     flags = ["--num-subbatches", "--lowering", "--schedule", "--batch-dim", "--on-refusal", "--weights",
-             "--live-blocks", "--offload-dir", "--out", "--detail"]
-    flags += ["--dot", "--plot", "--trace"] if command == "explain" else ["--steps", "--layers", "--width"]
+             "--live-blocks", "--offload-dir", "--memory-budget"]
+    flags += {"explain": ["--dot", "--plot", "--trace", "--out", "--detail"],
+              "demo": ["--steps", "--layers", "--width", "--out", "--detail"], "tune": []}[command]
     for flag in flags:
         assert flag in result.stdout, flag
     assert "(default:" in result.stdout
+    # Each option's help names its default once, and the program's description is not
+    # the module's docstring.
+    options = re.split(r"\n  (?=-)", result.stdout)
+    for text in options:
+        assert len(re.findall(r"\bdefault\b", text)) <= 1, text
+    main_help = _run("--help").stdout
+    assert "demo" in main_help and "tune" in main_help and "the command line" not in main_help
+
+
+def test_explain_finds_the_target_in_the_current_folder_and_debug_goes_anywhere(tmp_path):
+    (tmp_path / "mymodels.py").write_text(textwrap.dedent("""
+        from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
+
+        def factory():
+            cfg = GPTConfig(n_layers=2)
+            return TinyGPT(cfg), make_gpt_batch(cfg, 4)
+    """))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SLC_DISABLE")}
+    for debug in (["--debug", "explain"], ["explain", "--debug"]):
+        result = subprocess.run(
+            [os.path.join(os.path.dirname(sys.executable), "slcompile"), *debug, "mymodels:factory",
+             "--lowering", "aot_eager"],
+            cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "blocks: 2 (layers.0, layers.1)" in result.stdout
+        assert "DEBUG slcompile" in result.stderr
+
+
+def test_tune_prints_options_that_fit_or_the_smallest_budget():
+    fits = _run("tune", "cli_targets:tiny", "--memory-budget", "1GiB", "--lowering", "aot_eager")
+    assert fits.returncode == 0, fits.stderr[-2000:]
+    assert "chosen options: {" in fits.stdout and "'memory_budget': 1073741824" in fits.stdout
+    assert re.search(r"predicted peak: device [\d.]+ (KiB|MiB)", fits.stdout)
+    too_small = _run("tune", "cli_targets:tiny", "--memory-budget", "1000", "--lowering", "aot_eager")
+    assert too_small.returncode == 1
+    assert too_small.stderr.startswith("slcompile: error: BudgetError: the step needs at least ")
+    assert len(too_small.stderr.strip().splitlines()) == 1
+    missing = _run("tune", "cli_targets:tiny")
+    assert missing.returncode == 1 and "--memory-budget" in missing.stderr
+
+
+def test_ready_llama_target_says_what_to_install_without_transformers():
+    code = ("import sys; sys.modules['transformers'] = None; from slcompile.cli import main; "
+            "sys.exit(main(['explain', 'slcompile.examples:tiny_llama']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "slcompile: error: ModuleNotFoundError: tiny_llama needs transformers: pip install transformers "
+        "(or try slcompile.examples:tiny_gpt, which needs nothing more)"
+    )

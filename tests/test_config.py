@@ -1,5 +1,6 @@
 import pytest
 
+import slcompile
 from slcompile import SpeedLoaderConfig
 
 
@@ -35,3 +36,20 @@ def test_config_is_frozen():
     config = SpeedLoaderConfig()
     with pytest.raises(Exception):
         config.num_subbatches = 3
+
+
+def test_options_are_checked_where_they_are_set():
+    assert slcompile.options(num_subbatches=4, weights="nvme") == {"num_subbatches": 4, "weights": "nvme"}
+    with pytest.raises(ValueError, match=r"^unknown speedloader option 'num_subbatch'; did you mean 'num_subbatches'"):
+        slcompile.options(num_subbatch=4)
+    with pytest.raises(ValueError, match=r"^speedloader option 'weights' must be one of"):
+        slcompile.options(weights="disk")
+
+
+def test_host_memory_is_bytes_or_none():
+    assert SpeedLoaderConfig().host_memory is None  # sized from the compiled plan
+    assert SpeedLoaderConfig(host_memory="24GiB").host_memory == 24 * 2**30
+    assert SpeedLoaderConfig(host_memory=4096).host_memory == 4096
+    for bad in ("lots", 0, True):
+        with pytest.raises(ValueError, match="'host_memory'"):
+            SpeedLoaderConfig(host_memory=bad)

@@ -10,28 +10,9 @@ from torch import nn
 
 import slcompile
 from conftest import assert_matches_eager
-from models import GPTConfig, TinyGPT, hf_llama, make_gpt_batch
-from test_refusals import BatchNormBlock, Stack
+from models import EXPECTED_SCHEDULE_K2, BatchNormBlock, GPTConfig, Stack, TinyGPT, hf_llama, make_gpt_batch
 
 CFG = GPTConfig(n_layers=2)
-
-EXPECTED_SCHEDULE_K2 = """\
-fwd prefix.sb0
-fwd prefix.sb1
-fwd blk0.sb0
-fwd blk0.sb1
-fwd blk1.sb0
-fwd blk1.sb1
-fwd suffix.sb0
-fwd suffix.sb1
-bwd suffix.sb1
-bwd suffix.sb0
-bwd blk1.sb1
-bwd blk1.sb0
-bwd blk0.sb1
-bwd blk0.sb0
-bwd prefix.sb1
-bwd prefix.sb0"""
 
 
 def test_explain_tiny_gpt():

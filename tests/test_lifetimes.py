@@ -3,29 +3,13 @@
 import pytest
 import sympy
 import torch
-from torch.profiler import profile
-from torch.profiler._memory_profiler import Action
 
 import slcompile
 from slcompile.analysis.lifetimes import analyze_lifetimes, analyze_training_step
+from slcompile.analysis.memory import measured_peak_bytes
 from models import GPTConfig, TinyGPT, make_gpt_batch
 
 CFG = GPTConfig(d_model=128, seq_len=64)
-
-
-def measured_peak_bytes(fn) -> int:
-    """Peak bytes allocated while `fn` runs, from the profiler's memory timeline of
-    the CPU allocator (allocations and frees of every tensor), relative to the start."""
-    with profile(profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        fn()
-    running = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action == Action.CREATE:
-            running += size
-        elif action == Action.DESTROY:
-            running -= size
-        peak = max(peak, running)
-    return peak
 
 
 def _compile(k, **options):
@@ -97,9 +81,12 @@ def test_dynamic_batch_sizes_are_symbolic_and_agree_with_static():
     _, static_compiled = _compile(2)
     static_compiled(idx2, targets2)[1].backward()
     static = slcompile.compile_reports()[-1]
-    assert step.peak({batch: 8}) == static.predicted_peak_bytes()
+    def peak(batch_size):
+        return dynamic.predicted_peak_bytes({batch: batch_size})
+
+    assert peak(8) == static.predicted_peak_bytes()
     # Twice the batch: the activations grow, the prediction follows without compiling.
-    assert step.peak({batch: 16}) > step.peak({batch: 8})
+    assert peak(16) > peak(8)
 
 
 def test_views_cost_nothing_and_keep_their_base():

@@ -30,7 +30,9 @@ def _activation_bytes():
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_tiny_gpt_with_activations_on_nvme_matches_eager(k, recompute):
     idx, targets = make_gpt_batch(CFG, 8)
+    gc.collect()  # what earlier tests left on nvme goes now, not during the step
     reset_runtime_stats()
+    nvme_before = runtime_stats().resident_bytes.get(Tier.NVME, 0)
     assert_matches_eager(
         TinyGPT(CFG), lambda m: m(idx, targets), {**OFFLOAD, "num_subbatches": k, "recompute": recompute}
     )
@@ -41,7 +43,10 @@ def test_tiny_gpt_with_activations_on_nvme_matches_eager(k, recompute):
     # Every offloaded tensor goes out once and comes back once: the bytes of the
     # lifetimes' formula, both ways.
     assert _activation_bytes() == (int(offloaded.bytes), int(offloaded.bytes))
-    assert report.memory.peak_bytes["nvme"] == int(offloaded.bytes)
+    # The predicted nvme peak against the most bytes the runtime held there at once
+    # (every store of the forward is still there when the backward starts).
+    nvme_peak = runtime_stats().cumulative.peak_bytes[Tier.NVME] - nvme_before
+    assert report.memory.peak_bytes["nvme"] == nvme_peak
 
 
 def test_block_recompute_saves_only_each_block_input():
@@ -204,8 +209,6 @@ def test_predicted_peak_within_five_percent_with_weights_and_activations_on_nvme
         load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES,
     ).step_peak_bytes
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
-    # Without the profiler's slack, the compiled plan's own prediction is lower.
-    assert report.memory.step_peak_bytes <= predicted
 
 
 @pytest.mark.slow

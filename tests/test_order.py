@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import slcompile
-from slcompile.analysis.order import block_order, grads_ready_before_next_block, layer_major_violations
+from slcompile.analysis.order import layer_major_violations
+from conftest import check_layer_major
 from models import GPTConfig, TinyGPT, hf_llama, make_gpt_batch
 
 CFG = GPTConfig()
@@ -20,24 +21,17 @@ def _compile_and_step(model, call, k, lowering):
     return report
 
 
-def _check_report(report, k):
-    blocks = sorted(report.block_inputs)
-    assert layer_major_violations(block_order(report.graphs["forward"]), blocks, k, "fwd") == []
-    assert layer_major_violations(block_order(report.graphs["backward"]), blocks, k, "bwd") == []
-    assert grads_ready_before_next_block(report.graphs["backward"], report.block_inputs, blocks) == []
-
-
 @pytest.mark.parametrize("k", [2, 4])
 def test_tiny_gpt_aot_eager_is_layer_major(k):
     idx, targets = make_gpt_batch(CFG, 8)
     report = _compile_and_step(TinyGPT(CFG), lambda m: m(idx, targets)[1], k, "aot_eager")
-    _check_report(report, k)
+    check_layer_major(report, k)
 
 
 def test_llama_aot_eager_is_layer_major():
     idx, labels = make_gpt_batch(CFG, 4)
     report = _compile_and_step(hf_llama(), lambda m: m(idx, labels=labels).loss, 2, "aot_eager")
-    _check_report(report, 2)
+    check_layer_major(report, 2)
 
 
 def test_order_checker_catches_sub_batch_major_order():
@@ -54,4 +48,4 @@ def test_tiny_gpt_inductor_is_layer_major_and_exact():
 
     idx, targets = make_gpt_batch(CFG, 8)
     assert_matches_eager(TinyGPT(CFG), lambda m: m(idx, targets), {"num_subbatches": 4, "lowering": "inductor"})
-    _check_report(slcompile.compile_reports()[-1], 4)
+    check_layer_major(slcompile.compile_reports()[-1], 4)

@@ -1,5 +1,6 @@
-"""The three schedules: same results as eager, each in its own order, with the weight
-traffic its order implies (grad_accumulation: K times speedloader's; no_offload: none)."""
+"""The schedules: same results as eager, each in its own order, with the weight traffic
+its order implies (grad_accumulation: K times speedloader's; no_offload: none), and the
+schedule read back from the compiled graphs equal to the one the policy wrote."""
 
 import pytest
 import torch
@@ -10,15 +11,15 @@ from models import GPTConfig, TinyGPT, hf_llama, make_gpt_batch
 from slcompile.analysis.order import block_order, layer_major_violations, sample_major_violations, step_order
 from slcompile.config import SCHEDULES
 from slcompile.meta import get_slc_meta
-from slcompile.passes.mark_regions import is_bookkeeping
 from slcompile.runtime import Tier, TransferKind, mark_step, reset_runtime_stats
-from slcompile.runtime.weights import split_graph_key
-from slcompile.schedules import POLICIES
+from slcompile.schedules import POLICIES, Policy, ScheduleRequest, schedule_of
+from slcompile.schedules.examples.lifetime_aware import lifetime_aware_policy
+from slcompile.vocabulary import WeightKey, is_compute, is_fetch
 
 CFG = GPTConfig()
 LOAD = (TransferKind.WEIGHT, Tier.NVME, Tier.DEVICE)
 STORE = (TransferKind.WEIGHT, Tier.DEVICE, Tier.NVME)
-WEIGHTS = {"speedloader": "nvme", "grad_accumulation": "nvme", "no_offload": "device"}
+WEIGHTS = {"speedloader": "nvme", "grad_accumulation": "nvme", "no_offload": "device", "lifetime_aware": "nvme"}
 
 
 def _options(schedule, k, **extra):
@@ -26,7 +27,7 @@ def _options(schedule, k, **extra):
 
 
 def _fetches(gm):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.slc.fetch_weight.default]
+    return [n for n in gm.graph.nodes if is_fetch(n)]
 
 
 def _fetched_bytes(gm):
@@ -47,11 +48,13 @@ def _train_step(compiled, model, idx, targets):
 
 def test_every_schedule_option_has_a_policy():
     assert set(POLICIES) == set(SCHEDULES)
-    assert [name for name, policy in POLICIES.items() if policy.sample_major] == ["grad_accumulation"]
+    request = ScheduleRequest(blocks=(0, 1), num_subbatches=2, live_blocks=2, weights_streamed=True)
+    per_subbatch = [name for name, policy in POLICIES.items() if policy.build(request).fetches_per_subbatch()]
+    assert per_subbatch == ["grad_accumulation"]
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", ["speedloader", "grad_accumulation", "no_offload"])  # lifetime_aware: below
 def test_tiny_gpt_matches_eager(schedule, k):
     idx, targets = make_gpt_batch(CFG, 8)
     assert_matches_eager(TinyGPT(CFG), lambda m: m(idx, targets), _options(schedule, k))
@@ -103,12 +106,60 @@ bwd prefix.sb0"""
     explanation = slcompile.explain(TinyGPT(cfg), idx, targets, schedule="grad_accumulation", num_subbatches=2)
     assert explanation.schedule == expected
     model = TinyGPT(cfg)
-    torch.compile(model, backend="speedloader", options=_options("grad_accumulation", 2))(idx, targets)[1].backward()
+    options = {**_options("grad_accumulation", 2), "weights": "device"}
+    torch.compile(model, backend="speedloader", options=options)(idx, targets)[1].backward()
     assert slcompile.compile_reports()[-1].schedule == expected
 
 
+def test_speedloader_schedule_text_with_streamed_weights():
+    cfg = GPTConfig(n_layers=3)
+    idx, targets = make_gpt_batch(cfg, 4)
+    model = TinyGPT(cfg)
+    torch.compile(model, backend="speedloader", options=_options("speedloader", 2, live_blocks=2))(
+        idx, targets
+    )[1].backward()
+    report = slcompile.compile_reports()[-1]
+    # Each block's load is issued one block visit ahead of its fetch, around the
+    # cycle: the forward's last block issues the backward's first, the backward's
+    # last issues the next forward's first.
+    assert report.schedule == """\
+fwd prefix.sb0
+fwd prefix.sb1
+fwd fetch.issue blk1
+fwd fetch.wait blk0
+fwd blk0.sb0
+fwd blk0.sb1
+fwd fetch.issue blk2
+fwd fetch.wait blk1
+fwd blk1.sb0
+fwd blk1.sb1
+fwd fetch.issue blk2@bwd
+fwd fetch.wait blk2
+fwd blk2.sb0
+fwd blk2.sb1
+fwd suffix.sb0
+fwd suffix.sb1
+bwd suffix.sb1
+bwd suffix.sb0
+bwd fetch.issue blk1
+bwd fetch.wait blk2
+bwd blk2.sb1
+bwd blk2.sb0
+bwd fetch.issue blk0
+bwd fetch.wait blk1
+bwd blk1.sb1
+bwd blk1.sb0
+bwd fetch.issue blk0@fwd
+bwd fetch.wait blk0
+bwd blk0.sb1
+bwd blk0.sb0
+bwd prefix.sb1
+bwd prefix.sb0"""
+    assert report.schedule == report.planned_schedule.text()
+
+
 @pytest.mark.parametrize("k", [2, 4])
-@pytest.mark.parametrize("schedule", ["grad_accumulation", "speedloader"])
+@pytest.mark.parametrize("schedule", ["grad_accumulation", "speedloader", "no_offload"])
 def test_compiled_graphs_run_in_the_schedule_order(schedule, k):
     idx, targets = make_gpt_batch(CFG, 8)
     model = TinyGPT(CFG)
@@ -118,13 +169,13 @@ def test_compiled_graphs_run_in_the_schedule_order(schedule, k):
     violations = sample_major_violations if schedule == "grad_accumulation" else layer_major_violations
     for kind, phase in (("forward", "fwd"), ("backward", "bwd")):
         assert violations(block_order(report.graphs[kind]), blocks, k, phase) == [], kind
-    # Every step of the text, prefix and suffix included. (Speedloader's backward
-    # runs its prefix as two passes over the sub-batches, the position embedding's
-    # gradient and then the token embedding's, which its text writes as one.)
+    # Every step, prefix, suffix and weight fetches included, forward and backward:
+    # the schedule read from the compiled graphs is the one the policy wrote.
+    derived = schedule_of(report.graphs["forward"], report.graphs["backward"])
+    assert derived.text() == report.schedule == report.planned_schedule.text()
     for kind, phase in (("forward", "fwd"), ("backward", "bwd")):
-        if schedule == "grad_accumulation" or phase == "fwd":
-            expected = [line.split()[-1] for line in report.schedule.splitlines() if line.startswith(phase)]
-            assert list(step_order(report.graphs[kind])) == expected, kind
+        expected = [step.tag for step in derived.phase(phase).compute().steps]
+        assert list(step_order(report.graphs[kind])) == expected, kind
 
 
 def test_grad_accumulation_on_llama_matches_eager_sample_major():
@@ -157,8 +208,7 @@ def test_grad_accumulation_fetches_each_block_once_per_subbatch():
         seen = {}
         for node in _fetches(report.graphs[kind]):
             meta = get_slc_meta(node)
-            _, stored, _ = split_graph_key(node.args[1])
-            seen.setdefault(stored, []).append(meta.subbatch)
+            seen.setdefault(WeightKey.parse(node.args[1]).stored, []).append(meta.subbatch)
             # Read by its own sub-batch only.
             assert {get_slc_meta(user).subbatch for user in node.users} == {meta.subbatch}
         assert seen and all(sorted(subs) == list(range(k)) for subs in seen.values()), kind
@@ -168,11 +218,11 @@ def test_grad_accumulation_fetches_each_block_once_per_subbatch():
         started = set()
         for node in report.graphs[kind].graph.nodes:
             meta = get_slc_meta(node) if node.op == "call_function" else None
-            if meta is None or meta.region != "block" or is_bookkeeping(node):
+            if meta is None or meta.region != "block":
                 continue
-            if node.target is torch.ops.slc.fetch_weight.default:
+            if is_fetch(node):
                 assert (meta.block, meta.subbatch) not in started, (kind, node.name)
-            else:
+            elif is_compute(node):
                 started.add((meta.block, meta.subbatch))
 
 
@@ -267,8 +317,7 @@ def test_no_offload_with_anything_off_the_device_is_refused(key, tier):
     model = TinyGPT(CFG)
     idx, targets = make_gpt_batch(CFG, 4)
     compiled = torch.compile(model, backend="speedloader", options=options)
-    conflict = f"ValueError: .*'schedule' and '{key}' conflict"
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=conflict):
+    with pytest.raises(ValueError, match=rf"^speedloader options 'schedule' and '{key}' conflict"):
         compiled(idx, targets)
 
 
@@ -285,3 +334,50 @@ def test_grad_accumulation_inductor_matches_eager_and_keeps_every_fetch():
     blocks = sorted(report.block_inputs)
     for kind, phase in (("forward", "fwd"), ("backward", "bwd")):
         assert sample_major_violations(block_order(report.graphs[kind]), blocks, k, phase) == [], kind
+
+
+@pytest.mark.parametrize("schedule", ["lifetime_aware", lifetime_aware_policy(min_hidden_steps=4)])
+def test_lifetime_aware_keeps_what_cannot_hide_and_matches_eager(schedule):
+    idx, targets = make_gpt_batch(CFG, 8)
+    options = {**_options("lifetime_aware", 2, activations="nvme", min_offload_bytes=0), "schedule": schedule}
+    reset_runtime_stats()
+    assert_matches_eager(TinyGPT(CFG), lambda m: m(idx, targets), options)
+    report = slcompile.compile_reports()[-1]
+    assert report.fallback_reason is None
+    planned = report.planned_schedule
+    last = CFG.n_layers - 1
+    kept = {("block", last, 1)} if isinstance(schedule, str) else {("block", last, 1), ("block", last, 0)}
+    stashable = {("prefix", None, s) for s in range(2)} | {("block", b, s) for b in range(CFG.n_layers) for s in range(2)}
+    assert planned.stashes() == stashable - kept
+    # The compiled graphs store exactly what the policy stashes, in its order.
+    derived = schedule_of(report.graphs["forward"], report.graphs["backward"])
+    assert derived.stashes() == planned.stashes()
+    assert derived.without("stash.wait", "unstash").text() == planned.text()
+    assert any(why == "kept on the device by the schedule" for _, why in report.offloaded_activations.kept)
+    moved = slcompile.runtime_stats().bytes_moved
+    stored = moved[TransferKind.ACTIVATION, Tier.DEVICE, Tier.NVME]
+    assert stored == moved[TransferKind.ACTIVATION, Tier.NVME, Tier.DEVICE] == int(report.offloaded_activations.bytes)
+
+
+def _reversed_subbatches(request):
+    """A policy written in a test: speedloader's order with each block's sub-batches
+    run last to first in the forward (and first to last in the backward)."""
+    from slcompile.schedules.base import Schedule, Step, add_fetches
+
+    k = request.num_subbatches
+    forward = [Step("fwd", "prefix", subbatch=s) for s in range(k)]
+    for block in request.blocks:
+        forward += [Step("fwd", "block", block, s) for s in reversed(range(k))]
+    forward += [Step("fwd", "suffix", subbatch=s) for s in range(k)]
+    backward = [Step("bwd", s.region, s.block, s.subbatch) for s in reversed(forward)]
+    return Schedule(tuple(add_fetches(forward + backward, request, per_subbatch=False)))
+
+
+def test_a_policy_passed_as_the_option_orders_the_compiled_graphs():
+    idx, targets = make_gpt_batch(CFG, 8)
+    options = {**_options("speedloader", 2), "schedule": Policy("reversed_subbatches", _reversed_subbatches)}
+    assert_matches_eager(TinyGPT(CFG), lambda m: m(idx, targets), options)
+    report = slcompile.compile_reports()[-1]
+    assert report.fallback_reason is None
+    assert "fwd blk0.sb1\nfwd blk0.sb0\nfwd fetch.issue" in report.schedule
+    assert report.schedule == report.planned_schedule.text()

@@ -9,7 +9,10 @@ import slcompile
 from conftest import assert_matches_eager
 from models import GPTConfig, TinyGPT, hf_gpt2, make_gpt_batch
 from slcompile.runtime import Tier, TransferKind, mark_step, reset_runtime_stats
-from slcompile.runtime.weights import split_graph_key
+from slcompile.meta import SlcMeta, set_slc_meta
+from slcompile.passes.stream_weights import place_prefetches
+from slcompile.schedules import schedule_of
+from slcompile.vocabulary import FETCH_WEIGHT, WeightKey, is_fetch, is_slc_op
 
 CFG = GPTConfig()
 NVME = {"lowering": "aot_eager", "weights": "nvme"}
@@ -20,9 +23,8 @@ def _fetched_bytes(graph, model):
     """Bytes of the parameters a compiled graph fetches (read from the graph itself)."""
     sizes = {}
     for node in graph.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.slc.fetch_weight.default:
-            _, stored, _ = split_graph_key(node.args[1])
-            sizes[stored] = node.meta["val"].numel() * node.meta["val"].element_size()
+        if is_fetch(node):
+            sizes[WeightKey.parse(node.args[1]).stored] = node.meta["val"].numel() * node.meta["val"].element_size()
     return sum(sizes.values()), len(sizes)
 
 
@@ -153,3 +155,65 @@ def test_weights_on_nvme_inductor_match_eager():
     assert_matches_eager(
         TinyGPT(CFG), lambda m: m(idx, targets), {"weights": "nvme", "num_subbatches": 2}
     )
+
+
+def _fetching_graph(blocks):
+    """One fetch per block, read by that block's sub-batch 0: the shape `stream_weights`
+    leaves in a partitioned graph."""
+    graph = torch.fx.Graph()
+    outputs = []
+    for block in blocks:
+        param = graph.placeholder(f"p{block}")
+        fetch = graph.call_function(FETCH_WEIGHT, (param, WeightKey("w9", f"w9:p{block}").format()))
+        set_slc_meta(fetch, SlcMeta("block", block, None, role="load"))
+        relu = graph.call_function(torch.ops.aten.relu.default, (fetch,))
+        set_slc_meta(relu, SlcMeta("block", block, 0))
+        outputs.append(relu)
+    graph.output(tuple(outputs))
+    return torch.fx.GraphModule({}, graph)
+
+
+def _transfers(gm):
+    return [f"{n.target.overloadpacket.__name__} {n.args[-1].split(':')[1]}" for n in gm.graph.nodes if is_slc_op(n)]
+
+
+def test_place_prefetches_issues_each_block_ahead_around_the_step():
+    forward, backward = _fetching_graph([0, 1, 2]), _fetching_graph([2, 1, 0])
+    placed = place_prefetches(forward, backward, live_blocks=2)
+    assert placed.ahead == 1 and placed.issues == {"fwd": 3, "bwd": 3}
+    assert _transfers(forward) == [
+        "fetch_issue p1@fwd", "fetch_weight p0@fwd",
+        "fetch_issue p2@fwd", "fetch_weight p1@fwd",
+        "fetch_issue p2@bwd", "fetch_weight p2@fwd",  # the forward's end issues the backward's first
+    ]
+    assert _transfers(backward) == [
+        "fetch_issue p1@bwd", "fetch_weight p2@bwd",
+        "fetch_issue p0@bwd", "fetch_weight p1@bwd",
+        "fetch_issue p0@fwd", "fetch_weight p0@bwd",  # ... and the backward's the next forward's
+    ]
+    assert schedule_of(forward, backward).text() == """\
+fwd fetch.issue blk1
+fwd fetch.wait blk0
+fwd blk0.sb0
+fwd fetch.issue blk2
+fwd fetch.wait blk1
+fwd blk1.sb0
+fwd fetch.issue blk2@bwd
+fwd fetch.wait blk2
+fwd blk2.sb0
+bwd fetch.issue blk1
+bwd fetch.wait blk2
+bwd blk2.sb0
+bwd fetch.issue blk0
+bwd fetch.wait blk1
+bwd blk1.sb0
+bwd fetch.issue blk0@fwd
+bwd fetch.wait blk0
+bwd blk0.sb0"""
+
+
+def test_place_prefetches_with_one_live_block_issues_nothing():
+    forward = _fetching_graph([0, 1])
+    placed = place_prefetches(forward, None, live_blocks=1)
+    assert placed.issues == {"fwd": 0}
+    assert _transfers(forward) == ["fetch_weight p0@fwd", "fetch_weight p1@fwd"]

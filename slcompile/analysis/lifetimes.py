@@ -9,6 +9,9 @@ Generated FX code drops a value right after its last use, so node order is the o
 memory is released. Views count as their base: a view costs nothing and keeps its
 base alive until the view's last use.
 
+The step's memory (peaks, per-node live bytes with prefetch and what the caller
+holds) is computed from these tables in one place, `slcompile.analysis.memory`.
+
 Kinds: "weight" (parameters, fetched weights), "activation" (intermediates),
 "saved" (forward outputs kept for the backward), "input" (other graph inputs),
 "gradient" (backward outputs). Graph inputs are held by the caller for the whole
@@ -225,16 +228,16 @@ def analyze_lifetimes(
 
 def _loads() -> tuple:
     """Ops whose result is memory a tier's load filled."""
-    from slcompile.runtime import activations, ops, weights
+    from slcompile import vocabulary
 
-    return (ops.WAIT_LOAD, activations.UNSTASH_WAIT, torch.ops.slc.fetch_weight.default)
+    return (vocabulary.UNSTASH_WAIT, vocabulary.FETCH_WEIGHT)
 
 
 def _issued_by_first_arg() -> tuple:
     """Ops that return the memory of a load their first argument issued."""
-    from slcompile.runtime import activations, ops
+    from slcompile import vocabulary
 
-    return (ops.WAIT_LOAD, activations.UNSTASH_WAIT)
+    return (vocabulary.UNSTASH_WAIT,)
 
 
 def _node_bytes(node: torch.fx.Node) -> sympy.Expr | None:
@@ -259,13 +262,6 @@ class StepLifetimes:
 
     forward: LifetimeTable
     backward: LifetimeTable
-
-    def peak(self, sizes: Mapping[sympy.Symbol, int] | None = None) -> int:
-        """Peak bytes allocated during the step (graph inputs held by the caller,
-        such as parameters and the batch, excluded): the forward's peak, or the
-        backward's while the forward's user outputs are still held."""
-        held = int(self.forward.user_output_bytes.subs(dict(sizes or {})))
-        return max(self.forward.peak(sizes), held + self.backward.peak(sizes))
 
 
 def analyze_training_step(

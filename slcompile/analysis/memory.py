@@ -1,4 +1,8 @@
-"""Predicted memory per tier of a compiled step, from the lifetimes of its graphs.
+"""The memory model of a compiled step: live bytes per node, tier and kind, and the
+peaks, from the lifetimes of its graphs. Everything that states a predicted figure
+(the CompileReport, `explain`, `tune`, the memory plot, the recompute search) reads it
+from `predict_memory`; `measured_peak_bytes` is the one instrument tests and benches
+measure a step with.
 
 The device's peak is the larger of the forward's and the backward's, each the max
 over nodes of:
@@ -8,12 +12,14 @@ over nodes of:
   + bytes of the weights the streamer has prefetched but the graph has not yet
     fetched (the `live_blocks - 1` block visits after the current one, in the
     cyclic forward-then-backward fetch plan)
+  + in the backward, the forward's outputs the caller still holds
 
 plus what the caller holds for the whole step: resident parameters and buffers and
-the batch (`held`; streamed parameters hold no memory). The slower tiers hold the
+the batch (`held`; streamed parameters hold no memory). `GraphMemory` keeps the
+device terms per node, by kind, for the example sizes. The slower tiers hold the
 streamed weights and, from the forward's stores to the backward's last read, the
-offloaded activations. Everything is a sympy expression of the size symbols,
-evaluated for the example inputs.
+offloaded activations (step totals, not per node). Everything is a sympy expression
+of the size symbols, evaluated for the example inputs.
 """
 
 from __future__ import annotations
@@ -27,8 +33,64 @@ import torch.fx
 
 from slcompile.analysis.lifetimes import LifetimeTable, analyze_lifetimes, analyze_training_step, tensor_bytes
 from slcompile.meta import get_slc_meta
+from slcompile.units import format_bytes
 
-__all__ = ["MemoryPrediction", "predict_memory", "size_hints", "measured_peak_bytes"]
+__all__ = [
+    "GraphMemory",
+    "MemoryPrediction",
+    "predict_memory",
+    "predict_step_memory",
+    "size_hints",
+    "measured_peak_bytes",
+]
+
+# What the caller holds for the step; the other kinds are values the graphs make.
+_STEP_KINDS = ("prefetched", "outputs_held")
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphMemory:
+    """Device bytes live at each node of one graph, by kind, for the example sizes.
+
+    Attributes:
+        kind: the graph: "forward", "backward" or "inference".
+        nodes: the node names, in program order.
+        live: per kind, the bytes live at each node: the lifetime kinds ("weight":
+            fetched weights, "activation", "saved", "gradient", "input": inputs the
+            graph frees) and "prefetched" (weights loaded ahead, not yet fetched) and
+            "outputs_held" (in the backward, the forward's outputs the caller holds).
+            Inputs the caller holds through the step are not per node
+            (`MemoryPrediction.held_bytes`).
+    """
+
+    kind: str
+    nodes: tuple[str, ...]
+    live: Mapping[str, tuple[int, ...]]
+
+    @property
+    def phase(self) -> str:
+        return "bwd" if self.kind == "backward" else "fwd"
+
+    @property
+    def weights(self) -> tuple[int, ...]:
+        """Fetched weights live at each node."""
+        return self.live.get("weight", (0,) * len(self.nodes))
+
+    @property
+    def other(self) -> tuple[int, ...]:
+        """Every other value the graph makes (activations, saved values, gradients,
+        freed inputs), live at each node."""
+        kinds = [k for k in self.live if k != "weight" and k not in _STEP_KINDS]
+        return tuple(sum(self.live[k][i] for k in kinds) for i in range(len(self.nodes)))
+
+    @property
+    def totals(self) -> tuple[int, ...]:
+        """All device bytes of the step at each node, the held inputs excepted."""
+        return tuple(sum(series[i] for series in self.live.values()) for i in range(len(self.nodes)))
+
+    @property
+    def peak(self) -> int:
+        return max(self.totals, default=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +108,8 @@ class MemoryPrediction:
         offloaded_activation_bytes: saved activations stored off the device per step.
         expressions: the symbolic form of `peak_bytes` and `step_peak_bytes`.
         recompute: the recompute choice the plan was made with.
+        graphs: per graph, in the order they run, the device bytes live at each node
+            by kind; the largest total is `step_peak_bytes`.
     """
 
     peak_bytes: dict[str, int]
@@ -55,6 +119,7 @@ class MemoryPrediction:
     offloaded_activation_bytes: int
     expressions: dict[str, sympy.Expr]
     recompute: str = "none"
+    graphs: tuple[GraphMemory, ...] = ()
 
     def __str__(self) -> str:
         tiers = ", ".join(f"{tier} {_mib(b)}" for tier, b in self.peak_bytes.items() if b)
@@ -66,7 +131,7 @@ class MemoryPrediction:
 
 
 def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f} MiB"
+    return format_bytes(nbytes)
 
 
 def size_hints(*graphs: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
@@ -84,9 +149,9 @@ def size_hints(*graphs: torch.fx.GraphModule) -> dict[sympy.Symbol, int]:
 
 
 def _fetch_op():
-    from slcompile.runtime import weights as _weights  # noqa: F401  registers the op
+    from slcompile.vocabulary import FETCH_WEIGHT
 
-    return torch.ops.slc.fetch_weight.default
+    return FETCH_WEIGHT
 
 
 def _visits(gm: torch.fx.GraphModule, granularity: int, overhead: int) -> tuple[list[int], list[int]]:
@@ -200,6 +265,11 @@ def predict_memory(
     if activations_tier != "device":
         tier_exprs[activations_tier] += offloaded_bytes
     evaluated = {tier: int(expr.subs(subs)) for tier, expr in tier_exprs.items()}
+    kinds = ["forward", "backward"] if backward is not None else [graph_kind]
+    per_node = tuple(
+        _graph_memory(kind, gm, table, ahead, int(sympy.sympify(held_before).subs(subs)), subs)
+        for kind, gm, table, ahead, held_before in zip(kinds, graphs, tables, extra, before)
+    )
     return MemoryPrediction(
         peak_bytes=evaluated,
         step_peak_bytes=int(step_expr.subs(subs)),
@@ -208,7 +278,49 @@ def predict_memory(
         offloaded_activation_bytes=int(sympy.sympify(offloaded_bytes).subs(subs)),
         expressions={**{f"peak_{tier}": expr for tier, expr in tier_exprs.items()}, "step_peak": step_expr},
         recompute=recompute,
+        graphs=per_node,
     )
+
+
+def _graph_memory(kind, gm, table: LifetimeTable, prefetched: list[int], outputs_held: int, subs) -> GraphMemory:
+    """The lifetime table swept over the nodes, one series per value kind."""
+    nodes = tuple(node.name for node in gm.graph.nodes)
+    deltas: dict[str, list[int]] = {}
+    for value in table.values:
+        size = int(sympy.sympify(value.bytes).subs(subs))
+        delta = deltas.setdefault(value.kind, [0] * (len(nodes) + 1))
+        delta[value.first_use] += size
+        delta[min(value.last_use + 1, len(nodes))] -= size
+    live: dict[str, tuple[int, ...]] = {}
+    for value_kind, delta in deltas.items():
+        running, series = 0, []
+        for index in range(len(nodes)):
+            running += delta[index]
+            series.append(running)
+        live[value_kind] = tuple(series)
+    live["prefetched"] = tuple(prefetched)
+    live["outputs_held"] = (outputs_held,) * len(nodes)
+    return GraphMemory(kind, nodes, live)
+
+
+def predict_step_memory(
+    graphs: Mapping[str, torch.fx.GraphModule], sizes: Mapping[sympy.Symbol, int] | None = None, **options
+) -> MemoryPrediction | None:
+    """`predict_memory` of compiled graphs by kind (`CompileReport.graphs`): the
+    forward and backward as one training step, else the inference (or forward)
+    graph alone; None without graphs.
+
+    Args:
+        graphs: the graphs by kind.
+        sizes: values of the size symbols; default: the example inputs'.
+        **options: the other arguments of `predict_memory`.
+    """
+    if "forward" in graphs and "backward" in graphs:
+        return predict_memory(graphs["forward"], graphs["backward"], sizes=sizes, **options)
+    kind = "inference" if "inference" in graphs else "forward"
+    if kind not in graphs:
+        return None
+    return predict_memory(graphs[kind], graph_kind=kind, sizes=sizes, **options)
 
 
 def measured_peak_bytes(fn) -> int:

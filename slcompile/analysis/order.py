@@ -3,20 +3,20 @@ or backward graph.
 
 Needs a graph whose nodes carry slc tags (`slcompile.meta`): the rewritten Dynamo
 graph, or the AOTAutograd forward and backward graphs derived from it (AOTAutograd
-copies `meta["custom"]` to the nodes it derives). Only ops that compute count: views
-(`permute` of a weight saved for the backward, say) cost nothing and the partitioner
-moves them freely), and neither does size arithmetic on SymInts.
+copies `meta["custom"]` to the nodes it derives). Only ops that compute count
+(`vocabulary.is_compute`): views (`permute` of a weight saved for the backward, say)
+cost nothing and the partitioner moves them freely, and neither do size arithmetic on
+SymInts, getitems, detaches and the `slc::` transfer ops.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import operator
 
-import torch
 import torch.fx
 
 from slcompile.meta import get_slc_meta
+from slcompile.vocabulary import is_compute
 
 __all__ = [
     "BlockOrder",
@@ -35,20 +35,10 @@ class BlockOrder:
     steps: tuple[tuple[int, int], ...]
 
 
-def _computes(node: torch.fx.Node) -> bool:
-    """An op that produces tensor data: not a view, not size arithmetic."""
-    if node.op != "call_function" or getattr(node.target, "is_view", False):
-        return False
-    value = node.meta.get("val")
-    if isinstance(value, (list, tuple)):
-        return any(isinstance(v, torch.Tensor) for v in value)
-    return value is None or isinstance(value, torch.Tensor)
-
-
 def block_order(gm: torch.fx.GraphModule) -> BlockOrder:
     steps: list[tuple[int, int]] = []
     for node in gm.graph.nodes:
-        if not _computes(node):
+        if not is_compute(node):
             continue
         meta = get_slc_meta(node)
         if meta is None or meta.region != "block" or meta.subbatch is None:
@@ -62,11 +52,10 @@ def block_order(gm: torch.fx.GraphModule) -> BlockOrder:
 def step_order(gm: torch.fx.GraphModule) -> tuple[str, ...]:
     """The tags of the ops that compute for one sub-batch (prefix, blocks and suffix),
     runs collapsed: the steps a schedule's text lists for this graph's phase
-    (`fwd blk3.sb1` -> `blk3.sb1`). Shared and combining ops, getitems and detaches
-    are left out."""
+    (`fwd blk3.sb1` -> `blk3.sb1`). Shared and combining ops are left out."""
     steps: list[str] = []
     for node in gm.graph.nodes:
-        if not _computes(node) or node.target is operator.getitem or node.target is torch.ops.aten.detach.default:
+        if not is_compute(node):
             continue
         meta = get_slc_meta(node)
         if meta is None or meta.subbatch is None:
@@ -143,7 +132,7 @@ def grads_ready_before_next_block(
     outputs = nodes[-1].args[0]
     first_compute: dict[int, int] = {}
     for i, node in enumerate(nodes):
-        if not _computes(node):
+        if not is_compute(node):
             continue
         meta = get_slc_meta(node)
         if meta is not None and meta.region == "block":

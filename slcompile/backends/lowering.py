@@ -3,10 +3,16 @@
 Inductor runs with `reorder_for_peak_memory` off: that pass moves block kernels out of
 layer-major order in the backward. The option is patched around every inner compile
 (the backward may compile later than the forward), and it is part of Inductor's cache
-key, so a cached graph compiled with other options is never served. Every AOTAutograd
-graph is first put back into layer-major order (`order_layer_major`; the
-partitioner moves some saved values to the end of the forward) and then recorded in
-the CompileReport, so tests can read the order that is compiled.
+key, so a cached graph compiled with other options is never served.
+
+With a `StepPlan`, the stages after Dynamo's run from AOTAutograd's hooks through the
+pass manager (`slcompile.passes.manager`; the passes are declared in
+`slcompile.pipeline`): the joint graph's before the partitioner, the partitioned
+forward and backward's after it (among them `order_layer_major`: the partitioner
+moves some saved values to the end of the forward), and every graph's just before it
+is compiled. Each graph is then recorded in the CompileReport, so tests can read the
+order that is compiled. The Inductor cache key of the wrapped partitioner hashes
+every module a declared pass lives in (`partition_key`).
 """
 
 from __future__ import annotations
@@ -21,16 +27,16 @@ import torch.fx
 
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn, get_hash_for_files
 
-from slcompile.analysis.memory import MemoryPrediction, predict_memory
 from slcompile.errors import BudgetError
-from slcompile.passes.mark_regions import mark_regions
-from slcompile.passes.fuse_weight_grads import fuse_weight_grads
-from slcompile.pipeline import disabled_passes
-from slcompile.passes.order_layer_major import order_layer_major
-from slcompile.passes import offload_activations as offload_activations_module
-from slcompile.passes import stream_weights as stream_weights_module
-from slcompile.passes.offload_activations import OffloadedActivations, offload_saved, tag_block_recompute
-from slcompile.passes.stream_weights import plan_fetches, tag_fetch_views
+from slcompile.passes.offload_activations import OffloadedActivations
+from slcompile.passes.manager import StepState, pass_modules, run_passes
+from slcompile.pipeline import (
+    COMPILED_PASSES,
+    INFERENCE_PASSES,
+    JOINT_PASSES,
+    PARTITIONED_PASSES,
+    all_passes,
+)
 from slcompile.report import CompileReport
 
 __all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES"]
@@ -56,8 +62,10 @@ class StepPlan:
         live_blocks: the weight streamer's window.
         weights_tier, activations_tier: where each rests.
         streamed_bytes: bytes of the streamed weights (P).
-        sample_major: the graphs run each sub-batch through every block before the
-            next sub-batch (the grad_accumulation schedule) instead of layer-major.
+        schedule: the policy's Schedule: the order of the graphs, which saved
+            activations leave the device.
+        gradients: the GradientSink when streamed weights' gradients leave the
+            device (`offload_gradients`), else None.
     """
 
     block_positions: dict[int, int]
@@ -71,7 +79,8 @@ class StepPlan:
     weights_tier: str = "device"
     activations_tier: str = "device"
     streamed_bytes: int = 0
-    sample_major: bool = False
+    schedule: Any = None
+    gradients: Any = None
 
 
 def lower(
@@ -83,38 +92,32 @@ def lower(
 ) -> Callable:
     """Compiles `gm` with the chosen lowering; records the AOT graphs in `report`.
 
-    With a `plan` (a rewritten graph), the partitioner is wrapped: the joint graph's
-    fetched-weight views are tagged for recomputation (`tag_fetch_views`) and, when
-    the plan recomputes blocks, every block's internals (`tag_block_recompute`);
-    after partitioning, the backward's per-sub-batch weight gradients are summed in
-    one matmul where that moves fewer bytes (`fuse_weight_grads`; layer-major plans
-    only), both graphs are put back into layer-major order (`order_layer_major`;
-    sample-major for the grad_accumulation schedule), saved activations move to
-    their tier (`offload_saved`), and the step's memory is predicted. With
-    `recompute="auto"` and a budget the step would exceed, it partitions again
-    with block recomputation; when nothing fits it raises `BudgetError` with the
-    smallest budget that would. Each compiled graph's fetch order becomes the weight
-    streamer's prefetch plan (`plan_fetches`).
+    With a `plan` (a rewritten graph), the partitioner is wrapped: the joint graph
+    goes through `JOINT_PASSES` (tags for the partitioner), the partitioned forward
+    and backward through `PARTITIONED_PASSES` (gradient fusion, the schedule's order,
+    activation and gradient offload, weight prefetch, then the step's schedule and
+    memory), and an inference graph through `INFERENCE_PASSES` (all declared in
+    `slcompile.pipeline`). With `recompute="auto"` and a budget the step would exceed,
+    it runs the joint and partitioned stages again with block recomputation; when
+    nothing fits it raises `BudgetError` with the smallest budget that would. Every
+    graph handed to a compiler goes through `COMPILED_PASSES` first. Each stage's
+    passes are listed in `report.passes_run`.
 
     Raises:
         BudgetError: no plan fits `plan.memory_budget`.
     """
-    partition_hook = None if plan is None else _PlannedPartition(plan, report)
+    partition_hook = None if plan is None else _PlannedPartition(plan, report, lowering)
 
     def prepare(kind: str, graph: torch.fx.GraphModule) -> None:
         if plan is not None and kind == "inference":
-            _order(graph, "fwd", plan)
-            report.memory = predict_memory(
-                graph, graph_kind="inference", live_blocks=plan.live_blocks,
-                weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes,
-                load_granularity=_load_granularity(),
+            step = run_passes(
+                INFERENCE_PASSES, StepState(plan, report, {"inference": graph}, lowering=lowering), report.pass_log
             )
-        if plan is not None and plan.streamer is not None:
-            phase = "bwd" if kind == "backward" else "fwd"
-            plan.streamer.set_plan(phase, plan_fetches(graph.graph, phase))
-            graph.recompile()
-        if lowering == "aot_eager" and "mark_regions" not in disabled_passes():  # Inductor: see mark_regions
-            mark_regions(graph, kind)
+            if "derive_schedule" in step.results:
+                report.schedule = step.results["derive_schedule"].text()
+            report.memory = step.results["predict_memory"]
+        step = StepState(plan, report, {kind: graph}, kind=kind, lowering=lowering)
+        run_passes(COMPILED_PASSES, step, report.pass_log, label=kind)
         report.record_graph(kind, graph)
 
     if lowering == "aot_eager":
@@ -124,62 +127,55 @@ def lower(
     raise ValueError(f"unknown lowering {lowering!r}")
 
 
-def _load_granularity() -> int:
-    """On a CPU machine, loads read files straight into page-padded memory."""
-    from slcompile.runtime.tiers import PAGE_BYTES
-
-    return 1 if torch.cuda.is_available() else PAGE_BYTES
-
-
-def _order(graph: torch.fx.GraphModule, phase: str, plan: StepPlan) -> None:
-    if "order_layer_major" in disabled_passes():
-        return
-    _, moved = order_layer_major(
-        graph, phase, plan.block_positions, plan.num_subbatches, sample_major=plan.sample_major
-    )
-    log.debug("order_layer_major moved %d nodes of the %s graph", moved, phase)
-
-
 class _PlannedPartition:
-    """Wraps a partitioner with the plan's joint-graph tags and post-partition passes."""
+    """Wraps a partitioner with the joint and partitioned stages, tried per recompute
+    choice until one fits the budget."""
 
-    def __init__(self, plan: StepPlan, report: CompileReport):
+    def __init__(self, plan: StepPlan, report: CompileReport, lowering: str):
         self.plan = plan
         self.report = report
+        self.lowering = lowering
         # Set when a joint-graph pre-pass already tagged the graph for the first plan.
         self.pre_tagged = False
 
+    def candidates(self) -> tuple[str, ...]:
+        return ("none", "blocks") if self.plan.recompute == "auto" else (self.plan.recompute,)
+
+    def _label(self, recompute: str) -> str:
+        # When a budget may make it try several plans, each attempt's passes are told
+        # apart in the log.
+        searches = len(self.candidates()) > 1 and self.plan.memory_budget is not None
+        return f"recompute={recompute}" if searches else ""
+
     def tag_first(self, joint: torch.fx.Graph) -> None:
-        """The joint-graph tags of the first plan tried."""
-        if self.plan.streamer is not None:
-            tag_fetch_views(joint)
-        if self.plan.recompute == "blocks":
-            tag_block_recompute(joint)
+        """The joint-graph stage of the first plan tried."""
+        recompute = self.candidates()[0]
+        step = StepState(self.plan, self.report, {"joint": joint}, recompute=recompute, lowering=self.lowering)
+        run_passes(JOINT_PASSES, step, self.report.pass_log, label=self._label(recompute))
         self.pre_tagged = True
 
     def __call__(self, partitioner, joint: torch.fx.GraphModule, joint_inputs, **kwargs):
         plan = self.plan
-        num_fwd_outputs = kwargs["num_fwd_outputs"]
-        candidates = ("none", "blocks") if plan.recompute == "auto" else (plan.recompute,)
-        tried: list[MemoryPrediction] = []
-        for attempt, recompute in enumerate(candidates):
-            if plan.streamer is not None and not (self.pre_tagged and attempt == 0):
-                tag_fetch_views(joint.graph)
-            if recompute == "blocks" and not (self.pre_tagged and attempt == 0):
-                tagged = tag_block_recompute(joint.graph)
-                log.debug("recomputing %d forward nodes of the blocks in the backward", tagged)
+        tried = []
+        for attempt, recompute in enumerate(self.candidates()):
+            label = self._label(recompute)
+            if not (self.pre_tagged and attempt == 0):
+                step = StepState(plan, self.report, {"joint": joint}, recompute=recompute, lowering=self.lowering)
+                run_passes(JOINT_PASSES, step, self.report.pass_log, label=label)
             fw, bw = partitioner(joint, joint_inputs, **kwargs)
-            offloaded = self._after_partition(fw, bw, num_fwd_outputs)
-            prediction = predict_memory(
-                fw, bw, live_blocks=plan.live_blocks if plan.streamer is not None else 1,
-                weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes,
-                activations_tier=plan.activations_tier, offloaded_bytes=offloaded.bytes,
-                recompute=recompute, load_granularity=_load_granularity(),
+            step = StepState(
+                plan, self.report, {"forward": fw, "backward": bw}, recompute=recompute,
+                num_fwd_outputs=kwargs["num_fwd_outputs"], lowering=self.lowering,
             )
+            run_passes(PARTITIONED_PASSES, step, self.report.pass_log, label=label)
+            prediction = step.results["predict_memory"]
             tried.append(prediction)
             if plan.memory_budget is None or prediction.peak_bytes["device"] <= plan.memory_budget:
                 self.report.memory = prediction
-                self.report.offloaded_activations = offloaded
+                offloaded = step.results.get("offload_activations")
+                self.report.offloaded_activations = offloaded if offloaded is not None else OffloadedActivations()
+                if "derive_schedule" in step.results:
+                    self.report.schedule = step.results["derive_schedule"].text()
                 log.info("speedloader: %s", prediction)
                 return fw, bw
             log.info(
@@ -188,21 +184,6 @@ class _PlannedPartition:
             )
         smallest = min(tried, key=lambda p: p.peak_bytes["device"])
         raise BudgetError(plan.memory_budget, smallest.peak_bytes["device"], tuple(tried))
-
-    def _after_partition(self, fw, bw, num_fwd_outputs) -> OffloadedActivations:
-        plan = self.plan
-        # Sample-major, one matmul over all sub-batches would keep every sub-batch's
-        # output gradients alive until the last one reaches the block: gradient
-        # accumulation adds each sub-batch's gradient as soon as it is done.
-        fuses = plan.num_subbatches > 1 and not plan.sample_major
-        if fuses and "fuse_weight_grads" not in disabled_passes():
-            _, fused = fuse_weight_grads(bw)
-            self.report.fused_weight_grads = fused
-        _order(fw, "fwd", plan)
-        _order(bw, "bwd", plan)
-        if plan.stash is None or "offload_activations" in disabled_passes():
-            return OffloadedActivations()
-        return offload_saved(fw, bw, num_fwd_outputs, plan.stash.graph_key, plan.min_offload_bytes)
 
 
 def _aot_eager(gm, example_inputs, prepare, partition_hook):
@@ -266,14 +247,24 @@ class _InductorPartition(CustomPartitionerFn):
         return self.hook(min_cut_rematerialization_partition, gm, joint_inputs, **kwargs)
 
     def uuid(self):
-        # The plan is part of the graph (fetch and stash keys), the code is in these files.
-        return get_hash_for_files(
-            (__file__, stream_weights_module.__file__, offload_activations_module.__file__)
-        ) + repr(dataclasses.astuple(_plan_key(self.hook.plan))).encode()
+        return partition_key(self.hook.plan)
+
+
+def partition_key(plan: StepPlan) -> bytes:
+    """The Inductor cache key of the partitioner and joint pass wrapped with `plan`.
+
+    The plan is part of the graphs (fetch and stash keys); the code is this module,
+    the pass manager and every module a declared pass of any stage lives in.
+    """
+    from slcompile import pipeline
+    from slcompile.passes import manager
+
+    files = (__file__, manager.__file__, pipeline.__file__, *pass_modules(all_passes()))
+    return get_hash_for_files(tuple(sorted(set(files)))) + repr(dataclasses.astuple(_plan_key(plan))).encode()
 
 
 def _plan_key(plan: StepPlan):
-    return dataclasses.replace(plan, streamer=None, stash=None)
+    return dataclasses.replace(plan, streamer=None, stash=None, gradients=None)
 
 
 def _inductor(gm, example_inputs, prepare, partition_hook):

@@ -12,6 +12,7 @@ plain graph, compiled on first need.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -22,10 +23,11 @@ import torch.fx
 
 from slcompile.backends.lowering import StepPlan, lower
 from slcompile.config import SpeedLoaderConfig
-from slcompile.errors import RefusedError
+from slcompile.errors import BudgetError, OptionError, RefusedError, compile_error
 from slcompile.pipeline import run_pipeline
 from slcompile.report import CompileReport, add_report
-from slcompile.schedules.policies import policy_for
+from slcompile.runtime.errors import OffloadDirError
+from slcompile.runtime.gradients import gradient_sink_for
 
 __all__ = ["speedloader_backend"]
 
@@ -38,15 +40,35 @@ def speedloader_backend(
     """The backend: `torch.compile(model, backend="speedloader", options=options)`.
 
     Raises:
-        ValueError: an unknown option or a bad value (the message names the key).
-        RefusedError: with `on_refusal="raise"`, when the graph cannot be split.
+        CompileError: what the user can fix, its message first: an unknown option
+            or a bad value (then also a ValueError; the message names the key), an
+            unusable `offload_dir`, a `memory_budget` no plan meets (`BudgetError`
+            as `inner_exception`), or with `on_refusal="raise"` a graph that cannot
+            be split (`RefusedError`).
     """
+    try:
+        return _compile_graph(gm, example_inputs, options)
+    except (ValueError, BudgetError, RefusedError, OffloadDirError) as err:
+        if isinstance(err, ValueError) and not isinstance(err, OptionError):
+            raise  # not the options: a bug, for Dynamo's report
+        # Dynamo re-raises a BackendCompilerFailed subclass as it is, with the
+        # traceback cut to start here.
+        raise compile_error(err, inspect.currentframe()).with_traceback(err.__traceback__) from None
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None) -> Callable:
     config = SpeedLoaderConfig.from_options(options)
+    if "nvme" in (config.weights, config.activations):
+        # The nvme arena is made on first use, deep in the lowering; made now, an
+        # unusable offload_dir fails before anything compiles.
+        from slcompile.pipeline import engine_for
+
+        engine_for(config.offload_dir).arena
     report = CompileReport(config=config)
     add_report(report)
     original = gm
     try:
-        state = run_pipeline(gm, example_inputs, config)
+        state = run_pipeline(gm, example_inputs, config, passes_log=report.pass_log)
     except RefusedError as err:
         if config.on_refusal == "raise":
             raise
@@ -61,10 +83,12 @@ def speedloader_backend(
     report.block_inputs = {
         b.index: tuple(state.batch.input_index[name] for name in b.params) for b in state.blocks.blocks
     }
-    report.passes_run = state.passes_run
-    report.schedule = policy_for(config.schedule).build(state.blocks, config.num_subbatches).text()
+    report.planned_schedule = state.schedule
+    # Until the lowering reads it from the graphs; none when `interleave` was disabled.
+    report.schedule = state.schedule.text() if state.schedule is not None else ""
     streams = state.streamed is not None
     compiled = lower(state.gm, example_inputs, config.lowering, report, step_plan(state))
+    _size_host_pool(state, report)
     if streams:
         _offload_weights(state)
         report.streamed_bytes = state.streamed.streamed_bytes
@@ -88,7 +112,8 @@ def step_plan(state) -> StepPlan:
         weights_tier=config.weights if state.streamer is not None else "device",
         activations_tier=config.activations,
         streamed_bytes=state.streamed.streamed_bytes if state.streamed is not None else 0,
-        sample_major=policy_for(config.schedule).sample_major,
+        schedule=state.schedule,
+        gradients=gradient_sink_for(config.gradients, state.streamer, state.streamed, state.inputs),
     )
 
 
@@ -105,6 +130,30 @@ def _activation_stash(config: SpeedLoaderConfig):
         log.debug("activations=%s copies nothing on this machine: they stay on the device", config.activations)
         return None
     return ActivationStash(engine, config.activations)
+
+
+def _size_host_pool(state, report) -> None:
+    """Pins, before the first step, what the plan will hold on the host tier: its
+    predicted host peak (streamed weights, offloaded activations) less what already
+    rests there, plus up to a page per tensor (each takes whole pages). Nothing is
+    pinned on a CPU machine."""
+    from slcompile.pipeline import engine_for
+    from slcompile.runtime.tiers import PAGE_BYTES
+
+    if report.memory is None or not report.memory.peak_bytes.get("host"):
+        return
+    engine = engine_for(state.config.offload_dir)
+    on_host = state.config.weights == "host" and state.streamed is not None
+    streamed = [pair for block in state.streamed.blocks for pair in block] if on_host else []
+    values = {i.name: i.value for i in state.inputs}
+    activations = report.offloaded_activations.names if state.config.activations == "host" and \
+        report.offloaded_activations is not None else ()
+    engine.reserve_host(
+        report.memory.peak_bytes["host"] - engine.host_bytes_of(key for _, key in streamed)
+        + PAGE_BYTES * (len(streamed) + len(activations)),
+        largest=max((values[name].nbytes for name, _ in streamed), default=0),
+        what="the compiled plan's host tier", host_memory=state.config.host_memory,
+    )
 
 
 def _offload_weights(state) -> None:

@@ -1,8 +1,9 @@
-"""Rewrite the Dynamo graph to run layer-major (or sample-major) over K sub-batches.
+"""Rewrite the Dynamo graph to run over K sub-batches in the schedule's order.
 
 Runs after `check_splittable`. Needs the BlockGraph (regions), BatchInfo (which inputs
-are batched) and the BatchPlan (how each node runs). Returns a new GraphModule whose
-forward computes exactly what the original does, in this order:
+are batched), the BatchPlan (how each node runs) and the Schedule (the order of the
+forward's compute steps). Returns a new GraphModule whose forward computes exactly
+what the original does, in this order (the speedloader schedule's):
 
 1. Each batched input is narrowed into K sub-batches; a dynamic batch size symbol
    becomes `batch // K` inside per-sub-batch code.
@@ -14,13 +15,14 @@ forward computes exactly what the original does, in this order:
    and runs once.
 5. Per-sample outputs are concatenated back along their batch dimension.
 
-With `sample_major=True` (the grad_accumulation schedule) steps 2-4 run by sub-batch
-instead: sub-batch 0 through the prefix, every block and its share of the suffix, then
-sub-batch 1, and so on; the combining ops run after the last sub-batch. The nodes
-emitted are the same, only their order differs.
+Under another schedule, steps 2-4 follow its order instead (grad_accumulation: sub-batch
+0 through the prefix, every block and its share of the suffix, then sub-batch 1, and so
+on); the combining ops run after the region's last sub-batch. The nodes emitted are the
+same, only their order differs.
 
 Shared (batch-free) values are computed once and sliced where a sub-batch reads them
-along the batch; sample-major, they run with sub-batch 0, at their place in its pass.
+along the batch; they run before the region's first sub-batch when its sub-batches run
+one after the other, else with that first sub-batch, at their place in its pass.
 Ops that change global state (grad mode, autocast) keep their place relative to every
 other op. Every emitted node is tagged with its block and sub-batch
 (`slcompile.meta`). AOTAutograd then derives a backward in the same order (layer-major
@@ -45,6 +47,7 @@ from slcompile.errors import RefusedError
 from slcompile.meta import SlcMeta, set_slc_meta
 from slcompile.passes.find_batch_dim import BatchInfo
 from slcompile.passes.find_blocks import BlockGraph
+from slcompile.schedules.base import Schedule
 
 __all__ = ["InterleaveReport", "interleave"]
 
@@ -75,11 +78,11 @@ class InterleaveReport:
 
 
 def interleave(
-    gm: torch.fx.GraphModule, blocks: BlockGraph, batch: BatchInfo, plan: BatchPlan, *, sample_major: bool = False
+    gm: torch.fx.GraphModule, blocks: BlockGraph, batch: BatchInfo, plan: BatchPlan, schedule: Schedule
 ) -> tuple[torch.fx.GraphModule, InterleaveReport]:
-    """Returns the layer-major (or, with `sample_major`, sample-major) GraphModule and
-    a report of what was emitted."""
-    return _Interleaver(gm, blocks, batch, plan, sample_major).run()
+    """Returns the GraphModule in the order of `schedule`'s forward and a report of
+    what was emitted."""
+    return _Interleaver(gm, blocks, batch, plan, schedule).run()
 
 
 @dataclasses.dataclass(order=True)
@@ -90,9 +93,9 @@ class _Item:
 
 
 class _Interleaver:
-    def __init__(self, gm, blocks, batch, plan, sample_major):
+    def __init__(self, gm, blocks, batch, plan, schedule):
         self.gm = gm
-        self.sample_major = sample_major
+        self.order = schedule.order("fwd")
         self.blocks = blocks
         self.batch = batch
         self.plan = plan
@@ -103,7 +106,7 @@ class _Interleaver:
         self.sub_size: dict[str, torch.fx.Node] = {}
         # Per sub-batch denominators of means: label counts, element counts.
         self.counts: dict[tuple[str, int], torch.fx.Node] = {}
-        self.order: list[str] = []
+        self.emitted_order: list[str] = []
 
     # -- regions and items -------------------------------------------------
     def _region(self, node: torch.fx.Node) -> tuple[int, str, int | None]:
@@ -199,7 +202,7 @@ class _Interleaver:
         nodes_after = sum(1 for n in new_gm.graph.nodes if n.op not in ("placeholder", "output"))
         report = InterleaveReport(
             num_subbatches=self.k,
-            order=tuple(self.order),
+            order=tuple(self.emitted_order),
             nodes_before=len(calls),
             nodes_after=nodes_after,
         )
@@ -208,15 +211,25 @@ class _Interleaver:
     def _priority(self, region_index: int, slot: Any, index: int) -> tuple[int, int, int]:
         """The emission priority of an item; dependencies always come first.
 
-        Layer-major: by region, then sub-batch (shared work before the sub-batches,
-        combining work after them). Sample-major: by sub-batch, then region; shared
-        work runs with sub-batch 0 and combining work after the last sub-batch.
+        By the schedule's position of the item's (region, block, sub-batch); work the
+        region shares runs before its first sub-batch when its sub-batches run one
+        after the other, else with the first one; combining work after its last.
         """
-        if self.sample_major:
-            major = 0 if slot == _SHARED else (self.k if slot == _COMBINE else slot)
-            return major, region_index, index
-        sub_key = -1 if slot == _SHARED else (self.k if slot == _COMBINE else slot)
-        return region_index, sub_key, index
+        if region_index == 0:
+            region, block = "prefix", None
+        elif region_index == 1 + len(self.blocks.blocks):
+            region, block = "suffix", None
+        else:
+            region, block = "block", self.blocks.blocks[region_index - 1].index
+        first = self.order.first(region, block)
+        first = 0 if first is None else first
+        if slot == _SHARED:
+            return first, -1 if self.order.contiguous(region, block) else 0, index
+        if slot == _COMBINE:
+            last = self.order.last(region, block)
+            return (first if last is None else last), 1, index
+        position = self.order.step(region, block, slot)
+        return (first if position is None else position), 0, index
 
     def _order_barriers(self, calls, items, deps) -> None:
         """Global-state ops stay between everything before and everything after them."""
@@ -250,8 +263,8 @@ class _Interleaver:
         set_slc_meta(new, meta)
         if meta.role == "compute":
             tag = meta.tag
-            if not self.order or self.order[-1] != tag:
-                self.order.append(tag)
+            if not self.emitted_order or self.emitted_order[-1] != tag:
+                self.emitted_order.append(tag)
         return new
 
     def _emit(self, item: _Item) -> None:

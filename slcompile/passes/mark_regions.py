@@ -25,9 +25,9 @@ graph input where the unfused order last used it: the generated code deleted
 first call). Inductor graphs therefore have no compute regions on the timeline;
 their transfers are still recorded.
 
-`set_region_listener(callback)` lets the visualizer sample other figures (resident
-bytes per tier) at every region boundary; with no listener, a marker only reads the
-clock.
+`slcompile.runtime.ops.set_region_listener(callback)` lets the visualizer sample
+other figures (resident bytes per tier) at every region boundary; with no listener, a
+marker only reads the clock.
 """
 
 from __future__ import annotations
@@ -35,65 +35,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
-import threading
-import time
-from collections.abc import Callable
 
 import torch
 import torch.fx
-from torch._library.effects import EffectType
 
 from slcompile.meta import get_slc_meta
-from slcompile.runtime.stats import RECORDER
+from slcompile.vocabulary import MARK
 
 __all__ = [
     "MARK",
     "MarkedRegion",
     "RegionMarks",
-    "mark",
     "mark_regions",
     "marked_regions",
-    "set_region_listener",
     "is_bookkeeping",
 ]
 
 log = logging.getLogger(__name__)
 
 PHASES = {"forward": "fwd", "backward": "bwd", "inference": "fwd"}
-
-_open = threading.local()
-_listener: Callable[[str, bool, float], None] | None = None
-
-
-@torch.library.custom_op("slc::mark", mutates_args=())
-def mark(label: str, begin: bool) -> None:
-    """Opens (`begin`) or closes the compute region `label` on the timeline."""
-    now = time.perf_counter()
-    if begin:
-        _open.label, _open.start = label, now
-    elif getattr(_open, "label", None) == label:
-        RECORDER.compute(_open.start, now, label)
-        _open.label = None
-    if _listener is not None:
-        _listener(label, begin, now)
-
-
-@mark.register_fake
-def _(label: str, begin: bool) -> None:
-    return None
-
-
-mark.register_effect(EffectType.ORDERED)
-
-MARK = torch.ops.slc.mark.default
-"""The op overload, for passes and pictures that recognise marker nodes."""
-
-
-def set_region_listener(listener: Callable[[str, bool, float], None] | None) -> None:
-    """Calls `listener(label, begin, perf_counter seconds)` at every marker (None: stop)."""
-    global _listener
-    _listener = listener
-
 
 @dataclasses.dataclass(frozen=True)
 class MarkedRegion:

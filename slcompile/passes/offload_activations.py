@@ -17,7 +17,9 @@ Two passes around AOTAutograd's partitioner:
   freed), and the backward issues the load (`slc::unstash`) when the
   (block, sub-batch) before the one that reads it starts, and waits for it
   (`slc::unstash_wait`) just before its first use: one (block, sub-batch) of
-  lookahead. Model outputs and graph inputs (and views of them) stay as they are.
+  lookahead. Model outputs and graph inputs (and views of them) stay as they are, and
+  so do the saved tensors of a (block, sub-batch) the schedule keeps on the device
+  (`Schedule.stashes()`).
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ import operator
 import sympy
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.checkpoint import CheckpointPolicy
 
 from slcompile.analysis.lifetimes import tensor_bytes
+from slcompile.compat import optimization_hint
 from slcompile.meta import SlcMeta, get_slc_meta, set_slc_meta
+from slcompile.vocabulary import STASH, UNSTASH, UNSTASH_WAIT, WAIT, fake_token
 
 __all__ = ["OffloadedActivations", "tag_block_recompute", "offload_saved", "forward_nodes"]
 
@@ -157,18 +160,18 @@ def offload_saved(
     num_fwd_outputs: int,
     graph_key,
     min_bytes: int,
+    stashes: frozenset | None = None,
 ) -> OffloadedActivations:
     """Moves the saved tensors of a partitioned pair to the stash (in place).
 
     Args:
         fw, bw: the partitioned forward and backward.
         num_fwd_outputs: how many of the forward's outputs are the model's.
-        graph_key: `graph_key(name) -> key` of the `slc::stash` op.
+        graph_key: `graph_key(name) -> key` of the `slc::stash` op (a `StashKey`'s text).
         min_bytes: saved tensors smaller than this stay on the device.
+        stashes: the (region, block, sub-batch) whose saved tensors may leave the
+            device (`Schedule.stashes()`); None: every one.
     """
-    from slcompile.runtime import activations as act
-    from slcompile.runtime import ops
-
     fw_nodes = list(fw.graph.nodes)
     fw_index = {node: i for i, node in enumerate(fw_nodes)}
     output = fw_nodes[-1]
@@ -195,6 +198,8 @@ def offload_saved(
             reason = "also a model output"
         elif _group(node) is None:
             reason = "not of one sub-batch of the prefix or a block"
+        elif stashes is not None and _step_key(_group(node)) not in stashes:
+            reason = "kept on the device by the schedule"
         elif node.name not in bw_inputs:
             reason = "not read by the backward"
         elif _bytes_hint(value) < min_bytes:
@@ -223,11 +228,11 @@ def offload_saved(
             source.meta["val"] = node.meta["val"].contiguous()
             set_slc_meta(source, _meta(group, "store"))
         with fw.graph.inserting_after(source):
-            token = fw.graph.call_function(act.STASH, (source, graph_key(f"{_tag(group)}.{node.name}")))
+            token = fw.graph.call_function(STASH, (source, graph_key(f"{_tag(group)}.{node.name}")))
         with fw.graph.inserting_after(after if fw_index[after] > fw_index[node] else token):
-            done = fw.graph.call_function(ops.WAIT, (token, [source]))
+            done = fw.graph.call_function(WAIT, (token, [source]))
         for inserted, role in ((token, "store"), (done, "store")):
-            inserted.meta["val"] = ops.fake_token()
+            inserted.meta["val"] = fake_token()
             set_slc_meta(inserted, _meta(group, role))
         outputs[position] = token
         pairs.append((node, token))
@@ -246,13 +251,16 @@ def _tag(group: tuple[int, int]) -> str:
     return _meta(group, "store").tag
 
 
+def _step_key(group: tuple[int, int]) -> tuple[str, int | None, int]:
+    """The (region, block, sub-batch) of a schedule step, for a group."""
+    block, subbatch = group
+    return ("prefix", None, subbatch) if block == _PREFIX else ("block", block, subbatch)
+
+
 def _reload(bw: torch.fx.GraphModule, saved: list[tuple[torch.fx.Node, torch.fx.Node]]) -> None:
     """Replaces the backward's saved inputs (named as the forward nodes they were)
     by the stash tokens (named as theirs) and loads each one (block, sub-batch)
     ahead of its first use."""
-    from slcompile.runtime import activations as act
-    from slcompile.runtime import ops
-
     nodes = list(bw.graph.nodes)
     index = {node: i for i, node in enumerate(nodes)}
     placeholders = {n.name: n for n in nodes if n.op == "placeholder"}
@@ -283,19 +291,19 @@ def _reload(bw: torch.fx.GraphModule, saved: list[tuple[torch.fx.Node, torch.fx.
         else:
             issue_before, issue_group = first_compute, group
         with bw.graph.inserting_before(issue_before):
-            load = bw.graph.call_function(act.UNSTASH, (placeholder,))
+            load = bw.graph.call_function(UNSTASH, (placeholder,))
         with bw.graph.inserting_before(first_user):
             loaded = bw.graph.call_function(
-                act.UNSTASH_WAIT, (load, list(value.shape), value.dtype, value.device)
+                UNSTASH_WAIT, (load, list(value.shape), value.dtype, value.device)
             )
-        load.meta["val"] = ops.fake_token()
+        load.meta["val"] = fake_token()
         loaded.meta["val"] = value.contiguous()  # stored and loaded without gaps
         if issue_group is not None:
             set_slc_meta(load, _meta(issue_group, "load"))
         if group is not None:
             set_slc_meta(loaded, _meta(group, "load"))
         placeholder.replace_all_uses_with(loaded, delete_user_cb=lambda user: user is not load)
-        placeholder.meta["val"] = ops.fake_token()
+        placeholder.meta["val"] = fake_token()
         if placeholder.name != token.name:
             raise RuntimeError(f"backward input {placeholder.name!r} cannot take the name {token.name!r}")
     bw.graph.lint()

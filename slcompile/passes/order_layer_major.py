@@ -1,27 +1,33 @@
-"""Restore layer-major order in the partitioned forward and backward graphs.
+"""Put the partitioned forward and backward graphs back into the schedule's order.
 
 Runs on each AOTAutograd graph just before the lowering compiles it (so the compile
 caches key on the reordered graph). AOTAutograd's partitioner places some values saved
 for the backward (LayerNorm's `rstd`, say) at the end of the forward, in the order the
 backward consumes them; that keeps every block's activations alive until the forward
-ends. This pass is a stable topological sort by (block, sub-batch) rank that never
-breaks a dependency. Untagged nodes (gradient sums across sub-batches) take the rank
-of their latest input, so a block's weight gradients are summed as soon as its last
-sub-batch is done; every node then inherits the rank of its most urgent user, so what
-an early step waits for is not stuck behind work of a later block. Seeded
-random ops keep their relative order, so random draws are unchanged.
+ends. This pass is a stable topological sort by the rank of each node's
+(region, block, sub-batch) among the schedule's compute steps of the graph's phase
+(`Schedule.order(phase)`), and it never breaks a dependency. Untagged nodes (gradient
+sums across sub-batches) take the rank of their latest input, so a block's weight
+gradients are summed as soon as its last sub-batch is done; every node then inherits
+the rank of its most urgent user, so what an early step waits for is not stuck behind
+work of a later step. Seeded random ops keep their relative order, so random draws
+are unchanged.
 
-With `sample_major=True` (the grad_accumulation schedule) the rank is (sub-batch,
-block) instead: the forward runs sub-batch 0 through every block, then sub-batch 1;
-the backward runs sub-batch K-1 through every block in reverse, then K-2, and each
-weight gradient is added up as each sub-batch finishes its block. Work shared by the
-sub-batches ranks with the first sub-batch of the phase, or after its latest input;
-a sub-batch's weight fetches open its run of each block.
-The graphs AOTAutograd hands over already run the blocks sample-major (TinyGPT, GPT-2,
-Llama at K=2 and 4), but not always the rest: on Llama, sub-batch 1's embedding comes
-before sub-batch 0's blocks (`interleave` keeps it ahead of the rotary embedding's
-autocast switch) and its backward comes last; this pass moves both next to their
-sub-batch's blocks.
+Work a region (the prefix, a block, the suffix) shares among its sub-batches ranks by
+the region's place in the schedule:
+- when the region's sub-batches run one after the other (speedloader's layer-major
+  order), shared work (a block's weight fetches, say) runs before the first of them,
+  or after its latest input when it reads theirs, and combining work after the last;
+- when they run apart (grad_accumulation: each sub-batch through every block before
+  the next), shared work runs with the first sub-batch to reach the region, or after
+  its latest input: ranked before its inputs, it would pull a whole sub-batch's pass
+  ahead of the one before it. A sub-batch's own weight fetches open its run of the
+  block.
+The graphs AOTAutograd hands over already run the blocks in the schedule's order
+(TinyGPT, GPT-2, Llama at K=2 and 4), but not always the rest: sample-major on Llama,
+sub-batch 1's embedding comes before sub-batch 0's blocks (`interleave` keeps it
+ahead of the rotary embedding's autocast switch) and its backward comes last; this
+pass moves both next to their sub-batch's blocks.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import torch
 import torch.fx
 
 from slcompile.meta import get_slc_meta
+from slcompile.schedules.base import Schedule
+from slcompile.vocabulary import is_fetch
 
 __all__ = ["order_layer_major"]
 
@@ -40,71 +48,54 @@ log = logging.getLogger(__name__)
 
 
 def order_layer_major(
-    gm: torch.fx.GraphModule,
-    phase: str,
-    block_positions: dict[int, int],
-    num_subbatches: int,
-    *,
-    sample_major: bool = False,
+    gm: torch.fx.GraphModule, phase: str, schedule: Schedule
 ) -> tuple[torch.fx.GraphModule, int]:
-    """Reorders `gm`'s nodes in place into layer-major (or sample-major) order.
+    """Reorders `gm`'s nodes in place into the schedule's order for `phase`.
 
     Args:
         gm: an AOTAutograd forward, backward or inference graph with slc tags.
         phase: "fwd" or "bwd".
-        block_positions: block index -> position in forward execution order.
-        num_subbatches: K.
-        sample_major: rank by (sub-batch, block) instead of (block, sub-batch).
+        schedule: the schedule whose compute steps give the order.
 
     Returns:
         (gm, number of nodes that moved).
     """
-    from slcompile.runtime import weights as _weights  # noqa: F401  registers slc::fetch_weight
-
-    fetch_op = torch.ops.slc.fetch_weight.default
+    order = schedule.order(phase)
     nodes = list(gm.graph.nodes)
-    regions = len(block_positions) + 2
     rank: dict[torch.fx.Node, tuple[int, ...]] = {}
-
-    def region_of(meta):
-        region = {"prefix": 0, "suffix": regions - 1}.get(meta.region)
-        if region is None:
-            region = 1 + block_positions.get(meta.block, 0)
-        return regions - 1 - region if phase == "bwd" else region
 
     def tag_rank(node):
         meta = get_slc_meta(node)
         if meta is None:
             return None
-        if sample_major:
-            return sample_major_rank(node, meta)
-        region = region_of(meta)
+        block = meta.block if meta.region == "block" else None
+        first = order.first(meta.region, block)
+        if first is None:
+            return None  # a region the schedule does not run in this phase
         if meta.subbatch is not None:
-            sub = meta.subbatch if phase == "fwd" else num_subbatches - 1 - meta.subbatch
-        elif meta.role == "combine":
-            sub = num_subbatches  # joins the sub-batches: after the last of them
-        else:
-            sub = -1  # shared by the sub-batches: before the first
-        return region, sub
-
-    def sample_major_rank(node, meta):
-        region = region_of(meta)
-        if meta.subbatch is None:
-            # Shared by the sub-batches: with the first to reach the region, or after
-            # the latest input (the loss summed over sub-batches, whose "combine"
-            # role AOTAutograd's graphs do not carry); ranked before its inputs, it
-            # would pull a whole sub-batch's pass ahead of the one before it.
-            return max([(0, region, 1), *(rank[i] for i in node.all_input_nodes)])
-        sub = meta.subbatch if phase == "fwd" else num_subbatches - 1 - meta.subbatch
-        # A sub-batch's weight fetches open its run of the block, as a block's
-        # shared fetches open the block in layer-major order.
-        return sub, region, 0 if node.target is fetch_op else 1
+            position = order.step(meta.region, block, meta.subbatch)
+            # A sub-batch's own weight fetches open its run of the region.
+            return (first if position is None else position, 0 if is_fetch(node) else 1)
+        if order.contiguous(meta.region, block):
+            if meta.role == "combine":
+                return order.last(meta.region, block), 2  # after the last sub-batch
+            # Before the first sub-batch, unless it reads what several of them compute
+            # (the position embedding's gradient, summed over the sub-batches): then
+            # after those, without pulling their work ahead of the sub-batch before
+            # them, which would split the region into two passes over its sub-batches.
+            if order.last(meta.region, block) == first:
+                return first, -1
+            return max([(first, -1), *(rank[i] for i in node.all_input_nodes)])
+        # Shared by sub-batches that run apart: with the first to reach the region, or
+        # after the latest input (the loss summed over sub-batches, whose "combine"
+        # role AOTAutograd's graphs do not carry).
+        return max([(first, 1), *(rank[i] for i in node.all_input_nodes)])
 
     for node in nodes:
         if node.op == "placeholder":
             rank[node] = (-1, -1)
         elif node.op == "output":
-            rank[node] = (regions + num_subbatches + 1, 0)
+            rank[node] = (len(order.position) + 1, 0)
         else:
             own = tag_rank(node)
             if own is None:

@@ -12,13 +12,20 @@ resident. `tag_fetch_views` finishes the job on the joint graph: views of a fetc
 weight (`t` for a matmul) are recomputed with it, else the partitioner would save the
 view and with it the whole weight.
 
-With `per_subbatch=True` (the grad_accumulation schedule, whose graph is
-sample-major) each sub-batch gets its own fetch of the block's weights, inserted
-before that sub-batch's first use and read by it alone, tagged with the sub-batch:
-K fetches per block per pass, as gradient accumulation loads them. Ops of the block
-shared by all sub-batches run with sub-batch 0 and read its fetch. The fetches' graph
-keys differ by sub-batch (`...#sb1`): with equal keys, Inductor's
-common-subexpression elimination merges the K fetches of a weight into one.
+When the schedule fetches per sub-batch (`Schedule.fetches_per_subbatch()`, the
+grad_accumulation policy) each sub-batch gets its own fetch of the block's weights,
+inserted before that sub-batch's first use and read by it alone, tagged with the
+sub-batch: K fetches per block per pass, as gradient accumulation loads them. Ops of
+the block shared by all sub-batches run with sub-batch 0 and read its fetch. The
+fetches' keys (`WeightKey`) differ by sub-batch (`...#sb1`): with equal keys,
+Inductor's common-subexpression elimination merges the K fetches of a weight into one.
+
+`place_prefetches` runs on the partitioned graphs (after `order_layer_major` and
+`offload_saved`): it marks each fetch with the phase of its graph and puts
+`slc::fetch_issue(key)` of every fetch `live_blocks - 1` block visits ahead of it, the
+visits forming one cycle (forward, backward, the next step's forward): the end of the
+forward issues the first fetches of the backward, the end of the backward those of the
+next forward. The runtime pairs each issue with the fetch of the same key.
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 from slcompile.analysis.inputs import GraphInput
 from slcompile.meta import SlcMeta, get_slc_meta, set_slc_meta
 from slcompile.passes.find_blocks import BlockGraph
+from slcompile.vocabulary import FETCH_ISSUE, FETCH_WEIGHT, WeightKey, fake_token, is_fetch
 
-__all__ = ["StreamedWeights", "stream_weights", "tag_fetch_views", "plan_fetches"]
+__all__ = ["StreamedWeights", "PlacedPrefetches", "stream_weights", "tag_fetch_views", "place_prefetches"]
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +79,13 @@ def stream_weights(
         blocks: the block graph.
         inputs: the classified placeholders (parameters carry their real values).
         key_for: `key_for(placeholder name, parameter) -> stored key`.
-        graph_key_for: `graph_key_for(stored key) -> the key the fetch op carries`.
-        per_subbatch: one fetch per (block, sub-batch) instead of one per block.
+        graph_key_for: `graph_key_for(stored key) -> WeightKey` of the fetch op.
+        per_subbatch: one fetch per (block, sub-batch) instead of one per block
+            (`Schedule.fetches_per_subbatch()`).
 
     Returns:
         (gm, what was streamed).
     """
-    from slcompile.runtime.weights import copy_suffix  # also registers slc::fetch_weight
-
-    fetch_op = torch.ops.slc.fetch_weight.default
     params = {i.name: i for i in inputs if i.kind == "param"}
     position = {block.index: pos for pos, block in enumerate(blocks.blocks)}
     per_block: dict[int, list[tuple[str, str]]] = defaultdict(list)
@@ -98,9 +104,9 @@ def stream_weights(
         key = key_for(node.name, params[node.name].value)
         value = params[node.name].value
         for subbatch, users in _user_groups(node, per_subbatch, order_of):
-            graph_key = graph_key_for(key) if subbatch is None else graph_key_for(key) + copy_suffix(subbatch)
+            graph_key = dataclasses.replace(graph_key_for(key), subbatch=subbatch).format()
             with gm.graph.inserting_before(users[0]):
-                fetch = gm.graph.call_function(fetch_op, (node, graph_key))
+                fetch = gm.graph.call_function(FETCH_WEIGHT, (node, graph_key))
             for user in users:
                 user.replace_input_with(node, fetch)
             set_slc_meta(fetch, SlcMeta(region="block", block=block, subbatch=subbatch, role="load"))
@@ -147,11 +153,8 @@ def tag_fetch_views(graph: torch.fx.Graph) -> int:
     Returns:
         the number of nodes tagged.
     """
-    from slcompile.runtime import weights as _weights  # noqa: F401  registers the op
-
-    fetch_op = torch.ops.slc.fetch_weight.default
     tagged = 0
-    frontier = [n for n in graph.nodes if n.op == "call_function" and n.target is fetch_op]
+    frontier = [n for n in graph.nodes if is_fetch(n)]
     for node in frontier:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     while frontier:
@@ -165,22 +168,73 @@ def tag_fetch_views(graph: torch.fx.Graph) -> int:
     return tagged
 
 
-def plan_fetches(graph: torch.fx.Graph, phase: str) -> list[tuple[int, str]]:
-    """Marks each fetch of a partitioned graph with its phase and returns the
-    (block, stored key) fetches in order, for the runtime's prefetch plan.
+@dataclasses.dataclass(frozen=True)
+class PlacedPrefetches:
+    """The result of `place_prefetches`.
 
-    AOTAutograd copies the forward's fetch into the backward unchanged; the phase in
-    the key tells the runtime which of the two a call is.
+    Attributes:
+        visits: the block visits, in cycle order: (phase, block, sub-batch or None).
+        issues: `slc::fetch_issue` nodes inserted, per phase.
+        ahead: how many visits ahead each load is issued (`live_blocks - 1`, at most
+            the number of visits less one).
     """
-    from slcompile.runtime.weights import split_graph_key
 
-    fetch_op = torch.ops.slc.fetch_weight.default
-    fetches = []
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target is not fetch_op:
-            continue
-        _, stored, _ = split_graph_key(node.args[1])
-        node.args = (node.args[0], f"{node.args[1].partition('@')[0]}@{phase}")
-        meta = get_slc_meta(node)
-        fetches.append((meta.block if meta is not None else -1, stored))
-    return fetches
+    visits: tuple[tuple[str, int | None, int | None], ...] = ()
+    issues: dict[str, int] = dataclasses.field(default_factory=dict)
+    ahead: int = 0
+
+
+def place_prefetches(
+    forward: torch.fx.GraphModule, backward: torch.fx.GraphModule | None, live_blocks: int
+) -> PlacedPrefetches:
+    """Marks each fetch with its phase and issues its load `live_blocks - 1` block
+    visits earlier (the graphs change in place).
+
+    A visit is one block's fetches (one (block, sub-batch)'s when fetches are per
+    sub-batch), in the order the graphs first fetch them: forward, then backward, then
+    around again. The issues of visit `v + ahead` go just before the first fetch of
+    visit `v`; a visit's own issue may thus sit in the other graph (the end of the
+    forward issues the first fetches of the backward) or, for the first `ahead`
+    visits, in the previous step's backward.
+
+    Args:
+        forward: the forward (or inference) graph.
+        backward: the backward graph, or None.
+        live_blocks: blocks whose weights may be on the device at once.
+
+    Returns:
+        what was placed.
+    """
+    graphs = [("fwd", forward)] + ([("bwd", backward)] if backward is not None else [])
+    visits: list[tuple[str, int | None, int | None]] = []
+    fetches: dict[tuple[str, int | None, int | None], list[torch.fx.Node]] = {}
+    for phase, gm in graphs:
+        for node in gm.graph.nodes:
+            if not is_fetch(node):
+                continue
+            key = dataclasses.replace(WeightKey.parse(node.args[1]), phase=phase)
+            node.args = (node.args[0], key.format())
+            meta = get_slc_meta(node)
+            visit = (phase, meta.block if meta is not None else None, key.subbatch)
+            if visit not in fetches:
+                visits.append(visit)
+                fetches[visit] = []
+            fetches[visit].append(node)
+    ahead = min(live_blocks - 1, len(visits) - 1)
+    issues = {phase: 0 for phase, _ in graphs}
+    for index, visit in enumerate(visits if ahead > 0 else ()):
+        target = visits[(index + ahead) % len(visits)]
+        first = fetches[visit][0]
+        keys = list(dict.fromkeys(node.args[1] for node in fetches[target]))
+        # Tagged as the visit they run in, so regions and pictures keep them there.
+        where = SlcMeta(region="block", block=visit[1], subbatch=visit[2], role="load")
+        with first.graph.inserting_before(first):
+            for key in keys:
+                issue = first.graph.call_function(FETCH_ISSUE, (key,))
+                issue.meta["val"] = fake_token()
+                set_slc_meta(issue, where)
+        issues[visit[0]] += len(keys)
+    for _, gm in graphs:
+        gm.graph.lint()
+        gm.recompile()
+    return PlacedPrefetches(tuple(visits), issues, max(ahead, 0))

@@ -1,16 +1,17 @@
 """Runtime of slcompile: memory tiers, the transfer engine, transfer custom ops,
 and exact byte and timeline accounting.
 
-Importing this package registers the ``slc::`` custom ops. See ``engine`` for the
-transfer semantics, ``ops`` for the op signatures, ``nvme`` for the O_DIRECT
-arena and ``stats`` for what the counters mean.
+Importing this package registers what the ``slc::`` ops of ``slcompile.vocabulary``
+do at run time (``ops``, ``activations``, ``weights``, ``gradients``). See ``engine`` for the
+transfer semantics, ``nvme`` for the O_DIRECT arena and ``stats`` for what the
+counters mean.
 """
 
 from __future__ import annotations
 
 import logging
 
-from . import ops
+from . import activations, gradients, ops, weights  # registers the slc:: op implementations
 from .engine import (
     StoredTensor,
     TransferEngine,

@@ -3,16 +3,12 @@
 The `offload_activations` pass rewrites a partitioned forward/backward pair: the
 forward stores each chosen saved tensor when it is made and hands the backward a
 *stash token* in its place; the backward issues the load one (block, sub-batch)
-before it needs the tensor and waits for it just before its first use.
+before it needs the tensor and waits for it just before its first use. This module
+registers what `slc::stash`, `slc::unstash` and `slc::unstash_wait` do (their schemas
+are in `slcompile.vocabulary`; `slc::wait` is in `ops`).
 
-    slc::stash(Tensor x, str key) -> Tensor                 # forward: issue the store
-    slc::wait(Tensor token, Tensor[] keepalive) -> Tensor   # forward: store done (ops.py)
-    slc::unstash(Tensor stash_token) -> Tensor              # backward: issue the load
-    slc::unstash_wait(Tensor load_token, SymInt[] size, ScalarType dtype,
-                      Device device) -> Tensor              # backward: the tensor
-
-Keys in the graph look like `a2|blk3.sb1.mul_4`: the `ActivationStash` (engine and
-tier) and the tensor's name. Every store gets a fresh stored key (`...#17`), so two
+Keys in the graph are `StashKey`s, `a2|blk3.sb1.mul_4`: the `ActivationStash` (engine
+and tier) and the tensor's name. Every store gets a fresh stored key (`...#17`), so two
 forwards of the same graph before their backwards never overwrite each other. The
 stored copy lives as long as the stash token: AOTAutograd keeps the token as a saved
 tensor and drops it when the backward is done with it (or when the graph is freed
@@ -28,26 +24,20 @@ import weakref
 from collections.abc import Sequence
 
 import torch
-from torch._library.effects import EffectType
 
 from slcompile.runtime import ops
 from slcompile.runtime.engine import TransferEngine
 from slcompile.runtime.errors import OffloadError
 from slcompile.runtime.stats import RECORDER
 from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.vocabulary import StashKey
 
-__all__ = ["ActivationStash", "STASH", "UNSTASH", "UNSTASH_WAIT", "split_stash_key"]
+__all__ = ["ActivationStash"]
 
 _STASHES: dict[str, ActivationStash] = {}
 _LOCK = threading.Lock()
 _NUMBERS = itertools.count()
 _STORES = itertools.count()
-
-
-def split_stash_key(key: str) -> tuple[str, str]:
-    """`a2|blk3.sb1.mul_4` -> ("a2", "blk3.sb1.mul_4")."""
-    stash, _, name = key.partition("|")
-    return stash, name
 
 
 class ActivationStash:
@@ -66,11 +56,11 @@ class ActivationStash:
             _STASHES[self.name] = self
 
     def graph_key(self, name: str) -> str:
-        return f"{self.name}|{name}"
+        return StashKey(self.name, name).format()
 
 
 def _stash_of(key: str) -> ActivationStash:
-    name, _ = split_stash_key(key)
+    name = StashKey.parse(key).stash
     with _LOCK:
         stash = _STASHES.get(name)
     if stash is None:
@@ -83,7 +73,6 @@ def _free_stored(engine: TransferEngine, stored_key: str) -> None:
         engine.free(stored_key)
 
 
-@torch.library.custom_op("slc::stash", mutates_args=())
 def stash(x: torch.Tensor, key: str) -> torch.Tensor:
     """Issues the store of a saved activation; returns the stash token."""
     owner = _stash_of(key)
@@ -91,7 +80,7 @@ def stash(x: torch.Tensor, key: str) -> torch.Tensor:
     if engine.copies_nothing(engine.tier_of(x), owner.tier):
         x = x.detach().clone(memory_format=torch.contiguous_format)
         RECORDER.local_copy(x.numel() * x.element_size())
-    stored_key = f"{split_stash_key(key)[1]}#{next(_STORES)}"
+    stored_key = f"{StashKey.parse(key).name}#{next(_STORES)}"
     # The handle must not keep the source as its result for as long as the token
     # lives (until the backward): that memory is what offloading frees.
     handle = engine.store(stored_key, x, owner.tier, TransferKind.ACTIVATION, forget_source=True)
@@ -100,12 +89,6 @@ def stash(x: torch.Tensor, key: str) -> torch.Tensor:
     return token
 
 
-@stash.register_fake
-def _(x, key):
-    return ops.fake_token()
-
-
-@torch.library.custom_op("slc::unstash", mutates_args=())
 def unstash(stash_token: torch.Tensor) -> torch.Tensor:
     """Issues the load of a stashed activation; returns the load's token."""
     engine, handle = ops._lookup(stash_token)
@@ -114,12 +97,6 @@ def unstash(stash_token: torch.Tensor) -> torch.Tensor:
     return ops._token_for(engine, engine.load(handle.key, TransferKind.ACTIVATION))
 
 
-@unstash.register_fake
-def _(stash_token):
-    return ops.fake_token()
-
-
-@torch.library.custom_op("slc::unstash_wait", mutates_args=())
 def unstash_wait(
     load_token: torch.Tensor, size: Sequence[int], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
@@ -137,14 +114,6 @@ def unstash_wait(
     return result
 
 
-@unstash_wait.register_fake
-def _(load_token, size, dtype, device):
-    return torch.empty(size, dtype=dtype, device=device)
-
-
-for _op in (stash, unstash, unstash_wait):
-    _op.register_effect(EffectType.ORDERED)
-
-STASH = torch.ops.slc.stash.default
-UNSTASH = torch.ops.slc.unstash.default
-UNSTASH_WAIT = torch.ops.slc.unstash_wait.default
+ops.implement("stash", stash)
+ops.implement("unstash", unstash)
+ops.implement("unstash_wait", unstash_wait)

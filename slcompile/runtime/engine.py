@@ -37,9 +37,10 @@ Guarantees:
 - A store that fails leaves its key failed: ``wait`` raises the error and later
   loads raise ``TransferFailedError``; half-written data is never returned.
 - On CUDA (not exercised on CPU machines): one persistent copy stream and events;
-  host-tier tensors and nvme staging live in one pinned ``HostPool`` allocated on
-  first use; copies are ``non_blocking``; ``wait`` makes the current stream wait
-  on the copy's event. Host copies are counted when issued.
+  host-tier tensors and nvme staging live in one pinned ``HostPool`` sized from
+  the compiled plan (``reserve_host``) and grown by whole chunks; copies are
+  ``non_blocking``; ``wait`` makes the current stream wait on the copy's event.
+  Host copies are counted when issued.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from .errors import (
 )
 from .nvme import IoOutcome, NvmeArena, NvmeSlot, PageBufferCache
 from .stats import RECORDER, Recorder
-from .tiers import HostBlock, HostPool, Tier, TransferKind, compute_device
+from .tiers import DEFAULT_CHUNK_BYTES, HostBlock, HostPool, HostPoolGrowth, Tier, TransferKind, compute_device
 
 __all__ = [
     "TransferEngine",
@@ -223,8 +224,11 @@ class TransferEngine:
         capacity_bytes: Cap on the nvme arena file (None: the disk is the cap).
         chunk_bytes: Largest single nvme I/O.
         num_io_threads: nvme I/O threads.
-        host_pool_bytes: Size of the pinned host pool (CUDA machines only),
-            allocated on the first host-tier or nvme transfer.
+        host_memory: Cap on the pinned host pool (CUDA machines only; None: no
+            cap). The pool is sized from each compiled plan (``reserve_host``) and
+            grows by whole chunks of ``host_chunk_bytes`` only when a tensor finds
+            no room; past this cap it raises ``HostPoolFullError`` instead.
+        host_chunk_bytes: The largest piece of host memory pinned at once.
         buffer_cache_bytes: On CPU, most bytes of freed load buffers kept for
             reuse by later loads of the same size (0: none).
         recorder: Where bytes, stalls and events are counted.
@@ -237,7 +241,8 @@ class TransferEngine:
         capacity_bytes: int | None = None,
         chunk_bytes: int = 8 << 20,
         num_io_threads: int = 4,
-        host_pool_bytes: int = 1 << 30,
+        host_memory: int | None = None,
+        host_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         buffer_cache_bytes: int = 1 << 30,
         recorder: Recorder = RECORDER,
     ):
@@ -245,7 +250,8 @@ class TransferEngine:
         self.capacity_bytes = capacity_bytes
         self.chunk_bytes = chunk_bytes
         self.num_io_threads = num_io_threads
-        self.host_pool_bytes = host_pool_bytes
+        self.host_memory = host_memory
+        self.host_chunk_bytes = host_chunk_bytes
         self.device = compute_device()
         self._recorder = recorder
         self._lock = threading.RLock()
@@ -287,8 +293,51 @@ class TransferEngine:
     def _pool(self) -> HostPool:
         with self._lock:
             if self._host_pool is None:
-                self._host_pool = HostPool(self.host_pool_bytes, pin=True)
+                self._host_pool = HostPool(
+                    pin=True, chunk_bytes=self.host_chunk_bytes, limit_bytes=self.host_memory,
+                    on_growth=lambda growth: self._recorder.host_pinned(growth.added_bytes),
+                )
             return self._host_pool
+
+    @property
+    def host_pool(self) -> HostPool | None:
+        """The pinned host pool, once something was reserved or stored in it."""
+        return self._host_pool
+
+    def reserve_host(
+        self, nbytes: int, *, largest: int = 0, what: str = "the plan", host_memory: int | None = None
+    ) -> HostPoolGrowth | None:
+        """Sizes the pinned host pool for a compiled plan: ``nbytes`` more bytes free.
+
+        Nothing is pinned on a CPU-only machine, where the host tier copies nothing.
+
+        Args:
+            nbytes: What the plan will hold on the host beyond what already rests there
+                (streamed weights, activations in flight).
+            largest: Its largest single tensor.
+            what: Who needs it, for the log line and the error.
+            host_memory: Cap from the plan's options (None: keep the engine's).
+
+        Returns:
+            What was pinned, or None when nothing was.
+
+        Raises:
+            HostPoolFullError: over ``host_memory`` or the memory could not be pinned;
+                the message names the bytes and the option.
+        """
+        if not self._cuda or nbytes <= 0:
+            return None
+        pool = self._pool()
+        if host_memory is not None:
+            self.host_memory = host_memory
+            pool.limit_bytes = host_memory
+        return pool.reserve(nbytes, largest=largest, what=what)
+
+    def host_bytes_of(self, keys) -> int:
+        """Bytes of the given keys that rest on the host tier now (unknown keys: 0)."""
+        with self._lock:
+            entries = (self._entries.get(normalize_key(key)) for key in keys)
+            return sum(e.nbytes for e in entries if e is not None and e.tier is Tier.HOST)
 
     def copies_nothing(self, source: Tier | str, destination: Tier | str) -> bool:
         """True when a move between the two tiers keeps the same memory: the same

@@ -24,36 +24,9 @@ __all__ = [
     "TransferFailedError",
 ]
 
+from slcompile.errors import OffloadError
+
 log = logging.getLogger(__name__)
-
-
-class OffloadError(RuntimeError):
-    """Base class of every runtime transfer and storage failure.
-
-    Args:
-        message: What went wrong, in words.
-        key: The tensor key the failure concerns, if any.
-        path: The file or directory involved, if any.
-    """
-
-    def __init__(self, message: str, *, key: str | None = None, path: str | None = None):
-        self.reason = message
-        self.key = key
-        self.path = path
-        parts = [message]
-        if key is not None:
-            parts.append(f"tensor key {key!r}")
-        if path is not None:
-            parts.append(f"path {path!r}")
-        super().__init__("; ".join(parts))
-
-    def with_key(self, key: str) -> "OffloadError":
-        """Returns the same kind of error, naming ``key`` as well."""
-        if self.key is not None:
-            return self
-        error = type(self)(self.reason, key=key, path=self.path)
-        error.__cause__ = self.__cause__ or self
-        return error
 
 
 class OffloadDirError(OffloadError):

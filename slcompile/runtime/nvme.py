@@ -173,7 +173,7 @@ class PageBufferCache:
         # using the memory, while the buffer itself can outlive it and be reused.
         owner = (ctypes.c_char * size).from_buffer(buffer)
         storage = torch.frombuffer(owner, dtype=torch.uint8).untyped_storage()
-        tensor = torch.empty((), dtype=dtype).set_(storage, 0, shape)
+        tensor = torch.empty((), dtype=dtype, device="cpu").set_(storage, 0, shape)
         weakref.finalize(owner, self._give_back, buffer, size, on_release)
         return tensor
 
@@ -195,7 +195,7 @@ class PageBufferCache:
 def _allocator_tensor(size: int, dtype: torch.dtype, shape: tuple[int, ...], on_release) -> torch.Tensor:
     """A tensor on page-aligned memory inside a buffer from torch's CPU allocator
     (a view of it, so the profiler ties the tensor to that allocation)."""
-    base = torch.empty(size + PAGE_BYTES, dtype=torch.uint8)
+    base = torch.empty(size + PAGE_BYTES, dtype=torch.uint8, device="cpu")
     offset = -base.data_ptr() % PAGE_BYTES
     numel = 1
     for dim in shape:
@@ -271,7 +271,17 @@ def clean_stale_dirs(base: str) -> list[str]:
 
 def _make_private_dir(base: str) -> str:
     if not os.path.exists(base):
-        raise OffloadDirError("offload directory does not exist", path=base)
+        parent = os.path.dirname(base)
+        if not os.path.isdir(parent):
+            raise OffloadDirError(f"offload directory does not exist, nor does its parent {parent}", path=base)
+        try:
+            os.mkdir(base, 0o700)  # only the last folder, private like the arena's own
+        except FileExistsError:
+            pass
+        except OSError as error:
+            raise OffloadDirError(
+                f"cannot create the offload directory in {parent}: {_why_not_writable(error)}", path=base
+            ) from error
     if not os.path.isdir(base):
         raise OffloadDirError("offload directory is not a directory", path=base)
     for _ in range(8):
@@ -282,11 +292,23 @@ def _make_private_dir(base: str) -> str:
             continue
         except OSError as error:
             raise OffloadDirError(
-                f"cannot create a private directory in the offload directory ({error.strerror})",
+                f"cannot create a private directory in the offload directory: {_why_not_writable(error)}",
                 path=base,
             ) from error
         return path
     raise OffloadDirError("could not find a free private directory name", path=base)
+
+
+def _why_not_writable(error: OSError) -> str:
+    """The cause of a failed mkdir in an existing directory, in words: ENOENT there
+    means a filesystem that takes no new entries (/proc, /sys), not a missing path."""
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return "this user may not write there (permission denied)"
+    if error.errno == errno.EROFS:
+        return "the filesystem is read-only"
+    if error.errno == errno.ENOENT:
+        return "the filesystem takes no new files or folders (a virtual one such as /proc or /sys)"
+    return error.strerror or str(error)
 
 
 def _remove_private_dir(

@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from ..units import format_bytes
 from .tiers import Tier, TransferKind
 
 __all__ = [
@@ -107,6 +108,23 @@ class StepStats:
         """Sums ``bytes_moved``, optionally for one kind only."""
         return sum(n for (k, _, _), n in self.bytes_moved.items() if kind is None or k is kind)
 
+    def __str__(self) -> str:
+        """One line: bytes moved per kind and direction, stalls, peaks, e.g.
+        ``weight nvme->device 1.70 MiB (16 loads), ...; stalled 0.002 s;
+        peak device 3.20 MiB; 0.41 s``."""
+        moved = [
+            f"{kind.value} {source.value}->{destination.value} {format_bytes(n)} "
+            f"({self.transfers.get((kind, source, destination), 0)})"
+            for (kind, source, destination), n in sorted(
+                self.bytes_moved.items(), key=lambda item: tuple(x.value for x in item[0])
+            )
+            if n
+        ]
+        peaks = [f"peak {tier.value} {format_bytes(n)}" for tier, n in self.peak_bytes.items() if n]
+        parts = ["moved " + ", ".join(moved) if moved else "moved nothing",
+                 f"stalled {self.stall_seconds:.3f} s", *peaks, f"{self.seconds:.2f} s"]
+        return "; ".join(parts)
+
 
 @dataclass(frozen=True)
 class RuntimeStats:
@@ -119,6 +137,8 @@ class RuntimeStats:
         cumulative: Everything since the last ``reset_runtime_stats()``.
         steps: How many steps ``mark_step()`` has closed.
         resident_bytes: Bytes resident per tier right now.
+        pinned_host_bytes: Bytes of pinned host memory the engines' host pools
+            hold (0 on a CPU-only machine, where nothing is pinned).
     """
 
     last_step: StepStats
@@ -126,6 +146,13 @@ class RuntimeStats:
     cumulative: StepStats
     steps: int
     resident_bytes: Mapping[Tier, int]
+    pinned_host_bytes: int = 0
+
+    def __str__(self) -> str:
+        """Three short lines: the last step, the step in progress, the totals."""
+        last = str(self.last_step) if self.steps else "none closed yet (slcompile.mark_step() closes one)"
+        return (f"last step: {last}\ncurrent step: {self.current_step}\n"
+                f"since reset ({self.steps} steps): {self.cumulative}")
 
     @property
     def bytes_moved(self) -> Mapping[TransferKey, int]:
@@ -184,6 +211,7 @@ class Recorder:
             maxlen=TIMELINE_CAPACITY
         )
         self._resident: dict[Tier, int] = {tier: 0 for tier in Tier}
+        self._pinned_host = 0
         self._lane_active: dict[str, int] = collections.Counter()
         self._lane_since: dict[str, float] = {}
         self.reset()
@@ -243,6 +271,11 @@ class Recorder:
             self._current.local_copy_bytes += nbytes
             self._cumulative.local_copy_bytes += nbytes
 
+    def host_pinned(self, nbytes: int) -> None:
+        """Counts ``nbytes`` more pinned host memory (a host pool grew)."""
+        with self._lock:
+            self._pinned_host += nbytes
+
     def resident_change(self, tier: Tier, delta: int) -> None:
         """Adds ``delta`` bytes to what rests on ``tier`` and updates the peaks."""
         with self._lock:
@@ -294,6 +327,7 @@ class Recorder:
                 cumulative=self._cumulative.freeze(now, open_busy),
                 steps=self._steps,
                 resident_bytes=MappingProxyType(dict(self._resident)),
+                pinned_host_bytes=self._pinned_host,
             )
 
     def events(self) -> list[TimelineEvent]:

@@ -8,7 +8,9 @@ Guarantees:
 - ``device`` is where compute runs: the CUDA device when one is present, else
   the CPU.
 - ``host`` is pinned RAM on a CUDA machine, handed out from one ``HostPool``
-  allocated up front and reused (pinning on the fly forces synchronisations).
+  sized from the compiled plan, allocated in chunks once and reused (pinning on
+  the fly forces synchronisations); it grows by whole chunks only when a tensor
+  the plan did not foresee finds no room, and ``host_memory`` caps it.
   On a CPU-only machine ``host`` *is* the device's memory: the engine moves
   nothing for it and counts zero bytes.
 - ``nvme`` is the O_DIRECT arena of ``slcompile.runtime.nvme``; it has no torch
@@ -17,14 +19,17 @@ Guarantees:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 import torch
 
 from .errors import HostPoolFullError
-from .ranges import ByteRange, RangeAllocator
+from .ranges import ByteRange, RangeAllocator, round_up
 
 __all__ = [
     "Tier",
@@ -35,6 +40,12 @@ __all__ = [
     "host_is_device",
     "HostPool",
     "HostBlock",
+    "HostPoolGrowth",
+    "ChunkAllocator",
+    "DEFAULT_CHUNK_BYTES",
+    "HOST_MEMORY_OPTION",
+    "pinned_chunk",
+    "pageable_chunk",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,6 +69,7 @@ class TransferKind(str, enum.Enum):
     WEIGHT = "weight"
     ACTIVATION = "activation"
     GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer_state"
     KV = "kv"
 
 
@@ -93,54 +105,192 @@ def device_for(tier: Tier | str) -> torch.device:
     raise ValueError("the nvme tier is a file arena and has no torch device")
 
 
+ChunkAllocator = Callable[[int], torch.Tensor]
+"""Returns a uint8 CPU tensor of the given number of bytes (pinned on a CUDA machine)."""
+
+DEFAULT_CHUNK_BYTES = 256 << 20
+"""Largest piece the host pool pins at once: pinning gigabytes in one call is slow
+and fails more often than pinning the same bytes in pieces."""
+
+HOST_MEMORY_OPTION = "host_memory"
+"""The option that caps the host pool, named in every error about its size."""
+
+
+def pinned_chunk(nbytes: int) -> torch.Tensor:
+    """Allocates ``nbytes`` of pinned (page-locked) host memory."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
+
+
+def pageable_chunk(nbytes: int) -> torch.Tensor:
+    """Allocates ``nbytes`` of ordinary host memory (the allocator of tests and of
+    CPU-only machines, where nothing is copied to a device)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+
+
 class HostBlock:
-    """One range of the host pool, with a uint8 tensor view over its bytes.
+    """One range of one host pool chunk, with a uint8 tensor view over its bytes.
 
     Attributes:
-        byte_range: Offset and size inside the pool.
+        byte_range: Offset and size inside the chunk.
         buffer: uint8 CPU tensor of ``byte_range.size`` bytes, page-aligned.
+        chunk: Index of the chunk the range belongs to.
     """
 
-    __slots__ = ("byte_range", "buffer")
+    __slots__ = ("byte_range", "buffer", "chunk")
 
-    def __init__(self, byte_range: ByteRange, buffer: torch.Tensor):
+    def __init__(self, byte_range: ByteRange, buffer: torch.Tensor, chunk: int = 0):
         self.byte_range = byte_range
         self.buffer = buffer
+        self.chunk = chunk
+
+
+class _Chunk:
+    """One allocation of the pool: its page-aligned bytes and their free ranges."""
+
+    __slots__ = ("storage", "base", "ranges")
+
+    def __init__(self, storage: torch.Tensor, nbytes: int):
+        # Page-align the start so every block is usable as an O_DIRECT buffer.
+        start = (-storage.data_ptr()) % PAGE_BYTES
+        self.storage = storage
+        self.base = storage[start : start + nbytes]
+        self.ranges = RangeAllocator(nbytes, PAGE_BYTES)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPoolGrowth:
+    """What one growth of the host pool pinned.
+
+    Attributes:
+        added_bytes: Usable bytes added (page multiples).
+        chunk_bytes: The size of each chunk added, in order.
+        seconds: Wall time the allocation took.
+        capacity_bytes: The pool's capacity afterwards.
+        reason: Why it grew ("plan" or "demand").
+    """
+
+    added_bytes: int
+    chunk_bytes: tuple[int, ...]
+    seconds: float
+    capacity_bytes: int
+    reason: str
 
 
 class HostPool:
-    """A pinned host buffer allocated once and handed out in page-aligned ranges.
+    """Host memory, allocated in chunks and handed out in page-aligned ranges.
 
     Every host-tier tensor and every nvme staging buffer on a CUDA machine lives
-    here, so no transfer ever pins memory on the fly.
+    here, so no transfer pins memory on the fly. The pool is sized from the
+    compiled plan (``reserve``): it pins what the plan will hold on the host, in
+    chunks of at most ``chunk_bytes``, once. A request that still finds no free
+    range (a tensor the plan did not foresee) grows the pool by one more chunk;
+    a chunk is never given back while the pool lives, so a steady schedule pins
+    nothing after its first step.
 
     Args:
-        capacity_bytes: Size of the pool.
-        pin: Pin the pool (default: when CUDA is available). Unpinned pools are
-            useful for tests of the allocation logic on CPU machines.
+        capacity_bytes: Bytes to allocate up front (0: none until needed).
+        pin: Pin the chunks (default: when CUDA is available). Ignored when
+            ``allocate_chunk`` is given.
+        chunk_bytes: The largest chunk allocated at once; a single tensor larger
+            than this gets a chunk of its own size.
+        limit_bytes: The most the pool may hold (the ``host_memory`` option);
+            None: no cap.
+        allocate_chunk: Allocates one chunk (default: pinned or pageable by
+            ``pin``); tests pass a CPU allocator to check the sizing exactly.
+        on_growth: Called with each ``HostPoolGrowth`` (the engine counts pinned
+            bytes in the runtime stats).
+
+    Raises:
+        HostPoolFullError: the up-front capacity is over ``limit_bytes`` or could
+            not be allocated.
     """
 
-    def __init__(self, capacity_bytes: int, *, pin: bool | None = None):
-        if pin is None:
-            pin = torch.cuda.is_available()
-        self.pinned = pin
-        raw = torch.empty(capacity_bytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=pin)
-        # Page-align the start so every block is usable as an O_DIRECT buffer.
-        start = (-raw.data_ptr()) % PAGE_BYTES
-        self._storage = raw
-        self._base = raw[start : start + capacity_bytes]
-        self._allocator = RangeAllocator(capacity_bytes, PAGE_BYTES)
+    def __init__(
+        self,
+        capacity_bytes: int = 0,
+        *,
+        pin: bool | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        limit_bytes: int | None = None,
+        allocate_chunk: ChunkAllocator | None = None,
+        on_growth: Callable[[HostPoolGrowth], None] | None = None,
+    ):
+        if chunk_bytes < PAGE_BYTES:
+            raise ValueError(f"chunk_bytes must be at least one page ({PAGE_BYTES}), got {chunk_bytes}")
+        if allocate_chunk is None:
+            if pin is None:
+                pin = torch.cuda.is_available()
+            allocate_chunk = pinned_chunk if pin else pageable_chunk
+        self.pinned = bool(pin)
+        self.chunk_bytes = round_up(chunk_bytes, PAGE_BYTES)
+        self.limit_bytes = limit_bytes
+        self.growths: list[HostPoolGrowth] = []
+        self._allocate_chunk = allocate_chunk
+        self._on_growth = on_growth
+        self._chunks: list[_Chunk] = []
         self._lock = threading.Lock()
-        self.capacity_bytes = self._allocator.capacity
-        log.debug("host pool: %d bytes, pinned=%s", self.capacity_bytes, pin)
+        if capacity_bytes:
+            self.reserve(capacity_bytes)
+
+    @property
+    def limit_bytes(self) -> int | None:
+        """The most the pool may hold, in whole pages (None: no cap)."""
+        return self._limit_bytes
+
+    @limit_bytes.setter
+    def limit_bytes(self, value: int | None) -> None:
+        self._limit_bytes = None if value is None else round_up(value, PAGE_BYTES)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Usable bytes allocated so far (page multiples)."""
+        return sum(chunk.ranges.capacity for chunk in self._chunks)
 
     @property
     def used_bytes(self) -> int:
         """Bytes currently handed out (rounded to pages)."""
-        return self._allocator.used_bytes
+        return sum(chunk.ranges.used_bytes for chunk in self._chunks)
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes allocated and not handed out (possibly in several ranges)."""
+        return self.capacity_bytes - self.used_bytes
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """The usable size of each chunk, in allocation order."""
+        return tuple(chunk.ranges.capacity for chunk in self._chunks)
+
+    def reserve(self, nbytes: int, *, largest: int = 0, what: str = "the plan") -> HostPoolGrowth | None:
+        """Grows the pool until ``nbytes`` more bytes are free, in chunks, at once.
+
+        Args:
+            nbytes: Bytes the caller will hold on the host (rounded up to pages).
+            largest: The largest single tensor among them: no chunk is smaller.
+            what: Who needs the bytes, for the error message.
+
+        Returns:
+            What was added, or None when the pool already had room.
+
+        Raises:
+            HostPoolFullError: growing would pass ``limit_bytes``, or the memory
+                could not be allocated (pinned memory is finite); the message
+                names the bytes needed and the ``host_memory`` option.
+        """
+        with self._lock:
+            missing = round_up(nbytes, PAGE_BYTES) - self.free_bytes
+            if missing <= 0:
+                return None
+            size = max(self.chunk_bytes, round_up(largest, PAGE_BYTES))
+            sizes = [size] * (missing // size) + ([missing % size] if missing % size else [])
+            # Full chunks hold the largest tensor; a lone smaller chunk must too.
+            sizes[-1] = max(sizes[-1], round_up(largest, PAGE_BYTES))
+            return self._grow(sizes, needed=nbytes, what=what, reason="plan")
 
     def allocate(self, nbytes: int, key: str | None = None) -> HostBlock:
         """Takes a page-aligned block of at least ``nbytes`` bytes.
+
+        Grows the pool by one chunk when no free range is large enough.
 
         Args:
             nbytes: Bytes wanted.
@@ -150,21 +300,69 @@ class HostPool:
             The block; give it back with ``release``.
 
         Raises:
-            HostPoolFullError: no free range is large enough.
+            HostPoolFullError: no free range is large enough and the pool cannot
+                grow (``limit_bytes`` reached, or the allocation failed).
         """
         with self._lock:
-            byte_range = self._allocator.allocate(nbytes)
-            largest = self._allocator.largest_free()
-        if byte_range is None:
-            raise HostPoolFullError(
-                f"host pool of {self.capacity_bytes} bytes has no free range of "
-                f"{nbytes} bytes (largest free: {largest})",
-                key=key,
-            )
-        view = self._base[byte_range.offset : byte_range.offset + byte_range.size]
-        return HostBlock(byte_range, view)
+            found = self._find(nbytes)
+            if found is None:
+                needed = round_up(nbytes, PAGE_BYTES)
+                size = max(self.chunk_bytes, needed)
+                if self.limit_bytes is not None:
+                    # Under a cap, a smaller last chunk beats refusing the tensor.
+                    size = max(needed, min(size, self.limit_bytes - self.capacity_bytes))
+                try:
+                    self._grow([size], needed=nbytes, what=f"a tensor of {nbytes} bytes", reason="demand")
+                except HostPoolFullError as error:
+                    raise error.with_key(key) if key is not None else error
+                found = self._find(nbytes)
+        index, byte_range = found
+        view = self._chunks[index].base[byte_range.offset : byte_range.offset + byte_range.size]
+        return HostBlock(byte_range, view, index)
 
     def release(self, block: HostBlock) -> None:
         """Gives a block back to the pool."""
         with self._lock:
-            self._allocator.free(block.byte_range)
+            self._chunks[block.chunk].ranges.free(block.byte_range)
+
+    def _find(self, nbytes: int) -> tuple[int, ByteRange] | None:
+        for index, chunk in enumerate(self._chunks):
+            byte_range = chunk.ranges.allocate(nbytes)
+            if byte_range is not None:
+                return index, byte_range
+        return None
+
+    def _grow(self, sizes: list[int], *, needed: int, what: str, reason: str) -> HostPoolGrowth:
+        added = sum(sizes)
+        capacity = self.capacity_bytes
+        kind = "pinned host" if self.pinned else "host"
+        if self.limit_bytes is not None and capacity + added > self.limit_bytes:
+            raise HostPoolFullError(
+                f"{what} needs {needed} bytes of {kind} memory; the pool holds {capacity} "
+                f"({self.used_bytes} in use) and {HOST_MEMORY_OPTION}={self.limit_bytes} caps it at that: "
+                f"set {HOST_MEMORY_OPTION} to at least {capacity + added} (or None to size the pool from the plan)"
+            )
+        start = time.perf_counter()
+        chunks = []
+        for size in sizes:
+            try:
+                storage = self._allocate_chunk(size + PAGE_BYTES)
+            except RuntimeError as error:
+                raise HostPoolFullError(
+                    f"allocating {size} bytes of {kind} memory failed ({error}); {what} needs "
+                    f"{needed} bytes and the pool holds {capacity + sum(c.ranges.capacity for c in chunks)}: "
+                    f"free host memory, keep fewer tensors on the host, or set {HOST_MEMORY_OPTION} "
+                    f"to what this machine can {'pin' if self.pinned else 'allocate'}"
+                ) from error
+            chunks.append(_Chunk(storage, size))
+        self._chunks.extend(chunks)
+        growth = HostPoolGrowth(added, tuple(sizes), time.perf_counter() - start, self.capacity_bytes, reason)
+        self.growths.append(growth)
+        if self._on_growth is not None:
+            self._on_growth(growth)
+        log.info(
+            "host pool: %s %d bytes in %d chunk(s) in %.2f s for %s (%s); capacity now %d bytes",
+            "pinned" if self.pinned else "allocated", added, len(sizes), growth.seconds, what, reason,
+            growth.capacity_bytes,
+        )
+        return growth

@@ -1,27 +1,30 @@
 """Block weights that rest on a slower tier and are fetched for each pass.
 
 The `stream_weights` pass puts `slc::fetch_weight(param, key)` in front of each block
-of the rewritten graph; this module keeps the weights and answers those fetches.
+of the rewritten graph, and `place_prefetches` puts `slc::fetch_issue(key)` of the
+same key `live_blocks - 1` blocks earlier (schemas in `slcompile.vocabulary`); this
+module keeps the weights and implements both ops.
 
 - `WeightStreamer.offload(key, param)` stores a parameter's values on the tier and
   releases the parameter's storage (its shape, dtype and identity stay, so Dynamo's
   guards and autograd see the same parameter; its memory is gone).
-- `slc::fetch_weight` returns the values as a new tensor. It is a pure function of its
-  key (the compiler re-runs it: the backward fetches again instead of keeping the
-  forward's copy alive) and its gradient flows to the parameter unchanged.
-- The lowering tells the streamer the order in which the compiled forward and
-  backward fetch (`set_plan`); the plan repeats every step. Entering a block's fetches
-  issues the loads of the next `live_blocks - 1` blocks of the plan, across the turn
-  from forward to backward and on into the next step, so each fetch is served by
-  exactly one load and the I/O overlaps compute on the engine's threads.
+- `slc::fetch_issue(key)` starts the load of the weight `key` names, on the engine's
+  I/O threads, and keeps it pending under that key; `slc::fetch_weight(param, key)`
+  takes the pending load of its key (or, when none was issued, loads right away) and
+  returns the values as a new tensor. The graphs pair the two by key: an issue at the
+  end of a forward serves a fetch of the backward, an issue at the end of a backward
+  serves a fetch of the next forward. An issue whose key is already pending does
+  nothing, so each fetch is served by exactly one load.
+- `slc::fetch_weight` is a pure function of its key (the compiler re-runs it: the
+  backward fetches again instead of keeping the forward's copy alive) and its
+  gradient flows to the parameter unchanged.
 - `gathered_weights(model)` brings the values back into the parameters for code that
   reads them directly (an optimizer step, `state_dict()`), then offloads them again;
-  it first drops prefetched copies, so no stale value is ever read.
+  it first drops pending loads, so no stale value is ever read.
 
-Graph keys look like `w3|w0:layers_0_fc_weight@bwd`: the streamer of the compiled
-graph, the stored tensor's key, and the phase. A graph that fetches the same weight
-once per sub-batch (the grad_accumulation schedule) tells the fetches apart with a
-suffix on the stored key, `w3|w0:layers_0_fc_weight#sb1@bwd`; the runtime ignores it.
+Graph keys are `WeightKey`s, `w3|w0:layers_0_fc_weight#sb1@bwd`: the streamer of the
+compiled graph, the stored tensor's key, the sub-batch of a per-sub-batch fetch and
+the phase.
 """
 
 from __future__ import annotations
@@ -30,15 +33,17 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from slcompile.runtime import ops
 from slcompile.runtime.engine import TransferEngine, TransferHandle
 from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.vocabulary import WeightKey
 
-__all__ = ["WeightStreamer", "gathered_weights", "offloaded_parameters", "split_graph_key", "copy_suffix"]
+__all__ = ["WeightStreamer", "gathered_weights", "offloaded_parameters", "weight_home", "update_weight"]
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +56,6 @@ _REGISTRY_LOCK = threading.Lock()
 _NUMBERS = itertools.count()
 
 
-def split_graph_key(graph_key: str) -> tuple[str, str, str]:
-    """`w3|w0:name#sb1@bwd` -> ("w3", "w0:name", "bwd"); the phase defaults to "fwd"."""
-    streamer, _, rest = graph_key.partition("|")
-    stored, _, phase = rest.partition("@")
-    return streamer, stored.partition("#")[0], phase or "fwd"
-
-
-def copy_suffix(subbatch: int) -> str:
-    """What tells one sub-batch's fetch of a weight from the others' in a graph key."""
-    return f"#sb{subbatch}"
-
-
 class WeightStreamer:
     """The streamed weights of one compiled graph, on one tier.
 
@@ -70,7 +63,8 @@ class WeightStreamer:
         engine: the transfer engine that stores and loads them.
         tier: where the weights rest between uses.
         live_blocks: how many blocks' weights may be on the device at once: the one
-            computing and `live_blocks - 1` prefetched.
+            computing and `live_blocks - 1` prefetched (the graphs' `slc::fetch_issue`
+            calls sit that far ahead; the streamer loads whatever they issue).
     """
 
     def __init__(self, engine: TransferEngine, tier: Tier | str, live_blocks: int):
@@ -78,13 +72,7 @@ class WeightStreamer:
         self.tier = Tier(tier)
         self.live_blocks = live_blocks
         self.name = f"w{next(_NUMBERS)}"
-        self.plans: dict[str, tuple[tuple[int, str], ...]] = {}
-        self.sequence: list[tuple[str, int, str]] = []  # (phase, block, stored key)
-        self.visit_of: list[int] = []
-        self.visit_start: list[int] = []
-        self.cursor = 0
-        self.current_visit: int | None = None
-        self.pending: dict[int, TransferHandle] = {}  # sequence position -> load
+        self.pending: dict[str, TransferHandle] = {}  # graph key -> issued load
         self.lock = threading.Lock()
         with _REGISTRY_LOCK:
             _STREAMERS[self.name] = self
@@ -96,8 +84,9 @@ class WeightStreamer:
             owner = _OWNERS.get(param)
         return owner[1] if owner is not None else f"{self.name}:{name}"
 
-    def graph_key(self, stored_key: str) -> str:
-        return f"{self.name}|{stored_key}"
+    def graph_key(self, stored_key: str) -> WeightKey:
+        """The key of a fetch of `stored_key` in this streamer's graphs."""
+        return WeightKey(self.name, stored_key)
 
     def offload(self, stored_key: str, param: torch.Tensor) -> None:
         """Stores `param`'s values and releases its storage; a parameter already
@@ -111,62 +100,24 @@ class WeightStreamer:
             _OWNERS[param] = (self.engine, stored_key, self.tier)
             _ENGINE_OF[stored_key] = self.engine
 
-    def set_plan(self, phase: str, fetches: Sequence[tuple[int, str]]) -> None:
-        """The (block, stored key) fetches of one compiled graph, in order.
-
-        The plan is the forward's fetches followed by the backward's, repeating.
-        """
+    # -- at run time ------------------------------------------------------
+    def issue(self, key: WeightKey) -> None:
+        """Starts the load `key` names, unless one is already pending under it."""
+        graph_key = key.format()
         with self.lock:
-            self.plans[phase] = tuple(fetches)
-            self.sequence = [
-                (name, block, key) for name in ("fwd", "bwd") for block, key in self.plans.get(name, ())
-            ]
-            self.visit_of, self.visit_start = [], []
-            for position, (name, block, _) in enumerate(self.sequence):
-                previous = self.sequence[position - 1] if position else None
-                if previous is None or previous[:2] != (name, block):
-                    self.visit_start.append(position)
-                self.visit_of.append(len(self.visit_start) - 1)
-            self._drop_pending()
-            self.cursor, self.current_visit = 0, None
+            if graph_key in self.pending:
+                return
+            engine = _engine_of(key.stored, self.engine)
+            self.pending[graph_key] = engine.load(key.stored, TransferKind.WEIGHT)
 
-    # -- fetches, at run time ---------------------------------------------
-    def fetch(self, stored_key: str, phase: str) -> torch.Tensor:
-        engine = _engine_of(stored_key, self.engine)
+    def fetch(self, key: WeightKey) -> torch.Tensor:
+        """The weight `key` names: its pending load's result, or a load now."""
         with self.lock:
-            position = self._find(phase, stored_key)
-            handle = None
-            if position is not None:
-                handle = self.pending.pop(position, None)
-                visit = self.visit_of[position]
-                if visit != self.current_visit:
-                    self.current_visit = visit
-                    self._prefetch(visit)
-                self.cursor = (position + 1) % len(self.sequence)
+            handle = self.pending.pop(key.format(), None)
+        engine = _engine_of(key.stored, self.engine)
         if handle is None:
-            handle = engine.load(stored_key, TransferKind.WEIGHT)
+            handle = engine.load(key.stored, TransferKind.WEIGHT)
         return engine.wait(handle)
-
-    def _find(self, phase: str, stored_key: str) -> int | None:
-        """The plan position of this fetch: the next matching one from the cursor."""
-        n = len(self.sequence)
-        for offset in range(n):
-            position = (self.cursor + offset) % n
-            name, _, key = self.sequence[position]
-            if name == phase and key == stored_key:
-                return position
-        return None
-
-    def _prefetch(self, visit: int) -> None:
-        visits = len(self.visit_start)
-        for step in range(1, min(self.live_blocks, visits)):
-            target = (visit + step) % visits
-            start = self.visit_start[target]
-            end = self.visit_start[target + 1] if target + 1 < visits else len(self.sequence)
-            for position in range(start, end):
-                if position not in self.pending:
-                    key = self.sequence[position][2]
-                    self.pending[position] = _engine_of(key, self.engine).load(key, TransferKind.WEIGHT)
 
     def _drop_pending(self) -> None:
         pending, self.pending = self.pending, {}
@@ -178,6 +129,17 @@ class WeightStreamer:
         optimizer step), so no stale copy is ever read."""
         with self.lock:
             self._drop_pending()
+
+    def reissue(self, stored_key: str) -> int:
+        """Issues again the pending loads of `stored_key` (after a store of new values
+        under it: each load then reads them); returns how many were stale."""
+        with self.lock:
+            stale = [k for k in self.pending if WeightKey.parse(k).stored == stored_key]
+            for graph_key in stale:
+                engine = _engine_of(stored_key, self.engine)
+                engine.wait(self.pending.pop(graph_key))
+                self.pending[graph_key] = engine.load(stored_key, TransferKind.WEIGHT)
+        return len(stale)
 
 
 def _engine_of(stored_key: str, default: TransferEngine) -> TransferEngine:
@@ -219,24 +181,54 @@ def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
             param.untyped_storage().resize_(0)
 
 
-@torch.library.custom_op("slc::fetch_weight", mutates_args=())
+def _streamer_of(key: WeightKey) -> WeightStreamer:
+    with _REGISTRY_LOCK:
+        streamer = _STREAMERS.get(key.streamer)
+    if streamer is None:
+        raise KeyError(f"no weight streamer {key.streamer!r} for key {key.format()!r}")
+    return streamer
+
+
+def fetch_issue(key: str) -> torch.Tensor:
+    """Starts loading the weight `key` names; `fetch_weight` of that key takes it.
+    Returns a dependency token."""
+    parsed = WeightKey.parse(key)
+    _streamer_of(parsed).issue(parsed)
+    return ops._dependency_token()
+
+
 def fetch_weight(param: torch.Tensor, key: str) -> torch.Tensor:
     """The values of an offloaded parameter, as a new tensor on the device."""
-    streamer_name, stored_key, phase = split_graph_key(key)
+    parsed = WeightKey.parse(key)
+    return _streamer_of(parsed).fetch(parsed)
+
+
+def weight_home(param: torch.Tensor) -> tuple[TransferEngine, str, Tier] | None:
+    """(engine, stored key, tier) of an offloaded parameter; None when it is resident."""
     with _REGISTRY_LOCK:
-        streamer = _STREAMERS.get(streamer_name)
-    if streamer is None:
-        raise KeyError(f"no weight streamer {streamer_name!r} for key {key!r}")
-    return streamer.fetch(stored_key, phase)
+        return _OWNERS.get(param)
 
 
-@fetch_weight.register_fake
-def _(param: torch.Tensor, key: str) -> torch.Tensor:
-    return torch.empty_like(param)
+def update_weight(param: torch.Tensor, values: torch.Tensor) -> TransferHandle:
+    """Stores new values of an offloaded parameter on its tier (an optimizer step run
+    off the device). Loads of it issued before are issued again, so every later fetch
+    reads the new values. Keep `values` unchanged until `wait` on the handle returns.
+
+    Raises:
+        KeyError: `param` is not offloaded.
+    """
+    home = weight_home(param)
+    if home is None:
+        raise KeyError("update_weight: the parameter is not offloaded")
+    engine, stored_key, tier = home
+    handle = engine.store(stored_key, values.detach(), tier, TransferKind.WEIGHT)
+    with _REGISTRY_LOCK:
+        streamers = list(_STREAMERS.values())
+    stale = sum(streamer.reissue(stored_key) for streamer in streamers)
+    if stale:
+        log.debug("update_weight: %d prefetched loads of %r were stale and are issued again", stale, stored_key)
+    return handle
 
 
-def _fetch_backward(ctx, grad: torch.Tensor):
-    return grad, None
-
-
-fetch_weight.register_autograd(_fetch_backward)
+ops.implement("fetch_issue", fetch_issue)
+ops.implement("fetch_weight", fetch_weight)

@@ -1,17 +1,47 @@
-"""The schedule: the ordered steps of one step of the model, with one text form.
+"""The schedule: the ordered compute and transfer steps of one step of the model.
 
-The text form is deterministic and is what `explain()`, the CLI and the tests print
-and compare: one line per step, `fwd blk3.sb1` for compute. Transfer steps
-(`load`, `store`, `wait`) carry a tier and a byte count once the runtime moves data.
+A policy (`Policy.build(request) -> Schedule`) writes the schedule from the block graph
+and the options (`ScheduleRequest`); the passes emit the graphs in its order
+(`Schedule.rank` orders compute, `fetches_per_subbatch` and `stashes` say what to
+move); `schedule_of(forward, backward)` (`slcompile.schedules.derive`) reads the same
+steps back from the compiled graphs, so the plan and what was compiled can be compared.
+
+Text form (deterministic; `explain()`, the CLI and the tests print and compare it), one
+line per step:
+
+    fwd blk3.sb1                 compute of block 3, sub-batch 1, in the forward
+    fwd prefix.sb0               compute before the first block (suffix: after the last)
+    fwd fetch.issue blk4         start loading block 4's weights
+    fwd fetch.issue blk0@bwd     ... for the fetch of the other phase's graph (issued at
+                                 the end of this graph, waited for in the next one)
+    fwd fetch.wait blk4          block 4's weights are needed now
+    fwd fetch.wait blk4.sb1      a fetch for sub-batch 1 alone (grad_accumulation)
+    fwd stash.issue blk2.sb0     start storing the saved activations of (2, 0)
+    fwd stash.wait blk2.sb0      their store is done (their memory may go)
+    bwd unstash.issue blk2.sb0   start loading them back
+    bwd unstash.wait blk2.sb0    they are needed now
+
+`<phase> <kind> <tag>`, where the tag names whose data moves (`blk4`: the weights of
+block 4 for all sub-batches; `blk2.sb0`: what (block 2, sub-batch 0) owns). Runs of the
+same line collapse into one, and transfer lines do not interrupt a compute run: a
+compute line is written when the computing (block, sub-batch) changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from slcompile.meta import format_tag
 
-__all__ = ["Step", "Schedule"]
+__all__ = ["Step", "Schedule", "PhaseOrder", "ScheduleRequest", "Policy", "TRANSFER_KINDS", "add_fetches"]
+
+TRANSFER_KINDS = (
+    "fetch.issue", "fetch.wait", "stash.issue", "stash.wait", "unstash.issue", "unstash.wait",
+    "store_grad.issue", "store_grad.wait",
+)
+"""Transfer step kinds: what moves (weights fetched, activations stashed and unstashed,
+gradients stored), and which half of its issue + wait pair the step is."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,11 +49,13 @@ class Step:
     """One step.
 
     Attributes:
-        phase: "fwd" or "bwd".
+        phase: "fwd" or "bwd": the graph the step runs in.
         region: "prefix", "block" or "suffix".
         block: block index for region "block".
-        subbatch: the sub-batch, or None for work shared by all sub-batches.
-        kind: "compute" for now; transfers add "load", "store", "wait".
+        subbatch: the sub-batch, or None for work or data shared by all sub-batches.
+        kind: "compute" or one of `TRANSFER_KINDS`.
+        serves: for an issue, the phase of the wait it serves when that is the other
+            graph's (issued at the end of the forward for the backward), else None.
     """
 
     phase: str
@@ -31,15 +63,22 @@ class Step:
     block: int | None = None
     subbatch: int | None = None
     kind: str = "compute"
+    serves: str | None = None
 
     @property
     def tag(self) -> str:
         return format_tag(self.region, self.block, self.subbatch)
 
+    @property
+    def key(self) -> tuple[str, int | None, int | None]:
+        """(region, block, sub-batch): what the step computes or moves."""
+        return self.region, self.block, self.subbatch
+
     def text(self) -> str:
         if self.kind == "compute":
             return f"{self.phase} {self.tag}"
-        return f"{self.phase} {self.kind} {self.tag}"
+        serves = f"@{self.serves}" if self.serves is not None and self.serves != self.phase else ""
+        return f"{self.phase} {self.kind} {self.tag}{serves}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +93,168 @@ class Schedule:
     def phase(self, phase: str) -> Schedule:
         return Schedule(tuple(s for s in self.steps if s.phase == phase))
 
+    def compute(self) -> Schedule:
+        """The compute steps alone."""
+        return Schedule(tuple(s for s in self.steps if s.kind == "compute"))
+
+    def without(self, *kinds: str) -> Schedule:
+        """The schedule without the steps whose kind starts with one of `kinds`
+        (`without("stash.wait", "unstash")`), runs of equal steps collapsed again."""
+        steps: list[Step] = []
+        for step in self.steps:
+            if not step.kind.startswith(kinds) and (not steps or steps[-1] != step):
+                steps.append(step)
+        return Schedule(tuple(steps))
+
     def tags(self) -> tuple[str, ...]:
         return tuple(s.tag for s in self.steps)
 
+    def order(self, phase: str) -> PhaseOrder:
+        """The compute order of one phase: what the passes emit and sort graphs by."""
+        position: dict[tuple[str, int | None, int | None], int] = {}
+        for step in self.steps:
+            if step.phase == phase and step.kind == "compute":
+                position.setdefault(step.key, len(position))
+        return PhaseOrder(position)
+
+    def fetches_per_subbatch(self) -> bool:
+        """Whether each sub-batch fetches a block's weights for itself (K fetches per
+        block per pass) instead of one fetch shared by all sub-batches."""
+        return any(s.kind == "fetch.wait" and s.subbatch is not None for s in self.steps)
+
+    def stashes(self) -> frozenset[tuple[str, int | None, int]]:
+        """(region, block, sub-batch) whose saved activations the schedule stores
+        off the device between the forward and the backward."""
+        return frozenset(s.key for s in self.steps if s.kind == "stash.issue")
+
     def __len__(self) -> int:
         return len(self.steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseOrder:
+    """Positions of the compute steps of one phase, and of their regions.
+
+    A region is the prefix, the suffix or one block: `(region, block)`.
+
+    Attributes:
+        position: (region, block, sub-batch) -> position among the phase's compute steps.
+    """
+
+    position: dict[tuple[str, int | None, int | None], int]
+    regions: dict[tuple[str, int | None], list[int]] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        regions: dict[tuple[str, int | None], list[int]] = {}
+        for (region, block, _), position in sorted(self.position.items(), key=lambda item: item[1]):
+            regions.setdefault((region, block), []).append(position)
+        object.__setattr__(self, "regions", regions)
+
+    def _of_region(self, region: str, block: int | None) -> list[int]:
+        return self.regions.get((region, block if region == "block" else None), [])
+
+    def step(self, region: str, block: int | None, subbatch: int) -> int | None:
+        """The position of a (region, block, sub-batch) step, None if the schedule has none."""
+        return self.position.get((region, block if region == "block" else None, subbatch))
+
+    def first(self, region: str, block: int | None) -> int | None:
+        """The position of the region's first step."""
+        found = self._of_region(region, block)
+        return found[0] if found else None
+
+    def last(self, region: str, block: int | None) -> int | None:
+        """The position of the region's last step."""
+        found = self._of_region(region, block)
+        return found[-1] if found else None
+
+    def contiguous(self, region: str, block: int | None) -> bool:
+        """Whether the region's sub-batches run one after the other (layer-major),
+        rather than apart (each sub-batch through every region: sample-major). Work a
+        region shares among its sub-batches then runs before the first of them."""
+        found = self._of_region(region, block)
+        return bool(found) and found[-1] - found[0] == len(found) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleRequest:
+    """What a policy writes a schedule for.
+
+    Attributes:
+        blocks: the block indices, in forward order.
+        num_subbatches: K.
+        live_blocks: how many blocks' weights may be on the device at once.
+        weights_streamed: block weights rest off the device and are fetched.
+        activations_offloaded: saved activations may rest off the device.
+        backward: the step has a backward (training), not only a forward.
+        has_prefix, has_suffix: whether work runs before the first block / after the last.
+    """
+
+    blocks: tuple[int, ...]
+    num_subbatches: int
+    live_blocks: int = 1
+    weights_streamed: bool = False
+    activations_offloaded: bool = False
+    backward: bool = True
+    has_prefix: bool = True
+    has_suffix: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A named way to write a schedule.
+
+    Attributes:
+        name: the value of the `schedule` option that selects it.
+        build: `build(request) -> Schedule`.
+    """
+
+    name: str
+    build: Callable[[ScheduleRequest], Schedule]
+
+    def __call__(self, request: ScheduleRequest) -> Schedule:
+        return self.build(request)
+
+
+def add_fetches(compute: list[Step], request: ScheduleRequest, *, per_subbatch: bool) -> list[Step]:
+    """Compute steps with the weight fetches a streamed plan needs around them.
+
+    Each visit of a block (each block once, or each (block, sub-batch) when
+    `per_subbatch`) waits for its weights just before its first compute step and,
+    `live_blocks - 1` visits earlier, issues their load. Visits form a cycle (forward,
+    backward, the next step's forward), so the last visits of a graph issue the first
+    ones of the next graph; the first `live_blocks - 1` visits of a graph are issued
+    by the graph before it.
+
+    Args:
+        compute: the compute steps, forward then backward.
+        request: the request (live blocks, whether weights are streamed).
+        per_subbatch: one visit per (block, sub-batch) instead of one per block.
+
+    Returns:
+        the steps with `fetch.issue` and `fetch.wait` steps inserted.
+    """
+    if not request.weights_streamed:
+        return list(compute)
+    visits: list[tuple[int, Step]] = []  # (position of the first compute step, wait)
+    seen = set()
+    for position, step in enumerate(compute):
+        if step.region != "block":
+            continue
+        visit = (step.phase, step.block, step.subbatch if per_subbatch else None)
+        if visit not in seen:
+            seen.add(visit)
+            visits.append((position, Step(step.phase, "block", step.block, visit[2], "fetch.wait")))
+    ahead = min(request.live_blocks - 1, len(visits) - 1)
+    before: dict[int, list[Step]] = {}
+    for index, (position, wait) in enumerate(visits):
+        if ahead > 0:
+            target = visits[(index + ahead) % len(visits)][1]
+            before.setdefault(position, []).append(
+                Step(wait.phase, "block", target.block, target.subbatch, "fetch.issue", serves=target.phase)
+            )
+        before.setdefault(position, []).append(wait)
+    steps: list[Step] = []
+    for position, step in enumerate(compute):
+        steps += before.get(position, [])
+        steps.append(step)
+    return steps

@@ -6,37 +6,39 @@ end. Backward: micro-batch K-1 runs the suffix, the blocks from last to first an
 prefix, then micro-batch K-2, and so on down to 0 (the autograd engine runs the
 ready work with the highest sequence number first, and micro-batch K-1 ran last).
 A block's weight gradients are summed over the micro-batches as each one finishes it.
+Streamed weights are fetched once per (block, micro-batch) per pass, as gradient
+accumulation loads them: K times speedloader's weight traffic.
 """
 
 from __future__ import annotations
 
-from slcompile.passes.find_blocks import BlockGraph
-from slcompile.schedules.base import Schedule, Step
+from slcompile.schedules.base import Policy, Schedule, ScheduleRequest, Step, add_fetches
+from slcompile.schedules.speedloader import add_stashes
 
-__all__ = ["grad_accumulation_schedule"]
+__all__ = ["grad_accumulation_schedule", "GRAD_ACCUMULATION"]
 
 
-def grad_accumulation_schedule(
-    blocks: BlockGraph, num_subbatches: int, *, backward: bool = True, has_prefix: bool = True,
-    has_suffix: bool = True,
-) -> Schedule:
-    """The grad_accumulation schedule for `blocks` and K micro-batches."""
+def grad_accumulation_schedule(request: ScheduleRequest) -> Schedule:
+    """The grad_accumulation schedule for a request."""
     steps: list[Step] = []
-    for s in range(num_subbatches):
-        steps += _micro_batch("fwd", blocks, s, has_prefix, has_suffix)
-    if not backward:
-        return Schedule(tuple(steps))
-    for s in reversed(range(num_subbatches)):
-        steps += _micro_batch("bwd", blocks, s, has_prefix, has_suffix)
-    return Schedule(tuple(steps))
+    for s in range(request.num_subbatches):
+        steps += _micro_batch("fwd", request, s)
+    if request.backward:
+        for s in reversed(range(request.num_subbatches)):
+            steps += _micro_batch("bwd", request, s)
+    steps = add_fetches(steps, request, per_subbatch=True)
+    return Schedule(tuple(add_stashes(steps, request)))
 
 
-def _micro_batch(phase: str, blocks: BlockGraph, subbatch: int, has_prefix: bool, has_suffix: bool) -> list[Step]:
+def _micro_batch(phase: str, request: ScheduleRequest, subbatch: int) -> list[Step]:
     """One micro-batch through the whole model, in the phase's direction."""
     steps: list[Step] = []
-    if has_prefix:
+    if request.has_prefix:
         steps.append(Step(phase, "prefix", subbatch=subbatch))
-    steps += [Step(phase, "block", block.index, subbatch) for block in blocks.blocks]
-    if has_suffix:
+    steps += [Step(phase, "block", block, subbatch) for block in request.blocks]
+    if request.has_suffix:
         steps.append(Step(phase, "suffix", subbatch=subbatch))
     return steps if phase == "fwd" else steps[::-1]
+
+
+GRAD_ACCUMULATION = Policy("grad_accumulation", grad_accumulation_schedule)

@@ -1,52 +1,56 @@
-"""The value of the `schedule` option, as what the passes need to know about it.
+"""The policies the `schedule` option names, and the schedule of a compiled graph.
 
-`policy_for(config.schedule)` returns the Policy the pipeline and the lowering read:
-whether compute runs sample-major (each sub-batch through every block before the next
-sub-batch) or layer-major (each block over every sub-batch before the next block),
-and the function that writes the schedule's text form. Which tiers a schedule allows
-is checked by `SpeedLoaderConfig`, where the options are documented.
+`policy_for(config.schedule)` returns the `Policy` of an option value (a name, or a
+`Policy` object passed as the option); `plan_schedule(blocks, config, ...)` asks it for
+the schedule of one graph. Which tiers a schedule allows is checked by
+`SpeedLoaderConfig`, where the options are documented.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
 from slcompile.passes.find_blocks import BlockGraph
-from slcompile.schedules.base import Schedule
-from slcompile.schedules.grad_accumulation import grad_accumulation_schedule
-from slcompile.schedules.speedloader import speedloader_schedule
+from slcompile.schedules.base import Policy, Schedule, ScheduleRequest
+from slcompile.schedules.examples.lifetime_aware import LIFETIME_AWARE
+from slcompile.schedules.grad_accumulation import GRAD_ACCUMULATION
+from slcompile.schedules.speedloader import NO_OFFLOAD, SPEEDLOADER
 
-__all__ = ["Policy", "POLICIES", "policy_for"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """What one `schedule` option value means for the passes.
-
-    Attributes:
-        name: the option value.
-        sample_major: compute is ordered by (sub-batch, block), gradient
-            accumulation's order, instead of by (block, sub-batch). Streamed weights
-            are then fetched once per (block, sub-batch) instead of once per block.
-        build: `build(blocks, num_subbatches) -> Schedule`, the text form's source.
-    """
-
-    name: str
-    sample_major: bool
-    build: Callable[[BlockGraph, int], Schedule]
-
+__all__ = ["POLICIES", "policy_for", "plan_schedule"]
 
 POLICIES: dict[str, Policy] = {
-    policy.name: policy
-    for policy in (
-        Policy("speedloader", sample_major=False, build=speedloader_schedule),
-        Policy("grad_accumulation", sample_major=True, build=grad_accumulation_schedule),
-        Policy("no_offload", sample_major=False, build=speedloader_schedule),
-    )
+    policy.name: policy for policy in (SPEEDLOADER, GRAD_ACCUMULATION, NO_OFFLOAD, LIFETIME_AWARE)
 }
 
 
-def policy_for(schedule: str) -> Policy:
+def policy_for(schedule: str | Policy) -> Policy:
     """The Policy of a `schedule` option value (already validated by the config)."""
+    if isinstance(schedule, Policy):
+        return schedule
     return POLICIES[schedule]
+
+
+def plan_schedule(
+    blocks: BlockGraph,
+    config,
+    *,
+    weights_streamed: bool = False,
+    activations_offloaded: bool = False,
+    backward: bool = True,
+) -> Schedule:
+    """The schedule the configured policy writes for one graph's blocks.
+
+    Args:
+        blocks: the block graph.
+        config: the backend's options (`SpeedLoaderConfig`).
+        weights_streamed: block weights rest off the device (a tier that copies).
+        activations_offloaded: saved activations rest off the device.
+        backward: the graph is trained (a forward and a backward).
+    """
+    request = ScheduleRequest(
+        blocks=tuple(block.index for block in blocks.blocks),
+        num_subbatches=config.num_subbatches,
+        live_blocks=config.live_blocks,
+        weights_streamed=weights_streamed,
+        activations_offloaded=activations_offloaded,
+        backward=backward,
+    )
+    return policy_for(config.schedule).build(request)

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 import torch.fx
 
 from slcompile.runtime.stats import TimelineEvent
+from slcompile.units import bytes_unit, format_bytes
 from slcompile.viz.memory import PredictedMemory, ResidentSample, predict_live_bytes
 from slcompile.viz.trace import trace_lanes
 
@@ -51,10 +52,8 @@ def _pyplot():
 
 
 def _unit(peak: float) -> tuple[float, str]:
-    for scale, name in ((1 << 30, "GB"), (1 << 20, "MB"), (1 << 10, "KB")):
-        if peak >= scale:
-            return float(scale), name
-    return 1.0, "B"
+    name, scale = bytes_unit(peak)
+    return float(scale), name
 
 
 def align_regions(
@@ -169,7 +168,7 @@ def _draw_measured(axis, samples, origin, scale, unit) -> None:
         peak = max(ys, default=0)
         axis.step(xs, ys, where="post", color=_TIER_COLORS.get(tier, "black"), linewidth=1.8,
                   linestyle="-" if tier == "device" else "--", zorder=3 if tier == "device" else 2,
-                  label=f"{tier} (peak {peak:.1f} {unit})")
+                  label=f"{tier} (peak {format_bytes(peak * scale)})")
     when = "at region boundaries" if any(s.label not in ("start", "end", "timer") for s in samples) else "on a timer"
     axis.set_title(f"measured: bytes resident per tier (runtime accounting, sampled {when}; activations excluded)",
                    fontsize=10, loc="left")
@@ -202,7 +201,7 @@ def _draw_predicted(axis, predicted: list[PredictedMemory], times, graphs, origi
     peak = max((w + o for w, o in zip(weights, other)), default=0)
     axis.stackplot(xs, weights, other, colors=(_WEIGHTS_COLOR, _OTHER_COLOR), step="post",
                    labels=("fetched weights", "activations, saved values, gradients"))
-    axis.plot([], [], " ", label=f"peak {peak:.1f} {unit}")
+    axis.plot([], [], " ", label=f"peak {format_bytes(peak * scale)}")
     for x, kind in boundaries:
         axis.axvline(x, color="black", linewidth=0.8, linestyle="--")
         axis.text(x, 1.0, f" {kind}", transform=axis.get_xaxis_transform(), va="top", fontsize=9)
@@ -286,8 +285,8 @@ def plot_timeline(path: str | pathlib.Path, trace: dict, title: str = "timeline 
     axis.set_xlabel("ms since the first event")
     loads = [e for e in slices if e["cat"] == "load"]
     stores = [e for e in slices if e["cat"] == "store"]
-    summary = (f"{len(loads)} loads ({sum(e['args']['bytes'] for e in loads) / 1024:.1f} KB), "
-               f"{len(stores)} stores ({sum(e['args']['bytes'] for e in stores) / 1024:.1f} KB)")
+    summary = (f"{len(loads)} loads ({format_bytes(sum(e['args']['bytes'] for e in loads))}), "
+               f"{len(stores)} stores ({format_bytes(sum(e['args']['bytes'] for e in stores))})")
     axis.set_title(f"{title}: {summary}", fontsize=11, loc="left")
     axis.grid(axis="x", alpha=0.3)
     figure.tight_layout(rect=(0, 0.07, 1, 1))

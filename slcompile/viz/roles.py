@@ -4,7 +4,8 @@ Needs: a graph whose nodes carry `SlcMeta` tags (the rewritten Dynamo graph, or 
 AOTAutograd forward/backward graphs in `CompileReport.graphs`). AOTAutograd keeps
 only the tag (`blk3.sb1`) of each node, not its role, so on those graphs the roles
 the rewrite inserted are recognised from the graph itself:
-- transfers: calls of the `slc::` transfer ops and `slc::fetch_weight` (by target);
+- transfers: calls of the `slc::` transfer ops (`slcompile.vocabulary`): issues and
+  waits of weight fetches, activation stashes and unstashes;
 - split: a slicing op that hands one sub-batch a piece of a value that is not that
   sub-batch's alone (a batch input, the tangent of concatenated outputs);
 - combine: a node where values of different sub-batches meet (the loss summed over
@@ -19,7 +20,6 @@ inputs belong to when they all agree.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import operator
 import re
@@ -28,6 +28,8 @@ import torch
 import torch.fx
 
 from slcompile.meta import get_slc_meta
+from slcompile.units import format_bytes as _format_bytes
+from slcompile.vocabulary import WeightKey, is_mark, transfer_kind
 
 __all__ = [
     "NodeRole",
@@ -45,7 +47,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TRANSFER_ROLES = ("load", "store", "wait", "free")
+TRANSFER_ROLES = ("load", "store", "wait")
 INSERTED_ROLES = ("split", "combine", *TRANSFER_ROLES)
 """Roles of nodes the rewrite inserted (pictures highlight them)."""
 
@@ -69,10 +71,17 @@ class NodeRole:
 
 
 def transfer_role(node: torch.fx.Node) -> str | None:
-    """"load", "store", "wait" or "free" for a transfer op call, else None."""
-    if node.op != "call_function":
+    """"load" (a weight fetch, the issue of a load), "store" (the issue of a store) or
+    "wait" (for a store or an activation load) for a transfer op call, else None."""
+    kind = transfer_kind(node)
+    if kind is None:
         return None
-    return _transfer_targets().get(node.target)
+    what, half = kind
+    if what == "fetch":
+        return "load"  # the fetch itself is the weight, drawn as its load
+    if half == "wait":
+        return "wait"
+    return "store" if what == "stash" else "load"
 
 
 def transfer_nodes(gm: torch.fx.GraphModule) -> tuple[str, ...]:
@@ -89,8 +98,6 @@ def classify_nodes(gm: torch.fx.GraphModule) -> dict[str, NodeRole]:
     Returns:
         node name -> NodeRole, in program order.
     """
-    from slcompile.passes.mark_regions import MARK
-
     nodes = list(gm.graph.nodes)
     carried = _carried_subbatches(nodes)
     position = {node: i for i, node in enumerate(nodes)}
@@ -104,7 +111,7 @@ def classify_nodes(gm: torch.fx.GraphModule) -> dict[str, NodeRole]:
         if node.op == "output":
             roles[node.name] = NodeRole("output", None)
             continue
-        if node.target is MARK:
+        if is_mark(node):
             roles[node.name] = NodeRole("marker", None)
             continue
         role = transfer_role(node)
@@ -171,21 +178,6 @@ def _cluster_from_inputs(
     return roles[max(placed, key=position.__getitem__).name].cluster
 
 
-@functools.lru_cache(maxsize=1)
-def _transfer_targets() -> dict:
-    from slcompile.runtime import ops
-    import slcompile.runtime.weights  # noqa: F401  registers slc::fetch_weight
-
-    return {
-        torch.ops.slc.fetch_weight.default: "load",
-        ops.LOAD: "load",
-        ops.WAIT_LOAD: "wait",
-        ops.STORE: "store",
-        ops.WAIT: "wait",
-        ops.FREE: "free",
-    }
-
-
 def short_op_name(node: torch.fx.Node) -> str:
     """`addmm` for `aten.addmm.default`, `getitem`, `size` for a method call."""
     target = node.target
@@ -201,7 +193,10 @@ def short_op_name(node: torch.fx.Node) -> str:
 def short_key(key: str) -> str:
     """`w0|w0:l_self_modules_layers_modules_1_modules_ln1_parameters_weight_@fwd`
     -> `layers.1.ln1.weight`: the parameter a transfer key names, readable."""
-    name = key.split("|", 1)[-1].split("@", 1)[0].split(":", 1)[-1]
+    try:
+        name = WeightKey.parse(key).stored.split(":", 1)[-1]
+    except ValueError:  # a stored key (`w0:name`), as the runtime's events name it
+        name = key.split(":", 1)[-1]
     name = re.sub(r"^l_self_", "", name)
     # Dynamo spells `layers.1.ln1.weight` as `modules_layers_modules_1_..._parameters_weight_`.
     name = re.sub(r"_?(modules|parameters|buffers)_", ".", name)
@@ -225,9 +220,5 @@ def _bytes_of(value) -> int:
 
 
 def format_bytes(count: float) -> str:
-    """`12.0 KB`, `1.5 MB` (powers of 1024)."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(count) < 1024 or unit == "GB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} GB"
+    """`12.0 KiB`, `1.5 MiB`: `slcompile.units.format_bytes` with one decimal."""
+    return _format_bytes(count, digits=1)

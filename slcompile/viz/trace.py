@@ -29,12 +29,16 @@ import json
 import logging
 import pathlib
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
 
-from slcompile.runtime.stats import TimelineEvent
 from slcompile.viz.roles import format_bytes, short_key
+from slcompile.vocabulary import WeightKey, is_fetch
+
+if TYPE_CHECKING:  # the records only: reading a trace needs no runtime
+    from slcompile.runtime.stats import TimelineEvent
 
 __all__ = ["chrome_trace", "write_chrome_trace", "trace_lanes", "TRANSFER_LANES"]
 
@@ -212,15 +216,12 @@ def _consumers(
 def _fetches_by_region(graphs: Mapping[str, torch.fx.GraphModule]) -> dict[str, list[str]]:
     """Region label -> the stored keys its `slc::fetch_weight` calls read."""
     from slcompile.passes.mark_regions import marked_regions
-    from slcompile.runtime.weights import split_graph_key
-
-    fetch_op = torch.ops.slc.fetch_weight.default
     fetches: dict[str, list[str]] = collections.defaultdict(list)
     for gm in graphs.values():
         nodes = {node.name: node for node in gm.graph.nodes}
         for region in marked_regions(gm.graph):
             for name in region.nodes:
                 node = nodes[name]
-                if node.op == "call_function" and node.target is fetch_op:
-                    fetches[region.label].append(split_graph_key(node.args[1])[1])
+                if is_fetch(node):
+                    fetches[region.label].append(WeightKey.parse(node.args[1]).stored)
     return fetches

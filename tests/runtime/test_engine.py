@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from devices import device_under_test, on_cuda, same_bits
 
 from slcompile.runtime import (
     Tier,
@@ -25,22 +26,19 @@ NVME = Tier.NVME
 DEVICE = Tier.DEVICE
 HOST = Tier.HOST
 WEIGHT = TransferKind.WEIGHT
+DEV = device_under_test()
 
 
 def sample(dtype: torch.dtype, numel: int, seed: int = 0) -> torch.Tensor:
-    """Random values covering every bit pattern region of the dtype."""
+    """Random values covering every bit pattern region of the dtype, on the test device."""
     generator = torch.Generator().manual_seed(seed)
     if dtype is torch.bool:
-        return torch.randint(0, 2, (numel,), generator=generator).bool()
-    if dtype is torch.int64:
-        return torch.randint(-(2**62), 2**62, (numel,), generator=generator)
-    return (torch.randn(numel, generator=generator) * 1e3).to(dtype)
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The raw bytes, so comparisons are bit for bit (NaN, -0.0 included)."""
-    flat = tensor.reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else flat
+        values = torch.randint(0, 2, (numel,), generator=generator).bool()
+    elif dtype is torch.int64:
+        values = torch.randint(-(2**62), 2**62, (numel,), generator=generator)
+    else:
+        values = (torch.randn(numel, generator=generator) * 1e3).to(dtype)
+    return values.to(DEV)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -50,26 +48,27 @@ def test_nvme_round_trip_is_bit_exact(engine, dtype):
         engine.wait(engine.store(f"t{index}", original, "nvme", "weight"))
         loaded = engine.wait(engine.load(f"t{index}"))
         assert loaded.dtype == dtype and loaded.shape == original.shape
-        assert torch.equal(bits(loaded), bits(original))
+        assert same_bits(loaded, original)
 
 
 def test_special_float_values_survive(engine):
-    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-45])
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-45], device=DEV)
     engine.wait(engine.store("special", special, NVME, WEIGHT))
-    assert torch.equal(bits(engine.wait(engine.load("special"))), bits(special))
+    assert same_bits(engine.wait(engine.load("special")), special)
 
 
 def test_shapes_and_zero_dim_tensors_keep_their_shape(engine):
     for key, original in {
-        "scalar": torch.tensor(3.5),
+        "scalar": torch.tensor(3.5, device=DEV),
         "matrix": sample(torch.float16, 6 * 7).view(6, 7),
-        "empty": torch.empty(0, 5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 5, dtype=torch.bfloat16, device=DEV),
     }.items():
         engine.wait(engine.store(key, original, NVME, WEIGHT))
         loaded = engine.wait(engine.load(key))
-        assert loaded.shape == original.shape and torch.equal(bits(loaded), bits(original))
+        assert loaded.shape == original.shape and same_bits(loaded, original)
 
 
+@pytest.mark.skipif(on_cuda(), reason="nvme loads land in page-aligned host memory on CPU machines only")
 def test_loaded_tensors_are_page_aligned_and_not_views(engine):
     engine.wait(engine.store("w", sample(torch.float32, 5000), NVME, WEIGHT))
     loaded = engine.wait(engine.load("w"))
@@ -86,7 +85,7 @@ def test_many_concurrent_transfers_in_flight(engine):
     # Loads issued before their stores finished must read what the stores wrote.
     loads = {key: engine.load(key) for key in originals}
     for key in reversed(list(originals)):
-        assert torch.equal(bits(engine.wait(loads[key])), bits(originals[key])), key
+        assert same_bits(engine.wait(loads[key]), originals[key]), key
     for handle in stores:
         assert handle.done()
 
@@ -99,7 +98,7 @@ def test_threads_issuing_at_once(engine):
             key = f"w{worker_index}.{round_index}"
             original = sample(torch.float32, 10_000 + round_index, seed=worker_index)
             engine.wait(engine.store(key, original, NVME, WEIGHT))
-            if not torch.equal(engine.wait(engine.load(key)), original):
+            if not same_bits(engine.wait(engine.load(key)), original):
                 failures.append(key)
 
     threads = [threading.Thread(target=worker, args=(index,)) for index in range(4)]
@@ -111,16 +110,16 @@ def test_threads_issuing_at_once(engine):
 
 
 def test_store_replaces_and_loads_see_the_latest_value(engine):
-    engine.wait(engine.store("k", torch.zeros(3000), NVME, WEIGHT))
+    engine.wait(engine.store("k", torch.zeros(3000, device=DEV), NVME, WEIGHT))
     first_load = engine.load("k")
-    engine.store("k", torch.ones(5000), NVME, WEIGHT)  # not waited: the load must chain
-    assert torch.equal(engine.wait(engine.load("k")), torch.ones(5000))
-    assert torch.equal(engine.wait(first_load), torch.zeros(3000))
+    engine.store("k", torch.ones(5000, device=DEV), NVME, WEIGHT)  # not waited: the load must chain
+    assert same_bits(engine.wait(engine.load("k")), torch.ones(5000, device=DEV))
+    assert same_bits(engine.wait(first_load), torch.zeros(3000, device=DEV))
 
 
 def test_exact_bytes_per_kind_and_direction(engine):
-    weight = torch.randn(1000)  # 4000 bytes
-    activation = torch.randn(3, 5, dtype=torch.float16)  # 30 bytes
+    weight = torch.randn(1000, device=DEV)  # 4000 bytes
+    activation = torch.randn(3, 5, dtype=torch.float16, device=DEV)  # 30 bytes
     engine.wait(engine.store("w", weight, "nvme", "weight"))
     engine.wait(engine.store("a", activation, "nvme", "activation"))
     engine.wait(engine.load("w"))
@@ -138,9 +137,9 @@ def test_exact_bytes_per_kind_and_direction(engine):
     assert stats.cumulative.local_copy_bytes == 0
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="host is device only on CPU machines")
+@pytest.mark.skipif(on_cuda(), reason="host is device only on CPU machines")
 def test_host_and_device_tiers_copy_nothing_on_cpu(engine):
-    original = torch.randn(2048)
+    original = torch.randn(2048, device=DEV)
     for tier in (HOST, DEVICE):
         handle = engine.store(f"k{tier.value}", original, tier, WEIGHT)
         assert handle.done() and handle.zero_copy
@@ -151,28 +150,28 @@ def test_host_and_device_tiers_copy_nothing_on_cpu(engine):
 
 
 def test_non_contiguous_source_is_made_contiguous_and_counted(engine):
-    original = torch.arange(64 * 48, dtype=torch.float32).view(64, 48).t()
+    original = torch.arange(64 * 48, dtype=torch.float32, device=DEV).view(64, 48).t()
     engine.wait(engine.store("t", original, NVME, WEIGHT))
     loaded = engine.wait(engine.load("t"))
-    assert loaded.is_contiguous() and torch.equal(loaded, original)
+    assert loaded.is_contiguous() and same_bits(loaded, original)
     stats = runtime_stats().cumulative
     assert stats.local_copy_bytes == 64 * 48 * 4
     assert stats.bytes_moved[(WEIGHT, DEVICE, NVME)] == 64 * 48 * 4
 
 
 def test_view_of_a_larger_tensor_stores_only_its_values(engine):
-    base = torch.arange(10_000, dtype=torch.int64)
+    base = torch.arange(10_000, dtype=torch.int64, device=DEV)
     engine.wait(engine.store("v", base[4000:4100], NVME, WEIGHT))
     base.zero_()
-    assert torch.equal(engine.wait(engine.load("v")), torch.arange(4000, 4100))
+    assert same_bits(engine.wait(engine.load("v")), torch.arange(4000, 4100, device=DEV))
     assert runtime_stats().bytes_moved[(WEIGHT, DEVICE, NVME)] == 800
 
 
 def test_requires_grad_and_parameters_are_stored_as_values(engine):
-    parameter = torch.nn.Parameter(torch.randn(300))
+    parameter = torch.nn.Parameter(torch.randn(300, device=DEV))
     engine.wait(engine.store("p", parameter, NVME, WEIGHT))
     loaded = engine.wait(engine.load("p"))
-    assert not loaded.requires_grad and torch.equal(loaded, parameter.detach())
+    assert not loaded.requires_grad and same_bits(loaded, parameter.detach())
 
 
 @pytest.mark.parametrize(
@@ -201,17 +200,17 @@ def test_unknown_keys_are_named(engine):
 
 
 def test_int_keys_mean_their_string(engine):
-    engine.wait(engine.store(7, torch.ones(3), NVME, WEIGHT))
+    engine.wait(engine.store(7, torch.ones(3, device=DEV), NVME, WEIGHT))
     assert "7" in engine and 7 in engine
-    assert torch.equal(engine.wait(engine.load("7")), torch.ones(3))
+    assert same_bits(engine.wait(engine.load("7")), torch.ones(3, device=DEV))
     with pytest.raises(TypeError):
-        engine.store(True, torch.ones(3), NVME, WEIGHT)
+        engine.store(True, torch.ones(3, device=DEV), NVME, WEIGHT)
 
 
 def test_residency_tracks_slots_and_delivered_tensors(engine):
     before = runtime_stats().resident_bytes
-    engine.wait(engine.store("a", torch.zeros(1 << 18), NVME, WEIGHT))  # 1 MiB
-    engine.wait(engine.store("b", torch.zeros(1 << 18), NVME, WEIGHT))
+    engine.wait(engine.store("a", torch.zeros(1 << 18, device=DEV), NVME, WEIGHT))  # 1 MiB
+    engine.wait(engine.store("b", torch.zeros(1 << 18, device=DEV), NVME, WEIGHT))
     loaded = engine.wait(engine.load("a"))
     during = runtime_stats()
     assert during.resident_bytes[NVME] - before[NVME] == 2 << 20
@@ -228,19 +227,19 @@ def test_residency_tracks_slots_and_delivered_tensors(engine):
 
 
 def test_thousands_of_small_tensors_share_one_file_and_reuse_space(engine):
-    handles = [engine.store(f"s{index}", torch.full((10,), float(index)), NVME, WEIGHT)
+    handles = [engine.store(f"s{index}", torch.full((10,), float(index), device=DEV), NVME, WEIGHT)
                for index in range(2000)]
     for handle in handles:
         engine.wait(handle)
     arena = engine.arena
     assert os.listdir(arena.path) == ["arena.bin"]
-    assert torch.equal(engine.wait(engine.load("s1234")), torch.full((10,), 1234.0))
+    assert same_bits(engine.wait(engine.load("s1234")), torch.full((10,), 1234.0, device=DEV))
     file_bytes = arena.file_bytes
     for index in range(2000):
         engine.free(f"s{index}")
     assert arena.used_bytes == 0
     for index in range(2000):
-        engine.store(f"r{index}", torch.ones(10), NVME, WEIGHT)
+        engine.store(f"r{index}", torch.ones(10, device=DEV), NVME, WEIGHT)
     assert arena.file_bytes == file_bytes
 
 
@@ -250,22 +249,23 @@ def test_free_waits_for_transfers_in_flight(engine):
     load = engine.load("big")
     engine.free("big")
     assert "big" not in engine
-    assert torch.equal(engine.wait(load), original)
+    assert same_bits(engine.wait(load), original)
     assert engine.arena.used_bytes == 0
 
 
+@pytest.mark.skipif(on_cuda(), reason="the load buffer cache is the CPU path's")
 def test_load_buffers_are_reused_after_the_tensor_dies(tmp_path):
     engine = TransferEngine(offload_dir=str(tmp_path), buffer_cache_bytes=1 << 20)
     try:
-        engine.wait(engine.store("a", torch.full((5000,), 1.0), NVME, WEIGHT))
-        engine.wait(engine.store("b", torch.full((5000,), 2.0), NVME, WEIGHT))
+        engine.wait(engine.store("a", torch.full((5000,), 1.0, device=DEV), NVME, WEIGHT))
+        engine.wait(engine.store("b", torch.full((5000,), 2.0, device=DEV), NVME, WEIGHT))
         first = engine.wait(engine.load("a"))
         address = first.data_ptr()
         del first
         gc.collect()
         second = engine.wait(engine.load("b"))
         assert second.data_ptr() == address  # same size: the idle buffer came back
-        assert torch.equal(second, torch.full((5000,), 2.0))
+        assert same_bits(second, torch.full((5000,), 2.0, device=DEV))
     finally:
         engine.close()
 
@@ -273,7 +273,7 @@ def test_load_buffers_are_reused_after_the_tensor_dies(tmp_path):
 def test_no_idle_buffers_kept_without_a_cache(tmp_path):
     engine = TransferEngine(offload_dir=str(tmp_path), buffer_cache_bytes=0)
     try:
-        engine.wait(engine.store("a", torch.ones(5000), NVME, WEIGHT))
+        engine.wait(engine.store("a", torch.ones(5000, device=DEV), NVME, WEIGHT))
         loaded = engine.wait(engine.load("a"))
         del loaded
         gc.collect()

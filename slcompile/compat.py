@@ -1,0 +1,141 @@
+"""The torch internals slcompile relies on that differ across the supported releases.
+
+Supported: torch 2.11 through 2.15 (``pyproject.toml``: ``>=2.11,<2.16``). Every private
+torch name whose place or existence changed inside that range is reached through this
+module, chosen once at import by feature detection, so the rest of the package imports
+one name and never branches on the version.
+
+Needs: torch 2.11 or newer.
+
+Guarantees:
+- Importing this module does not fail on a supported release; a release outside the
+  range is logged once at WARNING (it may work; it is not tested).
+- ``optimization_hint(n)`` is the concrete size hint of an int or ``torch.SymInt``
+  without adding guards: torch's own function where it exists (2.12 and later), else
+  the shape environment's ``size_hint`` (2.11), which answers the same.
+
+What moved, for the record: ``torch.fx.experimental.symbolic_shapes.optimization_hint``
+appeared in 2.12; 2.11 has ``ShapeEnv.size_hint`` (and ``hint_int``, gone by 2.13).
+The other internals used (``torch._inductor.custom_graph_pass.CustomGraphPass``,
+``CustomPartitionerFn``, ``get_hash_for_files``; the Inductor config keys
+``custom_partitioner_fn``, ``joint_custom_pre_pass``, ``reorder_for_peak_memory``,
+``reorder_for_locality``; ``torch._functorch.partitioners``; ``torch._dynamo.backends``;
+``torch._library.effects.EffectType``, the fake-tensor helpers, ``torch._dynamo.exc``,
+``torch._ops.OpOverload``) are in the same place on 2.11 and 2.13;
+``missing_internals()`` lists any a release lacks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+from torch.fx.experimental import symbolic_shapes as _symbolic_shapes
+
+__all__ = [
+    "SUPPORTED_TORCH",
+    "TORCH_VERSION",
+    "optimization_hint",
+    "shape_env_optimization_hint",
+    "missing_internals",
+    "torch_is_supported",
+]
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_TORCH = ((2, 11), (2, 16))
+"""The supported torch releases: from the first (inclusive) to the second (exclusive)."""
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+TORCH_VERSION = _release(torch.__version__)
+"""(major, minor) of the installed torch."""
+
+
+def torch_is_supported(version: tuple[int, int] = TORCH_VERSION) -> bool:
+    """True when ``version`` (default: the installed torch) is in ``SUPPORTED_TORCH``."""
+    low, high = SUPPORTED_TORCH
+    return low <= version < high
+
+
+def shape_env_optimization_hint(value: torch.SymInt | int, fallback: int | None = None) -> int:
+    """The size hint of ``value`` from its shape environment (torch 2.11's way).
+
+    Args:
+        value: An int or a SymInt.
+        fallback: Returned when the symbol has no hint (unbacked); None: raise.
+
+    Returns:
+        The concrete value the example inputs gave the expression.
+
+    Raises:
+        ValueError: the symbol has no hint and no fallback was given.
+    """
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    node = value.node
+    hint = getattr(node, "_hint", None)
+    if hint is not None:
+        return int(hint)
+    hint = node.shape_env.size_hint(node.expr, allow_none=True)
+    if hint is None:
+        if fallback is None:
+            raise ValueError(f"the size {node.expr} has no hint (data-dependent) and no fallback was given")
+        return fallback
+    return int(hint)
+
+
+optimization_hint = getattr(_symbolic_shapes, "optimization_hint", shape_env_optimization_hint)
+"""``optimization_hint(value, fallback=None) -> int``: see the module docstring."""
+
+
+# (module, attribute or None for the module itself), or (module, config key).
+_INTERNALS = (
+    ("torch._inductor.custom_graph_pass", "CustomGraphPass"),
+    ("torch._inductor.custom_graph_pass", "CustomPartitionerFn"),
+    ("torch._inductor.custom_graph_pass", "get_hash_for_files"),
+    ("torch._inductor.config", "custom_partitioner_fn"),
+    ("torch._inductor.config", "joint_custom_pre_pass"),
+    ("torch._inductor.config", "reorder_for_peak_memory"),
+    ("torch._inductor.config", "reorder_for_locality"),
+    ("torch._inductor.compile_fx", "compile_fx"),
+    ("torch._inductor.compile_fx", "compile_fx_inner"),
+    ("torch._functorch.partitioners", "default_partition"),
+    ("torch._functorch.partitioners", "min_cut_rematerialization_partition"),
+    ("torch._dynamo.backends.common", "aot_autograd"),
+    ("torch._dynamo.backends.debugging", "boxed_nop"),
+    ("torch._library.effects", "EffectType"),
+    ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    ("torch._subclasses.fake_tensor", "unset_fake_temporarily"),
+    ("torch._guards", "detect_fake_mode"),
+    ("torch._dynamo.exc", "BackendCompilerFailed"),
+    ("torch._ops", "OpOverload"),
+    ("torch._C", "_set_grad_enabled"),
+)
+
+
+def missing_internals() -> list[str]:
+    """The private torch names slcompile uses that the installed torch lacks
+    (empty on every supported release)."""
+    missing = []
+    for module_name, name in _INTERNALS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(module_name)
+            continue
+        if not hasattr(module, name):
+            missing.append(f"{module_name}.{name}")
+    return missing
+
+
+if not torch_is_supported():
+    log.warning(
+        "slcompile supports torch %d.%d to %d.%d; this is torch %s (untested)",
+        *SUPPORTED_TORCH[0], SUPPORTED_TORCH[1][0], SUPPORTED_TORCH[1][1] - 1, torch.__version__,
+    )

@@ -1,0 +1,543 @@
+"""An optimizer that steps off the device, block by block, as gradients arrive.
+
+`slcompile.offload_optimizer(model, torch.optim.AdamW, lr=1e-4, states="host")`
+returns an `OffloadedOptimizer`. With the model compiled by the speedloader backend
+and its block weights streamed (`weights="nvme"`, or `"host"` on a GPU machine), the
+backward stores each block's weight gradients once they are final (summed over the K
+sub-batches) to the `gradients` tier and returns no `.grad` for them
+(`slcompile.passes.offload_gradients`). As soon as all of a block's gradients have
+arrived, a worker thread on the host runs the user's optimizer class, torch's own
+implementation, over host copies of that block's parameters (one optimizer instance
+per block; fp32 copies for bf16/fp16 parameters), and writes the updated values to
+the weights' home tier, where the next forward's fetch reads them. The optimizer
+state rests on `states`: host memory, or nvme files loaded before the block's step
+and stored after it. `step()` waits for the block steps still running and steps the
+parameters that stay on the device (embeddings, head, ...), which keep their
+`.grad`, with the same optimizer class; no weight round trip, no
+`gathered_weights`.
+
+Needs: one backward per `step()` (gradient accumulation across backward calls is
+what `num_subbatches` does inside one step; a second backward before `step()` raises
+`OffloadError`); an optimizer whose update of a parameter reads only that
+parameter's gradient and state (SGD, Adam, AdamW, Adagrad, RMSprop, ...). LBFGS
+(a closure that re-evaluates the loss) and SparseAdam are refused with a
+`ValueError`; so is a closure passed to `step()`. A global gradient-norm clip needs
+every gradient at once: clip per block, or keep the optimizer on the device.
+
+A full disk for nvme states raises `DiskFullError` from `step()`; the state files
+of a block are replaced only once all its new ones are written, so none is ever
+half-written (the block's state then stays in host memory until the next step).
+
+Guarantees: the parameters after each step equal what `optimizer_class` over the
+whole model computes (the update is elementwise per parameter, so one instance per
+block computes the same numbers); no fetch reads a weight older than its last
+update: the next forward's prefetches of a block are issued after that block's
+update (the compiled backward hands them over), and any load of it still pending
+from before is issued again.
+
+On a CPU-only machine the host tier is the device's memory: `gradients="host"` and
+`states="host"` move no bytes. When the model was compiled before the optimizer was
+created (and with `gradients="auto"`), the streamed weights' gradients come back as
+`.grad`; `step()` then steps them the same way from their `.grad` and says so once
+in the log. The host copies are the weights' master values: change weights through
+`model.load_state_dict` (which updates them), not inside `gathered_weights`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from slcompile.runtime import gradients as gradient_runtime
+from slcompile.runtime.engine import TransferEngine, get_engine
+from slcompile.runtime.errors import OffloadError
+from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.runtime.weights import fetch_issue, update_weight, weight_home
+
+__all__ = ["OffloadedOptimizer", "offload_optimizer"]
+
+log = logging.getLogger(__name__)
+
+_TIERS = ("host", "nvme")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_MASTER = "fp32_master"  # the state_dict entry of a bf16/fp16 parameter's fp32 copy
+
+
+def offload_optimizer(
+    model: torch.nn.Module,
+    optimizer_class: type[torch.optim.Optimizer],
+    *,
+    states: str = "host",
+    gradients: str = "host",
+    **optimizer_options: Any,
+) -> OffloadedOptimizer:
+    """An optimizer for `model` whose step for streamed block weights runs off the device.
+
+    Create it before the first call of the compiled model, so the compiled backward
+    sends the gradients to it (`SpeedLoaderConfig.gradients="auto"`).
+
+    Args:
+        model: the model (its parameters that require grad are optimized).
+        optimizer_class: a `torch.optim.Optimizer` subclass with a per-parameter update.
+        states: where the optimizer state of streamed weights rests: "host" or "nvme".
+        gradients: where the backward sends the gradients of streamed weights:
+            "host" or "nvme" (on a CPU-only machine "host" moves no bytes).
+        **optimizer_options: passed to `optimizer_class` (lr, betas, weight_decay, ...).
+
+    Returns:
+        the optimizer.
+
+    Raises:
+        ValueError: an optimizer whose step needs every gradient at once, or a bad tier.
+    """
+    return OffloadedOptimizer(model, optimizer_class, states=states, gradients=gradients, **optimizer_options)
+
+
+class OffloadedOptimizer:
+    """See the module docstring; built by `offload_optimizer`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        states: str = "host",
+        gradients: str = "host",
+        **optimizer_options: Any,
+    ):
+        _check_optimizer_class(optimizer_class)
+        for name, value in (("states", states), ("gradients", gradients)):
+            if value not in _TIERS:
+                raise ValueError(f"offload_optimizer: {name} must be one of {_TIERS}, got {value!r}")
+        self.optimizer_class = optimizer_class
+        self.optimizer_options = dict(optimizer_options)
+        self.states_tier = Tier(states)
+        self.gradient_tier = Tier(gradients)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self._names = {id(p): name for name, p in model.named_parameters()}
+        self._loaded_state: dict[str, dict[str, Any]] = {}  # from load_state_dict, not installed yet
+        self._loaded_masters: dict[str, torch.Tensor] = {}  # fp32 copies of bf16/fp16 parameters, the same
+        self._lock = threading.Lock()
+        self._masters: dict[int, torch.Tensor] = {}  # id(param) -> host copy
+        self._host_steps: dict[tuple[int, ...], _HostStep] = {}
+        self._arrivals: dict[tuple[str, int | None], dict[str, tuple[torch.nn.Parameter, Any]]] = {}
+        self._stepped: set[int] = set()
+        self._pending: list[concurrent.futures.Future] = []
+        self._resident: torch.optim.Optimizer | None = None
+        self._warned_fallback = False
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slc-optimizer")
+        # Parameters already offloaded (a model compiled before): copy them now, once.
+        for param in self.params:
+            if weight_home(param) is not None:
+                self._master(param)
+        gradient_runtime.attach_consumer(self.params, self)
+        # Offloaded parameters hold no memory: `model.state_dict()` and
+        # `model.load_state_dict()` read and write them through their host copies.
+        # (partial: torch marks the hook with an attribute, which a bound method refuses)
+        self._hooks = [
+            model.register_state_dict_post_hook(functools.partial(self._fill_model_state)),
+            model.register_load_state_dict_pre_hook(functools.partial(self._take_model_state)),
+            model.register_load_state_dict_post_hook(functools.partial(self._apply_model_state)),
+        ]
+        self._taken: dict[str, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+
+    # -- gradient consumer ------------------------------------------------
+    def prepare(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Host copies of parameters whose gradients will arrive, while they hold values."""
+        for param in params:
+            self._master(param)
+
+    def gradient_arrived(self, sink, stored_key: str, param: torch.nn.Parameter, handle) -> None:
+        """Records a gradient store; submits the block's step once the block is complete."""
+        block = sink.block_of[stored_key]
+        with self._lock:
+            if id(param) in self._stepped:
+                raise OffloadError(
+                    "a second backward before optimizer.step(): the offloaded optimizer steps each "
+                    "block once its gradient arrives, so gradients cannot accumulate across backward "
+                    "calls (split the batch with num_subbatches instead, or call step() between them)",
+                    key=stored_key,
+                )
+            group = self._arrivals.setdefault((sink.name, block), {})
+            group[stored_key] = (param, handle)
+            expected = {k for k in sink.block_keys(stored_key)
+                        if gradient_runtime.consumer_of(sink.params[k]) is self}
+            if not expected <= group.keys():
+                return
+            del self._arrivals[(sink.name, block)]
+            self._stepped.update(id(p) for p, _ in group.values())
+            self._pending.append(self._worker.submit(self._step_block, sink, group))
+
+    # -- the optimizer API ------------------------------------------------
+    def step(self, closure: Callable | None = None) -> None:
+        """Waits for the block steps still running, then steps every other parameter."""
+        if closure is not None:
+            raise ValueError("OffloadedOptimizer.step takes no closure: blocks step as their gradients arrive")
+        self.wait()
+        with self._lock:
+            missing = {key for group in self._arrivals.values() for key in group}
+            self._arrivals.clear()
+            self._stepped.clear()
+        if missing:
+            raise OffloadError(f"the gradients of {len(missing)} weights arrived without the rest of "
+                               "their block (a backward that failed part way); those weights were not stepped")
+        self._step_from_grad()
+        resident = [p for p in self.params if weight_home(p) is None]
+        low_precision = [p for p in resident if p.dtype in _LOW_PRECISION and p.grad is not None]
+        if low_precision:
+            self._step_low_precision(low_precision)
+        resident = [p for p in resident if p.dtype not in _LOW_PRECISION]
+        if not resident:
+            return
+        if self._resident is None:
+            self._resident = self.optimizer_class(resident, **self.optimizer_options)
+            self._install_resident_state()
+        self._resident.step()
+
+    def wait(self) -> None:
+        """Blocks until the block steps submitted so far are done; re-raises their errors."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        # Every block step finishes before the first error is raised: one still running
+        # would go on writing its files behind the caller's back.
+        concurrent.futures.wait(pending)
+        for future in pending:
+            future.result()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the `.grad` of the parameters that keep one (streamed weights have none)."""
+        for param in self.params:
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.detach_()
+                param.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state of every parameter, by parameter name, on the host.
+
+        Read block by block from where it rests (host memory or nvme files); the
+        layout does not depend on the blocks, so a fresh optimizer loads it.
+        """
+        self.wait()
+        state: dict[str, dict[str, Any]] = {name: dict(values) for name, values in self._loaded_state.items()}
+        for host_step in self._host_steps.values():
+            for index, param in enumerate(host_step.params):
+                state[self._names[id(param)]] = host_step.state_of(index)
+        if self._resident is not None:
+            for param, values in self._resident.state.items():
+                state[self._names[id(param)]] = {k: _copy(v) for k, v in values.items()}
+        for param in self.params:
+            master = self._masters.get(id(param))
+            if master is not None and master.dtype != param.dtype:
+                state.setdefault(self._names[id(param)], {})[_MASTER] = master.clone()
+        return {"optimizer": self.optimizer_class.__name__, "options": dict(self.optimizer_options),
+                "state": state}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads what `state_dict` returned; parameters not stepped yet take it at their first step.
+
+        It carries the fp32 copies of bf16/fp16 parameters: load the model's state
+        first, then this one.
+
+        Raises:
+            ValueError: the state of another optimizer class.
+        """
+        if state_dict.get("optimizer") != self.optimizer_class.__name__:
+            raise ValueError(f"load_state_dict: this is a {state_dict.get('optimizer')} state, "
+                             f"not a {self.optimizer_class.__name__} one")
+        self.wait()
+        self._loaded_state = {name: dict(values) for name, values in state_dict["state"].items()}
+        by_name = {self._names[id(p)]: p for p in self.params}
+        updated = []
+        for name, values in self._loaded_state.items():
+            master = values.pop(_MASTER, None)
+            if master is None:
+                continue
+            param = by_name[name]
+            if id(param) not in self._masters:
+                self._loaded_masters[name] = master
+                continue
+            self._masters[id(param)].copy_(master)
+            updated.append(param)
+        self._write_back([p for p in updated if weight_home(p) is not None])
+        with torch.no_grad():
+            for param in updated:
+                if weight_home(param) is None:
+                    param.copy_(self._masters[id(param)])
+        self._loaded_state = {name: values for name, values in self._loaded_state.items() if values}
+        for host_step in self._host_steps.values():
+            for index, param in enumerate(host_step.params):
+                values = self._loaded_state.pop(self._names[id(param)], None)
+                if values is not None:
+                    host_step.set_state(index, values)
+        if self._resident is not None:
+            self._install_resident_state()
+
+    def close(self) -> None:
+        """Finishes running steps, detaches from the model and frees stored states."""
+        self.wait()
+        gradient_runtime.attach_consumer(self.params, None)
+        for hook in self._hooks:
+            hook.remove()
+        self._worker.shutdown(wait=True)
+        for host_step in self._host_steps.values():
+            host_step.free()
+
+    # -- internals --------------------------------------------------------
+    def _install_resident_state(self) -> None:
+        for group in self._resident.param_groups:
+            for param in group["params"]:
+                values = self._loaded_state.pop(self._names[id(param)], None)
+                if values is not None:
+                    self._resident.state[param] = {k: _copy(v) for k, v in values.items()}
+
+    def _fill_model_state(self, module, state_dict, prefix, local_metadata) -> None:
+        self.wait()
+        for param in self.params:
+            key = prefix + self._names[id(param)]
+            if key in state_dict and weight_home(param) is not None:
+                master = self._master(param)
+                state_dict[key] = master.to(dtype=param.dtype, copy=True)
+
+    def _take_model_state(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        self.wait()
+        for param in self.params:
+            key = prefix + self._names[id(param)]
+            if key in state_dict and weight_home(param) is not None:
+                # Copying into a parameter that holds no memory would write past its end.
+                self._taken[key] = (param, state_dict.pop(key))
+
+    def _apply_model_state(self, module, incompatible_keys) -> None:
+        taken, self._taken = self._taken, {}
+        for key in taken:
+            if key in incompatible_keys.missing_keys:
+                incompatible_keys.missing_keys.remove(key)
+        params = []
+        for param, values in taken.values():
+            with torch.no_grad():
+                self._master(param).copy_(values.reshape(param.shape))
+            params.append(param)
+        self._write_back(params)
+        with torch.no_grad():
+            for param in self.params:  # resident bf16/fp16 parameters: their fp32 copies follow
+                if weight_home(param) is None and id(param) in self._masters:
+                    self._masters[id(param)].copy_(param.detach())
+
+    def _master(self, param: torch.nn.Parameter) -> torch.Tensor:
+        master = self._masters.get(id(param))
+        if master is not None:
+            return master
+        home = weight_home(param)
+        if home is None or param.untyped_storage().nbytes() > 0:
+            values = param.detach()
+        else:
+            engine, stored_key, _ = home
+            values = engine.wait(engine.load(stored_key, TransferKind.WEIGHT))
+        dtype = torch.float32 if param.dtype in _LOW_PRECISION else param.dtype
+        master = values.to(device="cpu", dtype=dtype, copy=True).view(param.shape)
+        loaded = self._loaded_masters.pop(self._names[id(param)], None)
+        if loaded is not None:
+            master.copy_(loaded.reshape(master.shape))
+        self._masters[id(param)] = master
+        return master
+
+    def _host_step(self, params: list[torch.nn.Parameter], engine: TransferEngine) -> _HostStep:
+        key = tuple(id(p) for p in params)
+        host_step = self._host_steps.get(key)
+        if host_step is None:
+            masters = [self._master(p) for p in params]
+            optimizer = self.optimizer_class(masters, **self.optimizer_options)
+            host_step = _HostStep(optimizer, params, masters, self.states_tier, engine,
+                                  f"opt{id(self):x}.{len(self._host_steps)}")
+            for index, param in enumerate(params):
+                values = self._loaded_state.pop(self._names[id(param)], None)
+                if values is not None:
+                    host_step.set_state(index, values)
+            self._host_steps[key] = host_step
+        return host_step
+
+    def _step_block(self, sink, group: dict[str, tuple[torch.nn.Parameter, Any]]) -> None:
+        """On the worker: the gradients of one block, its step, its weights' update."""
+        engine = sink.engine
+        params = []
+        for stored_key in sorted(group):
+            param, handle = group[stored_key]
+            engine.wait(handle)
+            grad_key = gradient_runtime.gradient_key_of(stored_key)
+            grad = engine.wait(engine.load(grad_key, TransferKind.GRADIENT))
+            engine.free(grad_key)
+            master = self._master(param)
+            master.grad = grad.to(device=master.device, dtype=master.dtype).view(master.shape)
+            params.append(param)
+        error = self._host_step(params, engine).step()
+        self._write_back(params)
+        for stored_key in sorted(group):
+            for graph_key in sink.deferred_issues.get(stored_key, ()):
+                fetch_issue(graph_key)
+        if error is not None:
+            raise error
+
+    def _step_from_grad(self) -> None:
+        """Streamed weights whose gradient came back as `.grad` (compiled before this
+        optimizer existed): the same host step, from the `.grad`."""
+        params = [p for p in self.params if p.grad is not None and weight_home(p) is not None]
+        if not params:
+            return
+        if not self._warned_fallback:
+            log.info("offload_optimizer: %d streamed weights came back with a .grad (the model was compiled "
+                     "before the optimizer existed); stepping them from it", len(params))
+            self._warned_fallback = True
+        errors = []
+        for param in params:
+            master = self._master(param)
+            master.grad = param.grad.detach().to(device=master.device, dtype=master.dtype)
+            param.grad = None
+            errors.append(self._host_step([param], weight_home(param)[0]).step())
+        self._write_back(params)
+        _raise_first(errors)
+
+    def _step_low_precision(self, params: list[torch.nn.Parameter]) -> None:
+        """Resident bf16/fp16 parameters: the step runs on their fp32 host copies too,
+        and the device keeps the rounded result."""
+        for param in params:
+            master = self._master(param)
+            master.grad = param.grad.detach().to(device=master.device, dtype=master.dtype)
+        error = self._host_step(params, get_engine()).step()
+        with torch.no_grad():
+            for param in params:
+                param.copy_(self._masters[id(param)])
+        _raise_first([error])
+
+    def _write_back(self, params: list[torch.nn.Parameter]) -> None:
+        handles = []
+        for param in params:
+            master = self._masters[id(param)]
+            engine, _, tier = weight_home(param)
+            values = master if master.dtype == param.dtype else master.to(param.dtype)
+            if values is master and engine.copies_nothing(engine.tier_of(master), tier):
+                # The tier would keep the master itself, which the next step changes in place.
+                values = master.clone()
+            handles.append((engine, update_weight(param, values), values))
+        for engine, handle, _ in handles:
+            engine.wait(handle)
+
+
+class _HostStep:
+    """One optimizer instance over host copies of one block's parameters, with its
+    state on the host or in nvme files between steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
+                 masters: list[torch.Tensor], tier: Tier, engine: TransferEngine, prefix: str):
+        self.optimizer = optimizer
+        self.params = params
+        self.masters = masters
+        self.tier = tier
+        self.engine = engine
+        self.prefix = prefix
+        self.stored: dict[int, dict[str, str]] = {}  # master index -> state name -> its nvme key
+        self.generation = 0
+
+    def step(self) -> OffloadError | None:
+        """Steps the block; returns (not raises) a failure to store the state after the
+        step, so the caller still writes the updated weights before raising it."""
+        if self.tier is Tier.NVME:
+            self._load_states()
+        self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+        if self.tier is Tier.NVME:
+            try:
+                self._store_states()
+            except OffloadError as error:
+                return error
+        return None
+
+    def _store_states(self) -> None:
+        """Stores every state tensor under a fresh key; only once all are written are
+        the previous files and the host copies dropped. A failed store (a full disk)
+        leaves no file of this step behind and the state whole in host memory."""
+        self.generation += 1
+        issued: dict[int, dict[str, str]] = {}
+        handles = []
+        try:
+            for index, master in enumerate(self.masters):
+                state = self.optimizer.state.get(master, {})
+                for name, value in state.items():
+                    # Scalars (Adam's step count) stay: not worth a file each.
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        key = f"{self.prefix}:{index}:{name}#{self.generation}"
+                        issued.setdefault(index, {})[name] = key
+                        handles.append(self.engine.store(key, value, Tier.NVME, TransferKind.OPTIMIZER_STATE))
+            for handle in handles:
+                self.engine.wait(handle)
+        except OffloadError:
+            self._free(issued)
+            self._free(self.stored)  # older than the state in host memory now
+            self.stored = {}
+            raise
+        self._free(self.stored)
+        self.stored = issued
+        for index, keys in issued.items():
+            state = self.optimizer.state[self.masters[index]]
+            for name in keys:
+                del state[name]
+
+    def _load_states(self) -> None:
+        loads = [(index, name, self.engine.load(key, TransferKind.OPTIMIZER_STATE))
+                 for index, keys in self.stored.items() for name, key in keys.items()]
+        for index, name, handle in loads:
+            self.optimizer.state[self.masters[index]][name] = self.engine.wait(handle)
+
+    def state_of(self, index: int) -> dict[str, Any]:
+        """A host copy of one parameter's state, loaded from nvme where it rests there."""
+        values = {k: _copy(v) for k, v in self.optimizer.state.get(self.masters[index], {}).items()}
+        for name, key in self.stored.get(index, {}).items():
+            values[name] = self.engine.wait(self.engine.load(key, TransferKind.OPTIMIZER_STATE))
+        return values
+
+    def set_state(self, index: int, values: Mapping[str, Any]) -> None:
+        """Replaces one parameter's state (nvme copies are dropped; the next step stores it again)."""
+        self._free({index: self.stored.pop(index, {})})
+        self.optimizer.state[self.masters[index]] = {k: _copy(v) for k, v in values.items()}
+
+    def free(self) -> None:
+        self._free(self.stored)
+        self.stored = {}
+
+    def _free(self, stored: Mapping[int, Mapping[str, str]]) -> None:
+        for keys in stored.values():
+            for key in keys.values():
+                if key in self.engine:
+                    self.engine.free(key)
+
+
+def _raise_first(errors: Iterable[OffloadError | None]) -> None:
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _check_optimizer_class(optimizer_class) -> None:
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"offload_optimizer needs a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+    if issubclass(optimizer_class, torch.optim.LBFGS):
+        raise ValueError(
+            "offload_optimizer cannot run LBFGS: its step needs every gradient at once and re-evaluates "
+            "the loss with a closure, but the offloaded optimizer steps each block as its gradients "
+            "arrive; keep LBFGS on the device (weights='device', gradients='device')"
+        )
+    if issubclass(optimizer_class, torch.optim.SparseAdam):
+        raise ValueError("offload_optimizer cannot run SparseAdam: block weights get dense gradients")

@@ -1,0 +1,208 @@
+"""Weight gradients that leave the device for an optimizer that steps off it.
+
+The `offload_gradients` pass puts `slc::offload_grad(grad, key)` after the final
+gradient of each streamed weight in the backward (schema in `slcompile.vocabulary`);
+this module implements it. A `GradientSink` belongs to one compiled graph: its
+engine, the tier gradients go to, and the streamed weights by stored key. When the
+op runs, the gradient is stored (transfer kind `gradient`, counted like every other
+transfer) and handed to the *consumer* of its parameter, the offloaded optimizer
+(`slcompile.optim.OffloadedOptimizer`) that `attach_consumer` registered, which
+steps a block as soon as all of the block's gradients have arrived.
+
+Which gradients leave is decided when the graph compiles (`SpeedLoaderConfig.gradients`):
+"auto" sends those of the streamed weights an offloaded optimizer holds at that time;
+"host"/"nvme" send every streamed weight's gradient there, and a backward whose
+parameters no offloaded optimizer holds raises `OffloadError`.
+
+On a CPU-only machine the host tier is the device's memory: gradients sent to
+"host" move no bytes (the store is zero-copy; the op copies the gradient so the
+compiled graph may reuse its buffer, counted in `local_copy_bytes`). The nvme tier
+moves the gradient's bytes both ways.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from slcompile.runtime import ops
+from slcompile.runtime.engine import TransferEngine, TransferHandle
+from slcompile.runtime.errors import OffloadError
+from slcompile.runtime.stats import RECORDER
+from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.vocabulary import GradientKey
+
+__all__ = [
+    "GradientSink",
+    "GradientConsumer",
+    "attach_consumer",
+    "consumer_of",
+    "gradient_key_of",
+    "gradient_sink_for",
+]
+
+log = logging.getLogger(__name__)
+
+_SINKS: dict[str, GradientSink] = {}
+_CONSUMERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> consumer
+_LOCK = threading.Lock()
+_NUMBERS = itertools.count()
+
+
+class GradientConsumer(Protocol):
+    """What takes the gradients a sink stores: an offloaded optimizer."""
+
+    gradient_tier: Tier  # where "auto" sends the gradients of its parameters
+
+    def prepare(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Called when a graph that will send these parameters' gradients compiles,
+        while the parameters still hold their values."""
+
+    def gradient_arrived(self, sink: GradientSink, stored_key: str, param: torch.nn.Parameter,
+                         handle: TransferHandle) -> None:
+        """The store of `param`'s gradient was issued under `sink.gradient_key(stored_key)`."""
+
+
+def attach_consumer(params: Iterable[torch.nn.Parameter], consumer: GradientConsumer | None) -> None:
+    """Makes `consumer` take the gradients of `params` (None: detach)."""
+    with _LOCK:
+        for param in params:
+            if consumer is None:
+                _CONSUMERS.pop(param, None)
+            else:
+                _CONSUMERS[param] = consumer
+
+
+def consumer_of(param: torch.Tensor) -> GradientConsumer | None:
+    with _LOCK:
+        return _CONSUMERS.get(param)
+
+
+def gradient_key_of(stored_key: str) -> str:
+    """The key a weight's gradient is stored under on its tier."""
+    return f"grad:{stored_key}"
+
+
+class GradientSink:
+    """Where one compiled graph's weight gradients go.
+
+    Args:
+        engine: the transfer engine that stores them.
+        tier: the tier they go to ("host" or "nvme").
+        params: stored weight key -> the parameter, for every streamed weight.
+        explicit: True when the user asked for this tier (every streamed weight's
+            gradient leaves); False for "auto" (only those a consumer holds).
+    """
+
+    def __init__(self, engine: TransferEngine, tier: Tier | str, params: Mapping[str, torch.nn.Parameter],
+                 *, explicit: bool):
+        self.engine = engine
+        self.tier = Tier(tier)
+        self.params = dict(params)
+        self.explicit = explicit
+        self.name = f"g{next(_NUMBERS)}"
+        self.report: Any = None  # the GradientReport of the compiled backward
+        self.expected: dict[int | None, frozenset[str]] = {}
+        self.block_of: dict[str, int | None] = {}
+        self.deferred_issues: dict[str, tuple[str, ...]] = {}
+        with _LOCK:
+            _SINKS[self.name] = self
+
+    def graph_key(self, stored_key: str) -> str:
+        return GradientKey(self.name, stored_key).format()
+
+    def wants(self, stored_key: str) -> bool:
+        """Whether the gradient of the weight `stored_key` leaves the device."""
+        param = self.params.get(stored_key)
+        if param is None:
+            return False
+        return self.explicit or consumer_of(param) is not None
+
+    def expect(self, report) -> None:
+        """Takes the `GradientReport` of the compiled backward: which gradients each
+        block stores, and the prefetches to issue after each weight's update. Lets
+        the consumers copy the weights while they still hold their values."""
+        self.report = report
+        self.expected = {block: frozenset(keys) for block, keys in report.blocks().items()}
+        self.block_of = {stored: block for block, stored, _ in report.stores}
+        self.deferred_issues = dict(report.deferred_issues)
+        by_consumer: dict[int, tuple[GradientConsumer, list]] = {}
+        for stored in self.block_of:
+            param = self.params[stored]
+            consumer = consumer_of(param)
+            if consumer is not None:
+                by_consumer.setdefault(id(consumer), (consumer, []))[1].append(param)
+        # Called while the graph compiles, under the compiler's fake-tensor mode.
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            for consumer, params in by_consumer.values():
+                consumer.prepare(params)
+
+    def block_keys(self, stored_key: str) -> frozenset[str]:
+        """The stored keys whose gradients the same block's backward stores."""
+        return self.expected[self.block_of[stored_key]]
+
+    def store(self, stored_key: str, grad: torch.Tensor) -> torch.Tensor:
+        """Issues the store of a weight's gradient; returns the transfer's token."""
+        param = self.params[stored_key]
+        consumer = consumer_of(param)
+        if consumer is None:
+            raise OffloadError(
+                f"the backward sends this weight's gradient to the {self.tier.value} tier for "
+                "slcompile.offload_optimizer, but no offloaded optimizer holds the parameter "
+                "(create one with slcompile.offload_optimizer(model, ...) before the backward, "
+                "or compile with gradients='device')",
+                key=stored_key,
+            )
+        engine = self.engine
+        if engine.copies_nothing(engine.tier_of(grad), self.tier):
+            # The engine would keep the graph's own buffer, which the graph may reuse.
+            grad = grad.detach().clone(memory_format=torch.contiguous_format)
+            RECORDER.local_copy(grad.numel() * grad.element_size())
+        handle = engine.store(gradient_key_of(stored_key), grad, self.tier, TransferKind.GRADIENT)
+        token = ops._token_for(engine, handle)
+        consumer.gradient_arrived(self, stored_key, param, handle)
+        return token
+
+
+def gradient_sink_for(gradients: str, streamer, streamed, inputs) -> GradientSink | None:
+    """The sink of a graph being compiled, or None when its gradients stay on the device.
+
+    Args:
+        gradients: the `gradients` option ("auto", "device", "host", "nvme").
+        streamer: the graph's WeightStreamer, or None when no weight is streamed.
+        streamed: the `StreamedWeights` of `stream_weights`.
+        inputs: the classified placeholders (parameters carry their real values).
+    """
+    if streamer is None or streamed is None or gradients == "device":
+        return None
+    values = {i.name: i.value for i in inputs}
+    params = {key: values[name] for block in streamed.blocks for name, key in block}
+    if gradients != "auto":
+        return GradientSink(streamer.engine, gradients, params, explicit=True)
+    holders = [c for c in map(consumer_of, params.values()) if c is not None]
+    if not holders:
+        return None
+    return GradientSink(streamer.engine, holders[0].gradient_tier, params, explicit=False)
+
+
+def _sink_of(key: GradientKey) -> GradientSink:
+    with _LOCK:
+        sink = _SINKS.get(key.sink)
+    if sink is None:
+        raise OffloadError(f"no gradient sink {key.sink!r}", key=key.format())
+    return sink
+
+
+def offload_grad(grad: torch.Tensor, key: str) -> torch.Tensor:
+    """Issues the store of a final weight gradient to the optimizer's tier."""
+    parsed = GradientKey.parse(key)
+    return _sink_of(parsed).store(parsed.stored, grad)
+
+
+ops.implement("offload_grad", offload_grad)

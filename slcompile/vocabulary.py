@@ -1,0 +1,342 @@
+"""The `slc::` op vocabulary: op schemas, fake implementations, node predicates and keys.
+
+Where it sits: passes emit these ops, analyses and pictures recognise them, and the
+runtime (`slcompile.runtime`) registers what they do when a compiled graph runs
+(`torch.library.impl(..., "CompositeExplicitAutograd")`). Importing this module
+defines every op with its fake implementation, so graphs can be built, traced,
+partitioned and analysed without the runtime; running one needs the runtime imported.
+
+The ops (issue + wait pairs, so a schedule can move the two apart):
+
+    slc::fetch_issue(str key) -> Tensor                   # issue a weight load
+    slc::fetch_weight(Tensor param, str key) -> Tensor    # the weight (waits for it)
+    slc::stash(Tensor x, str key) -> Tensor               # issue an activation store
+    slc::wait(Tensor token, Tensor[] keepalive) -> Tensor # the store is done
+    slc::unstash(Tensor stash_token) -> Tensor            # issue its load
+    slc::unstash_wait(Tensor load_token, SymInt[] size, ScalarType dtype,
+                      Device device) -> Tensor            # the activation
+    slc::mark(str label, bool begin) -> ()                # a compute region boundary
+    slc::offload_grad(Tensor grad, str key) -> Tensor     # issue a weight gradient's store
+
+`fetch_weight` is a pure function of its key (the compiler may re-run it; AOTAutograd
+recomputes it in the backward) and its gradient flows to `param` unchanged. Every other
+op is an ORDERED effect: AOTAutograd threads effect tokens through it, Inductor keeps it
+as an extern call in program order, never removes it and never merges two of them.
+Tokens are 0-dim int64 CPU tensors naming a transfer (`fetch_issue` returns a
+dependency token, value 0, which nothing needs to read: an op without a tensor output
+lets Inductor fuse kernels across it and free a graph input too early, as `mark` does).
+Nothing aliases its input, so the ops pass functionalization.
+
+Keys are strings in the graph (they appear verbatim in generated code) with one format
+and one parser each: `WeightKey` (`w3|w0:layers_0_fc_weight#sb1@bwd`), `StashKey`
+(`a2|blk3.sb1.mul_4`) and `GradientKey` (`g1|w0:layers_0_fc_weight`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+
+import torch
+import torch.fx
+from torch._library.effects import EffectType
+
+__all__ = [
+    "FETCH_ISSUE",
+    "FETCH_WEIGHT",
+    "STASH",
+    "WAIT",
+    "UNSTASH",
+    "UNSTASH_WAIT",
+    "MARK",
+    "OFFLOAD_GRAD",
+    "SLC_OPS",
+    "WeightKey",
+    "StashKey",
+    "GradientKey",
+    "fake_token",
+    "is_slc_op",
+    "is_fetch",
+    "is_fetch_issue",
+    "is_stash",
+    "is_stash_wait",
+    "is_unstash",
+    "is_unstash_wait",
+    "is_load",
+    "is_store",
+    "is_wait",
+    "is_issue",
+    "is_mark",
+    "is_gradient_store",
+    "is_compute",
+    "transfer_kind",
+]
+
+_LIB = torch.library.Library("slc", "DEF")
+
+_SCHEMAS = {
+    "fetch_issue": "(str key) -> Tensor",
+    "fetch_weight": "(Tensor param, str key) -> Tensor",
+    "stash": "(Tensor x, str key) -> Tensor",
+    "wait": "(Tensor token, Tensor[] keepalive) -> Tensor",
+    "unstash": "(Tensor stash_token) -> Tensor",
+    "unstash_wait": "(Tensor load_token, SymInt[] size, ScalarType dtype, Device device) -> Tensor",
+    "mark": "(str label, bool begin) -> ()",
+    "offload_grad": "(Tensor grad, str key) -> Tensor",
+}
+_ORDERED = ("fetch_issue", "stash", "wait", "unstash", "unstash_wait", "mark", "offload_grad")
+
+for _name, _schema in _SCHEMAS.items():
+    _LIB.define(_name + _schema)
+for _name in _ORDERED:
+    _LIB._register_effectful_op(f"slc::{_name}", EffectType.ORDERED)
+
+
+def fake_token() -> torch.Tensor:
+    """A tensor shaped like a token, for `node.meta["val"]` of inserted nodes."""
+    return torch.empty((), dtype=torch.int64)
+
+
+@torch.library.register_fake("slc::fetch_issue", lib=_LIB)
+def _(key):
+    return fake_token()
+
+
+@torch.library.register_fake("slc::fetch_weight", lib=_LIB)
+def _(param, key):
+    return torch.empty_like(param)
+
+
+@torch.library.register_fake("slc::stash", lib=_LIB)
+def _(x, key):
+    return fake_token()
+
+
+@torch.library.register_fake("slc::wait", lib=_LIB)
+def _(token, keepalive):
+    return fake_token()
+
+
+@torch.library.register_fake("slc::unstash", lib=_LIB)
+def _(stash_token):
+    return fake_token()
+
+
+@torch.library.register_fake("slc::unstash_wait", lib=_LIB)
+def _(load_token, size, dtype, device):
+    return torch.empty(size, dtype=dtype, device=device)
+
+
+@torch.library.register_fake("slc::mark", lib=_LIB)
+def _(label, begin):
+    return None
+
+
+@torch.library.register_fake("slc::offload_grad", lib=_LIB)
+def _(grad, key):
+    return fake_token()
+
+
+def _fetch_backward(ctx, grad: torch.Tensor):
+    return grad, None
+
+
+torch.library.register_autograd("slc::fetch_weight", _fetch_backward, lib=_LIB)
+
+FETCH_ISSUE = torch.ops.slc.fetch_issue.default
+FETCH_WEIGHT = torch.ops.slc.fetch_weight.default
+STASH = torch.ops.slc.stash.default
+WAIT = torch.ops.slc.wait.default
+UNSTASH = torch.ops.slc.unstash.default
+UNSTASH_WAIT = torch.ops.slc.unstash_wait.default
+MARK = torch.ops.slc.mark.default
+OFFLOAD_GRAD = torch.ops.slc.offload_grad.default
+SLC_OPS = (FETCH_ISSUE, FETCH_WEIGHT, STASH, WAIT, UNSTASH, UNSTASH_WAIT, MARK, OFFLOAD_GRAD)
+"""Every op of the vocabulary."""
+
+# What moves, and which half of its issue + wait pair a node is.
+_TRANSFERS = {
+    FETCH_ISSUE: ("fetch", "issue"),
+    FETCH_WEIGHT: ("fetch", "wait"),
+    STASH: ("stash", "issue"),
+    WAIT: ("stash", "wait"),
+    UNSTASH: ("unstash", "issue"),
+    UNSTASH_WAIT: ("unstash", "wait"),
+    OFFLOAD_GRAD: ("store_grad", "issue"),
+}
+
+
+def _calls(node: torch.fx.Node, *targets) -> bool:
+    return node.op == "call_function" and node.target in targets
+
+
+def is_slc_op(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == "slc"
+
+
+def is_fetch(node: torch.fx.Node) -> bool:
+    """A weight fetch: `slc::fetch_weight`, the node whose value is the weight."""
+    return _calls(node, FETCH_WEIGHT)
+
+
+def is_fetch_issue(node: torch.fx.Node) -> bool:
+    return _calls(node, FETCH_ISSUE)
+
+
+def is_stash(node: torch.fx.Node) -> bool:
+    """The issue of an activation store (`slc::stash`)."""
+    return _calls(node, STASH)
+
+
+def is_stash_wait(node: torch.fx.Node) -> bool:
+    return _calls(node, WAIT)
+
+
+def is_unstash(node: torch.fx.Node) -> bool:
+    """The issue of an activation load (`slc::unstash`)."""
+    return _calls(node, UNSTASH)
+
+
+def is_unstash_wait(node: torch.fx.Node) -> bool:
+    return _calls(node, UNSTASH_WAIT)
+
+
+def is_load(node: torch.fx.Node) -> bool:
+    """A node whose value is a tensor loaded from a tier (a fetched weight or an
+    unstashed activation): memory it allocates on the device."""
+    return _calls(node, FETCH_WEIGHT, UNSTASH_WAIT)
+
+
+def is_store(node: torch.fx.Node) -> bool:
+    """The issue of a store to a tier."""
+    return _calls(node, STASH)
+
+
+def is_issue(node: torch.fx.Node) -> bool:
+    """The first half of a transfer pair: the transfer starts here."""
+    return _calls(node, FETCH_ISSUE, STASH, UNSTASH)
+
+
+def is_wait(node: torch.fx.Node) -> bool:
+    """The second half of a transfer pair: the graph blocks here until it is done."""
+    return _calls(node, FETCH_WEIGHT, WAIT, UNSTASH_WAIT)
+
+
+def is_mark(node: torch.fx.Node) -> bool:
+    return _calls(node, MARK)
+
+
+def is_gradient_store(node: torch.fx.Node) -> bool:
+    """The issue of a weight gradient's store to the optimizer's tier (`slc::offload_grad`)."""
+    return _calls(node, OFFLOAD_GRAD)
+
+
+def transfer_kind(node: torch.fx.Node) -> tuple[str, str] | None:
+    """("fetch" | "stash" | "unstash" | "store_grad", "issue" | "wait") of a transfer
+    node, else None."""
+    if node.op != "call_function":
+        return None
+    if node.target is WAIT and node.args and _calls(node.args[0], OFFLOAD_GRAD):
+        return "store_grad", "wait"  # `slc::wait` ends gradient stores too
+    return _TRANSFERS.get(node.target)
+
+
+def is_compute(node: torch.fx.Node) -> bool:
+    """Whether the node computes tensor data of the model: an op call that is not a
+    `slc::` op, not a view, a getitem or a detach, and not size arithmetic."""
+    if node.op != "call_function" or is_slc_op(node) or node.target is operator.getitem:
+        return False
+    target = node.target
+    if getattr(target, "is_view", False):
+        return False
+    if isinstance(target, torch._ops.OpOverload) and target.overloadpacket is torch.ops.aten.detach:
+        return False
+    value = node.meta.get("val")
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(v, torch.Tensor) for v in value)
+    return value is None or isinstance(value, torch.Tensor)
+
+
+_WEIGHT_KEY = re.compile(r"^(?P<streamer>[^|]+)\|(?P<stored>[^#@]+)(?:#sb(?P<subbatch>\d+))?(?:@(?P<phase>fwd|bwd))?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightKey:
+    """The key a weight fetch carries: `w3|w0:layers_0_fc_weight#sb1@bwd`.
+
+    Attributes:
+        streamer: the weight streamer of the compiled graph (`w3`).
+        stored: the key the weight is stored under on its tier (`w0:name`; a weight
+            shared by two compiled graphs keeps the first graph's key).
+        subbatch: the sub-batch this fetch serves alone, or None when it serves all.
+            Fetches of one weight for different sub-batches then carry different keys,
+            so common-subexpression elimination never merges them.
+        phase: "fwd" or "bwd": which compiled graph fetches.
+    """
+
+    streamer: str
+    stored: str
+    subbatch: int | None = None
+    phase: str = "fwd"
+
+    def format(self) -> str:
+        copy = "" if self.subbatch is None else f"#sb{self.subbatch}"
+        return f"{self.streamer}|{self.stored}{copy}@{self.phase}"
+
+    @classmethod
+    def parse(cls, key: str) -> WeightKey:
+        match = _WEIGHT_KEY.match(key)
+        if match is None:
+            raise ValueError(f"not a weight key: {key!r}")
+        subbatch = match.group("subbatch")
+        return cls(
+            match.group("streamer"), match.group("stored"),
+            None if subbatch is None else int(subbatch), match.group("phase") or "fwd",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StashKey:
+    """The key a `slc::stash` carries: `a2|blk3.sb1.mul_4`.
+
+    Attributes:
+        stash: the activation stash of the compiled graph (engine and tier), `a2`.
+        name: the saved tensor: its (block, sub-batch) tag and forward node name.
+    """
+
+    stash: str
+    name: str
+
+    def format(self) -> str:
+        return f"{self.stash}|{self.name}"
+
+    @classmethod
+    def parse(cls, key: str) -> StashKey:
+        stash, bar, name = key.partition("|")
+        if not bar or not stash or not name:
+            raise ValueError(f"not a stash key: {key!r}")
+        return cls(stash, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientKey:
+    """The key a `slc::offload_grad` carries: `g1|w0:layers_0_fc_weight`.
+
+    Attributes:
+        sink: the gradient sink of the compiled graph (engine, tier, optimizer), `g1`.
+        stored: the stored key of the weight whose gradient this is.
+    """
+
+    sink: str
+    stored: str
+
+    def format(self) -> str:
+        return f"{self.sink}|{self.stored}"
+
+    @classmethod
+    def parse(cls, key: str) -> GradientKey:
+        sink, bar, stored = key.partition("|")
+        if not bar or not sink or not stored:
+            raise ValueError(f"not a gradient key: {key!r}")
+        return cls(sink, stored)

@@ -1,0 +1,191 @@
+"""The pass manager: every stage's passes listed, dumped with one numbering, disabled by
+name; unknown names and checks refused; errors name the passes run."""
+
+import copy
+import re
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+import slcompile
+from slcompile.errors import RefusedError
+from slcompile.passes.manager import Pass, PassError, PassLog, StepState, disabled_passes, pass_modules, run_passes
+from slcompile.pipeline import all_passes
+
+OPTIONS = {"num_subbatches": 2, "lowering": "aot_eager"}
+
+
+def _train_step(mlp, options=OPTIONS):
+    """Compiles the MLP, runs one step; checks loss and gradients against eager."""
+    model, x = mlp
+    eager, compiled_model = copy.deepcopy(model), copy.deepcopy(model)
+    eager(x).backward()
+    compiled = torch.compile(compiled_model, backend="speedloader", options=options)
+    loss = compiled(x)
+    loss.backward()
+    torch.testing.assert_close(loss, eager(x))
+    for (name, got), (_, want) in zip(compiled_model.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(got.grad, want.grad, msg=name)
+    return slcompile.compile_reports()[-1]
+
+
+def _names(entries) -> str:
+    return "\n".join(re.sub(r" \(\d+ ms\)$", "", entry) for entry in entries)
+
+
+def test_passes_run_lists_every_stage(mlp, monkeypatch):
+    monkeypatch.delenv("SLC_DISABLE", raising=False)
+    monkeypatch.delenv("SLC_DUMP_DIR", raising=False)
+    report = _train_step(mlp)
+    assert report.fallback_reason is None
+    assert all(re.search(r" \(\d+ ms\)$", entry) for entry in report.passes_run)
+    assert_expected_inline(_names(report.passes_run), """\
+dynamo/classify_inputs
+dynamo/find_blocks
+dynamo/find_batch_dim
+dynamo/propagate_batch
+dynamo/check_splittable
+dynamo/plan_schedule
+dynamo/interleave
+dynamo/stream_weights
+joint/tag_fetch_views
+joint/tag_block_recompute
+partitioned/fuse_weight_grads
+partitioned/order_layer_major
+partitioned/offload_activations
+partitioned/place_prefetches
+partitioned/offload_gradients
+partitioned/derive_schedule
+partitioned/predict_memory
+compiled[forward]/mark_regions
+compiled[backward]/mark_regions""")
+
+
+def test_recompute_search_lists_each_attempt(mlp, monkeypatch):
+    monkeypatch.delenv("SLC_DISABLE", raising=False)
+    # A budget no plan meets: both attempts run, then the BudgetError.
+    options = {**OPTIONS, "recompute": "auto", "memory_budget": 1}
+    with pytest.raises(Exception, match="over memory_budget=1"):
+        _train_step(mlp, options)
+    entries = slcompile.compile_reports()[-1].passes_run
+    stages = list(dict.fromkeys(entry.split("/")[0] for entry in entries))
+    assert_expected_inline("\n".join(stages), """\
+dynamo
+joint[recompute=none]
+partitioned[recompute=none]
+joint[recompute=blocks]
+partitioned[recompute=blocks]""")
+
+
+def test_dumps_are_numbered_across_stages(mlp, monkeypatch, tmp_path):
+    monkeypatch.delenv("SLC_DISABLE", raising=False)
+    monkeypatch.setenv("SLC_DUMP_DIR", str(tmp_path))
+    report = _train_step(mlp)
+    texts = sorted(p.name for p in tmp_path.glob("*.txt"))
+    assert sorted(p.stem for p in tmp_path.glob("*.dot")) == [name[:-4] for name in texts]
+    assert len(texts) == len(report.passes_run)
+    assert_expected_inline("\n".join(texts), """\
+000_classify_inputs.txt
+001_find_blocks.txt
+002_find_batch_dim.txt
+003_propagate_batch.txt
+004_check_splittable.txt
+005_plan_schedule.txt
+006_interleave.txt
+007_stream_weights.txt
+008_tag_fetch_views.txt
+009_tag_block_recompute.txt
+010_fuse_weight_grads.txt
+011_order_layer_major.txt
+012_offload_activations.txt
+013_place_prefetches.txt
+014_offload_gradients.txt
+015_derive_schedule.txt
+016_predict_memory.txt
+017_mark_regions.txt
+018_mark_regions.txt""")
+    backward = (tmp_path / [t for t in texts if t.endswith("_fuse_weight_grads.txt")][0]).read_text()
+    assert backward.startswith("# after partitioned/fuse_weight_grads (")
+    assert "def forward(self" in backward
+
+
+def test_disabled_pass_is_skipped_and_logged(mlp, monkeypatch, caplog):
+    monkeypatch.setenv("SLC_DISABLE", "fuse_weight_grads,mark_regions")
+    with caplog.at_level("WARNING", logger="slcompile"):
+        report = _train_step(mlp)
+    assert "pass fuse_weight_grads skipped (SLC_DISABLE)" in caplog.text
+    assert report.fused_weight_grads == 0
+    assert not any("fuse_weight_grads" in entry or "mark_regions" in entry for entry in report.passes_run)
+
+
+def test_unknown_name_in_slc_disable_lists_the_valid_names(monkeypatch):
+    monkeypatch.setenv("SLC_DISABLE", "interleave,fuse_weight_grad")
+    with pytest.raises(ValueError, match="unknown pass\\(es\\) fuse_weight_grad; passes that can be disabled: ") as caught:
+        disabled_passes()
+    valid = str(caught.value).split("disabled: ")[1].split(", ")
+    assert "fuse_weight_grads" in valid and "interleave" in valid and "check_splittable" not in valid
+
+
+def test_unknown_name_in_slc_disable_stops_the_compile(mlp, monkeypatch):
+    monkeypatch.setenv("SLC_DISABLE", "interleav")
+    model, x = mlp
+    compiled = torch.compile(model, backend="speedloader", options=OPTIONS)
+    with pytest.raises(Exception, match="SLC_DISABLE names unknown pass\\(es\\) interleav; passes that can be"):
+        compiled(x)
+
+
+@pytest.mark.parametrize("name", ["check_splittable", "find_blocks", "predict_memory"])
+def test_checks_and_required_passes_cannot_be_disabled(monkeypatch, name):
+    monkeypatch.setenv("SLC_DISABLE", name)
+    with pytest.raises(ValueError, match=f"SLC_DISABLE names {name}, which cannot be disabled"):
+        disabled_passes()
+
+
+def test_pass_error_names_the_passes_run_so_far(monkeypatch):
+    monkeypatch.delenv("SLC_DISABLE", raising=False)
+
+    def tag(step):
+        return 1
+
+    def broken(step):
+        raise KeyError("boom")
+
+    passes = (
+        Pass("tag_joint", "joint", "rewrite", tag),
+        Pass("broken_rewrite", "joint", "rewrite", broken),
+    )
+    log = PassLog(entries=["dynamo/find_blocks (1 ms)"])
+    step = StepState(plan=None, report=None, graphs={"joint": torch.fx.Graph()})
+    with pytest.raises(PassError) as caught:
+        run_passes(passes, step, log)
+    message = str(caught.value)
+    assert "internal error in pass broken_rewrite (joint stage; KeyError: 'boom')" in message
+    assert "passes run: dynamo/find_blocks (1 ms), joint/tag_joint (" in message
+    assert step.results == {"tag_joint": 1}
+
+
+def test_a_refusal_in_the_dynamo_stage_keeps_its_reason(dynamo_graph, monkeypatch):
+    monkeypatch.delenv("SLC_DISABLE", raising=False)
+    from slcompile.config import SpeedLoaderConfig
+    from slcompile.pipeline import PASSES, run_pipeline
+
+    def refuse(state):
+        raise RefusedError("this graph has no batch")
+
+    passes = (*PASSES[:2], Pass("refuse", "dynamo", "check", refuse))
+    gm, example_inputs = dynamo_graph
+    with pytest.raises(RefusedError, match=r"this graph has no batch \[refuse\]") as caught:
+        run_pipeline(gm, example_inputs, SpeedLoaderConfig.from_options({"num_subbatches": 2}), passes=passes)
+    assert caught.value.state.blocks is not None  # what find_blocks produced
+
+
+def test_pass_declarations_are_checked_and_hashed():
+    with pytest.raises(ValueError, match="kind must be one of analysis, rewrite, check"):
+        Pass("x", "joint", "transform", lambda step: None)
+    with pytest.raises(ValueError, match="stage must be one of"):
+        Pass("x", "lowering", "rewrite", lambda step: None)
+    files = pass_modules(all_passes())
+    for module in ("fuse_weight_grads", "order_layer_major", "offload_activations", "stream_weights",
+                   "mark_regions", "find_blocks", "interleave", "memory", "derive"):
+        assert any(f.endswith(f"/{module}.py") for f in files), module

@@ -1,0 +1,372 @@
+"""The optimizer off the device: gradients leave once per block, blocks step on the host.
+
+Numerics against eager `torch.optim` step by step; exact bytes per step.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import slcompile
+from models import GPTConfig, TinyGPT, make_gpt_batch
+from slcompile.runtime import OffloadError, Tier, TransferKind, mark_step, reset_runtime_stats
+from slcompile.vocabulary import WAIT, WeightKey, is_fetch, is_gradient_store
+
+CFG = GPTConfig(n_layers=2, d_model=32, vocab_size=64, seq_len=8)
+NVME = {"lowering": "aot_eager", "weights": "nvme"}
+GRADIENT_OUT = (TransferKind.GRADIENT, Tier.DEVICE, Tier.NVME)
+WEIGHT_LOAD = (TransferKind.WEIGHT, Tier.NVME, Tier.DEVICE)
+WEIGHT_STORE = (TransferKind.WEIGHT, Tier.DEVICE, Tier.NVME)
+
+
+def _model():
+    model = TinyGPT(CFG)
+    # The key part of a fused qkv bias gets an exactly-zero gradient in exact
+    # arithmetic (softmax is invariant to it), so both runs see only rounding noise
+    # there, which Adam scales up to steps of size lr that differ between them. No
+    # qkv bias keeps the comparison about the optimizer; every other bias stays.
+    for block in model.layers:
+        block.attn.qkv.register_parameter("bias", None)
+    return model
+
+
+def _streamed_names(model):
+    return [name for name, _ in slcompile.offloaded_parameters(model)]
+
+
+@pytest.mark.parametrize("states", ["host", "nvme"])
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize(
+    "optimizer_class, options",
+    [(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})],
+    ids=["adamw", "sgd_momentum"],
+)
+def test_every_step_matches_eager_torch_optim(optimizer_class, options, k, states):
+    eager = _model()
+    model = copy.deepcopy(eager)
+    eager_opt = optimizer_class(eager.parameters(), **options)
+    # Gradients go where the states rest: "host" is the device's own memory here.
+    opt = slcompile.offload_optimizer(model, optimizer_class, states=states, gradients=states, **options)
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": k})
+    reset_runtime_stats()
+    for step in range(5):
+        idx, targets = make_gpt_batch(CFG, 4, seed=step)
+        eager_loss = eager(idx, targets)[1]
+        eager_loss.backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        loss = compiled(idx, targets)[1]
+        loss.backward()
+        streamed = _streamed_names(model)
+        grads = {name for name, p in model.named_parameters() if p.grad is not None}
+        assert streamed and not grads & set(streamed), "a streamed weight's gradient came back as .grad"
+        assert grads == {name for name, _ in model.named_parameters()} - set(streamed)
+        opt.step()
+        opt.zero_grad()
+        gradient_bytes = mark_step().total_bytes(kind=TransferKind.GRADIENT)
+        assert gradient_bytes == (0 if states == "host" else 2 * slcompile.compile_reports()[-1].streamed_bytes)
+        torch.testing.assert_close(loss.detach(), eager_loss.detach(), atol=1e-5, rtol=1e-5)
+        with slcompile.gathered_weights(model):
+            for (name, param), expected in zip(model.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(param, expected, atol=1e-5, rtol=1e-5, msg=f"step {step}: {name}")
+    opt.close()
+
+
+def _fetched_bytes(graph):
+    sizes = {}
+    for node in graph.graph.nodes:
+        if is_fetch(node):
+            value = node.meta["val"]
+            sizes[WeightKey.parse(node.args[1]).stored] = value.numel() * value.element_size()
+    return sum(sizes.values())
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_gradients_leave_once_per_step_and_weights_move_as_without_optimizer(k):
+    model = _model()
+    opt = slcompile.offload_optimizer(model, torch.optim.AdamW, lr=1e-3, states="host", gradients="nvme")
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": k, "live_blocks": 1})
+    idx, targets = make_gpt_batch(CFG, 8)
+    compiled(idx, targets)[1].backward()
+    opt.step()
+    report = slcompile.compile_reports()[-1]
+    streamed_bytes = report.streamed_bytes
+    # What the graphs fetch is what a step loads without the optimizer (test_stream_weights).
+    loads = _fetched_bytes(report.graphs["forward"]) + _fetched_bytes(report.graphs["backward"])
+
+    backward = report.graphs["backward"]
+    stores = [node for node in backward.graph.nodes if is_gradient_store(node)]
+    assert len(stores) == len(_streamed_names(model))
+    # Blocks store in backward order, and each block's stores are waited for before
+    # the next block's first store: at most two blocks of gradients are alive.
+    order = {node: i for i, node in enumerate(backward.graph.nodes)}
+    blocks = [node.meta["slc"].block for node in stores]
+    assert blocks == sorted(blocks, reverse=True)
+    first_of_block0 = min(order[n] for n in stores if n.meta["slc"].block == 0)
+    waits = [n for n in backward.graph.nodes if n.target is WAIT and n.args[0] in stores]
+    assert len(waits) == len(stores)
+    assert all(order[w] < first_of_block0 for w in waits if w.meta["slc"].block == 1)
+
+    mark_step()
+    for step in range(3):
+        compiled(idx, targets)[1].backward()
+        opt.step()
+        opt.zero_grad()
+        moved = mark_step().bytes_moved
+        assert moved[GRADIENT_OUT] == streamed_bytes, step
+        assert moved[WEIGHT_LOAD] == loads, step
+        # The only weight stores are the updated values, each weight once: no gathering.
+        assert moved[WEIGHT_STORE] == streamed_bytes, step
+    opt.close()
+
+
+def test_prefetched_weights_are_loaded_after_their_update():
+    eager = _model()
+    model = copy.deepcopy(eager)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.5)
+    opt = slcompile.offload_optimizer(model, torch.optim.SGD, lr=0.5, gradients="nvme")
+    # live_blocks=3: the backward issues the next forward's loads of both blocks.
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": 2, "live_blocks": 3})
+    idx, targets = make_gpt_batch(CFG, 8)
+    compiled(idx, targets)[1].backward()
+    opt.step()
+    opt.zero_grad()
+    eager(idx, targets)[1].backward()
+    eager_opt.step()
+    eager_opt.zero_grad()
+    report = slcompile.compile_reports()[-1]
+    cycle = _fetched_bytes(report.graphs["forward"]) + _fetched_bytes(report.graphs["backward"])
+    with slcompile.gathered_weights(model):  # waits for (and drops) the first step's prefetches
+        reset_runtime_stats()
+    for _ in range(3):
+        loss = compiled(idx, targets)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected = eager(idx, targets)[1]
+        expected.backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        torch.testing.assert_close(loss.detach(), expected.detach(), atol=1e-5, rtol=1e-5)
+    with slcompile.gathered_weights(model):  # waits for (and drops) the last prefetches
+        loaded = slcompile.runtime_stats().bytes_moved[WEIGHT_LOAD]
+    # Every fetch was served by exactly one load, issued after the update of its
+    # weight (no stale load thrown away and issued again); besides: the last step's
+    # prefetches of the next forward (every weight the forward fetches, issued after
+    # the update), dropped by the gather, which then loads every streamed weight once.
+    assert loaded == 3 * cycle + 2 * report.streamed_bytes
+    opt.close()
+
+
+def test_optimizers_that_need_every_gradient_at_once_are_refused():
+    model = _model()
+    with pytest.raises(ValueError, match="LBFGS"):
+        slcompile.offload_optimizer(model, torch.optim.LBFGS, lr=1.0)
+    opt = slcompile.offload_optimizer(model, torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: torch.tensor(0.0))
+    opt.close()
+
+
+def test_gradients_sent_off_the_device_without_an_optimizer_raise():
+    model = _model()
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "gradients": "nvme"})
+    idx, targets = make_gpt_batch(CFG, 4)
+    loss = compiled(idx, targets)[1]
+    with pytest.raises(OffloadError, match="no offloaded optimizer holds"):
+        loss.backward()
+
+
+def _train(compiled, opt, batches):
+    losses = []
+    for idx, targets in batches:
+        loss = compiled(idx, targets)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
+    base = _model()
+    batches = [make_gpt_batch(CFG, 8, seed=seed) for seed in range(4)]
+    options = {**NVME, "num_subbatches": 2}
+
+    def start(model):
+        opt = slcompile.offload_optimizer(model, torch.optim.AdamW, lr=1e-2, states="nvme", gradients="nvme")
+        return torch.compile(model, backend="speedloader", options=options), opt
+
+    model = copy.deepcopy(base)
+    compiled, opt = start(model)
+    uninterrupted = _train(compiled, opt, batches)
+    opt.close()
+    torch._dynamo.reset()
+
+    model = copy.deepcopy(base)
+    compiled, opt = start(model)
+    first = _train(compiled, opt, batches[:2])
+    # The model's block weights rest in nvme files and their optimizer states too:
+    # both state dicts are read from there, without gathering the model.
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "checkpoint.pt")
+    checkpoint = torch.load(tmp_path / "checkpoint.pt")
+
+    # Resumed in a fresh model and optimizer (another initialisation), loaded before compiling.
+    torch._dynamo.reset()
+    fresh = _model()
+    fresh.load_state_dict(checkpoint["model"])
+    fresh_compiled, fresh_opt = start(fresh)
+    fresh_opt.load_state_dict(checkpoint["optimizer"])
+    assert first + _train(fresh_compiled, fresh_opt, batches[2:]) == uninterrupted
+    fresh_opt.close()
+
+    # Loaded into the running model and optimizer, whose weights and states are offloaded.
+    torch._dynamo.reset()
+    _train(compiled, opt, batches[2:3])  # moves them away from the checkpoint
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["optimizer"])
+    assert first + _train(compiled, opt, batches[2:]) == uninterrupted
+    opt.close()
+
+
+def test_bf16_model_steps_fp32_master_weights():
+    eager = _model().to(torch.bfloat16)
+    model = copy.deepcopy(eager)
+    masters = [p.detach().float() for p in eager.parameters()]
+    eager_opt = torch.optim.AdamW(masters, lr=1e-2)
+    opt = slcompile.offload_optimizer(model, torch.optim.AdamW, lr=1e-2, states="nvme", gradients="nvme")
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": 1})
+    for step in range(3):
+        idx, targets = make_gpt_batch(CFG, 8, seed=step)
+        expected = eager(idx, targets)[1]
+        expected.backward()
+        for master, param in zip(masters, eager.parameters()):
+            master.grad = param.grad.float()
+            param.grad = None
+        eager_opt.step()
+        with torch.no_grad():
+            for master, param in zip(masters, eager.parameters()):
+                param.copy_(master)
+        loss = compiled(idx, targets)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        # K=1 runs the same bf16 ops as eager: the results agree to rounding.
+        torch.testing.assert_close(loss.detach(), expected.detach(), atol=1e-5, rtol=1e-5)
+        state = opt.state_dict()["state"]
+        for (name, param), master in zip(model.named_parameters(), masters):
+            # The device copy is the master rounded to bf16; the master is fp32.
+            assert state[name]["fp32_master"].dtype == torch.float32
+            torch.testing.assert_close(state[name]["fp32_master"], master, atol=1e-6, rtol=1e-5, msg=name)
+        with slcompile.gathered_weights(model):
+            for (name, param), master in zip(model.named_parameters(), masters):
+                assert param.dtype == torch.bfloat16
+                torch.testing.assert_close(param, master.to(torch.bfloat16), atol=0, rtol=0, msg=name)
+    opt.close()
+
+
+def test_predicted_peak_counts_gradients_leaving_the_device():
+    cfg = GPTConfig(n_layers=4, d_model=64, vocab_size=64, seq_len=8)
+    idx, targets = make_gpt_batch(cfg, 4)
+    peaks = {}
+    for gradients in ("device", "nvme"):
+        torch._dynamo.reset()
+        model = TinyGPT(cfg)
+        opt = slcompile.offload_optimizer(model, torch.optim.SGD, lr=0.1, gradients="nvme")
+        options = {**NVME, "num_subbatches": 2, "gradients": gradients}
+        torch.compile(model, backend="speedloader", options=options)(idx, targets)[1].backward()
+        peaks[gradients] = slcompile.compile_reports()[-1].memory.step_peak_bytes
+        opt.close()
+    # Kept, every block's gradients are alive at the end of the backward; sent away,
+    # each block's are freed once the next block's are stored.
+    assert peaks["nvme"] < peaks["device"]
+
+
+def test_grad_accumulation_schedule_sends_each_gradient_once_per_step():
+    eager = _model()
+    model = copy.deepcopy(eager)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    opt = slcompile.offload_optimizer(model, torch.optim.AdamW, lr=1e-2, gradients="nvme")
+    options = {**NVME, "num_subbatches": 4, "schedule": "grad_accumulation"}
+    compiled = torch.compile(model, backend="speedloader", options=options)
+    reset_runtime_stats()
+    for step in range(3):
+        idx, targets = make_gpt_batch(CFG, 8, seed=step)
+        loss = compiled(idx, targets)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected = eager(idx, targets)[1]
+        expected.backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        # One graph: the K micro-batches' gradients are summed on the device first.
+        assert mark_step().bytes_moved[GRADIENT_OUT] == slcompile.compile_reports()[-1].streamed_bytes
+        torch.testing.assert_close(loss.detach(), expected.detach(), atol=1e-5, rtol=1e-5)
+    with slcompile.gathered_weights(model):
+        for (name, param), expected_param in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(param, expected_param, atol=1e-5, rtol=1e-5, msg=name)
+    opt.close()
+
+
+def test_model_compiled_before_the_optimizer_steps_from_grad():
+    eager = _model()
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": 2})
+    idx, targets = make_gpt_batch(CFG, 8)
+    compiled(idx, targets)  # compiled and offloaded with no offloaded optimizer: gradients stay
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    opt = slcompile.offload_optimizer(model, torch.optim.AdamW, lr=1e-2)
+    for step in range(3):
+        idx, targets = make_gpt_batch(CFG, 8, seed=step)
+        loss = compiled(idx, targets)[1]
+        loss.backward()
+        assert all(p.grad is not None for _, p in slcompile.offloaded_parameters(model))
+        opt.step()
+        opt.zero_grad()
+        expected = eager(idx, targets)[1]
+        expected.backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        torch.testing.assert_close(loss.detach(), expected.detach(), atol=1e-5, rtol=1e-5)
+    with slcompile.gathered_weights(model):
+        for (name, param), expected_param in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(param, expected_param, atol=1e-5, rtol=1e-5, msg=name)
+    opt.close()
+
+
+def test_full_disk_for_nvme_states_is_a_named_error_and_leaves_no_partial_state(tmp_path):
+    from slcompile.pipeline import engine_for
+    from slcompile.runtime import DiskFullError
+
+    model = _model()
+    opt = slcompile.offload_optimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, states="nvme")
+    options = {**NVME, "num_subbatches": 2, "live_blocks": 1, "offload_dir": str(tmp_path)}
+    compiled = torch.compile(model, backend="speedloader", options=options)
+    idx, targets = make_gpt_batch(CFG, 4)
+    compiled(idx, targets)[1].backward()
+    opt.step()
+    engine = engine_for(str(tmp_path))
+    # Fill the arena: no room is left for the next step's states (nor its weights).
+    engine.arena.capacity_bytes = engine.arena.file_bytes
+    fillers = []
+    for floats in (1 << 18, 1 << 14, 1 << 10):  # 1 MiB, 64 KiB, then 4 KiB (a page) at a time
+        with pytest.raises(DiskFullError):
+            while True:
+                fillers.append(engine.store(f"filler{len(fillers)}", torch.zeros(floats), "nvme", TransferKind.WEIGHT))
+    compiled(idx, targets)[1].backward()
+    with pytest.raises(DiskFullError):
+        opt.step()
+    for number in range(len(fillers)):
+        engine.free(f"filler{number}")
+    # No file of a failed store was kept: at most one momentum file per weight (a block
+    # whose store failed keeps its state in host memory), each one readable.
+    state_keys = [key for key in engine.keys() if "momentum_buffer" in key]
+    assert len(state_keys) <= len(slcompile.offloaded_parameters(model))
+    for key in state_keys:
+        engine.wait(engine.load(key))
+    state = opt.state_dict()["state"]
+    for name, param in slcompile.offloaded_parameters(model):
+        assert state[name]["momentum_buffer"].shape == param.shape, name
+    opt.close()

@@ -1,0 +1,69 @@
+"""The op vocabulary: one format and one parser per key, one answer to "does this
+node compute", and graphs built with the ops without the runtime."""
+
+import ast
+import pathlib
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import slcompile
+from slcompile.vocabulary import StashKey, WeightKey, is_compute, is_fetch, is_load, is_wait, transfer_kind
+
+
+@pytest.mark.parametrize("key", [
+    WeightKey("w3", "w0:layers_0_fc_weight"),
+    WeightKey("w3", "w0:layers_0_fc_weight", subbatch=1, phase="bwd"),
+])
+def test_weight_keys_round_trip(key):
+    assert WeightKey.parse(key.format()) == key
+
+
+def test_weight_key_text_and_bad_keys():
+    assert WeightKey("w3", "w0:name", 1, "bwd").format() == "w3|w0:name#sb1@bwd"
+    assert WeightKey.parse("w3|w0:name") == WeightKey("w3", "w0:name", None, "fwd")
+    for bad in ("w0:name", "w3|w0:name@sideways", "w3|"):
+        with pytest.raises(ValueError, match="not a weight key"):
+            WeightKey.parse(bad)
+    assert StashKey.parse(StashKey("a2", "blk3.sb1.mul_4").format()) == StashKey("a2", "blk3.sb1.mul_4")
+    with pytest.raises(ValueError, match="not a stash key"):
+        StashKey.parse("blk3.sb1")
+
+
+def test_predicates_on_a_traced_graph():
+    def f(x, w):
+        fetched = torch.ops.slc.fetch_weight(w, "w0|w0:w@fwd")
+        return (x @ fetched.t()).relu().view(-1)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(2, 4), torch.randn(3, 4))  # fake: no runtime needed
+    by_name = {n.name: n for n in gm.graph.nodes}
+    (fetch,) = [n for n in gm.graph.nodes if is_fetch(n)]
+    assert is_load(fetch) and is_wait(fetch) and transfer_kind(fetch) == ("fetch", "wait")
+    assert not is_compute(fetch)
+    computing = [n.name for n in gm.graph.nodes if is_compute(n)]
+    assert [by_name[n].target for n in computing] == [torch.ops.aten.mm.default, torch.ops.aten.relu.default]
+
+
+# The runtime's records of a step, and the hook that samples them at region markers.
+VIZ_MAY_READ = ("slcompile.runtime.stats.", "slcompile.runtime.ops.set_region_listener")
+
+
+def test_passes_analyses_and_schedules_never_import_the_runtime():
+    """They learn what an op is from the vocabulary; the runtime is reached only
+    through the ops the graphs call. (Pictures may read the runtime's records.)"""
+    package = pathlib.Path(slcompile.__file__).parent
+    found = []
+    for folder in ("passes", "analysis", "schedules", "viz"):
+        for path in sorted((package / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                for name in names:
+                    allowed = folder == "viz" and name.startswith(VIZ_MAY_READ)
+                    if name.startswith(("slcompile.runtime", "slcompile.runtime.")) and not allowed:
+                        found.append(f"{path.relative_to(package)}: {name}")
+    assert found == [], found
