@@ -43,7 +43,9 @@ from slcompile.runtime.engine import TransferEngine, TransferHandle
 from slcompile.runtime.tiers import Tier, TransferKind
 from slcompile.vocabulary import WeightKey
 
-__all__ = ["WeightStreamer", "gathered_weights", "offloaded_parameters", "weight_home", "update_weight"]
+__all__ = [
+    "WeightStreamer", "gathered_weights", "offloaded_parameters", "weight_home", "update_weight", "drain_prefetches",
+]
 
 log = logging.getLogger(__name__)
 
@@ -161,10 +163,7 @@ def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
     optimizer step or `state_dict()`. On exit the (possibly updated) values are stored
     again and the storage released. The loads and stores count as weight traffic.
     """
-    with _REGISTRY_LOCK:
-        streamers = list(_STREAMERS.values())
-    for streamer in streamers:
-        streamer.drain()
+    drain_prefetches()
     params = offloaded_parameters(model)
     for _, param in params:
         engine, key, _ = _OWNERS[param]
@@ -232,3 +231,11 @@ def update_weight(param: torch.Tensor, values: torch.Tensor) -> TransferHandle:
 
 ops.implement("fetch_issue", fetch_issue)
 ops.implement("fetch_weight", fetch_weight)
+
+
+def drain_prefetches() -> None:
+    """Waits for and drops every streamer's prefetched loads (see `WeightStreamer.drain`)."""
+    with _REGISTRY_LOCK:
+        streamers = list(_STREAMERS.values())
+    for streamer in streamers:
+        streamer.drain()
