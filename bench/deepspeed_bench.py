@@ -67,6 +67,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 SYSTEMS = ("speedloader", "deepspeed_cpu", "deepspeed_nvme")
 LEARNING_RATE = 1e-3
+MiB = 2**20
 
 
 def build_model(spec: dict):
@@ -362,16 +363,16 @@ def summarize(results: list[dict], ks: list[int]) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'K':>2} {'system':15} {'step s':>7} {'tok/s':>7} {'SL x':>6} {'peak RSS MB':>12} {'steps RSS MB':>13} "
-          f"{'disk rd MB/step':>16} {'disk wr MB/step':>16} {'max |dloss|':>12} {'rq wait s/step':>15}")
+    print(f"{'K':>2} {'system':15} {'step s':>7} {'tok/s':>7} {'SL x':>6} {'peak RSS MiB':>12} {'steps RSS MiB':>13} "
+          f"{'disk rd MiB/step':>16} {'disk wr MiB/step':>16} {'max |dloss|':>12} {'rq wait s/step':>15}")
     for r in rows:
         if "error" in r:
             print(f"{r['k']:>2} {r['system']:15} failed: {r['error']}")
             continue
         print(f"{r['k']:>2} {r['system']:15} {r['median_step_seconds']:7.2f} {r['tokens_per_second']:7.1f} "
-              f"{r.get('speedloader_speedup', float('nan')):6.2f} {r['peak_rss_bytes'] / 1e6:12.0f} "
-              f"{r['steady_peak_rss_bytes'] / 1e6:13.0f} {r['disk_read_bytes_per_step'] / 1e6:16.1f} "
-              f"{r['disk_write_bytes_per_step'] / 1e6:16.1f} "
+              f"{r.get('speedloader_speedup', float('nan')):6.2f} {r['peak_rss_bytes'] / MiB:12.0f} "
+              f"{r['steady_peak_rss_bytes'] / MiB:13.0f} {r['disk_read_bytes_per_step'] / MiB:16.1f} "
+              f"{r['disk_write_bytes_per_step'] / MiB:16.1f} "
               f"{r.get('max_abs_loss_difference_vs_speedloader', float('nan')):12.2e} "
               f"{r['runqueue_wait_seconds_per_step']:15.2f}")
 

@@ -17,7 +17,8 @@ from models import EXPECTED_SCHEDULE_K2, GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.passes.mark_regions import MARK, marked_regions
 from slcompile.viz import dot as viz_dot
 from slcompile.viz.dot import ROLE_COLORS, graph_to_dot, render
-from slcompile.viz.memory import predict_live_bytes
+from slcompile.units import format_bytes
+from slcompile.viz.memory import device_layers, predict_live_bytes
 from slcompile.viz.pictures import record_step, write_pictures
 from slcompile.viz.roles import classify_nodes, transfer_nodes
 from slcompile.vocabulary import is_fetch, is_fetch_issue
@@ -229,3 +230,15 @@ def test_write_pictures(compiled_step, tmp_path):
     assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert recorded.samples and {"device", "nvme"} <= set(recorded.samples[0].resident)
+
+
+def test_memory_plot_peaks_at_the_device_peak_explain_prints(compiled_step):
+    report, _ = compiled_step
+    layers = device_layers(report.memory)
+    assert layers.peak == report.memory.peak_bytes["device"]
+    assert min(layers.held) >= report.memory.held_bytes > 0 and max(layers.weights) > 0
+    torch.manual_seed(0)
+    idx, targets = make_gpt_batch(CFG, 4)
+    explanation = slcompile.explain(TinyGPT(CFG), idx, targets, **OPTIONS)
+    assert explanation.predicted_peak_bytes["device"] == layers.peak
+    assert format_bytes(layers.peak) in str(explanation)

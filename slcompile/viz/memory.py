@@ -29,8 +29,9 @@ import torch
 import torch.fx
 
 from slcompile.analysis.memory import GraphMemory as PredictedMemory
+from slcompile.analysis.memory import MemoryPrediction
 
-__all__ = ["PredictedMemory", "ResidentSample", "ResidentSampler", "predict_live_bytes"]
+__all__ = ["DeviceLayers", "PredictedMemory", "ResidentSample", "ResidentSampler", "device_layers", "predict_live_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,47 @@ def predict_live_bytes(graphs: Mapping[str, torch.fx.GraphModule]) -> tuple[Pred
 
     prediction = predict_step_memory(graphs)
     return prediction.graphs if prediction is not None else ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLayers:
+    """A step's predicted device bytes per node, in three stacked layers.
+
+    Attributes:
+        graphs: per graph in the order they run, (kind, node names).
+        held: what the caller holds through the step (resident parameters, buffers
+            and inputs; in the backward also the forward's outputs), per node.
+        weights: streamed weights on the device, fetched or loaded ahead, per node.
+        other: everything else the graphs make (activations, saved values,
+            gradients), per node.
+    """
+
+    graphs: tuple[tuple[str, tuple[str, ...]], ...]
+    held: tuple[int, ...]
+    weights: tuple[int, ...]
+    other: tuple[int, ...]
+
+    @property
+    def peak(self) -> int:
+        """The largest stacked total: `MemoryPrediction.peak_bytes["device"]`."""
+        return max((h + w + o for h, w, o in zip(self.held, self.weights, self.other)), default=0)
+
+
+def device_layers(prediction: MemoryPrediction) -> DeviceLayers:
+    """The prediction's device bytes per node as the memory plot stacks them; their
+    peak is the device peak `explain`, the report and `tune` give."""
+    held: list[int] = []
+    weights: list[int] = []
+    other: list[int] = []
+    for memory in prediction.graphs:
+        zeros = (0,) * len(memory.nodes)
+        caller = memory.live.get("outputs_held", zeros)
+        ahead = memory.live.get("prefetched", zeros)
+        held += [prediction.held_bytes + c for c in caller]
+        weights += [w + a for w, a in zip(memory.weights, ahead)]
+        other += list(memory.other)
+    graphs = tuple((memory.kind, memory.nodes) for memory in prediction.graphs)
+    return DeviceLayers(graphs, tuple(held), tuple(weights), tuple(other))
 
 
 class ResidentSampler:

@@ -114,5 +114,5 @@ def write_pictures(
     if "plot" in pictures and graphs:
         samples = recorded.samples if recorded is not None else ()
         events = recorded.events if recorded is not None else ()
-        written["memory"] = [plot_memory(out / "memory.png", graphs, samples, events)]
+        written["memory"] = [plot_memory(out / "memory.png", graphs, samples, events, memory=report.memory)]
     return written

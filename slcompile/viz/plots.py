@@ -8,7 +8,8 @@ Needs: matplotlib (drawn with the Agg backend, no display).
 Guarantees:
 - `plot_memory` draws two panels and labels which is which: measured resident bytes
   per tier (runtime accounting) on top, predicted live bytes of the compiled graphs
-  below (their lifetime analysis; fetched weights and everything else stacked). When the timeline holds the
+  below (the memory model: held inputs, streamed weights and everything else stacked,
+  peaking at the device peak `explain` prints). When the timeline holds the
   graphs' region markers, both panels share the step's time axis (each node is placed
   inside its region's measured interval); otherwise the prediction is drawn over the
   node order, said in its title.
@@ -27,7 +28,8 @@ import torch.fx
 
 from slcompile.runtime.stats import TimelineEvent
 from slcompile.units import bytes_unit, format_bytes
-from slcompile.viz.memory import PredictedMemory, ResidentSample, predict_live_bytes
+from slcompile.analysis.memory import MemoryPrediction, predict_step_memory
+from slcompile.viz.memory import DeviceLayers, ResidentSample, device_layers
 from slcompile.viz.trace import trace_lanes
 
 __all__ = ["plot_memory", "plot_timeline", "align_regions"]
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _TIER_COLORS = {"device": "#3182bd", "host": "#31a354", "nvme": "#756bb1"}
 _WEIGHTS_COLOR = "#f2c80f"
+_HELD_COLOR = "#d9d9d9"
 _OTHER_COLOR = "#9ecae1"
 _LANE_COLORS = {"compute": "#6baed6", "stall": "#de2d26", "load": "#f2c80f", "store": "#c994c7"}
 _SHARED_COLOR = "#9e9ac8"
@@ -112,6 +115,7 @@ def plot_memory(
     samples: Sequence[ResidentSample] = (),
     events: Sequence[TimelineEvent] = (),
     title: str = "memory over one training step",
+    memory: MemoryPrediction | None = None,
 ) -> pathlib.Path:
     """Writes the memory picture (PNG) to `path`.
 
@@ -123,6 +127,9 @@ def plot_memory(
         events: the timeline of the recorded step, to put the prediction on its
             time axis.
         title: the figure's title.
+        memory: the step's prediction (`CompileReport.memory`); default: predicted
+            from `graphs`. The lower panel stacks it (`viz.memory.device_layers`), so
+            its peak is the device peak `explain` prints.
 
     Returns:
         the path written.
@@ -130,17 +137,19 @@ def plot_memory(
     plt = _pyplot()
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    predicted = list(predict_live_bytes(graphs))
+    if memory is None:
+        memory = predict_step_memory(graphs)
+    layers = device_layers(memory) if memory is not None else DeviceLayers((), (), (), ())
     times = align_regions(graphs, events) if events else None
     origin = _origin(samples, events)
-    peaks = [p.peak for p in predicted] + [max(s.resident.values(), default=0) for s in samples]
+    peaks = [layers.peak] + [max(s.resident.values(), default=0) for s in samples]
     scale, unit = _unit(max(peaks, default=0))
     panels = 2 if samples else 1
     figure, axes = plt.subplots(panels, 1, figsize=(12, 3.4 * panels + 0.6), sharex=times is not None, squeeze=False)
     axes = [row[0] for row in axes]
     if samples:
         _draw_measured(axes[0], samples, origin, scale, unit)
-    _draw_predicted(axes[-1], predicted, times, graphs, origin, scale, unit)
+    _draw_predicted(axes[-1], layers, times, origin, scale, unit)
     if times is not None:
         for axis in axes:
             _shade_regions(axis, events, origin, label=axis is axes[0])
@@ -181,33 +190,28 @@ def _draw_measured(axis, samples, origin, scale, unit) -> None:
     axis.grid(alpha=0.3)
 
 
-def _draw_predicted(axis, predicted: list[PredictedMemory], times, graphs, origin, scale, unit) -> None:
+def _draw_predicted(axis, layers: DeviceLayers, times, origin, scale, unit) -> None:
     xs: list[float] = []
-    weights: list[float] = []
-    other: list[float] = []
     boundaries = []
-    offset = 0
-    for memory in predicted:
-        kind = memory.kind
-        for index, name in enumerate(memory.nodes):
-            if times is not None:
-                xs.append((times[kind][name] - origin) * 1e3)
-            else:
-                xs.append(offset + index)
-        weights += [w / scale for w in memory.weights]
-        other += [o / scale for o in memory.other]
-        offset += len(memory.nodes)
-        boundaries.append((xs[-len(memory.nodes)], kind))
-    peak = max((w + o for w, o in zip(weights, other)), default=0)
-    axis.stackplot(xs, weights, other, colors=(_WEIGHTS_COLOR, _OTHER_COLOR), step="post",
-                   labels=("fetched weights", "activations, saved values, gradients"))
-    axis.plot([], [], " ", label=f"peak {format_bytes(peak * scale)}")
+    for kind, nodes in layers.graphs:
+        if not nodes:
+            continue
+        if times is not None:
+            positions = [(times[kind][name] - origin) * 1e3 for name in nodes]
+        else:
+            positions = [len(xs) + index for index in range(len(nodes))]
+        boundaries.append((positions[0], kind))
+        xs += positions
+    series = [[v / scale for v in values] for values in (layers.held, layers.weights, layers.other)]
+    axis.stackplot(xs, *series, colors=(_HELD_COLOR, _WEIGHTS_COLOR, _OTHER_COLOR), step="post",
+                   labels=("held by the caller (resident parameters, inputs)", "streamed weights",
+                           "activations, saved values, gradients"))
+    axis.plot([], [], " ", label=f"peak {format_bytes(layers.peak)}")
     for x, kind in boundaries:
         axis.axvline(x, color="black", linewidth=0.8, linestyle="--")
         axis.text(x, 1.0, f" {kind}", transform=axis.get_xaxis_transform(), va="top", fontsize=9)
     where = "placed in the measured regions" if times is not None else "over node order: no region markers recorded"
-    axis.set_title(f"predicted: live values of the compiled graphs on the device (lifetime analysis, {where}; "
-                   "parameters and inputs excluded)", fontsize=10, loc="left")
+    axis.set_title(f"predicted: device bytes of the step (memory model, {where})", fontsize=10, loc="left")
     axis.set_ylabel(unit)
     axis.set_ylim(bottom=0)
     axis.legend(loc="upper right", fontsize=9)
