@@ -8,6 +8,8 @@ Usage:
     python -m bench deepspeed ...             # bench/deepspeed_bench.py
     python -m bench activation ...            # bench/activation_bench.py
     python -m bench memory ...                # bench/memory_bench.py
+    python -m bench optimizer ...             # bench/optimizer_bench.py
+    python -m bench generate ...              # bench/generate_bench.py
     python -m bench gpu [--small|--cpu-smoke] # bench/gpu_bench.py (CUDA)
     python -m bench all [--quick] [--only train,io]
 
@@ -62,7 +64,10 @@ SCENARIOS = (
     Scenario("memory", "memory_bench.py", ("--d-model", "128"), ("--d-model", "64"),
              "predicted vs measured peak device memory of a training step"),
     Scenario("optimizer", "optimizer_bench.py", ("--repeats", "5"), ("--quick", "--repeats", "1"),
-             "training with AdamW: offload_optimizer (host, nvme) vs gathered_weights vs resident"),
+             "training with AdamW: offload_optimizer (host, nvme; speedloader and grad_accumulation) vs "
+             "gathered_weights vs resident vs DeepSpeed ZeRO-3 (when installed)"),
+    Scenario("generate", "generate_bench.py", ("--repeats", "1"), ("--quick",),
+             "generation, weights and KV cache on nvme: slcompile.generate vs accelerate disk_offload vs resident"),
     Scenario("gpu", "gpu_bench.py", (), ("--cpu-smoke",),
              "HF Llama training step on a CUDA GPU: tiers and K vs resident Inductor (needs CUDA; not in `all` "
              "unless named in --only)"),

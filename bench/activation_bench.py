@@ -16,6 +16,12 @@ Configurations, each in its own process (so peak RSS is its own), every one with
   ask for offloading (nothing in torch sets that key; see `pytorch_offload_evidence`).
 - ``speedloader_nvme``: `activations="nvme"`, `min_offload_bytes=65536`,
   `recompute` "none" or "blocks", K in {1, 2, 4}.
+- ``lifetime_aware_nvme``: the same with `schedule="lifetime_aware"` (the example
+  policy in `slcompile/schedules/examples/lifetime_aware.py`: it keeps on the device
+  the activations whose round trip cannot hide behind compute), `recompute="none"`.
+
+``--kinds`` runs some of them only (``speedloader_nvme/none`` names one recompute
+choice; ``aot_eager`` always runs: the ratios are to it).
 
 Per configuration: the median of ``--repeats`` steps after 2 warm-up steps, timed
 without the profiler (wall and CPU seconds); then one step under `torch.profiler`,
@@ -55,6 +61,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from bench.deepspeed_bench import runqueue_wait_seconds  # noqa: E402
 from bench.train_bench import dd_read_bandwidth  # noqa: E402
+
+MiB = 2**20
 
 WARMUP_STEPS = 2
 MIN_OFFLOAD_BYTES = 65536
@@ -184,8 +192,10 @@ def run_one(spec: dict) -> dict:
         compiled = torch.compile(model, backend=capturing_aot_eager(graphs))
     else:
         options = {"lowering": "aot_eager", "num_subbatches": spec["k"], "offload_dir": spec["offload_dir"]}
-        if kind == "speedloader_nvme":
+        if kind in ("speedloader_nvme", "lifetime_aware_nvme"):
             options.update(activations="nvme", recompute=spec["recompute"], min_offload_bytes=MIN_OFFLOAD_BYTES)
+        if kind == "lifetime_aware_nvme":
+            options.update(schedule="lifetime_aware")
         compiled = torch.compile(model, backend="speedloader", options=options)
 
     def clear_grads() -> None:
@@ -264,7 +274,7 @@ def run_one(spec: dict) -> dict:
         "peak_rss_bytes_after_profiled_step": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
     }
-    if kind.startswith("speedloader"):
+    if kind.startswith(("speedloader", "lifetime_aware")):
         report = slcompile.compile_reports()[-1]
         memory = report.memory
         # The profiler's view: each loaded buffer comes from torch's allocator with one
@@ -392,6 +402,9 @@ def main() -> None:
                         help="also predict the peak as the profiler sees loaded buffers (one page of slack each); "
                              "slow: about as long as each compile")
     parser.add_argument("--offload-dir", default=None, help="where the nvme tier's files go (default: a temp dir)")
+    parser.add_argument("--kinds", default=None,
+                        help="comma-separated configurations to run, kind or kind/recompute (default: all); "
+                             "aot_eager always runs")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "activation_bench.json"))
     args = parser.parse_args()
     if args.one:
@@ -421,6 +434,10 @@ def main() -> None:
     specs = [dict(base, kind=kind) for kind in ("aot_eager", "speedloader", "pytorch_flag", "pytorch_marked")]
     for recompute in ("none", "blocks"):
         specs += [dict(base, kind="speedloader_nvme", k=k, recompute=recompute) for k in ks]
+    specs += [dict(base, kind="lifetime_aware_nvme", k=k, recompute="none") for k in ks]
+    if args.kinds:
+        kinds = {"aot_eager", *args.kinds.split(",")}
+        specs = [spec for spec in specs if {spec["kind"], f"{spec['kind']}/{spec['recompute']}"} & kinds]
 
     bandwidth = dd_read_bandwidth(offload_dir)
     cached_before = meminfo_cached_bytes()
@@ -436,7 +453,8 @@ def main() -> None:
     record = {
         "command": "python bench/activation_bench.py" + (" --quick" if args.quick else "")
         + (" --profiler-view" if args.profiler_view else "") + f" --repeats {args.repeats}"
-        + (f" --omp-wait-policy {args.omp_wait_policy}" if args.omp_wait_policy else ""),
+        + (f" --omp-wait-policy {args.omp_wait_policy}" if args.omp_wait_policy else "")
+        + (f" --kinds {args.kinds}" if args.kinds else ""),
         "machine": {
             "platform": platform.platform(), "cores": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version(),
@@ -468,6 +486,8 @@ def main() -> None:
 def label(spec: dict) -> str:
     if spec["kind"] == "speedloader_nvme":
         return f"nvme, recompute={spec['recompute']}, K={spec['k']}"
+    if spec["kind"] == "lifetime_aware_nvme":
+        return f"lifetime_aware nvme, K={spec['k']}"
     return {
         "aot_eager": "aot_eager", "speedloader": "speedloader K=1", "pytorch_flag": "PyTorch flag",
         "pytorch_marked": "PyTorch flag + marks",
@@ -486,7 +506,8 @@ def summarize(results: list[dict]) -> list[dict]:
             "configuration": label(run["spec"]),
             "kind": run["spec"]["kind"],
             "k": run["spec"]["k"],
-            "recompute": run["spec"]["recompute"] if run["spec"]["kind"] == "speedloader_nvme" else None,
+            "recompute": run["spec"]["recompute"] if run["spec"]["kind"].endswith("_nvme") else None,
+            "offloaded_activation_count": run.get("offloaded_activation_count"),
             "step_s": run["step_seconds"],
             "step_cpu_s": run["step_cpu_seconds"],
             "step_runqueue_wait_s": statistics.median(run["all_step_runqueue_wait_seconds"]),
@@ -515,7 +536,7 @@ def summarize(results: list[dict]) -> list[dict]:
 
 
 def _mb(nbytes) -> str:
-    return "-" if nbytes is None else f"{nbytes / 1e6:.1f}"
+    return "-" if nbytes is None else f"{nbytes / MiB:.1f}"
 
 
 def _percent(fraction) -> str:
@@ -527,9 +548,9 @@ def print_table(rows: list[dict], record: dict) -> None:
           f"load average {record['loadavg']['start'][0]:.1f} -> {record['loadavg']['end'][0]:.1f}; "
           f"OMP_WAIT_POLICY {record['omp_wait_policy'] or 'inherited'}")
     profiler_view = any(r["predicted_profiler_view_bytes"] is not None for r in rows)
-    print("| configuration | step s | fastest s | CPU s | core wait s | tokens/s | measured peak MB "
-          "| predicted MB (error) |" + (" profiler-view MB (error) |" if profiler_view else "")
-          + " act. stored MB/step | act. loaded MB/step | RSS MB |")
+    print("| configuration | step s | fastest s | CPU s | core wait s | tokens/s | measured peak MiB "
+          "| predicted MiB (error) |" + (" profiler-view MiB (error) |" if profiler_view else "")
+          + " act. stored MiB/step | act. loaded MiB/step | RSS MiB |")
     print("|---" * (11 + profiler_view) + "|")
     for r in rows:
         print(
@@ -540,16 +561,16 @@ def print_table(rows: list[dict], record: dict) -> None:
             + (f" {_mb(r['predicted_profiler_view_bytes'])} ({_percent(r['profiler_view_error'])}) |"
                if profiler_view else "")
             + f" {_mb(r['activation_store_bytes'])} | {_mb(r['activation_load_bytes'])} "
-            f"| {r['peak_rss_bytes'] / 1e6:.0f} |"
+            f"| {r['peak_rss_bytes'] / MiB:.0f} |"
         )
     evidence = record["pytorch_activation_offloading"]
     print(f"torch source: should_offload written at {evidence['torch_source_should_offload_writers'] or 'no place'}; "
           f"read at {len(evidence['torch_source_should_offload_readers'])} place(s); "
           f"device_put cpu->cpu returns its input: {evidence['device_put_cpu_to_cpu_returns_its_input']}")
-    print(f"page cache: Cached {record['meminfo_cached_bytes']['before'] / 1e6:.1f} MB before, "
-          f"{record['meminfo_cached_bytes']['after'] / 1e6:.1f} MB after the configurations; the nvme tier's files "
+    print(f"page cache: Cached {record['meminfo_cached_bytes']['before'] / MiB:.1f} MiB before, "
+          f"{record['meminfo_cached_bytes']['after'] / MiB:.1f} MiB after the configurations; the nvme tier's files "
           f"hold at most {max(r['nvme_file_page_cache_bytes'] for r in rows)} bytes in it "
-          f"(of {max(r['nvme_file_bytes'] for r in rows) / 1e6:.1f} MB)")
+          f"(of {max(r['nvme_file_bytes'] for r in rows) / MiB:.1f} MiB)")
 
 
 def plot(rows: list[dict], path: str, record: dict) -> None:
@@ -562,14 +583,15 @@ def plot(rows: list[dict], path: str, record: dict) -> None:
     positions = range(len(rows))
     colors = ["tab:grey" if r["kind"] in ("aot_eager", "speedloader") else
               "tab:orange" if r["kind"].startswith("pytorch") else
+              "tab:purple" if r["kind"] == "lifetime_aware_nvme" else
               "tab:blue" if r["recompute"] == "none" else "tab:green" for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    axes[0].bar(positions, [r["measured_step_peak_bytes"] / 1e6 for r in rows], color=colors, label="measured")
-    predicted = [(i, r["predicted_step_peak_bytes"] / 1e6) for i, r in enumerate(rows)
+    axes[0].bar(positions, [r["measured_step_peak_bytes"] / MiB for r in rows], color=colors, label="measured")
+    predicted = [(i, r["predicted_step_peak_bytes"] / MiB) for i, r in enumerate(rows)
                  if r["predicted_step_peak_bytes"] is not None]
     axes[0].scatter([i for i, _ in predicted], [mb for _, mb in predicted], color="black", marker="_", s=300,
                     zorder=3, label="speedloader's prediction")
-    axes[0].set(ylabel="peak bytes allocated during a step (MB)", title="peak device memory of a training step")
+    axes[0].set(ylabel="peak bytes allocated during a step (MiB)", title="peak device memory of a training step")
     axes[0].legend(fontsize=8)
     axes[1].bar(positions, [r["step_s"] for r in rows], color=colors, label="median step")
     axes[1].scatter(positions, [r["fastest_step_s"] for r in rows], color="black", marker="_", s=300, zorder=3,

@@ -38,6 +38,8 @@ import sys
 import tempfile
 import time
 
+MiB = 2**20
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
@@ -233,7 +235,7 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
     print(f"disk O_DIRECT read bandwidth: {bandwidth / 1e9:.2f} GB/s")
     header = (
         f"{'regime':14} {'K':>2} {'sl s':>7} {'ga s':>7} {'none s':>7} {'split s':>7} {'x ga':>6} {'% none':>7} "
-        f"{'/bound':>7} {'/sbound':>7} {'W load MB':>10} {'ga W MB':>9} {'RSS MB':>7}"
+        f"{'/bound':>7} {'/sbound':>7} {'W load MiB':>10} {'ga W MiB':>9} {'RSS MiB':>7}"
     )
     print(header)
     for r in rows:
@@ -242,8 +244,8 @@ def print_table(rows: list[dict], bandwidth: float) -> None:
             f"{r['no_offload_step_s']:7.3f} {r['resident_subbatched_step_s']:7.3f} {r['speedup_vs_grad_accumulation']:6.2f} "
             f"{100 * r['fraction_of_no_offload_throughput']:6.1f}% {r['time_over_physical_bound']:7.2f} "
             f"{r['time_over_subbatched_bound']:7.2f} "
-            f"{r['weight_load_bytes'] / 1e6:10.1f} {r['grad_accumulation_weight_load_bytes'] / 1e6:9.1f} "
-            f"{r['peak_rss_bytes'] / 1e6:7.0f}"
+            f"{r['weight_load_bytes'] / MiB:10.1f} {r['grad_accumulation_weight_load_bytes'] / MiB:9.1f} "
+            f"{r['peak_rss_bytes'] / MiB:7.0f}"
         )
 
 
@@ -258,13 +260,13 @@ def plot(rows: list[dict], path: str) -> None:
         sub = [r for r in rows if r["regime"] == regime]
         ks = [r["k"] for r in sub]
         axes[0].plot(ks, [r["speedup_vs_grad_accumulation"] for r in sub], marker="o", label=regime)
-        axes[1].plot(ks, [r["weight_load_bytes"] / 1e6 for r in sub], marker="o", label=f"speedloader, {regime}")
-        axes[1].plot(ks, [r["grad_accumulation_weight_load_bytes"] / 1e6 for r in sub], marker="x", linestyle="--",
+        axes[1].plot(ks, [r["weight_load_bytes"] / MiB for r in sub], marker="o", label=f"speedloader, {regime}")
+        axes[1].plot(ks, [r["grad_accumulation_weight_load_bytes"] / MiB for r in sub], marker="x", linestyle="--",
                      label=f"grad accumulation, {regime}")
     axes[0].plot([1, max(r["k"] for r in rows)], [1, max(r["k"] for r in rows)], color="grey", linestyle=":", label="K (ideal)")
     axes[0].set(xlabel="K (sub-batches)", ylabel="step-time speedup over grad accumulation",
                 title="speedloader vs gradient accumulation")
-    axes[1].set(xlabel="K (sub-batches)", ylabel="weight bytes loaded per step (MB)", title="weight traffic per step")
+    axes[1].set(xlabel="K (sub-batches)", ylabel="weight bytes loaded per step (MiB)", title="weight traffic per step")
     for axis in axes:
         axis.set_xscale("log", base=2)
         axis.grid(True, alpha=0.3)

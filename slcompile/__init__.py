@@ -8,6 +8,7 @@ the next block, forward and backward, with the results of eager PyTorch.
 from slcompile.config import SpeedLoaderConfig, options
 from slcompile.errors import BudgetError, CompileError, OptionError, RefusedError
 from slcompile.explain import Explanation, GraphExplanation, explain
+from slcompile.generate import generate
 from slcompile.report import CompileReport, clear_compile_reports, compile_reports
 from slcompile.runtime.stats import mark_step, reset_runtime_stats, runtime_stats
 from slcompile.runtime.weights import gathered_weights, offloaded_parameters
@@ -35,5 +36,6 @@ __all__ = [
     "offload_optimizer",
     "OffloadedOptimizer",
     "tune",
+    "generate",
     "TuneResult",
 ]

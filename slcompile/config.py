@@ -67,7 +67,9 @@ class SpeedLoaderConfig:
             without changing its results (BatchNorm in training, a batch not divisible
             by K, no batch dimension, ...): "fallback" compiles it with the plain
             lowering and logs one warning with the reason; "raise" raises
-            `slcompile.RefusedError` with the reason.
+            `slcompile.RefusedError` with the reason. A graph without repeated blocks
+            (a loss after a graph break, say) is not a refusal: it is compiled plainly
+            either way, logged at info level.
         weights: where block weights rest between uses: "device" (resident),
             "host" (pinned RAM on a GPU machine; on a CPU machine host memory is the
             device's, so this is "device"), or "nvme" (O_DIRECT files). Off the
@@ -81,15 +83,19 @@ class SpeedLoaderConfig:
             system's temporary directory).
         activations: where the saved activations of the blocks rest between the
             forward and the backward: "device" (kept), "host" or "nvme". Off the
-            device, each saved tensor of a (block, sub-batch) is stored when it is
-            made and loaded back one (block, sub-batch) ahead of its backward use.
+            device, each saved tensor of a (block, sub-batch) the schedule stashes
+            is stored when it is made and loaded back one compute step ahead of its
+            backward use; under `memory_budget`, the planner stashes only what the
+            budget needs, longest idle first (`slcompile.schedules.planner`).
         min_offload_bytes: saved tensors smaller than this stay on the device
             (default 64 KiB; transfers that small cost more than they free).
         recompute: what the backward does with the activations inside a block:
             "none" keeps every saved tensor, "blocks" saves only each block's input
             (and random masks) and recomputes the block's internals from it during
             the backward (block-level checkpointing), "auto" keeps them unless the
-            step would not fit `memory_budget` that way.
+            step would not fit `memory_budget` with the activations whose transfers
+            hide behind compute stashed (then it recomputes; stashing everything,
+            hidden or not, comes last).
         memory_budget: the device tier's limit for one training step, in bytes or as
             a string ("2GiB", "512MB"); None means no limit. The peak is predicted
             from the compiled graphs before anything runs; when no plan fits,

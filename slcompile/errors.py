@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["RefusedError", "BudgetError", "OptionError", "OffloadError", "CompileError", "OptionCompileError", "compile_error"]
+__all__ = ["RefusedError", "NoBlocksError", "BudgetError", "OptionError", "OffloadError", "CompileError", "OptionCompileError", "compile_error"]
 
 
 class RefusedError(Exception):
@@ -24,6 +24,15 @@ class RefusedError(Exception):
     def __str__(self) -> str:
         where = f" [{self.pass_name}]" if self.pass_name else ""
         return f"{self.reason}{where}"
+
+
+class NoBlocksError(RefusedError):
+    """The graph has no repeated blocks: there is nothing to split. The backend
+    compiles it with the plain lowering and says so; it is not a refusal, so
+    `on_refusal="raise"` lets it through (the loss graph after a graph break)."""
+
+    def __str__(self) -> str:
+        return f"no blocks: compiled plainly ({self.reason})"
 
 
 class BudgetError(Exception):

@@ -5,7 +5,9 @@ the given inputs; no backward, no optimizer) and runs the analysis passes on eac
 graph: the blocks found, the batch dimension, K, the fallback reason (or None) and the
 schedule as deterministic text. Graphs that would be rewritten are also lowered with
 AOTAutograd (traced and partitioned, nothing compiled to code, no weight moved) to
-predict the step's peak memory per tier from the lifetimes of its graphs.
+predict the step's peak memory per tier from the lifetimes of its graphs; their
+schedule is then the one the transfers were placed by, and the planner's decision
+for each step's saved activations (stash or keep) is listed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import BudgetError, RefusedError
 from slcompile.pipeline import run_pipeline
+from slcompile.schedules.planner import describe
 
 __all__ = ["Explanation", "GraphExplanation", "explain"]
 
@@ -41,6 +44,9 @@ class GraphExplanation:
             of the size symbols.
         memory: the full `MemoryPrediction`, or None.
         budget_error: why no plan fits `memory_budget`, or None.
+        activation_plan: per forward step whose saved activations may leave the
+            device, the planner's decision (`stash` or `keep`) with their bytes and
+            idle steps (`slcompile.schedules.planner.describe`).
     """
 
     blocks: tuple[str, ...]
@@ -54,6 +60,7 @@ class GraphExplanation:
     memory_expressions: dict | None = None
     memory: Any = None
     budget_error: str | None = None
+    activation_plan: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = [
@@ -68,6 +75,8 @@ class GraphExplanation:
             lines.append(str(self.memory))
         if self.budget_error is not None:
             lines.append(f"memory budget: {self.budget_error}")
+        if self.activation_plan:
+            lines += ["saved activations:", *("  " + line for line in self.activation_plan)]
         lines += ["schedule:", *("  " + line for line in self.schedule.splitlines())]
         return "\n".join(lines)
 
@@ -165,9 +174,12 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig) -> GraphExplan
             sources[source() if callable(source) else source] = dim
     planned = getattr(state, "schedule", None)
     schedule = planned.text() if planned is not None and reason is None else ""
-    memory, budget_error = None, None
+    memory, budget_error, activation_plan = None, None, ()
     if reason is None and state is not None and state.interleaved is not None:
-        memory, budget_error = _predict(state, example_inputs)
+        memory, budget_error, lowered = _predict(state, example_inputs)
+        if lowered is not None:  # with the transfers placed from the lifetimes
+            schedule = lowered.text()
+            activation_plan = describe(lowered)
     return GraphExplanation(
         blocks=tuple(b.path for b in blocks.blocks) if blocks else (),
         block_groups=blocks.groups if blocks else (),
@@ -180,11 +192,13 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig) -> GraphExplan
         memory_expressions=dict(memory.expressions) if memory is not None else None,
         memory=memory,
         budget_error=budget_error,
+        activation_plan=activation_plan,
     )
 
 
 def _predict(state, example_inputs):
-    """(MemoryPrediction, None), or (None, why no plan fits the budget)."""
+    """(MemoryPrediction, None, the lowered step's planned Schedule), or (None, why
+    no plan fits the budget, None)."""
     from slcompile.backends.lowering import lower
     from slcompile.backends.speedloader import step_plan
     from slcompile.report import CompileReport
@@ -193,6 +207,6 @@ def _predict(state, example_inputs):
     try:
         lower(state.gm, example_inputs, "aot_eager", report, step_plan(state))
     except BudgetError as err:
-        return None, str(err)
-    return report.memory, None
+        return None, str(err), None
+    return report.memory, None, report.planned_schedule
 

@@ -21,12 +21,35 @@ what `num_subbatches` does inside one step; a second backward before `step()` ra
 `OffloadError`); an optimizer whose update of a parameter reads only that
 parameter's gradient and state (SGD, Adam, AdamW, Adagrad, RMSprop, ...). LBFGS
 (a closure that re-evaluates the loss) and SparseAdam are refused with a
-`ValueError`; so is a closure passed to `step()`. A global gradient-norm clip needs
-every gradient at once: clip per block, or keep the optimizer on the device.
+`ValueError`; so is a closure passed to `step()`.
+
+`params=` takes parameters or param groups as `optimizer_class` does, and the
+optimizer is a `torch.optim.Optimizer` whose `param_groups` every step reads (the
+block steps on the worker included): `torch.optim.lr_scheduler` schedulers work
+on it, and `add_param_group` adds parameters of the model.
+
+A global gradient-norm clip needs every gradient before any step:
+`max_grad_norm=` runs it in two phases. As each block's gradients arrive, the
+worker takes them into host memory and computes their norms (the block does not
+step yet); `step()` adds the norms of the `.grad` of the other parameters, scales
+every gradient by `min(1, max_grad_norm / (total norm + 1e-6))`, as
+`torch.nn.utils.clip_grad_norm_` does, and then runs the block steps. The price:
+the streamed weights' gradients wait in host memory until `step()` (the size of
+the host copies), and the block steps no longer overlap the backward.
+(`torch.nn.utils.clip_grad_norm_(model.parameters())` would not see the streamed
+weights' gradients, which never become `.grad`.)
 
 A full disk for nvme states raises `DiskFullError` from `step()`; the state files
 of a block are replaced only once all its new ones are written, so none is ever
 half-written (the block's state then stays in host memory until the next step).
+A full disk for the updated weights raises `DiskFullError` from `step()` too, and
+the block's step is undone: its weights are written under staging keys that
+replace the weights' keys only once all are written (`update_weights`), and when
+one fails, the host copies and the optimizer state go back to before the step, so
+the weights on the tier (the previous step's, whole) and the state agree. The
+blocks that were written keep their step, and the resident parameters are not
+stepped; call `zero_grad()` and carry on once there is room (that batch's update
+is then skipped for the failed blocks).
 
 Guarantees: the parameters after each step equal what `optimizer_class` over the
 whole model computes (the update is elementwise per parameter, so one instance per
@@ -58,7 +81,7 @@ from slcompile.runtime import gradients as gradient_runtime
 from slcompile.runtime.engine import TransferEngine, get_engine
 from slcompile.runtime.errors import OffloadError
 from slcompile.runtime.tiers import Tier, TransferKind
-from slcompile.runtime.weights import fetch_issue, update_weight, weight_home
+from slcompile.runtime.weights import fetch_issue, update_weights, weight_home
 
 __all__ = ["OffloadedOptimizer", "offload_optimizer"]
 
@@ -73,8 +96,10 @@ def offload_optimizer(
     model: torch.nn.Module,
     optimizer_class: type[torch.optim.Optimizer],
     *,
+    params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]] | None = None,
     states: str = "host",
     gradients: str = "host",
+    max_grad_norm: float | None = None,
     **optimizer_options: Any,
 ) -> OffloadedOptimizer:
     """An optimizer for `model` whose step for streamed block weights runs off the device.
@@ -85,9 +110,17 @@ def offload_optimizer(
     Args:
         model: the model (its parameters that require grad are optimized).
         optimizer_class: a `torch.optim.Optimizer` subclass with a per-parameter update.
+        params: what to optimize, as for `optimizer_class`: parameters of `model`, or
+            param groups (dicts with "params" and per-group options, such as no
+            weight decay for norms and biases); default: every parameter of `model`
+            that requires grad.
         states: where the optimizer state of streamed weights rests: "host" or "nvme".
         gradients: where the backward sends the gradients of streamed weights:
             "host" or "nvme" (on a CPU-only machine "host" moves no bytes).
+        max_grad_norm: clip the gradients to this total 2-norm before stepping, as
+            `torch.nn.utils.clip_grad_norm_(params, max_grad_norm)` would (the norm
+            is `last_grad_norm` after each step). The block steps then wait for
+            `step()`: see the module docstring.
         **optimizer_options: passed to `optimizer_class` (lr, betas, weight_decay, ...).
 
     Returns:
@@ -96,22 +129,37 @@ def offload_optimizer(
     Raises:
         ValueError: an optimizer whose step needs every gradient at once, or a bad tier.
     """
-    return OffloadedOptimizer(model, optimizer_class, states=states, gradients=gradients, **optimizer_options)
+    return OffloadedOptimizer(model, optimizer_class, params=params, states=states, gradients=gradients,
+                              max_grad_norm=max_grad_norm, **optimizer_options)
 
 
-class OffloadedOptimizer:
-    """See the module docstring; built by `offload_optimizer`."""
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """See the module docstring; built by `offload_optimizer`.
+
+    A `torch.optim.Optimizer`: `param_groups` holds the model's parameters and each
+    group's options, which every step reads (the block steps included), so
+    `torch.optim.lr_scheduler` schedulers and code that sets `group["lr"]` work as
+    with `optimizer_class` itself. The optimizer state is not in `state`: read it
+    with `state_dict()`.
+    """
 
     def __init__(
         self,
         model: torch.nn.Module,
         optimizer_class: type[torch.optim.Optimizer],
         *,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]] | None = None,
         states: str = "host",
         gradients: str = "host",
+        max_grad_norm: float | None = None,
         **optimizer_options: Any,
     ):
         _check_optimizer_class(optimizer_class)
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"offload_optimizer: max_grad_norm must be a positive number or None, "
+                             f"got {max_grad_norm!r}")
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: torch.Tensor | None = None  # the total norm before clipping, with max_grad_norm
         for name, value in (("states", states), ("gradients", gradients)):
             if value not in _TIERS:
                 raise ValueError(f"offload_optimizer: {name} must be one of {_TIERS}, got {value!r}")
@@ -119,8 +167,15 @@ class OffloadedOptimizer:
         self.optimizer_options = dict(optimizer_options)
         self.states_tier = Tier(states)
         self.gradient_tier = Tier(gradients)
-        self.params = [p for p in model.parameters() if p.requires_grad]
         self._names = {id(p): name for name, p in model.named_parameters()}
+        self._ready = False
+        self._group_index: dict[int, int] = {}  # id(param) -> index in param_groups
+        # torch checks the options and fills in the class's defaults.
+        defaults = optimizer_class([torch.zeros(1, requires_grad=True)], **optimizer_options).defaults
+        if params is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+        super().__init__(params, defaults)
+        self.params = [p for group in self.param_groups for p in group["params"]]
         self._loaded_state: dict[str, dict[str, Any]] = {}  # from load_state_dict, not installed yet
         self._loaded_masters: dict[str, torch.Tensor] = {}  # fp32 copies of bf16/fp16 parameters, the same
         self._lock = threading.Lock()
@@ -130,6 +185,11 @@ class OffloadedOptimizer:
         self._stepped: set[int] = set()
         self._pending: list[concurrent.futures.Future] = []
         self._resident: torch.optim.Optimizer | None = None
+        self._resident_groups: list[int] = []
+        # With max_grad_norm: blocks whose gradients are in, waiting for step(), and
+        # the 2-norm of each of their gradients.
+        self._received: list[tuple[Any, dict[str, tuple[torch.nn.Parameter, Any]], list[torch.nn.Parameter]]] = []
+        self._norms: dict[int, torch.Tensor] = {}
         self._warned_fallback = False
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slc-optimizer")
         # Parameters already offloaded (a model compiled before): copy them now, once.
@@ -146,6 +206,31 @@ class OffloadedOptimizer:
             model.register_load_state_dict_post_hook(functools.partial(self._apply_model_state)),
         ]
         self._taken: dict[str, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        self._ready = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group of the model's parameters with its own options (torch's rules).
+
+        Raises:
+            ValueError: a parameter that is not the model's, or already in a group.
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        foreign = [p for p in group["params"] if id(p) not in self._names]
+        if foreign:
+            self.param_groups.pop()
+            raise ValueError(f"offload_optimizer: {len(foreign)} parameters of a param group are not "
+                             "parameters of the model the optimizer was made for")
+        for param in group["params"]:
+            self._group_index[id(param)] = len(self.param_groups) - 1
+        if not self._ready:
+            return
+        # Added after the model was compiled: their gradients come back as .grad.
+        self.params.extend(group["params"])
+        for param in group["params"]:
+            if weight_home(param) is not None:
+                self._master(param)
+        gradient_runtime.attach_consumer(group["params"], self)
 
     # -- gradient consumer ------------------------------------------------
     def prepare(self, params: Iterable[torch.nn.Parameter]) -> None:
@@ -172,21 +257,41 @@ class OffloadedOptimizer:
                 return
             del self._arrivals[(sink.name, block)]
             self._stepped.update(id(p) for p, _ in group.values())
-            self._pending.append(self._worker.submit(self._step_block, sink, group))
+            task = self._step_block if self.max_grad_norm is None else self._receive_for_clip
+            self._pending.append(self._worker.submit(task, sink, group))
 
     # -- the optimizer API ------------------------------------------------
     def step(self, closure: Callable | None = None) -> None:
-        """Waits for the block steps still running, then steps every other parameter."""
+        """Waits for the block steps still running, then steps every other parameter.
+        With `max_grad_norm`: computes the clip factor, then runs the block steps.
+
+        Raises:
+            DiskFullError: no room for a block's updated weights (that block's step is
+                undone) or nvme states; see the module docstring.
+        """
         if closure is not None:
             raise ValueError("OffloadedOptimizer.step takes no closure: blocks step as their gradients arrive")
-        self.wait()
-        with self._lock:
-            missing = {key for group in self._arrivals.values() for key in group}
-            self._arrivals.clear()
-            self._stepped.clear()
+        try:
+            self.wait()
+        except BaseException:
+            with self._lock:  # blocks received for a clip that will not happen
+                self._received.clear()
+                self._norms.clear()
+            raise
+        finally:
+            # A failed block step (a full disk) leaves the next backward free to run.
+            with self._lock:
+                missing = {key for group in self._arrivals.values() for key in group}
+                self._arrivals.clear()
+                self._stepped.clear()
         if missing:
+            with self._lock:
+                self._received.clear()
+                self._norms.clear()
             raise OffloadError(f"the gradients of {len(missing)} weights arrived without the rest of "
                                "their block (a backward that failed part way); those weights were not stepped")
+        if self.max_grad_norm is not None:
+            self._clip_and_step_blocks()
         self._step_from_grad()
         resident = [p for p in self.params if weight_home(p) is None]
         low_precision = [p for p in resident if p.dtype in _LOW_PRECISION and p.grad is not None]
@@ -196,8 +301,10 @@ class OffloadedOptimizer:
         if not resident:
             return
         if self._resident is None:
-            self._resident = self.optimizer_class(resident, **self.optimizer_options)
+            groups, self._resident_groups = self._groups(resident, resident)
+            self._resident = self.optimizer_class(groups, **self.optimizer_options)
             self._install_resident_state()
+        _take_options(self._resident, self._resident_groups, self.param_groups)
         self._resident.step()
 
     def wait(self) -> None:
@@ -239,8 +346,10 @@ class OffloadedOptimizer:
             master = self._masters.get(id(param))
             if master is not None and master.dtype != param.dtype:
                 state.setdefault(self._names[id(param)], {})[_MASTER] = master.clone()
+        groups = [{**_options(group), "params": [self._names[id(p)] for p in group["params"]]}
+                  for group in self.param_groups]
         return {"optimizer": self.optimizer_class.__name__, "options": dict(self.optimizer_options),
-                "state": state}
+                "param_groups": groups, "state": state}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads what `state_dict` returned; parameters not stepped yet take it at their first step.
@@ -254,7 +363,15 @@ class OffloadedOptimizer:
         if state_dict.get("optimizer") != self.optimizer_class.__name__:
             raise ValueError(f"load_state_dict: this is a {state_dict.get('optimizer')} state, "
                              f"not a {self.optimizer_class.__name__} one")
+        groups = state_dict.get("param_groups")
+        if groups is not None:
+            mine = [[self._names[id(p)] for p in group["params"]] for group in self.param_groups]
+            if [list(group["params"]) for group in groups] != mine:
+                raise ValueError("load_state_dict: the state's param groups hold other parameters than this "
+                                 "optimizer's (make the optimizer with the same params= groups)")
         self.wait()
+        for group, saved in zip(self.param_groups, groups or ()):
+            group.update(_options(saved))
         self._loaded_state = {name: dict(values) for name, values in state_dict["state"].items()}
         by_name = {self._names[id(p)]: p for p in self.params}
         updated = []
@@ -355,9 +472,10 @@ class OffloadedOptimizer:
         host_step = self._host_steps.get(key)
         if host_step is None:
             masters = [self._master(p) for p in params]
-            optimizer = self.optimizer_class(masters, **self.optimizer_options)
+            groups, group_ids = self._groups(params, masters)
+            optimizer = self.optimizer_class(groups, **self.optimizer_options)
             host_step = _HostStep(optimizer, params, masters, self.states_tier, engine,
-                                  f"opt{id(self):x}.{len(self._host_steps)}")
+                                  f"opt{id(self):x}.{len(self._host_steps)}", group_ids, self.param_groups)
             for index, param in enumerate(params):
                 values = self._loaded_state.pop(self._names[id(param)], None)
                 if values is not None:
@@ -365,26 +483,80 @@ class OffloadedOptimizer:
             self._host_steps[key] = host_step
         return host_step
 
+    def _groups(self, params: list[torch.nn.Parameter], values: list[torch.Tensor]
+                ) -> tuple[list[dict[str, Any]], list[int]]:
+        """Param groups of an optimizer over `values` (the parameters or their host
+        copies), with the options of the groups `params` belong to; and those groups'
+        indices in `param_groups`."""
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for param, value in zip(params, values):
+            by_group.setdefault(self._group_index[id(param)], []).append(value)
+        indices = sorted(by_group)
+        return [{**_options(self.param_groups[i]), "params": by_group[i]} for i in indices], indices
+
     def _step_block(self, sink, group: dict[str, tuple[torch.nn.Parameter, Any]]) -> None:
         """On the worker: the gradients of one block, its step, its weights' update."""
+        self._finish_block(sink, group, self._receive_block(sink, group))
+
+    def _receive_block(self, sink, group: dict[str, tuple[torch.nn.Parameter, Any]]) -> list[torch.nn.Parameter]:
+        """On the worker: the gradients of one block, as the `.grad` of its host copies."""
         engine = sink.engine
         params = []
         for stored_key in sorted(group):
             param, handle = group[stored_key]
             engine.wait(handle)
-            grad_key = gradient_runtime.gradient_key_of(stored_key)
-            grad = engine.wait(engine.load(grad_key, TransferKind.GRADIENT))
-            engine.free(grad_key)
+            grad = sink.take(stored_key)
             master = self._master(param)
             master.grad = grad.to(device=master.device, dtype=master.dtype).view(master.shape)
             params.append(param)
-        error = self._host_step(params, engine).step()
-        self._write_back(params)
-        for stored_key in sorted(group):
-            for graph_key in sink.deferred_issues.get(stored_key, ()):
-                fetch_issue(graph_key)
-        if error is not None:
-            raise error
+        return params
+
+    def _receive_for_clip(self, sink, group: dict[str, tuple[torch.nn.Parameter, Any]]) -> None:
+        """On the worker, with max_grad_norm: the first phase of a block (its gradients
+        and their norms); `step()` runs the second once every norm is in."""
+        params = self._receive_block(sink, group)
+        norms = {id(p): torch.linalg.vector_norm(self._masters[id(p)].grad, 2.0) for p in params}
+        with self._lock:
+            self._norms.update(norms)
+            self._received.append((sink, group, params))
+
+    def _clip_and_step_blocks(self) -> None:
+        """The clip factor from every gradient's norm (blocks received on the host, the
+        others' `.grad`), then the block steps with their gradients scaled by it."""
+        with self._lock:
+            received, self._received = self._received, []
+            norms, self._norms = self._norms, {}
+        for param in self.params:
+            if param.grad is not None:
+                norms[id(param)] = torch.linalg.vector_norm(param.grad.detach().float(), 2.0).cpu()
+        ordered = [norms[id(p)].float() for p in self.params if id(p) in norms]
+        if not ordered:
+            return
+        total = torch.linalg.vector_norm(torch.stack(ordered), 2.0)
+        self.last_grad_norm = total
+        scale = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+        for param in self.params:
+            if param.grad is not None:
+                param.grad.detach().mul_(scale.to(param.grad.device))
+        futures = [self._worker.submit(self._finish_block, sink, group, params, scale)
+                   for sink, group, params in received]
+        concurrent.futures.wait(futures)
+        for future in futures:
+            future.result()
+
+    def _finish_block(self, sink, group: dict[str, tuple[torch.nn.Parameter, Any]],
+                      params: list[torch.nn.Parameter], scale: torch.Tensor | None = None) -> None:
+        """On the worker: the step of a block whose gradients are in, its weights' update."""
+        engine = sink.engine
+        if scale is not None:
+            for param in params:
+                self._masters[id(param)].grad.mul_(scale)
+        try:
+            self._step_and_update(params, engine)
+        finally:
+            for stored_key in sorted(group):
+                for graph_key in sink.deferred_issues.get(stored_key, ()):
+                    fetch_issue(graph_key)
 
     def _step_from_grad(self) -> None:
         """Streamed weights whose gradient came back as `.grad` (compiled before this
@@ -401,8 +573,10 @@ class OffloadedOptimizer:
             master = self._master(param)
             master.grad = param.grad.detach().to(device=master.device, dtype=master.dtype)
             param.grad = None
-            errors.append(self._host_step([param], weight_home(param)[0]).step())
-        self._write_back(params)
+            try:
+                self._step_and_update([param], weight_home(param)[0])
+            except OffloadError as error:
+                errors.append(error)
         _raise_first(errors)
 
     def _step_low_precision(self, params: list[torch.nn.Parameter]) -> None:
@@ -418,7 +592,8 @@ class OffloadedOptimizer:
         _raise_first([error])
 
     def _write_back(self, params: list[torch.nn.Parameter]) -> None:
-        handles = []
+        """Stores the host copies of `params` as their weights, all or none (`update_weights`)."""
+        updates = []
         for param in params:
             master = self._masters[id(param)]
             engine, _, tier = weight_home(param)
@@ -426,9 +601,28 @@ class OffloadedOptimizer:
             if values is master and engine.copies_nothing(engine.tier_of(master), tier):
                 # The tier would keep the master itself, which the next step changes in place.
                 values = master.clone()
-            handles.append((engine, update_weight(param, values), values))
-        for engine, handle, _ in handles:
-            engine.wait(handle)
+            updates.append((param, values))
+        update_weights(updates)
+
+    def _step_and_update(self, params: list[torch.nn.Parameter], engine: TransferEngine) -> None:
+        """The host step of `params` and the update of their weights, all or nothing:
+        when the update cannot be stored (a full disk), the host copies and the
+        optimizer state go back to before the step, and so agree with the previous
+        values the weights' tier still holds; the error is raised."""
+        host_step = self._host_step(params, engine)
+        # Only a store that copies bytes can fail for lack of room.
+        fallible = any(not engine.copies_nothing(Tier.HOST, weight_home(p)[2]) for p in params)
+        error = host_step.step(keep_previous=fallible)
+        try:
+            self._write_back(params)
+        except BaseException:
+            if fallible:
+                host_step.roll_back()
+            raise
+        finally:
+            host_step.previous = None
+        if error is not None:
+            raise error
 
 
 class _HostStep:
@@ -436,8 +630,11 @@ class _HostStep:
     state on the host or in nvme files between steps."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
-                 masters: list[torch.Tensor], tier: Tier, engine: TransferEngine, prefix: str):
+                 masters: list[torch.Tensor], tier: Tier, engine: TransferEngine, prefix: str,
+                 group_ids: list[int], param_groups: list[dict[str, Any]]):
         self.optimizer = optimizer
+        self.group_ids = group_ids  # the user-facing group of each of `optimizer`'s groups
+        self.param_groups = param_groups
         self.params = params
         self.masters = masters
         self.tier = tier
@@ -445,12 +642,25 @@ class _HostStep:
         self.prefix = prefix
         self.stored: dict[int, dict[str, str]] = {}  # master index -> state name -> its nvme key
         self.generation = 0
+        # With keep_previous: host copies, from before the step, of the masters and the state.
+        self.previous: tuple[list[torch.Tensor], list[dict[str, Any]]] | None = None
 
-    def step(self) -> OffloadError | None:
+    def step(self, keep_previous: bool = False) -> OffloadError | None:
         """Steps the block; returns (not raises) a failure to store the state after the
-        step, so the caller still writes the updated weights before raising it."""
+        step, so the caller still writes the updated weights before raising it.
+
+        Args:
+            keep_previous: keep copies of the masters and the state from before the
+                step, for `roll_back`.
+        """
         if self.tier is Tier.NVME:
             self._load_states()
+        if keep_previous:
+            self.previous = (
+                [master.detach().clone() for master in self.masters],
+                [{k: _copy(v) for k, v in self.optimizer.state.get(master, {}).items()} for master in self.masters],
+            )
+        _take_options(self.optimizer, self.group_ids, self.param_groups)
         self.optimizer.step()
         for master in self.masters:
             master.grad = None
@@ -491,6 +701,21 @@ class _HostStep:
             for name in keys:
                 del state[name]
 
+    def roll_back(self) -> None:
+        """Puts back the masters and the state kept by `step(keep_previous=True)`; the
+        state stays in host memory until the next step stores it."""
+        masters, states = self.previous
+        self.previous = None
+        with torch.no_grad():
+            for master, values in zip(self.masters, masters):
+                master.copy_(values)
+        self.free()  # the state stored after the step
+        for master, values in zip(self.masters, states):
+            if values:
+                self.optimizer.state[master] = values
+            else:
+                self.optimizer.state.pop(master, None)
+
     def _load_states(self) -> None:
         loads = [(index, name, self.engine.load(key, TransferKind.OPTIMIZER_STATE))
                  for index, keys in self.stored.items() for name, key in keys.items()]
@@ -524,6 +749,18 @@ def _raise_first(errors: Iterable[OffloadError | None]) -> None:
     for error in errors:
         if error is not None:
             raise error
+
+
+def _options(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's options: everything but its parameters."""
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _take_options(optimizer: torch.optim.Optimizer, group_ids: list[int], param_groups: list[dict[str, Any]]) -> None:
+    """Sets the options of `optimizer`'s groups from the user-facing groups they
+    stand for (a scheduler may have changed the learning rate since the last step)."""
+    for group, index in zip(optimizer.param_groups, group_ids):
+        group.update(_options(param_groups[index]))
 
 
 def _copy(value: Any) -> Any:

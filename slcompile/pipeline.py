@@ -10,7 +10,8 @@ A graph Dynamo hands the backend goes through these stages (see
   (fetched weights and, when the plan recomputes blocks, their internals).
 - `PARTITIONED_PASSES` ("partitioned"): on the forward and backward graphs the
   partitioner returned: fuse the weight gradients, restore the schedule's order,
-  offload saved activations and gradients, issue weight loads ahead, and predict the
+  ask the policy again with the saved activations' lifetimes (`plan_transfers`),
+  offload saved activations and gradients where that schedule says, issue weight loads ahead, and predict the
   step's memory and read its schedule back from the graphs.
 - `INFERENCE_PASSES` ("inference"): the same for an inference graph.
 - `COMPILED_PASSES` ("compiled"): each AOT graph as it is handed to its compiler
@@ -43,7 +44,12 @@ from slcompile.passes.fuse_weight_grads import fuse_weight_grads
 from slcompile.passes.interleave import InterleaveReport, interleave
 from slcompile.passes.manager import Pass, PassLog, StepState, disabled_passes, run_passes
 from slcompile.passes.mark_regions import mark_regions
-from slcompile.passes.offload_activations import OffloadedActivations, offload_saved, tag_block_recompute
+from slcompile.passes.offload_activations import (
+    OffloadedActivations,
+    offload_saved,
+    saved_activations,
+    tag_block_recompute,
+)
 from slcompile.passes.offload_gradients import offload_gradients
 from slcompile.passes.order_layer_major import order_layer_major
 from slcompile.passes.stream_weights import StreamedWeights, place_prefetches, stream_weights, tag_fetch_views
@@ -134,12 +140,31 @@ def _check(state: PipelineState) -> PipelineState:
 
 def _plan_schedule(state: PipelineState) -> PipelineState:
     config = state.config
+    weights_streamed = moves_off_device(config, config.weights)
     schedule = plan_schedule(
         state.blocks, config,
-        weights_streamed=moves_off_device(config, config.weights),
+        weights_streamed=weights_streamed,
         activations_offloaded=moves_off_device(config, config.activations),
+        gradients_offloaded=weights_streamed and gradients_leave(config, state.blocks, state.inputs),
     )
     return dataclasses.replace(state, schedule=schedule)
+
+
+def gradients_leave(config: SpeedLoaderConfig, blocks: BlockGraph, inputs) -> bool:
+    """Whether the backward sends the block weights' gradients off the device, as
+    `slcompile.runtime.gradients.gradient_sink_for` decides when the graph lowers:
+    `gradients` names a tier, or ("auto") an offloaded optimizer holds a block weight."""
+    from slcompile.runtime.gradients import consumer_of
+
+    if config.gradients == "device":
+        return False
+    if config.gradients != "auto":
+        return True
+    values = {i.name: i.value for i in inputs}
+    return any(
+        isinstance(values.get(name), torch.Tensor) and consumer_of(values[name]) is not None
+        for block in blocks.blocks for name in block.params
+    )
 
 
 def _interleave(state: PipelineState) -> PipelineState:
@@ -289,13 +314,36 @@ def _order_layer_major(step: StepState) -> dict[str, int]:
     return moved
 
 
+def _plan_transfers(step: StepState) -> Schedule:
+    plan = step.plan
+    if plan.stash is None or plan.schedule is None:
+        return plan.schedule
+    saved = saved_activations(
+        step.graphs["forward"], step.graphs["backward"], step.num_fwd_outputs, plan.min_offload_bytes
+    )
+    offload_at_least = None
+    if plan.memory_budget is not None:
+        # What keeping every saved activation would take over the budget.
+        kept_peak = _predict_memory(step).peak_bytes["device"]
+        offload_at_least = max(kept_peak - plan.memory_budget, 0)
+    return plan.schedule.replan(
+        saved=saved, offload_at_least=offload_at_least, stash_everything=plan.stash_everything
+    )
+
+
+def step_schedule(step: StepState) -> Schedule:
+    """The schedule of a partitioned step: `plan_transfers`'s, else the Dynamo stage's."""
+    return step.results.get("plan_transfers") or step.plan.schedule
+
+
 def _offload_activations(step: StepState) -> OffloadedActivations:
     plan = step.plan
     if plan.stash is None:
         return OffloadedActivations()
+    schedule = step_schedule(step)
     return offload_saved(
         step.graphs["forward"], step.graphs["backward"], step.num_fwd_outputs, plan.stash.graph_key,
-        plan.min_offload_bytes, plan.schedule.stashes(),
+        schedule.request.saved, schedule,
     )
 
 
@@ -310,7 +358,9 @@ def _offload_gradients(step: StepState):
     gradients = step.plan.gradients
     if gradients is None:
         return None
-    _, stored = offload_gradients(step.graphs["forward"], step.graphs["backward"], gradients.graph_key, gradients.wants)
+    _, stored = offload_gradients(
+        step.graphs["forward"], step.graphs["backward"], gradients.graph_key, gradients.wants, step_schedule(step)
+    )
     gradients.expect(stored)
     return stored
 
@@ -355,6 +405,8 @@ PARTITIONED_PASSES: tuple[Pass, ...] = (
         "order_layer_major", "partitioned", "rewrite", _order_layer_major, graphs=("forward", "backward"),
         code=(order_layer_major,),
     ),
+    # The policy places the activations' transfers from their lifetimes.
+    Pass("plan_transfers", "partitioned", "analysis", _plan_transfers, required=True, code=(saved_activations,)),
     Pass(
         "offload_activations", "partitioned", "rewrite", _offload_activations, graphs=("forward", "backward"),
         code=(offload_saved,),

@@ -163,6 +163,44 @@ def test_budget_keeps_activations_when_they_fit():
     assert slcompile.compile_reports()[-1].memory.recompute == "none"
 
 
+def test_under_a_budget_the_planner_stashes_the_longest_idle_activations_it_needs():
+    from slcompile.schedules.planner import unit_lifetimes
+
+    cfg = GPTConfig(n_layers=3)
+    idx, targets = make_gpt_batch(cfg, 8)
+    options = {**OFFLOAD, "num_subbatches": 2}
+    roomy = slcompile.explain(TinyGPT(cfg), idx, targets, **options, memory_budget="1GiB").graphs[0]
+    # Keeping fits: nothing moves.
+    assert roomy.memory.peak_bytes["nvme"] == 0 and all(": keep (" in line for line in roomy.activation_plan)
+    keep_peak = roomy.memory.peak_bytes["device"]
+
+    budget = int(0.8 * keep_peak)
+    reset_runtime_stats()
+    assert_matches_eager(TinyGPT(cfg), lambda m: m(idx, targets), {**options, "memory_budget": budget})
+    report = slcompile.compile_reports()[-1]
+    assert report.memory.recompute == "none" and report.memory.peak_bytes["device"] <= budget
+    planned = report.planned_schedule
+    units = unit_lifetimes(list(planned.steps), planned.request.saved)
+    stashed = planned.stashes()
+    # Some, not all: the longest idle ones, and none whose reload could not hide.
+    assert 0 < len(stashed) < len(units)
+    idle = sorted(units.values(), key=lambda u: -u.idle_steps)
+    assert stashed == {u.unit for u in idle[:len(stashed)]}
+    assert all(units[unit].hidden for unit in stashed)
+    assert report.schedule == planned.text()
+    offloaded = int(report.offloaded_activations.bytes)
+    assert offloaded == sum(units[unit].nbytes for unit in stashed)
+    assert _activation_bytes() == (offloaded, offloaded)
+
+    # A budget below what stashing every activation reaches: "auto" recomputes the
+    # blocks; "none" (the user's choice) tried every activation stashed and refuses.
+    tight = int(0.6 * keep_peak)
+    auto = slcompile.explain(TinyGPT(cfg), idx, targets, **options, memory_budget=tight).graphs[0]
+    assert auto.memory.recompute == "blocks" and auto.memory.peak_bytes["device"] <= tight
+    kept = slcompile.explain(TinyGPT(cfg), idx, targets, **options, memory_budget=tight, recompute="none").graphs[0]
+    assert kept.memory is None and f"over memory_budget={tight}" in kept.budget_error
+
+
 MEASURED_CFG = GPTConfig(d_model=64, seq_len=32)
 
 

@@ -116,7 +116,7 @@ def test_no_batch_dimension_is_refused(caplog):
     assert "no batch dimension" in reason
 
 
-def test_model_without_blocks_is_refused(caplog):
+def test_graph_without_blocks_compiles_plainly_and_is_no_refusal(caplog):
     class Plain(nn.Module):
         def __init__(self):
             super().__init__()
@@ -126,8 +126,21 @@ def test_model_without_blocks_is_refused(caplog):
             out = self.lin(x)
             return out, out.sum()
 
-    reason = _fallback(Plain(), (torch.randn(4, 4),), {"num_subbatches": 2}, caplog)
-    assert "no repeated blocks" in reason
+    x = torch.randn(4, 4)
+    options = {**AOT, "num_subbatches": 2, "on_refusal": "raise"}
+    with caplog.at_level(logging.WARNING, logger="slcompile"):
+        assert_matches_eager(Plain(), lambda m: m(x), options)
+    # Its parameters (20 floats) stay on the device: a warning says so.
+    assert "no blocks: compiled plainly" in caplog.text and "80 B of parameters stay on the device" in caplog.text
+    assert slcompile.compile_reports()[-1].fallback_reason.startswith("no blocks: compiled plainly")
+    assert "\n  fallback: no blocks: compiled plainly (" in str(slcompile.explain(Plain(), x, **options))
+
+    # A graph without parameters (a loss after a graph break) is compiled plainly in silence.
+    caplog.clear()
+    loss = torch.compile(lambda logits: logits.logsumexp(-1).mean(), backend="speedloader", options=options)
+    with caplog.at_level(logging.WARNING, logger="slcompile"):
+        torch.testing.assert_close(loss(x), x.logsumexp(-1).mean())
+    assert caplog.text == ""
 
 
 def test_on_refusal_raise_raises_with_the_reason():

@@ -289,6 +289,98 @@ def test_grad_accumulation_with_activations_on_nvme_matches_eager(recompute):
     stored = moved[TransferKind.ACTIVATION, Tier.DEVICE, Tier.NVME]
     loaded = moved[TransferKind.ACTIVATION, Tier.NVME, Tier.DEVICE]
     assert stored == loaded == offloaded
+    # Stashes and unstashes, forward and backward, where the policy put them.
+    assert "bwd unstash.wait blk0.sb0" in report.schedule
+    assert report.schedule == report.planned_schedule.text()
+
+
+def test_the_planner_stashes_what_the_budget_needs_longest_idle_first():
+    from expecttest import assert_expected_inline
+
+    from slcompile.schedules.base import SavedActivation
+    from slcompile.schedules.planner import describe
+
+    def block(b):
+        return ("block", b, 0)
+
+    # Each block saves its own internals (read by its own backward) and its output
+    # (read by the next block, forward and backward); a small one must stay.
+    saved = tuple(
+        SavedActivation(f"x{b}", block(b), 100, block(b), block(b)) for b in range(3)
+    ) + tuple(SavedActivation(f"h{b}", block(b), 100, block(b + 1), block(b + 1)) for b in range(2)) + (
+        SavedActivation("small", block(2), 8, block(2), block(2), stays="smaller than min_offload_bytes (8 B)"),
+    )
+    request = ScheduleRequest(blocks=(0, 1, 2), num_subbatches=1, activations_offloaded=True, has_prefix=False,
+                              has_suffix=False, saved=saved, offload_at_least=150)
+    schedule = POLICIES["speedloader"](request)
+    assert_expected_inline("\n".join(describe(schedule)), """\
+blk0.sb0: stash (200 B, idle 2 steps)
+blk1.sb0: keep (its reload would not hide) (200 B, idle 0 steps)
+blk2.sb0: keep (its reload would not hide) (100 B, idle 0 steps)""")
+    # Each store waited for after its tensor's last forward use, each load waited for
+    # before its first backward use and issued one compute step ahead.
+    assert_expected_inline(schedule.text(), """\
+fwd blk0.sb0
+fwd stash.issue blk0.sb0
+fwd stash.wait blk0.sb0
+fwd blk1.sb0
+fwd stash.wait blk0.sb0
+fwd blk2.sb0
+bwd unstash.issue blk0.sb0
+bwd blk2.sb0
+bwd unstash.issue blk0.sb0
+bwd unstash.wait blk0.sb0
+bwd blk1.sb0
+bwd unstash.wait blk0.sb0
+bwd blk0.sb0""")
+    # Without a budget every activation that may leave does.
+    everything = schedule.replan(offload_at_least=None)
+    assert everything.stashes() == {block(b) for b in range(3)}
+
+
+def _transfers_early(request):
+    """A policy written in a test: speedloader's, waiting for every stash at the end
+    of the forward and issuing every load at the start of the backward."""
+    from slcompile.schedules.base import Schedule, Step
+    from slcompile.schedules.speedloader import speedloader_schedule
+
+    steps = [s for s in speedloader_schedule(request).steps if s.kind not in ("stash.wait", "unstash.issue")]
+    owners = list(dict.fromkeys(s.key for s in steps if s.kind == "stash.issue"))
+    last_forward = max(i for i, s in enumerate(steps) if s.phase == "fwd")
+    steps[last_forward + 1:last_forward + 1] = [Step("fwd", *owner, "stash.wait") for owner in owners]
+    first_backward = min(i for i, s in enumerate(steps) if s.phase == "bwd" and not s.kind.startswith("fetch"))
+    steps[first_backward:first_backward] = [Step("bwd", *owner, "unstash.issue") for owner in owners]
+    return Schedule(tuple(steps))
+
+
+def test_stash_and_unstash_run_where_the_schedule_puts_them():
+    cfg = GPTConfig(n_layers=2)
+    idx, targets = make_gpt_batch(cfg, 8)
+    peaks = {}
+    for schedule in ("speedloader", Policy("transfers_early", _transfers_early)):
+        options = {**_options("speedloader", 2, activations="nvme", min_offload_bytes=0), "schedule": schedule}
+        reset_runtime_stats()
+        assert_matches_eager(TinyGPT(cfg), lambda m: m(idx, targets), options)
+        report = slcompile.compile_reports()[-1]
+        planned = report.planned_schedule
+        derived = schedule_of(report.graphs["forward"], report.graphs["backward"])
+        assert derived.text() == report.schedule == planned.text()
+        # Each load is issued that many compute steps ahead of its wait (at most).
+        bwd = planned.phase("bwd").steps
+        compute = [i for i, s in enumerate(bwd) if s.kind == "compute"]
+        ahead = []
+        for i, step in enumerate(bwd):
+            if step.kind == "unstash.wait":
+                issue = max(j for j in range(i) if bwd[j].kind == "unstash.issue" and bwd[j].key == step.key)
+                ahead.append(sum(issue < c < i for c in compute))
+        assert max(ahead) == 1 if schedule == "speedloader" else max(ahead) > 2
+        moved = slcompile.runtime_stats().bytes_moved
+        stored = moved[TransferKind.ACTIVATION, Tier.DEVICE, Tier.NVME]
+        loaded = moved[TransferKind.ACTIVATION, Tier.NVME, Tier.DEVICE]
+        assert stored == loaded == int(report.offloaded_activations.bytes)
+        peaks[getattr(schedule, "name", schedule)] = report.memory.peak_bytes["device"]
+    # Everything comes back at the backward's start: more of it on the device at once.
+    assert peaks["transfers_early"] > peaks["speedloader"]
 
 
 def test_no_offload_moves_no_bytes():
@@ -349,10 +441,10 @@ def test_lifetime_aware_keeps_what_cannot_hide_and_matches_eager(schedule):
     kept = {("block", last, 1)} if isinstance(schedule, str) else {("block", last, 1), ("block", last, 0)}
     stashable = {("prefix", None, s) for s in range(2)} | {("block", b, s) for b in range(CFG.n_layers) for s in range(2)}
     assert planned.stashes() == stashable - kept
-    # The compiled graphs store exactly what the policy stashes, in its order.
+    # The compiled graphs store and load exactly what the policy stashes, where it says.
     derived = schedule_of(report.graphs["forward"], report.graphs["backward"])
     assert derived.stashes() == planned.stashes()
-    assert derived.without("stash.wait", "unstash").text() == planned.text()
+    assert derived.text() == report.schedule == planned.text()
     assert any(why == "kept on the device by the schedule" for _, why in report.offloaded_activations.kept)
     moved = slcompile.runtime_stats().bytes_moved
     stored = moved[TransferKind.ACTIVATION, Tier.DEVICE, Tier.NVME]

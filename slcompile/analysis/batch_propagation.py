@@ -17,6 +17,16 @@ dimension went (`x.transpose(0, 1)` moves it, `x.sum()` removes it). A node is
   anything else runs once on the sub-batches concatenated back. Before or inside a
   block it is a problem that `check_splittable` turns into a refusal.
 
+Inside a block, a mixture of experts flattens batch and sequence into one token
+dimension (a row-major merge, so each sub-batch's tokens stay one contiguous chunk),
+sorts the tokens by expert, gathers them, multiplies each expert's group and puts the
+results back in token order. Those ops work along the batch dimension, yet each
+token's result depends on that token alone: run per sub-batch, they route the
+sub-batch's own tokens (`_routing`). The values in between are *routed*, the
+sub-batch's own and not slices of the full batch's; they stay batched nodes, and
+the rules say what each one holds (`_Route`) so that only ops whose meaning carries
+over accept them, and none leaves its block in routed order.
+
 A value is never assumed to be per-sample from its shape alone: every rule below is
 checked against the fake outputs, and anything the rules cannot explain is a problem,
 not a guess.
@@ -80,7 +90,8 @@ class NodeSplit:
         kind: "shared", "batched" or "combine" (a cross-sample op after the blocks,
             computed from all sub-batches).
         out_bdims: for batched nodes, a pytree shaped like the output with, per leaf,
-            the batch dimension (int), None (batch-free) or BATCHED_INT.
+            the batch dimension (int), None (batch-free; for a tensor, each
+            sub-batch's own, such as its tokens counted per expert) or BATCHED_INT.
         args: per-sub-batch positional args (original nodes, literal batch sizes
             rewritten); for other kinds the original args.
         kwargs: as args.
@@ -166,6 +177,8 @@ class _Propagator:
         self.splits: dict[str, NodeSplit] = {}
         self.problems: list[tuple[str, str]] = []
         self.input_storages: dict[Any, str] = {}
+        # Values each sub-batch routes on its own (see `_Route`), by node name.
+        self.routes: dict[str, Any] = {}
 
     # Step 1: values of the placeholders at full and sub-batch size.
     def _placeholder(self, node: torch.fx.Node) -> None:
@@ -224,6 +237,8 @@ class _Propagator:
     def _output(self, node: torch.fx.Node) -> tuple:
         bdims = []
         for leaf in pytree.tree_leaves(node.args[0]):
+            if isinstance(leaf, torch.fx.Node) and leaf.name in self.routes:
+                self.problems.append((leaf.name, f"{_describe(leaf)} is an output in the order its sub-batch routed it", "mixes-samples"))
             if isinstance(leaf, torch.fx.Node):
                 split = self.splits[leaf.name]
                 bdims.append(split.out_bdims if split.kind == "batched" else None)
@@ -279,13 +294,30 @@ class _Propagator:
             )
             return
 
-        reason = self._mixes_samples(node, full_args, full_kwargs, full_out)
-        split = None
-        if reason is None:
-            split, reason = self._per_subbatch(node, full_out)
-        if split is not None:
-            self.splits[node.name] = split
-            return
+        routed = self._routing(node, full_args, full_kwargs)
+        if routed is not None:
+            route, reason = routed
+            split = None
+            if reason is None:
+                split, reason = self._per_subbatch(node, full_out, counts=_is_counts(route), narrows=False)
+            if split is not None:
+                reason = _route_mismatch(node, route, split.out_bdims, full_out)
+            if reason is None:
+                if route is not _TOKENS:
+                    self.routes[node.name] = route
+                self.splits[node.name] = split
+                return
+            if self.regions.get(node.name) == "suffix":
+                # Concatenated back, routed values would be in the wrong order.
+                self.problems.append((node.name, reason, "mixes-samples"))
+        else:
+            reason = self._mixes_samples(node, full_args, full_kwargs, full_out)
+            split = None
+            if reason is None:
+                split, reason = self._per_subbatch(node, full_out)
+            if split is not None:
+                self.splits[node.name] = split
+                return
 
         # Cross-sample: the value is computed from all sub-batches, full size.
         self.sub[node.name] = full_out
@@ -310,13 +342,73 @@ class _Propagator:
             return f"{_describe(node)} writes in place to {what} {owner}; split into sub-batches it would be written once per sub-batch"
         target = node.args[0]
         if batched_inputs and isinstance(target, torch.fx.Node) and not self._batched(target.name):
+            if self._made_per_sample(node, target):
+                return None
             return f"{_describe(node)} writes per-sample values in place into {target.name}, a value shared by all sub-batches"
+        if node.target is operator.setitem and isinstance(target, torch.fx.Node) and self._batched(target.name):
+            # Literal indices (`t[0] = ...`); tensor indices are for the routing rules.
+            bdim, index = self.splits[target.name].out_bdims, node.args[1]
+            literal = not any(isinstance(i, torch.fx.Node) for i in (index if isinstance(index, tuple) else (index,)))
+            if isinstance(bdim, int) and literal and _getitem_touches_batch(node, index, full_args[0], bdim):
+                return (
+                    f"{_describe(node)} writes in place into some samples of {target.name} "
+                    "(it indexes the batch dimension)"
+                )
         return None
 
-    def _per_subbatch(self, node, full_out):
-        """Runs the node on one sub-batch; returns (NodeSplit, None) or (None, reason)."""
+    def _made_per_sample(self, node, target) -> bool:
+        """A write of per-sample values into a fresh tensor the graph made at full batch
+        size (`x.new_zeros(x.shape)`, then `t[..., 1:] = x[..., :-1]`) that leaves its
+        batch dimension whole: the tensor becomes per-sample, made at sub-batch size.
+        Needs no earlier reader of the tensor and a creation op whose size along the
+        batch is a literal or the dynamic batch size."""
+        position = _SIZE_ARG.get(target.target)
+        dim = dict(self._narrowing(node)).get(target.name)
+        if position is None or dim is None or len(target.args) <= position:
+            return False
+        if any(user is not node and user.name in self.splits for user in target.users):
+            return False
+        name = _target_name(node)
+        if name not in _PER_SAMPLE_WRITES or (
+            name == "setitem" and _getitem_touches_batch(node, node.args[1], self.full[target.name], dim)
+        ):
+            return False
+        if name == "index_put_" and len(node.args[1]) > dim and node.args[1][dim] is not None:
+            return False
+        size, full = target.args[position], self.full[target.name].shape[dim]
+        shape = isinstance(size, torch.fx.Node) and isinstance(self.splits[size.name].out_bdims, (tuple, list))
+        packed = isinstance(size, (tuple, list))
+        if shape:
+            sizes = list(self.splits[size.name].out_bdims)
+        else:
+            sizes = list(size) if packed else list(target.args[position:])
+        if len(sizes) <= dim:
+            return False
+        if shape or isinstance(sizes[dim], torch.fx.Node):  # a dynamic batch: per sub-batch already
+            batched = sizes[dim] if shape else self.splits[sizes[dim].name].out_bdims
+            if batched != BATCHED_INT:
+                return False
+        elif not isinstance(sizes[dim], int) or sizes[dim] != full:
+            return False
+        else:
+            sizes[dim] = full // self.k
+        rest = target.args[position + 1 :] if packed else ()
+        args = target.args if shape else (*target.args[:position], *((tuple(sizes),) if packed else sizes), *rest)
+        env_sub = lambda n: self.sub[n.name]  # noqa: E731
+        sub_out = self._execute(
+            target, torch.fx.node.map_arg(args, env_sub), torch.fx.node.map_arg(target.kwargs, env_sub)
+        )
+        self.sub[target.name] = sub_out
+        self.splits[target.name] = NodeSplit("batched", out_bdims=dim, args=args, kwargs=target.kwargs)
+        return True
+
+    def _per_subbatch(self, node, full_out, counts=False, narrows=True):
+        """Runs the node on one sub-batch; returns (NodeSplit, None) or (None, reason).
+        With `counts`, its tensors keep their full shape (counts over the sub-batch).
+        Without `narrows`, shared inputs are read whole (routed rows are no slice of
+        anything shared)."""
         args, kwargs = self._rewrite_shapes(node)
-        narrow = self._narrowing(node)
+        narrow = self._narrowing(node) if narrows else ()
         narrow_dims = dict(narrow)
 
         def env_sub(n: torch.fx.Node):
@@ -335,7 +427,7 @@ class _Propagator:
                 f"{_describe(node)} fails on one sub-batch ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''})"
             )
-        out_bdims, reason = self._compare(node, full_out, sub_out)
+        out_bdims, reason = self._compare(node, full_out, sub_out, counts)
         if reason is not None:
             return None, reason
         reason = self._check_alignment(node, narrow, full_out, out_bdims)
@@ -346,7 +438,7 @@ class _Propagator:
         self.sub[node.name] = sub_out
         return NodeSplit("batched", out_bdims=out_bdims, args=args, kwargs=kwargs, narrow=narrow), None
 
-    def _compare(self, node, full_out, sub_out):
+    def _compare(self, node, full_out, sub_out, counts=False):
         full_leaves, full_spec = pytree.tree_flatten(full_out)
         sub_leaves, sub_spec = pytree.tree_flatten(sub_out)
         if full_spec != sub_spec:
@@ -357,6 +449,9 @@ class _Propagator:
                 if not isinstance(sub, torch.Tensor) or full.dim() != sub.dim():
                     return None, f"{_describe(node)} changes rank on one sub-batch"
                 differ = [d for d in range(full.dim()) if full.shape[d] != sub.shape[d]]
+                if counts and not differ:
+                    bdims.append(None)
+                    continue
                 if not differ:
                     return None, (
                         f"{_describe(node)} reduces over the batch dimension "
@@ -380,6 +475,223 @@ class _Propagator:
                     return None, f"{_describe(node)} returns a value that depends on the batch"
                 bdims.append(None)
         return pytree.tree_unflatten(bdims, full_spec), None
+
+    # Routing: tokens sorted and gathered per expert (mixture of experts).
+    def _routing(self, node, args, kwargs):
+        """(route, None) or (None, reason) for what takes part in routing tokens, or
+        None for everything else.
+
+        A mixture of experts flattens batch and sequence into one token dimension
+        that carries the batch, sorts the tokens by expert, gathers them, multiplies
+        each expert's group and puts the results back in token order. Run on one
+        sub-batch, the same code routes that sub-batch's tokens only: every token's
+        result is the same, though the values in between (the sorted order, the
+        positions, the counts per expert) are the sub-batch's own, not slices of the
+        full batch's. `_Route` says what such a value holds; the rules below accept
+        an op on one only where the meaning carries over, and such values never leave
+        the block that routes them.
+        """
+        name = _target_name(node)
+        routed = {n.name: self.routes[n.name] for n in node.all_input_nodes if n.name in self.routes}
+        in_block = self.regions.get(node.name) == "block"
+        if not routed:
+            return self._start_routing(node, name, args, kwargs) if in_block else None
+        if not in_block:
+            return None, f"{_describe(node)} reads {', '.join(routed)}, routed inside a block, outside of it"
+        source = node.args[0] if node.args else None
+        first = routed.get(source.name) if isinstance(source, torch.fx.Node) else None
+        if name == "getitem" and first is not None and isinstance(self.full[source.name], (tuple, list)):
+            return (first[node.args[1]] if isinstance(first, tuple) else first), None
+        if any(isinstance(r, tuple) for r in routed.values()):
+            return None, f"{_describe(node)} uses a routing result as a whole"
+        if name in ("size", "numel", "dim"):
+            return _TOKENS, None
+        if name in _KEEP_VALUES and first is not None and len(node.all_input_nodes) == 1:
+            return first, None
+        if name in ("getitem", "index_select"):
+            return self._route_gather(node, name, args, kwargs, routed)
+        if name in ("floordiv", "remainder", "mod") and first is not None and first.kind == "positions":
+            return self._route_positions_arithmetic(node, name, first)
+        if name in _SCATTERS:
+            return self._route_scatter(node, name, args, kwargs, routed)
+        if "grouped_mm" in name:
+            return self._route_grouped_mm(node, args, kwargs, routed)
+        if name in ("empty_like", "zeros_like") and first is not None:
+            return _Route("fresh", order=first.order, length=first.length), None
+        if name in _COUNTS:
+            return self._route_counts(node, name, args, kwargs)
+        return self._route_rowwise(node, args, kwargs, routed)
+
+    def _start_routing(self, node, name, args, kwargs):
+        """Sorts along a 1-D token dimension, counts per expert, positions 0..n-1."""
+        if name in _SORTS or name in _COUNTS:
+            source = node.args[0] if node.args else None
+            bdim = self.splits[source.name].out_bdims if isinstance(source, torch.fx.Node) else None
+            tensor = args[0] if args else None
+            if bdim != 0 or not isinstance(tensor, torch.Tensor) or tensor.dim() != 1:
+                return None
+            if name in _COUNTS:
+                return self._route_counts(node, name, args, kwargs)
+            named = _named_args(node, args, kwargs) or {}
+            if named.get("dim", -1) not in (0, -1):
+                return None
+            length = tensor.shape[0]
+            rows = _Route("rows", order=node.name, length=length, sorted_keys=True)
+            positions = _Route("positions", order=node.name, length=length, space=length, bijective=True)
+            if name == "argsort":
+                return positions, None
+            return (rows if name == "msort" else (rows, positions)), None
+        if name == "arange" and len(node.args) == 1 and isinstance(node.args[0], torch.fx.Node):
+            if self.splits[node.args[0].name].out_bdims == BATCHED_INT:
+                return _Route("iota", length=self.full[node.args[0].name]), None
+        return None
+
+    def _route_gather(self, node, name, args, kwargs, routed):
+        """x[positions] and x.index_select(0, positions): rows in the positions' order."""
+        source = node.args[0]
+        if name == "getitem":
+            index, dim = node.args[1], 0
+        else:
+            index = node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
+            dim = (_named_args(node, args, kwargs) or {}).get("dim")
+        positions = routed.get(index.name) if isinstance(index, torch.fx.Node) else None
+        what = f"{_describe(node)} indexes tokens routed by their sub-batch"
+        if (
+            positions is not None and positions.kind == "rows" and isinstance(source, torch.fx.Node)
+            and not self._batched(source.name) and name == "getitem"
+        ):
+            # A shared table (the experts' weights) looked up per routed row.
+            return _Route("rows", order=positions.order, length=positions.length), None
+        if positions is None or positions.kind != "positions" or dim != 0 or not isinstance(source, torch.fx.Node):
+            return None, what + " in a way that cannot be split"
+        rows = routed.get(source.name)
+        if rows is None:
+            order = "" if self.splits[source.name].out_bdims == 0 else None
+        else:
+            order = rows.order if rows.kind == "rows" else None
+        if order != positions.points or self.full[source.name].shape[0] != positions.space:
+            return None, what + " with positions into other rows"
+        if positions.order == "":
+            return _TOKENS, None
+        return _Route("rows", order=positions.order, length=positions.length), None
+
+    def _route_positions_arithmetic(self, node, name, positions):
+        """Positions of pairs // pairs per token: positions of tokens (and % the rank
+        within the token), exact when each sub-batch holds whole tokens."""
+        divisor = node.args[1] if len(node.args) > 1 else None
+        if not isinstance(divisor, int) or divisor <= 0 or (positions.space // self.k) % divisor:
+            return None, f"{_describe(node)} divides token positions by a size that splits a sub-batch's tokens"
+        if name == "floordiv":
+            return dataclasses.replace(positions, space=positions.space // divisor, bijective=False), None
+        if positions.order == "":
+            return _TOKENS, None
+        return _Route("rows", order=positions.order, length=positions.length), None
+
+    def _route_scatter(self, node, name, args, kwargs, routed):
+        """Writes by positions: `inverse[perm] = arange(n)` (the inverse permutation),
+        `out[positions] = rows` and `out.index_add_(0, positions, rows)` (routed rows
+        back in token order)."""
+        if name == "setitem":
+            target, index, value = node.args
+            dim = 0
+        else:
+            target = node.args[0]
+            index = node.args[2] if len(node.args) > 2 else node.kwargs.get("index")
+            value = node.args[3] if len(node.args) > 3 else node.kwargs.get("source")
+            dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        written, positions, rows = (routed.get(n.name) if isinstance(n, torch.fx.Node) else None
+                                    for n in (target, index, value))
+        what = f"{_describe(node)} writes routed tokens in a way that cannot be split"
+        if dim != 0 or positions is None or positions.kind != "positions" or not isinstance(target, torch.fx.Node):
+            return None, what
+        if not name.startswith("index_add") and not positions.bijective:
+            # A position written twice keeps the write that comes last in routed order.
+            return None, what
+        fresh = written is not None and written.kind == "fresh"
+        space = positions.space
+        if name == "setitem" and fresh and written.length == space == positions.length and (
+            (rows is None and self._make_iota(value, space, users_besides=node))
+            or (rows is not None and rows.kind == "iota" and rows.length == space)
+        ):
+            self.routes[target.name] = _Route(
+                "positions", order=positions.points, length=space, points=positions.order, space=space,
+                bijective=True,
+            )
+            return _TOKENS, None
+        in_tokens = fresh or (written is None and self.splits[target.name].out_bdims == 0)
+        if (
+            in_tokens and positions.points == "" and self.full[target.name].shape[0] == space
+            and rows is not None and rows.kind == "rows" and rows.order == positions.order
+            and rows.length == positions.length
+        ):
+            self.routes.pop(target.name, None)  # in token order from here on
+            return _TOKENS, None
+        return None, what
+
+    def _make_iota(self, value, length, users_besides) -> bool:
+        """A shared `arange(n)` of the full token count, read only here, becomes
+        `arange(n / K)` per sub-batch: each sub-batch numbers its own tokens."""
+        if not isinstance(value, torch.fx.Node) or _target_name(value) != "arange" or value.args != (length,):
+            return False
+        if any(user is not users_besides for user in value.users) or length % self.k:
+            return False
+        args = (length // self.k,)
+        self.sub[value.name] = self._execute(value, args, value.kwargs)
+        self.splits[value.name] = NodeSplit("batched", out_bdims=0, args=args, kwargs=value.kwargs)
+        return True
+
+    def _route_grouped_mm(self, node, args, kwargs, routed):
+        """A grouped matmul of rows sorted by expert, with offsets counted from the
+        same sort's keys: rows in that order."""
+        source = node.args[0]
+        offsets = node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None)
+        rows = routed.get(getattr(source, "name", None))
+        counts = routed.get(getattr(offsets, "name", None))
+        others = [n for n in node.all_input_nodes if n is not source and n is not offsets and self._batched(n.name)]
+        if (
+            rows is None or rows.kind != "rows" or counts is None or counts.kind != "offsets"
+            or counts.order != rows.order or others
+        ):
+            return None, f"{_describe(node)} groups tokens by offsets not counted from their own sort"
+        return _Route("rows", order=rows.order, length=rows.length), None
+
+    def _route_counts(self, node, name, args, kwargs):
+        """Tokens per expert: counts over the sub-batch's tokens."""
+        source = node.args[0]
+        named = _named_args(node, args, kwargs) or {}
+        if named.get("weights") is not None or (source.name not in self.routes and self.splits[source.name].out_bdims != 0):
+            return None, f"{_describe(node)} counts tokens in a way that cannot be split"
+        rows = self.routes.get(source.name)
+        if rows is not None and rows.kind != "rows":
+            return None, f"{_describe(node)} counts token positions"
+        sorted_keys = rows is not None and rows.sorted_keys
+        return _Route("counts", order=rows.order if rows is not None else "", sorted_keys=sorted_keys), None
+
+    def _route_rowwise(self, node, args, kwargs, routed):
+        """Row by row over rows in one routed order (or on counts alone)."""
+        kinds = {r.kind for r in routed.values()}
+        orders = {r.order for r in routed.values()}
+        unrouted = [n for n in node.all_input_nodes if n.name not in routed and self._batched(n.name)]
+        if kinds == {"counts"} and len(orders) == 1 and not unrouted:
+            first = next(iter(routed.values()))
+            named = _named_args(node, args, kwargs) or {}
+            if _target_name(node) == "cumsum" and named.get("dim") in (0, -1) and first.sorted_keys:
+                # The end of each expert's group in the sorted rows.
+                return _Route("offsets", order=first.order, sorted_keys=True), None
+            return _Route("counts", order=first.order, sorted_keys=False), None
+        described = ", ".join(f"{n} ({r.kind})" for n, r in routed.items())
+        if kinds == {"rows"} and len(orders) == 1 and unrouted:
+            return None, (
+                f"{_describe(node)} combines tokens in the order their sub-batch routed them ({described}) "
+                f"with tokens in their own order ({', '.join(n.name for n in unrouted)})"
+            )
+        if kinds != {"rows"} or len(orders) > 1 or unrouted:
+            return None, f"{_describe(node)} combines routed values {described} in a way that cannot be split"
+        reason = self._mixes_samples(node, args, kwargs, None)
+        if reason is not None:
+            return None, reason
+        first = next(iter(routed.values()))
+        return _Route("rows", order=first.order, length=first.length), None
 
     def _input_bdims(self, node):
         """(input node, its full value, batch dim) for batched tensor inputs."""
@@ -412,6 +724,9 @@ class _Propagator:
             return None
         named = _named_args(node, args, kwargs)
         if named is None:
+            return None
+        if name == "repeat_interleave" and isinstance(named.get("repeats"), int):
+            # Each row repeated in place (a token per expert it is routed to).
             return None
         dims = [named[key] for key in ("dim", "dims") if key in named and named[key] is not None]
         if not dims:
@@ -535,7 +850,74 @@ class _Propagator:
         return "concat"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    """What a value holds when each sub-batch routes its own tokens (`_routing`).
+
+    Attributes:
+        kind: "rows": along dim 0, the sub-batch's own rows in the order of the sort
+            `order` (not a slice of the full batch's value); "positions": integer
+            positions, local to the sub-batch, into the `space` rows (full batch) of
+            values in order `points` ("": token order), themselves in order `order`;
+            "counts": no batch dimension, counts per expert over the sub-batch's
+            rows; "offsets": their cumulative sum, where each expert's group of
+            sorted rows ends; "iota": `arange` over the sub-batch's `length` rows; "fresh": an
+            unwritten tensor shaped like routed rows.
+        order: "" for token order, else the sort node that ordered the rows.
+        length: rows along dim 0 for the full batch.
+        points, space: for positions, what they index.
+        bijective: positions that name every row once (a permutation).
+        sorted_keys: rows that are their sort's keys; counts of such keys (offsets
+            for a grouped matmul).
+    """
+
+    kind: str
+    order: str = ""
+    length: int = 0
+    points: str = ""
+    space: int = 0
+    bijective: bool = False
+    sorted_keys: bool = False
+
+
+# The result of a routing op in token order again: an ordinary per-sample value.
+_TOKENS = _Route("tokens")
+_SORTS = {"sort", "argsort", "msort"}
+_COUNTS = {"histc", "bincount"}
+_SCATTERS = {"setitem", "index_add", "index_add_", "index_copy", "index_copy_"}
+# Ops that keep what the values mean (a dtype, a copy).
+_KEEP_VALUES = {"to", "float", "int", "long", "clone", "contiguous", "detach"}
+
+
+def _is_counts(route) -> bool:
+    return isinstance(route, _Route) and route.kind in ("counts", "offsets")
+
+
+def _route_mismatch(node, route, out_bdims, full_out) -> str | None:
+    """A routed result must keep its rows along dim 0 (counts: no batch dimension)."""
+    routes = route if isinstance(route, tuple) else None
+    leaves = pytree.tree_leaves(full_out)
+    bdims = pytree.tree_leaves(out_bdims, is_leaf=lambda x: x is None)
+    for i, (leaf, bdim) in enumerate(zip(leaves, bdims)):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        r = routes[i] if routes is not None else route
+        if r is _TOKENS or _is_counts(r):
+            if _is_counts(r) and bdim is not None:
+                return f"{_describe(node)} counts per sub-batch but its result scales with the batch"
+            continue
+        if bdim != 0 or leaf.shape[0] != r.length:
+            return f"{_describe(node)} changes the rows of tokens routed by their sub-batch"
+    return None
+
+
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem}
+# Ops that make a tensor of one value from sizes: where the sizes start in their args.
+_SIZE_ARG = {"new_zeros": 1, "new_ones": 1, "new_empty": 1, "new_full": 1,
+             torch.zeros: 0, torch.ones: 0, torch.empty: 0, torch.full: 0}
+# In-place writes that keep samples apart when the batch dimension is left whole.
+_PER_SAMPLE_WRITES = {"setitem", "index_put_", "copy_", "fill_", "masked_fill_", "add_", "sub_", "mul_", "div_",
+                      "iadd", "isub", "imul", "itruediv"}
 
 
 def _is_inplace(node: torch.fx.Node, full_args) -> bool:

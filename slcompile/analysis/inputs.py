@@ -50,7 +50,7 @@ def classify_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) 
             source = source()
         if isinstance(value, torch.nn.Parameter) or "._parameters[" in source:
             kind = "param"
-        elif "._buffers[" in source:
+        elif "._buffers[" in source or _is_module_state(node):
             kind = "buffer"
         elif isinstance(value, torch.Tensor):
             kind = "user"
@@ -60,3 +60,9 @@ def classify_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) 
             kind = "other"
         result.append(GraphInput(node.name, index, kind, str(source), value))
     return result
+
+
+def _is_module_state(node: torch.fx.Node) -> bool:
+    """A tensor Dynamo lifted from a module and marks static: a buffer, when the
+    placeholder carries no source (a buffer first read inside a nested call)."""
+    return (node.meta.get("tensor_dict") or {}).get("_dynamo_static_input_type") == "unguarded"

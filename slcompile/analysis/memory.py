@@ -202,7 +202,9 @@ def _held_bytes(gm: torch.fx.GraphModule) -> sympy.Expr:
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor):
             continue
-        if node.users and all(u.op == "call_function" and u.target is fetch for u in node.users):
+        # A training forward also returns a streamed parameter for the backward to fetch.
+        used = [u for u in node.users if u.op != "output"]
+        if used and all(u.op == "call_function" and u.target is fetch for u in used):
             continue
         held += tensor_bytes(value)
     return sympy.expand(held)

@@ -38,6 +38,7 @@ from slcompile.pipeline import (
     all_passes,
 )
 from slcompile.report import CompileReport
+from slcompile.schedules.planner import kept_bytes
 
 __all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES"]
 
@@ -66,6 +67,8 @@ class StepPlan:
             activations leave the device.
         gradients: the GradientSink when streamed weights' gradients leave the
             device (`offload_gradients`), else None.
+        stash_everything: stash every saved activation that may leave, instead of
+            what the planner chooses under the budget (the last resort).
     """
 
     block_positions: dict[int, int]
@@ -81,6 +84,7 @@ class StepPlan:
     streamed_bytes: int = 0
     schedule: Any = None
     gradients: Any = None
+    stash_everything: bool = False
 
 
 def lower(
@@ -97,8 +101,9 @@ def lower(
     and backward through `PARTITIONED_PASSES` (gradient fusion, the schedule's order,
     activation and gradient offload, weight prefetch, then the step's schedule and
     memory), and an inference graph through `INFERENCE_PASSES` (all declared in
-    `slcompile.pipeline`). With `recompute="auto"` and a budget the step would exceed,
-    it runs the joint and partitioned stages again with block recomputation; when
+    `slcompile.pipeline`). Under a budget the step would exceed, it runs the joint
+    and partitioned stages again with the next plan (`_PlannedPartition`: block
+    recomputation with `recompute="auto"`, then every activation stashed); when
     nothing fits it raises `BudgetError` with the smallest budget that would. Every
     graph handed to a compiler goes through `COMPILED_PASSES` first. Each stage's
     passes are listed in `report.passes_run`.
@@ -128,8 +133,15 @@ def lower(
 
 
 class _PlannedPartition:
-    """Wraps a partitioner with the joint and partitioned stages, tried per recompute
-    choice until one fits the budget."""
+    """Wraps a partitioner with the joint and partitioned stages, tried per plan
+    until one fits the budget.
+
+    The plans, in order: for each recompute choice (`recompute="auto"`: none, then
+    blocks), the saved activations the planner moves off the device under the
+    budget (`slcompile.schedules.planner`: only transfers that hide); then, when
+    activations may leave, for each recompute choice every one of them, unless the
+    planned attempt showed that even shedding all it kept would not fit.
+    """
 
     def __init__(self, plan: StepPlan, report: CompileReport, lowering: str):
         self.plan = plan
@@ -141,24 +153,35 @@ class _PlannedPartition:
     def candidates(self) -> tuple[str, ...]:
         return ("none", "blocks") if self.plan.recompute == "auto" else (self.plan.recompute,)
 
-    def _label(self, recompute: str) -> str:
+    def attempts(self) -> list[tuple[str, bool]]:
+        """(recompute, stash everything) of each plan to try."""
+        planned = [(recompute, False) for recompute in self.candidates()]
+        if self.plan.stash is None or self.plan.memory_budget is None:
+            return planned
+        return planned + [(recompute, True) for recompute in self.candidates()]
+
+    def _label(self, recompute: str, everything: bool = False) -> str:
         # When a budget may make it try several plans, each attempt's passes are told
         # apart in the log.
-        searches = len(self.candidates()) > 1 and self.plan.memory_budget is not None
-        return f"recompute={recompute}" if searches else ""
+        if self.plan.memory_budget is None or len(self.attempts()) == 1:
+            return ""
+        return f"recompute={recompute}" + (",stash=all" if everything else "")
 
     def tag_first(self, joint: torch.fx.Graph) -> None:
         """The joint-graph stage of the first plan tried."""
-        recompute = self.candidates()[0]
+        recompute, _ = self.attempts()[0]
         step = StepState(self.plan, self.report, {"joint": joint}, recompute=recompute, lowering=self.lowering)
         run_passes(JOINT_PASSES, step, self.report.pass_log, label=self._label(recompute))
         self.pre_tagged = True
 
     def __call__(self, partitioner, joint: torch.fx.GraphModule, joint_inputs, **kwargs):
-        plan = self.plan
         tried = []
-        for attempt, recompute in enumerate(self.candidates()):
-            label = self._label(recompute)
+        hopeless: set[str] = set()  # recompute choices that stashing everything cannot bring under the budget
+        for attempt, (recompute, everything) in enumerate(self.attempts()):
+            if everything and recompute in hopeless:
+                continue
+            plan = dataclasses.replace(self.plan, stash_everything=everything)
+            label = self._label(recompute, everything)
             if not (self.pre_tagged and attempt == 0):
                 step = StepState(plan, self.report, {"joint": joint}, recompute=recompute, lowering=self.lowering)
                 run_passes(JOINT_PASSES, step, self.report.pass_log, label=label)
@@ -170,20 +193,27 @@ class _PlannedPartition:
             run_passes(PARTITIONED_PASSES, step, self.report.pass_log, label=label)
             prediction = step.results["predict_memory"]
             tried.append(prediction)
+            offloaded = step.results.get("offload_activations")
+            schedule = step.results.get("plan_transfers")
+            if plan.memory_budget is not None and schedule is not None and \
+                    prediction.peak_bytes["device"] - kept_bytes(schedule) > plan.memory_budget:
+                hopeless.add(recompute)  # or nothing more to stash: the same plan again
             if plan.memory_budget is None or prediction.peak_bytes["device"] <= plan.memory_budget:
                 self.report.memory = prediction
-                offloaded = step.results.get("offload_activations")
                 self.report.offloaded_activations = offloaded if offloaded is not None else OffloadedActivations()
                 if "derive_schedule" in step.results:
                     self.report.schedule = step.results["derive_schedule"].text()
+                if step.results.get("plan_transfers") is not None:
+                    self.report.planned_schedule = step.results["plan_transfers"]
                 log.info("speedloader: %s", prediction)
                 return fw, bw
             log.info(
-                "speedloader: recompute=%s needs %d bytes on the device, over the budget of %d",
-                recompute, prediction.peak_bytes["device"], plan.memory_budget,
+                "speedloader: recompute=%s%s needs %d bytes on the device, over the budget of %d",
+                recompute, ", every activation stashed" if everything else "", prediction.peak_bytes["device"],
+                plan.memory_budget,
             )
         smallest = min(tried, key=lambda p: p.peak_bytes["device"])
-        raise BudgetError(plan.memory_budget, smallest.peak_bytes["device"], tuple(tried))
+        raise BudgetError(self.plan.memory_budget, smallest.peak_bytes["device"], tuple(tried))
 
 
 def _aot_eager(gm, example_inputs, prepare, partition_hook):
@@ -264,7 +294,11 @@ def partition_key(plan: StepPlan) -> bytes:
 
 
 def _plan_key(plan: StepPlan):
-    return dataclasses.replace(plan, streamer=None, stash=None, gradients=None)
+    # The schedule by its policy's name and its text: a function's repr names its address.
+    schedule = plan.schedule
+    if schedule is not None:
+        schedule = (schedule.policy.name if schedule.policy is not None else None, schedule.text())
+    return dataclasses.replace(plan, streamer=None, stash=None, gradients=None, schedule=schedule)
 
 
 def _inductor(gm, example_inputs, prepare, partition_hook):

@@ -5,9 +5,10 @@ Registered through the `torch_dynamo_backends` entry point, so
 `pip install` with no import of slcompile. Dynamo hands over each captured graph and
 its example inputs; the backend runs the pass pipeline on it and lowers the rewritten
 graph, or, when the pipeline refuses, lowers the original graph and logs one warning
-with the reason (`on_refusal="raise"` raises instead). Results are never silently
-different: a dynamic batch that turns out not divisible by K at run time runs the
-plain graph, compiled on first need.
+with the reason (`on_refusal="raise"` raises instead). A graph without blocks has
+nothing to split: it is lowered plainly, its report says so, and it is no refusal.
+Results are never silently different: a dynamic batch that turns out not divisible by
+K at run time runs the plain graph, compiled on first need.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from typing import Any
 import torch
 import torch.fx
 
+from slcompile.analysis.inputs import classify_inputs
 from slcompile.backends.lowering import StepPlan, lower
 from slcompile.config import SpeedLoaderConfig
-from slcompile.errors import BudgetError, OptionError, RefusedError, compile_error
+from slcompile.errors import BudgetError, NoBlocksError, OptionError, RefusedError, compile_error
 from slcompile.pipeline import run_pipeline
 from slcompile.report import CompileReport, add_report
 from slcompile.runtime.errors import OffloadDirError
 from slcompile.runtime.gradients import gradient_sink_for
+from slcompile.units import format_bytes
 
 __all__ = ["speedloader_backend"]
 
@@ -70,12 +73,23 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     try:
         state = run_pipeline(gm, example_inputs, config, passes_log=report.pass_log)
     except RefusedError as err:
-        if config.on_refusal == "raise":
-            raise
         report.fallback_reason = str(err)
-        log.warning(
-            "speedloader: compiling this graph with plain %s instead: %s", config.lowering, err
-        )
+        if isinstance(err, NoBlocksError):
+            # Nothing to split (the loss graph after a graph break): not a refusal. A
+            # graph that holds parameters keeps them on the device: say so out loud.
+            held = sum(
+                i.value.numel() * i.value.element_size() for i in classify_inputs(gm, example_inputs)
+                if i.kind == "param" and isinstance(i.value, torch.Tensor)
+            )
+            if held:
+                log.warning("speedloader: %s with %s; its %s of parameters stay on the device",
+                            err, config.lowering, format_bytes(held))
+            else:
+                log.info("speedloader: %s with %s", err, config.lowering)
+        elif config.on_refusal == "raise":
+            raise
+        else:
+            log.warning("speedloader: compiling this graph with plain %s instead: %s", config.lowering, err)
         return lower(gm, example_inputs, config.lowering, report)
 
     report.blocks = tuple(b.path for b in state.blocks.blocks)

@@ -4,8 +4,11 @@ Runs after `propagate_batch`; reads its problems and never changes the graph. Th
 problems it reports: BatchNorm in training and any other op that mixes samples before
 or inside a block (reductions over the batch, ops along the batch dimension, indexing
 the batch), in-place writes to inputs, buffers or parameters, and per-sample values
-written into a value shared by all sub-batches. Cross-sample ops after the last block
-(the loss) are not problems: `interleave` computes them from all sub-batches.
+written into a value shared by all sub-batches, and tokens routed in a way that
+couples samples (a capacity per expert, counts of the whole batch used per token).
+Cross-sample ops after the last block (the loss) are not problems: `interleave`
+computes them from all sub-batches; neither is routing each sub-batch's tokens on its
+own (sort by expert, gather, grouped matmul, inverse permutation).
 """
 
 from __future__ import annotations

@@ -8,6 +8,19 @@ prefix, nodes after the last are the suffix, and a node with no module of its ow
 between two block nodes belongs to the block that is running. Blocks are grouped by
 structural identity (same ops, same parameter shapes, same wiring): "repeated" means
 structurally identical, not the same name pattern (T5's block 0 differs from the rest).
+
+A graph may hold more than one stack of blocks (an encoder's `encoder.block.N`, then
+a decoder's `decoder.block.N`). Besides the container with the most block nodes, every
+other container that is not inside a block of another, runs in a stretch of the graph
+of its own (before or after the other stacks, never between their nodes), and has
+at least two children that each read a parameter and each read what the child before
+them computed (a chain of blocks; a list of heads that all read one value is no stack)
+is a stack too. Blocks are then numbered in execution order across the stacks
+(`Block.index`), the nodes between two stacks (the encoder's final norm, the
+decoder's embedding) run with the block before them, and a later stack's blocks read
+what an earlier stack computed (the encoder's output) like any other value: per
+sub-batch, kept (or stashed) until its last reader. With one stack, `Block.index` is
+the child's number in its container.
 """
 
 from __future__ import annotations
@@ -22,13 +35,14 @@ import torch
 import torch.fx
 
 from slcompile.analysis.inputs import GraphInput
-from slcompile.errors import RefusedError
+from slcompile.errors import NoBlocksError, RefusedError
 
 __all__ = ["Block", "BlockGraph", "find_blocks"]
 
 log = logging.getLogger(__name__)
 
 _INDEXED = re.compile(r"^(.*?)(?:\.(\d+)|\[(\d+)\])$")
+_CHILD = re.compile(r"\.\d+|\[\d+\]")
 _DYNAMO_SELF = "L['self']"
 
 
@@ -37,7 +51,9 @@ class Block:
     """One block.
 
     Attributes:
-        index: its position in the container (`layers.3` -> 3).
+        index: its position in the container (`layers.3` -> 3); with several stacks,
+            its position in execution order across them (`decoder.block.0` after two
+            encoder blocks -> 2).
         path: the module path, as the user names it (`model.layers.3`).
         nodes: names of its call nodes, in graph order.
         params: names of the parameter placeholders it reads.
@@ -56,11 +72,14 @@ class BlockGraph:
     """The result of `find_blocks`.
 
     Attributes:
-        container: the module list holding the blocks (`model.layers`).
+        container: the module list holding the blocks (`model.layers`); with several
+            stacks, the one holding the most block nodes.
         blocks: the blocks in execution order.
         regions: node name -> "prefix", "block" or "suffix", for every non-placeholder.
         block_of: node name -> block position in `blocks`, for block nodes.
         groups: block positions grouped by structural identity.
+        stacks: per stack, in execution order, its container and its block positions
+            (one stack: `(("layers", (0, 1, ...)),)`).
     """
 
     container: str
@@ -68,13 +87,15 @@ class BlockGraph:
     regions: dict[str, str]
     block_of: dict[str, int]
     groups: tuple[tuple[int, ...], ...]
+    stacks: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def find_blocks(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> BlockGraph:
     """Finds the blocks of `gm`.
 
     Raises:
-        RefusedError: no repeated blocks, or blocks whose nodes interleave.
+        NoBlocksError: no repeated blocks (nothing to split).
+        RefusedError: blocks whose nodes interleave.
     """
     params = {i.name for i in inputs if i.kind in ("param", "buffer")}
     calls = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
@@ -85,22 +106,24 @@ def find_blocks(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> BlockGrap
         for container, index in _indexed_paths(node):
             owners[container][index] += 1
     if not owners:
-        raise RefusedError("no repeated blocks: no module list (layers.N, h.N, ...) owns graph nodes", "find_blocks")
+        raise NoBlocksError("no module list (layers.N, h.N, ...) owns graph nodes", "find_blocks")
     container = max(owners, key=lambda c: (sum(owners[c].values()), len(owners[c]), -len(c)))
+    stacks = _stacks(calls, owners, container, params)
 
-    index_of: dict[str, int] = {}
+    # Node -> (container, index) of the block it runs in.
+    index_of: dict[str, tuple[str, int]] = {}
     for node in calls:
         for cont, index in _indexed_paths(node):
-            if cont == container:
-                index_of[node.name] = index
+            if cont in stacks:
+                index_of[node.name] = (cont, index)
                 break
 
     # Prefix before the first block node, suffix after the last, gaps to the running block.
     positions = [i for i, n in enumerate(calls) if n.name in index_of]
     first, last = positions[0], positions[-1]
     regions: dict[str, str] = {}
-    order: list[int] = []  # block indices in execution order
-    node_block: dict[str, int] = {}
+    order: list[tuple[str, int]] = []  # blocks in execution order
+    node_block: dict[str, tuple[str, int]] = {}
     current = None
     for i, node in enumerate(calls):
         if i < first:
@@ -114,7 +137,7 @@ def find_blocks(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> BlockGrap
                 if not order or order[-1] != current:
                     if current in order:
                         raise RefusedError(
-                            f"block {container}.{current} runs again after another block started "
+                            f"block {_pretty(current[0])}.{current[1]} runs again after another block started "
                             f"(node {node.name}); blocks must run one after another",
                             "find_blocks",
                         )
@@ -141,28 +164,89 @@ def find_blocks(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> BlockGrap
         signatures.append(_signature(nodes, params))
     group_ids: dict[str, int] = {}
     groups: dict[int, list[int]] = defaultdict(list)
+    per_stack: dict[str, list[int]] = defaultdict(list)
     blocks = []
-    pretty = container.replace(_DYNAMO_SELF + ".", "").replace(_DYNAMO_SELF, "")
-    for pos, index in enumerate(order):
+    for pos, (cont, index) in enumerate(order):
         group = group_ids.setdefault(signatures[pos], len(group_ids))
         groups[group].append(pos)
+        per_stack[cont].append(pos)
+        pretty = _pretty(cont)
         blocks.append(
             Block(
-                index=index,
+                index=index if len(stacks) == 1 else pos,
                 path=f"{pretty}.{index}" if pretty else str(index),
                 nodes=tuple(members[pos]),
                 params=block_params[pos],
                 group=group,
             )
         )
-    log.debug("found %d blocks in %s (%d groups)", len(blocks), pretty, len(groups))
+    log.debug("found %d blocks in %s (%d groups)", len(blocks), ", ".join(map(_pretty, per_stack)), len(groups))
     return BlockGraph(
-        container=pretty,
+        container=_pretty(container),
         blocks=tuple(blocks),
         regions=regions,
         block_of=block_of,
         groups=tuple(tuple(g) for g in groups.values()),
+        stacks=tuple((_pretty(cont), tuple(positions)) for cont, positions in per_stack.items()),
     )
+
+
+def _pretty(container: str) -> str:
+    return container.replace(_DYNAMO_SELF + ".", "").replace(_DYNAMO_SELF, "")
+
+
+def _stacks(calls: list[torch.fx.Node], owners: dict[str, Counter], main: str, params: set[str]) -> list[str]:
+    """The containers whose children are blocks, in execution order: `main` and the
+    other stacks (see the module docstring)."""
+    span: dict[str, list[int]] = {}
+    reads: dict[str, set[int]] = defaultdict(set)
+    child: dict[str, dict[str, int]] = defaultdict(dict)  # container -> node name -> index
+    for i, node in enumerate(calls):
+        for cont, index in _indexed_paths(node):
+            span.setdefault(cont, [i, i])[1] = i
+            child[cont].setdefault(node.name, index)
+            if any(arg.name in params for arg in node.all_input_nodes):
+                reads[cont].add(index)
+
+    def chained(cont: str) -> bool:
+        """Each child reads what the one before it computed (maybe through nodes of no
+        child): a sequence of blocks, not parallel branches such as a list of heads."""
+        owner = child[cont]
+        indices = sorted(owners[cont])
+        for before, after in zip(indices, indices[1:]):
+            frontier = [n for n in calls if owner.get(n.name) == after]
+            seen = {n.name for n in frontier}
+            found = False
+            while frontier and not found:
+                node = frontier.pop()
+                for arg in node.all_input_nodes:
+                    if owner.get(arg.name) == before:
+                        found = True
+                    elif arg.name not in owner and arg.name not in seen and arg.op != "placeholder":
+                        seen.add(arg.name)
+                        frontier.append(arg)
+            if not found:
+                return False
+        return True
+
+    def nested(inner: str, outer: str) -> bool:
+        """`inner` is a module list inside one block of `outer`."""
+        return inner.startswith(outer) and _CHILD.match(inner[len(outer) :]) is not None
+
+    stacks = [main]
+    for cont in sorted(owners, key=lambda c: span[c][0]):
+        if (
+            cont == main
+            or len(owners[cont]) < 2
+            or reads[cont] != set(owners[cont])
+            or any(nested(cont, other) for other in owners)
+            or nested(main, cont)
+            or any(span[cont][0] <= span[s][1] and span[s][0] <= span[cont][1] for s in stacks)
+            or not chained(cont)
+        ):
+            continue
+        stacks.append(cont)
+    return sorted(stacks, key=lambda c: span[c][0])
 
 
 def _indexed_paths(node: torch.fx.Node):

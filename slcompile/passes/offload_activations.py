@@ -1,6 +1,6 @@
 """Saved activations on a slower tier, and block-level recomputation.
 
-Two passes around AOTAutograd's partitioner:
+Around AOTAutograd's partitioner:
 
 - `tag_block_recompute` (joint graph, before partitioning): every forward op inside a
   block is recomputed in the backward, except the block's outputs (what the next
@@ -9,17 +9,22 @@ Two passes around AOTAutograd's partitioner:
   only its input and its random masks, and the backward recomputes the rest from
   them just before it needs them. Weights fetched from a tier are recomputed anyway
   (`stream_weights`).
-- `offload_saved` (the partitioned pair): every saved tensor that belongs to one
-  (block, sub-batch) and has at least `min_bytes` is stored when it is made
-  (`slc::stash`); the forward returns the stash token instead of the tensor, waits for
-  the store after the tensor's last forward use (`slc::wait`, which keeps it alive
-  until then; a saved view is stored as its own contiguous copy, so its base can be
-  freed), and the backward issues the load (`slc::unstash`) when the
-  (block, sub-batch) before the one that reads it starts, and waits for it
-  (`slc::unstash_wait`) just before its first use: one (block, sub-batch) of
-  lookahead. Model outputs and graph inputs (and views of them) stay as they are, and
-  so do the saved tensors of a (block, sub-batch) the schedule keeps on the device
-  (`Schedule.stashes()`).
+- `saved_activations` (the partitioned pair, read only): every tensor the forward
+  saves for the backward, the (block, sub-batch) step that makes it, its bytes, the
+  steps of its last forward use and first backward use, and why it must stay on the
+  device if it must (a graph input or a view of one, a model output, not of one
+  sub-batch, smaller than `min_offload_bytes`). The policy is asked again with them
+  (`Schedule.replan`): it decides which steps stash and where every transfer runs.
+- `offload_saved` (the partitioned pair): every saved tensor of a step the schedule
+  stashes is stored when it is made (`slc::stash`); the forward returns the stash
+  token instead of the tensor and waits for the store (`slc::wait`, which keeps it
+  alive until then; a saved view is stored as its own contiguous copy, so its base
+  can be freed) where the schedule's `stash.wait` step is; the backward issues the
+  load (`slc::unstash`) and waits for it (`slc::unstash_wait`) where its
+  `unstash.issue` and `unstash.wait` steps are. A step runs just before the first
+  node of the compute step after it in the schedule. Model outputs and graph inputs
+  (and views of them) stay as they are, and so do the saved tensors of a step the
+  schedule keeps on the device.
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 from slcompile.analysis.lifetimes import tensor_bytes
 from slcompile.compat import optimization_hint
 from slcompile.meta import SlcMeta, get_slc_meta, set_slc_meta
-from slcompile.vocabulary import STASH, UNSTASH, UNSTASH_WAIT, WAIT, fake_token
+from slcompile.schedules.base import SavedActivation, Schedule
+from slcompile.vocabulary import STASH, UNSTASH, UNSTASH_WAIT, WAIT, fake_token, is_compute
 
-__all__ = ["OffloadedActivations", "tag_block_recompute", "offload_saved", "forward_nodes"]
+__all__ = ["OffloadedActivations", "tag_block_recompute", "saved_activations", "offload_saved", "forward_nodes"]
 
 log = logging.getLogger(__name__)
 
@@ -154,69 +160,122 @@ def _bytes_hint(value: torch.Tensor) -> int:
     return optimization_hint(value.numel()) * value.element_size()
 
 
-def offload_saved(
-    fw: torch.fx.GraphModule,
-    bw: torch.fx.GraphModule,
-    num_fwd_outputs: int,
-    graph_key,
-    min_bytes: int,
-    stashes: frozenset | None = None,
-) -> OffloadedActivations:
-    """Moves the saved tensors of a partitioned pair to the stash (in place).
+def _step_of_nodes(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, tuple | None], dict[tuple, torch.fx.Node]]:
+    """(node -> the compute step it runs in: the step of the last node at or before
+    it that computes for one sub-batch; step -> its first such node)."""
+    current = None
+    step_of: dict[torch.fx.Node, tuple | None] = {}
+    first: dict[tuple, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        meta = get_slc_meta(node) if is_compute(node) else None
+        if meta is not None and meta.subbatch is not None:
+            current = (meta.region, meta.block if meta.region == "block" else None, meta.subbatch)
+            first.setdefault(current, node)
+        step_of[node] = current
+    return step_of, first
 
-    Args:
-        fw, bw: the partitioned forward and backward.
-        num_fwd_outputs: how many of the forward's outputs are the model's.
-        graph_key: `graph_key(name) -> key` of the `slc::stash` op (a `StashKey`'s text).
-        min_bytes: saved tensors smaller than this stay on the device.
-        stashes: the (region, block, sub-batch) whose saved tensors may leave the
-            device (`Schedule.stashes()`); None: every one.
+
+def saved_activations(
+    fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fwd_outputs: int, min_bytes: int = 0
+) -> tuple[SavedActivation, ...]:
+    """The tensors a partitioned forward saves for its backward, with their lifetimes
+    in steps and why those that cannot leave the device stay.
+
+    The last forward use is the step of the last forward reader (at least the step
+    that makes it); the first backward use the step of the first backward reader.
     """
     fw_nodes = list(fw.graph.nodes)
-    fw_index = {node: i for i, node in enumerate(fw_nodes)}
-    output = fw_nodes[-1]
-    outputs = list(output.args[0])
-    bw_inputs = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
+    outputs = list(fw_nodes[-1].args[0])
     model_outputs = set(outputs[:num_fwd_outputs])
-
-    group_end: dict[tuple[int, int], int] = {}
-    for i, node in enumerate(fw_nodes):
-        group = _group(node)
-        if group is not None:
-            group_end[group] = i
-
-    chosen, kept = [], []
-    for position in range(num_fwd_outputs, len(outputs)):
-        node = outputs[position]
+    bw_inputs = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
+    fw_step, _ = _step_of_nodes(fw)
+    bw_step, _ = _step_of_nodes(bw)
+    bw_index = {node: i for i, node in enumerate(bw.graph.nodes)}
+    fw_order = {}
+    for node in fw_nodes:
+        if fw_step[node] is not None:
+            fw_order.setdefault(fw_step[node], len(fw_order))
+    found = []
+    for node in dict.fromkeys(outputs[num_fwd_outputs:]):
         value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
         if not isinstance(value, torch.Tensor):
             continue
+        group = _group(node)
+        owner = _step_key(group) if group is not None else None
         reason = None
         if _base(node).op != "call_function":
             reason = "a graph input or a view of one"
         elif node in model_outputs:
             reason = "also a model output"
-        elif _group(node) is None:
+        elif group is None:
             reason = "not of one sub-batch of the prefix or a block"
-        elif stashes is not None and _step_key(_group(node)) not in stashes:
-            reason = "kept on the device by the schedule"
         elif node.name not in bw_inputs:
             reason = "not read by the backward"
         elif _bytes_hint(value) < min_bytes:
             reason = f"smaller than min_offload_bytes ({_bytes_hint(value)} B)"
-        if reason is None:
-            chosen.append((position, node))
-        else:
-            kept.append((node.name, reason))
+        readers = [u for u in node.users if u.op != "output"]
+        last = max((fw_step[u] for u in readers if fw_step[u] is not None), key=fw_order.__getitem__, default=owner)
+        if owner is not None and last is not None and fw_order.get(owner, -1) > fw_order.get(last, -1):
+            last = owner
+        placeholder = bw_inputs.get(node.name)
+        first = None
+        if placeholder is not None and placeholder.users:
+            first = bw_step[min(placeholder.users, key=bw_index.__getitem__)]
+        found.append(SavedActivation(node.name, owner, _bytes_hint(value), last, first, reason))
+    return tuple(found)
 
+
+def offload_saved(
+    fw: torch.fx.GraphModule,
+    bw: torch.fx.GraphModule,
+    num_fwd_outputs: int,
+    graph_key,
+    saved: tuple[SavedActivation, ...],
+    schedule: Schedule,
+) -> OffloadedActivations:
+    """Moves the saved tensors of a partitioned pair to the stash (in place), where
+    the schedule's stash and unstash steps are.
+
+    Each tensor the schedule stashes (its owner has a `stash.issue` step) is stored
+    right after it is made. Its other transfers go where the schedule's steps of
+    its owner are: each step runs just before the first node of the compute step
+    that follows it in the schedule (after that step's weight fetches), or at the
+    end of its graph. A tensor takes the first `stash.wait` after its last forward
+    use, the last `unstash.wait` at or before its first backward use, and the last
+    `unstash.issue` before that wait. When the schedule has no such step where the
+    tensor allows one, the tensor waits after its last forward reader, and is loaded
+    one step ahead of and waited for just before its first backward reader (logged).
+
+    Args:
+        fw, bw: the partitioned forward and backward.
+        num_fwd_outputs: how many of the forward's outputs are the model's.
+        graph_key: `graph_key(name) -> key` of the `slc::stash` op (a `StashKey`'s text).
+        saved: `saved_activations(fw, bw, ...)`.
+        schedule: the schedule, written with `saved` (`Schedule.replan(saved=...)`).
+    """
+    stashes = schedule.stashes()
+    chosen = [a for a in saved if a.stays is None and a.owner in stashes]
+    kept = [(a.name, a.stays if a.stays is not None else "kept on the device by the schedule")
+            for a in saved if a not in chosen]
+    fw_nodes = {node.name: node for node in fw.graph.nodes}
+    output = fw.graph.output_node()
+    outputs = list(output.args[0])
+    _, fw_first = _step_of_nodes(fw)
+    fw_index = {node: i for i, node in enumerate(fw.graph.nodes)}
+    group_end: dict[tuple, torch.fx.Node] = {}
+    for node in fw.graph.nodes:
+        group = _group(node)
+        if group is not None:
+            group_end[_step_key(group)] = node
+
+    # Where each tensor's transfers go: (step index in the schedule, anchor node).
+    places = _Places(schedule)
     total = sympy.Integer(0)
     pairs = []
-    for position, node in chosen:
+    waits: list[tuple[int, torch.fx.Node, list]] = []  # (schedule index, anchor, [(token, source, group)])
+    for activation in chosen:
+        node = fw_nodes[activation.name]
         group = _group(node)
-        readers = [u for u in node.users if u.op != "output"]
-        after = max([node, *readers], key=fw_index.__getitem__)
-        if fw_index[after] < group_end[group]:
-            after = fw_nodes[group_end[group]]
         source = node
         if not node.meta["val"].is_contiguous():
             # The store needs one contiguous run of bytes; copying here keeps the
@@ -229,22 +288,85 @@ def offload_saved(
             set_slc_meta(source, _meta(group, "store"))
         with fw.graph.inserting_after(source):
             token = fw.graph.call_function(STASH, (source, graph_key(f"{_tag(group)}.{node.name}")))
-        with fw.graph.inserting_after(after if fw_index[after] > fw_index[node] else token):
-            done = fw.graph.call_function(WAIT, (token, [source]))
-        for inserted, role in ((token, "store"), (done, "store")):
-            inserted.meta["val"] = fake_token()
-            set_slc_meta(inserted, _meta(group, role))
-        outputs[position] = token
-        pairs.append((node, token))
+        token.meta["val"] = fake_token()
+        set_slc_meta(token, _meta(group, "store"))
+        place = places.stash_wait(activation, fw_first, output)
+        readers = [u for u in node.users if u.op != "output" and u is not token and u is not source]
+        latest = max([node, *readers, group_end[activation.owner]], key=fw_index.__getitem__)
+        if place is None or fw_index.get(place[1], len(fw_index)) <= fw_index[latest]:
+            log.info("offload_saved: the schedule waits for no stash of %s after its last forward use; "
+                     "it waits after %s", activation.name, latest.name)
+            place = (-1, latest.next)
+        waits.append((place[0], place[1], [(token, source, group)]))
+        outputs = [token if value is node else value for value in outputs]
+        pairs.append((node, token, activation))
         total += tensor_bytes(node.meta["val"])
+    for _, anchor, entries in sorted(waits, key=lambda w: w[0]):
+        for token, source, group in entries:
+            with fw.graph.inserting_before(anchor):
+                done = fw.graph.call_function(WAIT, (token, [source]))
+            done.meta["val"] = fake_token()
+            set_slc_meta(done, _meta(group, "store"))
     output.args = (tuple(outputs),) + tuple(output.args[1:])
     fw.graph.lint()
     fw.recompile()
 
-    _reload(bw, pairs)
-    names = tuple(node.name for _, node in chosen)
+    _reload(bw, pairs, places)
+    names = tuple(a.name for a in chosen)
     log.debug("offloading %d saved activations (%s bytes per step)", len(names), total)
     return OffloadedActivations(names, sympy.expand(total), tuple(kept))
+
+
+class _Places:
+    """The schedule's stash.wait / unstash.issue / unstash.wait steps of each owner:
+    (index of the step, key of the compute step it runs before or None)."""
+
+    def __init__(self, schedule: Schedule):
+        self.steps: dict[tuple[str, str, tuple], list[tuple[int, tuple | None]]] = {}
+        pending: list[tuple[str, str, tuple, int]] = []
+        for index, step in enumerate(schedule.steps):
+            if step.kind == "compute":
+                for phase, kind, key, at in pending:
+                    if phase == step.phase:
+                        self.steps.setdefault((phase, kind, key), []).append((at, step.key))
+                pending = [p for p in pending if p[0] != step.phase]
+            elif step.kind in ("stash.wait", "unstash.issue", "unstash.wait"):
+                pending.append((step.phase, step.kind, step.key, index))
+        for phase, kind, key, at in pending:
+            self.steps.setdefault((phase, kind, key), []).append((at, None))
+        self.order = {phase: schedule.order(phase).position for phase in ("fwd", "bwd")}
+
+    def stash_wait(self, activation: SavedActivation, first: dict, output: torch.fx.Node):
+        """The first stash.wait of the owner after the tensor's last forward use."""
+        position = self.order["fwd"]
+        last = position.get(activation.last_forward_use, -1)
+        for index, before in self.steps.get(("fwd", "stash.wait", activation.owner), []):
+            if before is None:
+                return index, output
+            if position.get(before, -1) > last and before in first:
+                return index, first[before]
+        return None
+
+    def unstash(self, activation: SavedActivation, first: dict):
+        """(issue, wait) of the owner's unstash steps for the tensor: the last wait at
+        or before its first backward use, the last issue before that wait."""
+        position = self.order["bwd"]
+        use = position.get(activation.first_backward_use)
+        wait = None
+        for index, before in self.steps.get(("bwd", "unstash.wait", activation.owner), []):
+            if before is not None and before in first and use is not None and position.get(before, use + 1) <= use:
+                wait = (index, first[before], position[before])
+        if wait is None:
+            return None, None
+        # The last issue before a compute step earlier than the wait's (the load
+        # overlaps that step), else the last one before the wait.
+        issue = earlier = None
+        for index, before in self.steps.get(("bwd", "unstash.issue", activation.owner), []):
+            if index < wait[0] and before is not None and before in first:
+                issue = (index, first[before])
+                if position.get(before, use) < wait[2]:
+                    earlier = issue
+        return earlier or issue, wait[:2]
 
 
 def _tag(group: tuple[int, int]) -> str:
@@ -257,14 +379,15 @@ def _step_key(group: tuple[int, int]) -> tuple[str, int | None, int]:
     return ("prefix", None, subbatch) if block == _PREFIX else ("block", block, subbatch)
 
 
-def _reload(bw: torch.fx.GraphModule, saved: list[tuple[torch.fx.Node, torch.fx.Node]]) -> None:
+def _reload(bw: torch.fx.GraphModule, saved, places: _Places) -> None:
     """Replaces the backward's saved inputs (named as the forward nodes they were)
-    by the stash tokens (named as theirs) and loads each one (block, sub-batch)
-    ahead of its first use."""
+    by the stash tokens (named as theirs) and loads each one where the schedule's
+    unstash steps of its owner are (see `offload_saved`)."""
     nodes = list(bw.graph.nodes)
     index = {node: i for i, node in enumerate(nodes)}
     placeholders = {n.name: n for n in nodes if n.op == "placeholder"}
     first_compute = next(n for n in nodes if n.op != "placeholder")
+    _, first = _step_of_nodes(bw)
     # The (block, sub-batch) groups in the order the backward starts them.
     starts: list[tuple[tuple[int, int], torch.fx.Node]] = []
     seen = set()
@@ -275,36 +398,49 @@ def _reload(bw: torch.fx.GraphModule, saved: list[tuple[torch.fx.Node, torch.fx.
             starts.append((group, node))
     order = {group: i for i, (group, _) in enumerate(starts)}
 
-    for fw_node, token in saved:
+    inserts = []  # (schedule index, 0 issue / 1 wait, anchor, placeholder, owner)
+    for fw_node, token, activation in saved:
         old = placeholders[fw_node.name]
-        value = old.meta["val"]
         with bw.graph.inserting_after(old):
             placeholder = bw.graph.placeholder(token.name)
         placeholder.meta.update(old.meta)
         old.replace_all_uses_with(placeholder)
         bw.graph.erase_node(old)
         index[placeholder] = index.pop(old)
-        first_user = min(placeholder.users, key=index.__getitem__)
-        group = _group(first_user)
-        if group in order and order[group] > 0:
-            issue_before, issue_group = starts[order[group] - 1][1], starts[order[group] - 1][0]
-        else:
-            issue_before, issue_group = first_compute, group
-        with bw.graph.inserting_before(issue_before):
-            load = bw.graph.call_function(UNSTASH, (placeholder,))
-        with bw.graph.inserting_before(first_user):
-            loaded = bw.graph.call_function(
-                UNSTASH_WAIT, (load, list(value.shape), value.dtype, value.device)
-            )
-        load.meta["val"] = fake_token()
-        loaded.meta["val"] = value.contiguous()  # stored and loaded without gaps
-        if issue_group is not None:
-            set_slc_meta(load, _meta(issue_group, "load"))
-        if group is not None:
-            set_slc_meta(loaded, _meta(group, "load"))
-        placeholder.replace_all_uses_with(loaded, delete_user_cb=lambda user: user is not load)
-        placeholder.meta["val"] = fake_token()
         if placeholder.name != token.name:
             raise RuntimeError(f"backward input {placeholder.name!r} cannot take the name {token.name!r}")
+        first_user = min(placeholder.users, key=index.__getitem__)
+        issue, wait = places.unstash(activation, first)
+        if wait is None or index[wait[1]] > index[first_user]:
+            log.info("offload_saved: the schedule loads no stash of %s before its first backward use; "
+                     "it is loaded one step ahead of it", fw_node.name)
+            group = _group(first_user)
+            wait = (-1, first_user)
+            issue = (-1, starts[order[group] - 1][1] if order.get(group, 0) > 0 else first_compute)
+        elif issue is None or index[issue[1]] > index[wait[1]]:
+            # (A step whose first node the graph runs after a later step's.)
+            issue = (issue[0] if issue is not None else wait[0], wait[1])
+        owner = _group(fw_node)
+        inserts.append((issue[0], 0, issue[1], placeholder, owner))
+        inserts.append((wait[0], 1, wait[1], placeholder, owner))
+    loads: dict[torch.fx.Node, torch.fx.Node] = {}
+    for _, kind, anchor, placeholder, owner in sorted(inserts, key=lambda i: (i[0], i[1])):
+        with bw.graph.inserting_before(anchor):
+            if kind == 0:
+                node = bw.graph.call_function(UNSTASH, (placeholder,))
+                node.meta["val"] = fake_token()
+                loads[placeholder] = node
+            else:
+                load = loads[placeholder]
+                value = placeholder.meta["val"]
+                node = bw.graph.call_function(UNSTASH_WAIT, (load, list(value.shape), value.dtype, value.device))
+                node.meta["val"] = value.contiguous()  # stored and loaded without gaps
+                placeholder.replace_all_uses_with(node, delete_user_cb=lambda user, load=load: user is not load)
+                placeholder.meta["val"] = fake_token()
+        # Tagged as the step they run in (the schedule reads the stash token), so
+        # regions and pictures keep them there.
+        where = _group(anchor) or owner
+        set_slc_meta(node, _meta(where, "load"))
     bw.graph.lint()
     bw.recompile()
+

@@ -485,6 +485,22 @@ class TransferEngine:
                 raise UnknownKeyError("cannot free: nothing is stored under this key", key=key)
             self._retire(entry)
 
+    def rename(self, key: str | int, new_key: str | int) -> None:
+        """Moves what rests under ``key`` to ``new_key``, replacing what that held
+        (released once no transfer uses it). Nothing is copied: a store under a
+        staging key, renamed once written, replaces a key all at once.
+
+        Raises:
+            UnknownKeyError: nothing is stored under ``key``.
+        """
+        key, new_key = normalize_key(key), normalize_key(new_key)
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                raise UnknownKeyError("cannot rename: nothing is stored under this key", key=key)
+            entry.key = new_key
+            self._install(entry)
+
     def stored(self, key: str | int) -> StoredTensor:
         """Describes what rests under ``key``.
 

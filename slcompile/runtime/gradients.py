@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
@@ -111,6 +112,8 @@ class GradientSink:
         self.expected: dict[int | None, frozenset[str]] = {}
         self.block_of: dict[str, int | None] = {}
         self.deferred_issues: dict[str, tuple[str, ...]] = {}
+        self.shares: dict[str, int] = {}  # stored key -> stores per backward
+        self._stored: dict[str, list[tuple[str, TransferHandle]]] = {}  # this backward's shares so far
         with _LOCK:
             _SINKS[self.name] = self
 
@@ -132,6 +135,7 @@ class GradientSink:
         self.expected = {block: frozenset(keys) for block, keys in report.blocks().items()}
         self.block_of = {stored: block for block, stored, _ in report.stores}
         self.deferred_issues = dict(report.deferred_issues)
+        self.shares = report.shares()
         by_consumer: dict[int, tuple[GradientConsumer, list]] = {}
         for stored in self.block_of:
             param = self.params[stored]
@@ -164,10 +168,36 @@ class GradientSink:
             # The engine would keep the graph's own buffer, which the graph may reuse.
             grad = grad.detach().clone(memory_format=torch.contiguous_format)
             RECORDER.local_copy(grad.numel() * grad.element_size())
-        handle = engine.store(gradient_key_of(stored_key), grad, self.tier, TransferKind.GRADIENT)
+        # A gradient stored in shares (one per sub-batch) reaches the consumer with its last one.
+        stored = self._stored.setdefault(stored_key, [])
+        key = gradient_key_of(stored_key) if self.shares.get(stored_key, 1) == 1 else \
+            f"{gradient_key_of(stored_key)}#{len(stored)}"
+        handle = engine.store(key, grad, self.tier, TransferKind.GRADIENT, forget_source=True)
+        stored.append((key, handle))
         token = ops._token_for(engine, handle)
-        consumer.gradient_arrived(self, stored_key, param, handle)
+        # The gradient's memory is released when the graph drops the token, after its
+        # wait for the store: on the graph's thread, not on the optimizer's worker or
+        # an I/O thread (the consumer reads the stored copy).
+        weakref.finalize(token, _release, grad)
+        if len(stored) >= self.shares.get(stored_key, 1):
+            consumer.gradient_arrived(self, stored_key, param, handle)
         return token
+
+    def take(self, stored_key: str) -> torch.Tensor:
+        """The gradient of a weight whose stores have all arrived, loaded from the
+        tier (its shares added in the order they were stored); frees it there."""
+        stored = self._stored.pop(stored_key)
+        total = None
+        for key, handle in stored:
+            self.engine.wait(handle)
+            share = self.engine.wait(self.engine.load(key, TransferKind.GRADIENT))
+            self.engine.free(key)
+            total = share if total is None else total + share
+        return total
+
+
+def _release(grad: torch.Tensor) -> None:
+    """Called with the last reference to a stored gradient, which then dies."""
 
 
 def gradient_sink_for(gradients: str, streamer, streamed, inputs) -> GradientSink | None:

@@ -44,7 +44,8 @@ from slcompile.runtime.tiers import Tier, TransferKind
 from slcompile.vocabulary import WeightKey
 
 __all__ = [
-    "WeightStreamer", "gathered_weights", "offloaded_parameters", "weight_home", "update_weight", "drain_prefetches",
+    "WeightStreamer", "gathered_weights", "offloaded_parameters", "weight_home", "update_weights",
+    "drain_prefetches",
 ]
 
 log = logging.getLogger(__name__)
@@ -208,26 +209,47 @@ def weight_home(param: torch.Tensor) -> tuple[TransferEngine, str, Tier] | None:
         return _OWNERS.get(param)
 
 
-def update_weight(param: torch.Tensor, values: torch.Tensor) -> TransferHandle:
-    """Stores new values of an offloaded parameter on its tier (an optimizer step run
-    off the device). Loads of it issued before are issued again, so every later fetch
-    reads the new values. Keep `values` unchanged until `wait` on the handle returns.
+def update_weights(updates: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Stores new values of offloaded parameters, all of them or none (an optimizer
+    step's write-back): each is written under a staging key first, and only once
+    every write has landed do the staging keys replace the parameters' keys (no
+    copy, nothing that can run out of room). Loads of them issued before are issued
+    again, so every later fetch reads the new values.
+
+    Args:
+        updates: (parameter, its new values); keep the values unchanged until this returns.
 
     Raises:
-        KeyError: `param` is not offloaded.
+        OffloadError: a store failed (`DiskFullError` for a full disk); every
+            parameter still holds its previous values, whole, and no staging key is left.
+        KeyError: a parameter is not offloaded.
     """
-    home = weight_home(param)
-    if home is None:
-        raise KeyError("update_weight: the parameter is not offloaded")
-    engine, stored_key, tier = home
-    handle = engine.store(stored_key, values.detach(), tier, TransferKind.WEIGHT)
+    tried: list[tuple[TransferEngine, str]] = []  # (engine, staging key) of every store issued
+    stores: list[tuple[TransferEngine, str, str, TransferHandle]] = []
+    try:
+        for param, values in updates:
+            home = weight_home(param)
+            if home is None:
+                raise KeyError("update_weights: the parameter is not offloaded")
+            engine, stored_key, tier = home
+            staging = f"{stored_key}~update"
+            tried.append((engine, staging))
+            handle = engine.store(staging, values.detach(), tier, TransferKind.WEIGHT)
+            stores.append((engine, stored_key, staging, handle))
+        for engine, _, _, handle in stores:
+            engine.wait(handle)
+    except BaseException:
+        for engine, staging in tried:
+            if staging in engine:
+                engine.free(staging)
+        raise
     with _REGISTRY_LOCK:
         streamers = list(_STREAMERS.values())
-    stale = sum(streamer.reissue(stored_key) for streamer in streamers)
-    if stale:
-        log.debug("update_weight: %d prefetched loads of %r were stale and are issued again", stale, stored_key)
-    return handle
-
+    for engine, stored_key, staging, _ in stores:
+        engine.rename(staging, stored_key)
+        stale = sum(streamer.reissue(stored_key) for streamer in streamers)
+        if stale:
+            log.debug("update_weights: %d prefetched loads of %r were stale and are issued again", stale, stored_key)
 
 ops.implement("fetch_issue", fetch_issue)
 ops.implement("fetch_weight", fetch_weight)

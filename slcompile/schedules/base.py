@@ -2,9 +2,13 @@
 
 A policy (`Policy.build(request) -> Schedule`) writes the schedule from the block graph
 and the options (`ScheduleRequest`); the passes emit the graphs in its order
-(`Schedule.rank` orders compute, `fetches_per_subbatch` and `stashes` say what to
-move); `schedule_of(forward, backward)` (`slcompile.schedules.derive`) reads the same
-steps back from the compiled graphs, so the plan and what was compiled can be compared.
+(`Schedule.order` orders compute, `fetches_per_subbatch`, `stashes` and
+`gradient_stores` say what to move). It is asked twice: at the Dynamo stage for the
+order, and once the forward and backward are partitioned with the saved
+activations' lifetimes (`Schedule.replan(saved=...)`), which place the stash and
+unstash steps (`offload_saved` emits each where its step is). `schedule_of(forward,
+backward)` (`slcompile.schedules.derive`) reads the same steps back from the
+compiled graphs, so the plan and what was compiled can be compared.
 
 Text form (deterministic; `explain()`, the CLI and the tests print and compare it), one
 line per step:
@@ -20,6 +24,10 @@ line per step:
     fwd stash.wait blk2.sb0      their store is done (their memory may go)
     bwd unstash.issue blk2.sb0   start loading them back
     bwd unstash.wait blk2.sb0    they are needed now
+    bwd store_grad.issue blk2    start storing block 2's weight gradients (summed over
+                                 the sub-batches) to the optimizer's tier
+    bwd store_grad.issue blk2.sb1  ... sub-batch 1's share of them alone
+    bwd store_grad.wait blk2     their store is done (their memory may go)
 
 `<phase> <kind> <tag>`, where the tag names whose data moves (`blk4`: the weights of
 block 4 for all sub-batches; `blk2.sb0`: what (block 2, sub-batch 0) owns). Runs of the
@@ -34,7 +42,10 @@ from collections.abc import Callable
 
 from slcompile.meta import format_tag
 
-__all__ = ["Step", "Schedule", "PhaseOrder", "ScheduleRequest", "Policy", "TRANSFER_KINDS", "add_fetches"]
+__all__ = [
+    "Step", "Schedule", "SavedActivation", "PhaseOrder", "ScheduleRequest", "Policy", "TRANSFER_KINDS", "add_fetches",
+    "add_gradient_stores",
+]
 
 TRANSFER_KINDS = (
     "fetch.issue", "fetch.wait", "stash.issue", "stash.wait", "unstash.issue", "unstash.wait",
@@ -83,9 +94,25 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """An ordered tuple of steps."""
+    """An ordered tuple of steps.
+
+    Attributes:
+        steps: the steps.
+        policy, request: what wrote it (None for a schedule read from graphs), so
+            a later stage can ask the policy again with what it learnt
+            (`replan`); not compared.
+    """
 
     steps: tuple[Step, ...]
+    policy: Policy | None = dataclasses.field(default=None, compare=False, repr=False)
+    request: ScheduleRequest | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def replan(self, **changes) -> Schedule:
+        """The policy's schedule for the same request with `changes` (its fields),
+        or this schedule when no policy wrote it."""
+        if self.policy is None or self.request is None:
+            return self
+        return self.policy(dataclasses.replace(self.request, **changes))
 
     def text(self) -> str:
         return "\n".join(step.text() for step in self.steps)
@@ -126,6 +153,11 @@ class Schedule:
         """(region, block, sub-batch) whose saved activations the schedule stores
         off the device between the forward and the backward."""
         return frozenset(s.key for s in self.steps if s.kind == "stash.issue")
+
+    def gradient_stores(self) -> tuple[tuple[int, int | None], ...]:
+        """(block, sub-batch) of each gradient store, in the backward's order: a
+        sub-batch of None stores the block's gradients summed over its sub-batches."""
+        return tuple((s.block, s.subbatch) for s in self.steps if s.kind == "store_grad.issue")
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -176,6 +208,30 @@ class PhaseOrder:
 
 
 @dataclasses.dataclass(frozen=True)
+class SavedActivation:
+    """A tensor the forward saves for the backward, and its lifetime in steps.
+
+    Steps are (region, block, sub-batch) keys of the schedule's compute steps.
+
+    Attributes:
+        name: the forward node.
+        owner: the step that makes it: whose stash would store it.
+        nbytes: its size (a size hint for a symbolic one).
+        last_forward_use: the step its last forward reader runs in.
+        first_backward_use: the step its first backward reader runs in.
+        stays: why it cannot leave the device (a graph input, a model output,
+            smaller than `min_offload_bytes`, ...), or None.
+    """
+
+    name: str
+    owner: tuple[str, int | None, int]
+    nbytes: int
+    last_forward_use: tuple[str, int | None, int]
+    first_backward_use: tuple[str, int | None, int]
+    stays: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ScheduleRequest:
     """What a policy writes a schedule for.
 
@@ -187,6 +243,16 @@ class ScheduleRequest:
         activations_offloaded: saved activations may rest off the device.
         backward: the step has a backward (training), not only a forward.
         has_prefix, has_suffix: whether work runs before the first block / after the last.
+        gradients_offloaded: the streamed weights' gradients leave the device in the
+            backward (an offloaded optimizer takes them).
+        saved: the saved activations and their lifetimes, once the forward and
+            backward are partitioned (None before: the policy then writes which
+            steps stash, not yet where their transfers wait).
+        offload_at_least: bytes of saved activations that must leave the device
+            for the step to fit `memory_budget`, or None without a budget
+            (`slcompile.schedules.planner`).
+        stash_everything: stash every activation that may leave, hidden or not
+            (the lowering's last resort under a budget).
     """
 
     blocks: tuple[int, ...]
@@ -197,6 +263,10 @@ class ScheduleRequest:
     backward: bool = True
     has_prefix: bool = True
     has_suffix: bool = True
+    gradients_offloaded: bool = False
+    saved: tuple[SavedActivation, ...] | None = None
+    offload_at_least: int | None = None
+    stash_everything: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +282,8 @@ class Policy:
     build: Callable[[ScheduleRequest], Schedule]
 
     def __call__(self, request: ScheduleRequest) -> Schedule:
-        return self.build(request)
+        schedule = self.build(request)
+        return dataclasses.replace(schedule, policy=self, request=request)
 
 
 def add_fetches(compute: list[Step], request: ScheduleRequest, *, per_subbatch: bool) -> list[Step]:
@@ -258,3 +329,48 @@ def add_fetches(compute: list[Step], request: ScheduleRequest, *, per_subbatch: 
         steps += before.get(position, [])
         steps.append(step)
     return steps
+
+
+def add_gradient_stores(steps: list[Step], *, per_subbatch: bool) -> list[Step]:
+    """Steps with the weight-gradient stores of a backward whose gradients leave.
+
+    Each store unit (a block, or a (block, sub-batch) when `per_subbatch`: each
+    sub-batch's share leaves on its own and the optimizer's tier sums them) issues
+    its store right after its last backward compute step, and waits for it just
+    before the next unit's store is issued (the last unit: at the end of the
+    backward), so the store overlaps the next unit's backward and at most two
+    units' gradients are on the device. The backward's loads for the next forward
+    (`fetch.issue` serving "fwd") go: the weights change in the optimizer step, and
+    the optimizer issues those loads after it.
+
+    Args:
+        steps: the steps, forward then backward, fetches placed.
+        per_subbatch: one store per (block, sub-batch) instead of one per block.
+
+    Returns:
+        the steps with `store_grad.issue` and `store_grad.wait` steps inserted.
+    """
+    steps = [s for s in steps if not (s.phase == "bwd" and s.kind == "fetch.issue" and s.serves == "fwd")]
+    last: dict[tuple[int, int | None], int] = {}  # unit -> position of its last compute step
+    for position, step in enumerate(steps):
+        if step.phase == "bwd" and step.kind == "compute" and step.region == "block":
+            last[step.block, step.subbatch if per_subbatch else None] = position
+    units = sorted(last, key=last.__getitem__)
+    after: dict[int, list[Step]] = {}
+    for number, (block, subbatch) in enumerate(units):
+        issue = Step("bwd", "block", block, subbatch, "store_grad.issue")
+        if number > 0:
+            previous = units[number - 1]
+            after.setdefault(last[block, subbatch], []).append(
+                Step("bwd", "block", previous[0], previous[1], "store_grad.wait")
+            )
+        after.setdefault(last[block, subbatch], []).append(issue)
+    out: list[Step] = []
+    for position, step in enumerate(steps):
+        out.append(step)
+        out += after.get(position, [])
+    if units:
+        block, subbatch = units[-1]
+        end = max((i for i, s in enumerate(out) if s.phase == "bwd"), default=len(out) - 1) + 1
+        out.insert(end, Step("bwd", "block", block, subbatch, "store_grad.wait"))
+    return out

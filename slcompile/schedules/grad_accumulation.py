@@ -7,12 +7,15 @@ prefix, then micro-batch K-2, and so on down to 0 (the autograd engine runs the
 ready work with the highest sequence number first, and micro-batch K-1 ran last).
 A block's weight gradients are summed over the micro-batches as each one finishes it.
 Streamed weights are fetched once per (block, micro-batch) per pass, as gradient
-accumulation loads them: K times speedloader's weight traffic.
+accumulation loads them: K times speedloader's weight traffic. Weight gradients, when
+an offloaded optimizer takes them, leave once per (block, micro-batch), as each
+micro-batch's backward of the block ends (the optimizer's tier sums them): K times
+speedloader's gradient traffic.
 """
 
 from __future__ import annotations
 
-from slcompile.schedules.base import Policy, Schedule, ScheduleRequest, Step, add_fetches
+from slcompile.schedules.base import Policy, Schedule, ScheduleRequest, Step, add_fetches, add_gradient_stores
 from slcompile.schedules.speedloader import add_stashes
 
 __all__ = ["grad_accumulation_schedule", "GRAD_ACCUMULATION"]
@@ -26,8 +29,10 @@ def grad_accumulation_schedule(request: ScheduleRequest) -> Schedule:
     if request.backward:
         for s in reversed(range(request.num_subbatches)):
             steps += _micro_batch("bwd", request, s)
-    steps = add_fetches(steps, request, per_subbatch=True)
-    return Schedule(tuple(add_stashes(steps, request)))
+    steps = add_stashes(add_fetches(steps, request, per_subbatch=True), request)
+    if request.gradients_offloaded and request.weights_streamed and request.backward:
+        steps = add_gradient_stores(steps, per_subbatch=True)
+    return Schedule(tuple(steps))
 
 
 def _micro_batch(phase: str, request: ScheduleRequest, subbatch: int) -> list[Step]:

@@ -35,6 +35,7 @@ def plan_schedule(
     weights_streamed: bool = False,
     activations_offloaded: bool = False,
     backward: bool = True,
+    gradients_offloaded: bool = False,
 ) -> Schedule:
     """The schedule the configured policy writes for one graph's blocks.
 
@@ -44,6 +45,7 @@ def plan_schedule(
         weights_streamed: block weights rest off the device (a tier that copies).
         activations_offloaded: saved activations rest off the device.
         backward: the graph is trained (a forward and a backward).
+        gradients_offloaded: the streamed weights' gradients leave the device.
     """
     request = ScheduleRequest(
         blocks=tuple(block.index for block in blocks.blocks),
@@ -52,5 +54,6 @@ def plan_schedule(
         weights_streamed=weights_streamed,
         activations_offloaded=activations_offloaded,
         backward=backward,
+        gradients_offloaded=gradients_offloaded,
     )
-    return policy_for(config.schedule).build(request)
+    return policy_for(config.schedule)(request)

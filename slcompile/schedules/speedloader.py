@@ -6,16 +6,20 @@ Backward mirrors it: the loss, the suffix for sub-batches K-1..0, blocks from la
 first with sub-batches K-1..0 (the order in which the autograd engine runs ready work:
 highest sequence number first), then the prefix. Streamed weights are fetched once per
 block per pass, shared by the K sub-batches; saved activations, when they rest off the
-device, are stashed for every (block, sub-batch) of the prefix and the blocks.
+device, are stashed for the (block, sub-batch) steps of the prefix and the blocks the
+planner chooses (all of them without a memory budget; `add_stashes`); weight
+gradients, when an offloaded optimizer takes them, leave once per block, after the
+block's last sub-batch's backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from slcompile.schedules.base import Policy, Schedule, ScheduleRequest, Step, add_fetches
+from slcompile.schedules.base import Policy, Schedule, ScheduleRequest, Step, add_fetches, add_gradient_stores
+from slcompile.schedules.planner import choose_stashes, unit_lifetimes
 
-__all__ = ["speedloader_schedule", "layer_major_compute", "add_stashes", "SPEEDLOADER", "NO_OFFLOAD"]
+__all__ = ["speedloader_schedule", "layer_major_compute", "add_stashes", "add_stores", "SPEEDLOADER", "NO_OFFLOAD"]
 
 
 def layer_major_compute(request: ScheduleRequest) -> list[Step]:
@@ -34,27 +38,80 @@ def layer_major_compute(request: ScheduleRequest) -> list[Step]:
 
 
 def add_stashes(steps: list[Step], request: ScheduleRequest, keep=lambda step: False) -> list[Step]:
-    """Marks the activations of every forward (prefix or block, sub-batch) step for
-    the stash, except those `keep(step)` keeps on the device.
+    """Stashes the saved activations of the forward (prefix or block, sub-batch)
+    steps that `keep(step)` does not keep on the device and, once their lifetimes
+    are known (`request.saved`), that the planner moves off the device under the
+    memory budget (`slcompile.schedules.planner.choose_stashes`).
 
-    The stash issue follows the step's compute; where its wait and the backward's
-    unstash land is the `offload_activations` pass's rule (after the last forward use;
-    one (block, sub-batch) ahead of the backward use), read back by `schedule_of`.
+    The stash is issued after the step's compute. Once the saved activations are
+    known (`request.saved`), their transfers are placed from their lifetimes: the
+    store is waited for just before the compute step after the last forward use,
+    the load waited for just before the first backward use and issued one compute
+    step before that; a step none of whose activations may leave writes no step.
+    Transfers that run before a compute step come after its weight fetches.
     """
     if not (request.activations_offloaded and request.backward):
         return steps
+    units = [s.key for s in steps if s.phase == "fwd" and s.kind == "compute" and s.region != "suffix"
+             and not keep(s)]
+    if request.saved is None:
+        leaving = []
+    else:
+        lifetimes = unit_lifetimes(steps, request.saved)
+        chosen = choose_stashes([lifetimes[unit] for unit in units if unit in lifetimes], request)
+        units = [unit for unit in units if unit in chosen]
+        leaving = [a for a in request.saved if a.stays is None and a.owner in chosen]
+    compute = {phase: [s.key for s in steps if s.phase == phase and s.kind == "compute"] for phase in ("fwd", "bwd")}
+    position = {phase: {key: i for i, key in enumerate(keys)} for phase, keys in compute.items()}
+    before: dict[tuple[str, int], list[Step]] = {}  # (phase, compute position) -> transfers
+
+    def place(phase: str, at: int, step: Step) -> None:
+        at = min(at, len(compute[phase]))  # past the last compute step: the end of the phase
+        if step not in before.setdefault((phase, at), []):
+            before[phase, at].append(step)
+
+    for activation in leaving:
+        region, block, subbatch = activation.owner
+        last = position["fwd"].get(activation.last_forward_use, position["fwd"][activation.owner])
+        place("fwd", last + 1, Step("fwd", region, block, subbatch, "stash.wait"))
+    for activation in leaving:
+        region, block, subbatch = activation.owner
+        use = position["bwd"].get(activation.first_backward_use)
+        if use is None:
+            continue
+        place("bwd", max(use - 1, 0), Step("bwd", region, block, subbatch, "unstash.issue"))
+        place("bwd", use, Step("bwd", region, block, subbatch, "unstash.wait"))
+    for transfers in before.values():  # stash waits, then issues, then waits, each in step order
+        kinds = ("stash.wait", "unstash.issue", "unstash.wait")
+        transfers.sort(key=lambda s: (kinds.index(s.kind), position["fwd"].get(s.key, 0)))
+
     out: list[Step] = []
-    for step in steps:
+    seen = {"fwd": 0, "bwd": 0}
+    for index, step in enumerate(steps):
+        if step.kind == "compute":
+            out += before.get((step.phase, seen[step.phase]), [])
+            seen[step.phase] += 1
         out.append(step)
-        if step.phase == "fwd" and step.kind == "compute" and step.region != "suffix" and not keep(step):
+        if step.kind == "compute" and step.phase == "fwd" and step.key in units:
             out.append(Step("fwd", step.region, step.block, step.subbatch, "stash.issue"))
+        ends_phase = index + 1 == len(steps) or steps[index + 1].phase != step.phase
+        if ends_phase:
+            out += before.get((step.phase, len(compute[step.phase])), [])
     return out
 
 
 def speedloader_schedule(request: ScheduleRequest) -> Schedule:
     """The speedloader schedule for a request."""
     steps = add_fetches(layer_major_compute(request), request, per_subbatch=False)
-    return Schedule(tuple(add_stashes(steps, request)))
+    return Schedule(tuple(add_stores(add_stashes(steps, request), request)))
+
+
+def add_stores(steps: list[Step], request: ScheduleRequest) -> list[Step]:
+    """Each block's weight gradients leave once, summed over its sub-batches, after
+    its last sub-batch's backward (`add_gradient_stores`), when they leave at all."""
+    if not (request.gradients_offloaded and request.weights_streamed and request.backward):
+        return steps
+    return add_gradient_stores(steps, per_subbatch=False)
 
 
 SPEEDLOADER = Policy("speedloader", speedloader_schedule)

@@ -53,6 +53,7 @@ joint/tag_fetch_views
 joint/tag_block_recompute
 partitioned/fuse_weight_grads
 partitioned/order_layer_major
+partitioned/plan_transfers
 partitioned/offload_activations
 partitioned/place_prefetches
 partitioned/offload_gradients
@@ -98,13 +99,14 @@ def test_dumps_are_numbered_across_stages(mlp, monkeypatch, tmp_path):
 009_tag_block_recompute.txt
 010_fuse_weight_grads.txt
 011_order_layer_major.txt
-012_offload_activations.txt
-013_place_prefetches.txt
-014_offload_gradients.txt
-015_derive_schedule.txt
-016_predict_memory.txt
-017_mark_regions.txt
-018_mark_regions.txt""")
+012_plan_transfers.txt
+013_offload_activations.txt
+014_place_prefetches.txt
+015_offload_gradients.txt
+016_derive_schedule.txt
+017_predict_memory.txt
+018_mark_regions.txt
+019_mark_regions.txt""")
     backward = (tmp_path / [t for t in texts if t.endswith("_fuse_weight_grads.txt")][0]).read_text()
     assert backward.startswith("# after partitioned/fuse_weight_grads (")
     assert "def forward(self" in backward

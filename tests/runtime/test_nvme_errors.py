@@ -181,3 +181,34 @@ def test_a_slot_is_not_readable_before_its_write_completes(tmp_path):
     finally:
         arena.close()
     assert not os.path.exists(arena.path)
+
+
+def test_weight_update_that_fails_part_way_leaves_every_weight_as_it_was(engine, monkeypatch):
+    from slcompile.runtime.weights import WeightStreamer, update_weights
+
+    streamer = WeightStreamer(engine, NVME, live_blocks=1)
+    params = [torch.nn.Parameter(torch.full((1024,), float(i))) for i in range(3)]
+    for i, param in enumerate(params):
+        streamer.offload(f"w{i}", param)
+    real_pwritev = os.pwritev
+    writes = []
+
+    def full_after_first_write(fd, buffers, offset):
+        writes.append(offset)
+        if len(writes) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", full_after_first_write)
+    with pytest.raises(DiskFullError):
+        update_weights([(param, torch.full((1024,), 10.0 + i)) for i, param in enumerate(params)])
+    monkeypatch.undo()
+    # The first new values were written, but under a staging key that never replaced w0.
+    assert len(writes) > 1
+    assert sorted(engine.keys()) == ["w0", "w1", "w2"]
+    for i in range(3):
+        assert same_bits(engine.wait(engine.load(f"w{i}")), torch.full((1024,), float(i)))
+    update_weights([(param, torch.full((1024,), 10.0 + i)) for i, param in enumerate(params)])
+    assert sorted(engine.keys()) == ["w0", "w1", "w2"]
+    for i in range(3):
+        assert same_bits(engine.wait(engine.load(f"w{i}")), torch.full((1024,), 10.0 + i))

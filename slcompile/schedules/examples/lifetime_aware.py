@@ -17,7 +17,7 @@ Select it with `options={"schedule": "lifetime_aware"}`, or pass
 from __future__ import annotations
 
 from slcompile.schedules.base import Policy, Schedule, ScheduleRequest, Step, add_fetches
-from slcompile.schedules.speedloader import add_stashes, layer_major_compute
+from slcompile.schedules.speedloader import add_stashes, add_stores, layer_major_compute
 
 __all__ = ["lifetime_aware_policy", "LIFETIME_AWARE"]
 
@@ -39,7 +39,7 @@ def lifetime_aware_policy(min_hidden_steps: int = 2) -> Policy:
             return between < min_hidden_steps
 
         steps = add_fetches(compute, request, per_subbatch=False)
-        return Schedule(tuple(add_stashes(steps, request, keep)))
+        return Schedule(tuple(add_stores(add_stashes(steps, request, keep), request)))
 
     return Policy("lifetime_aware", build)
 
