@@ -42,6 +42,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from bench.prefill_bench import evict_page_cache  # noqa: E402
+
 SYSTEMS = ("speedloader_kv_host", "speedloader_kv_nvme", "accelerate", "accelerate_cold", "eager")
 
 
@@ -56,17 +58,6 @@ def build_model(spec: dict):
         max_position_embeddings=spec["prompt"] + spec["new_tokens"],
     )
     return LlamaForCausalLM(config).eval()
-
-
-def evict_page_cache(directory: str) -> None:
-    """Drops the cached pages of every file under `directory`."""
-    for root, _, files in os.walk(directory):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def run_one(spec: dict) -> dict:
