@@ -166,7 +166,11 @@ class TransferHandle:
         with self._lock:
             self._result = None if self.forget_source else result
             self._error = error
-            self._keep = None
+            if not self.forget_source:
+                # A store that forgets its source leaves `_keep` to the waiting
+                # thread (`TransferEngine.wait`): released here, on an I/O thread,
+                # it could be the last reference and free the source there.
+                self._keep = None
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
@@ -466,6 +470,8 @@ class TransferEngine:
             start = time.perf_counter()
             handle._done.wait()
             self._recorder.stalled(start, time.perf_counter(), f"wait {handle.label}")
+        if handle.forget_source:
+            handle._keep = None
         if handle._error is not None:
             raise handle._error
         if handle._cuda_event is not None:
@@ -651,10 +657,12 @@ class TransferEngine:
             )
         self._install(entry)
 
+        # The I/O thread reaches the source only through `handle._keep`: no frame of
+        # its own may hold it once the waiting thread wakes (see `_finish`).
         def on_done(outcome: IoOutcome) -> None:
             if block is not None:
                 self._host_pool.release(block)
-            self._store_nvme_done(handle, entry, source, outcome)
+            self._store_nvme_done(handle, entry, outcome)
 
         try:
             arena.write(slot, address, readable, on_done,
@@ -667,7 +675,7 @@ class TransferEngine:
             handle._finish(None, error)
             raise
 
-    def _store_nvme_done(self, handle, entry, source, outcome: IoOutcome) -> None:
+    def _store_nvme_done(self, handle, entry, outcome: IoOutcome) -> None:
         if outcome.start is not None:
             self._recorder.lane_end("store", outcome.end)
         if outcome.error is not None:
@@ -679,7 +687,7 @@ class TransferEngine:
                 (handle.kind, handle.source, Tier.NVME), handle.nbytes,
                 outcome.start, outcome.end, "store", handle.label,
             )
-            handle._finish(source, None)
+            handle._finish(None if handle.forget_source else handle._keep, None)
         self._release_if_unused(entry)
 
     def _load_nvme(self, handle: TransferHandle, entry: _Entry) -> None:

@@ -253,6 +253,35 @@ def test_free_waits_for_transfers_in_flight(engine):
     assert engine.arena.used_bytes == 0
 
 
+@pytest.mark.skipif(on_cuda(), reason="torch's CPU allocator and its profiler")
+def test_a_store_that_forgets_its_source_leaves_the_free_to_the_waiting_thread(engine, monkeypatch):
+    """The graph drops a stashed activation right after waiting for its store; the
+    memory must be freed there, on the graph's thread, even when the I/O thread is
+    still finishing the store: freed on an I/O thread, it outlives the graph's
+    reference and torch.profiler (which sees the graph's thread) never sees it go."""
+    from torch.profiler import profile
+
+    release = threading.Event()
+    finish = engine._release_if_unused
+
+    def lingering(entry):  # the I/O thread, after waking the waiter, is held up here
+        if threading.current_thread() is not threading.main_thread():
+            release.wait(10)
+        finish(entry)
+
+    monkeypatch.setattr(engine, "_release_if_unused", lingering)
+    with profile(profile_memory=True) as prof:
+        source = torch.ones(1 << 16)
+        handle = engine.store("stash", source, NVME, TransferKind.ACTIVATION, forget_source=True)
+        assert engine.wait(handle) is None
+        del source
+        release.set()
+    engine.free("stash")
+    changes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    assert 4 * (1 << 16) in changes
+    assert sum(changes) == 0, changes
+
+
 @pytest.mark.skipif(on_cuda(), reason="the load buffer cache is the CPU path's")
 def test_load_buffers_are_reused_after_the_tensor_dies(tmp_path):
     engine = TransferEngine(offload_dir=str(tmp_path), buffer_cache_bytes=1 << 20)
