@@ -14,6 +14,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import slcompile  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One intra-op thread per worker: `-n 2` on two cores runs two tests at once
+    # instead of four threads fighting over them.
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
