@@ -10,6 +10,7 @@ Usage:
     python -m bench memory ...                # bench/memory_bench.py
     python -m bench optimizer ...             # bench/optimizer_bench.py
     python -m bench generate ...              # bench/generate_bench.py
+    python -m bench distributed ...           # bench/distributed_bench.py
     python -m bench gpu [--small|--cpu-smoke] # bench/gpu_bench.py (CUDA)
     python -m bench all [--quick] [--only train,io]
 
@@ -68,6 +69,9 @@ SCENARIOS = (
              "gathered_weights vs resident vs DeepSpeed ZeRO-3 (when installed)"),
     Scenario("generate", "generate_bench.py", ("--repeats", "1"), ("--quick",),
              "generation, weights and KV cache on nvme: slcompile.generate vs accelerate disk_offload vs resident"),
+    Scenario("distributed", "distributed_bench.py", ("--steps", "5"), ("--quick", "--steps", "2"),
+             "block weights sharded over 2 gloo ranks vs one process vs FSDP2 with gradient accumulation "
+             "(collective bytes per step)"),
     Scenario("gpu", "gpu_bench.py", (), ("--cpu-smoke",),
              "HF Llama training step on a CUDA GPU: tiers and K vs resident Inductor (needs CUDA; not in `all` "
              "unless named in --only)"),

@@ -6,9 +6,11 @@ Usage:
     python bench/generate_bench.py [--quick] [--out bench/results/generate_bench.json]
 
 - ``speedloader_kv_host`` / ``speedloader_kv_nvme``: `slcompile.generate` with
-  `weights="nvme"` and K sub-batches: each decoder layer's weights are read from the
-  O_DIRECT tier once per step for all K; the KV cache rests on the host (the device's
-  own memory on a CPU machine: nothing moves) or on the nvme tier.
+  `weights="nvme"` and K sub-batches (``--prefill-k``: another K for the prefill):
+  each decoder layer's weights are read from the O_DIRECT tier once per step for all
+  K; the KV cache rests on the host (the device's own memory on a CPU machine:
+  nothing moves) or on the nvme tier, where a decode step stores the one position
+  it adds and loads the positions the cache holds.
 - ``accelerate``: `accelerate.disk_offload(model, dir)` (weights in files, loaded by
   per-module hooks for each forward), `model.generate` on K micro-batches one after
   another, as a user bounding memory would: every weight is read once per token per
@@ -71,14 +73,19 @@ def run_one(spec: dict) -> dict:
     ids = torch.randint(3, spec["vocab"], (spec["batch"], spec["prompt"]), generator=gen)
     k, system = spec["k"], spec["system"]
     common = dict(do_sample=False, eos_token_id=[], pad_token_id=0)
-    stats = None
+    stats = passes = None
     if system.startswith("speedloader"):
         import slcompile
 
         def generate(new_tokens):
-            return slcompile.generate(model, ids, max_new_tokens=new_tokens, num_subbatches=k, weights="nvme",
-                                      kv_cache=system.rsplit("_", 1)[1], offload_dir=spec["dir"],
-                                      backend=spec["backend"], progress=False, **common)
+            nonlocal passes
+            out = slcompile.generate(model, ids, max_new_tokens=new_tokens, num_subbatches=k, weights="nvme",
+                                     prefill_subbatches=spec.get("prefill_k") or k,
+                                     kv_cache=system.rsplit("_", 1)[1], offload_dir=spec["dir"],
+                                     backend=spec["backend"], progress=False, return_dict_in_generate=True,
+                                     **common)
+            passes = out.steps
+            return out.sequences
     elif system.startswith("accelerate"):
         from accelerate import disk_offload
 
@@ -124,17 +131,23 @@ def run_one(spec: dict) -> dict:
         result["bytes_per_step"] = {f"{kind.value} {src.value}->{dst.value}": n / steps
                                     for (kind, src, dst), n in stats.bytes_moved.items() if n}
         result["stall_seconds"] = stats.stall_seconds
+        # Per pass, as generate measured it: the prefill, then each decode step.
+        result["bytes_per_pass"] = [{f"{kind.value} {src.value}->{dst.value}": n
+                                     for (kind, src, dst), n in step.bytes_moved.items()} for step in passes]
+        result["subbatch_steps"] = sum(len(step.subbatches) for step in passes)
     return result
 
 
-def default_specs(quick: bool, directory: str, backend: str, repeats: int = 1) -> list[dict]:
+def default_specs(quick: bool, directory: str, backend: str, repeats: int = 1,
+                  prefill_k: int | None = None) -> list[dict]:
     if quick:
         model = {"layers": 2, "hidden": 128, "intermediate": 352, "heads": 4, "kv_heads": 4, "vocab": 512}
         sizes, prompt, new_tokens = ((8, 2),), 8, 4
     else:
         model = {"layers": 8, "hidden": 512, "intermediate": 1408, "heads": 8, "kv_heads": 8, "vocab": 2048}
         sizes, prompt, new_tokens = ((32, 4), (64, 8)), 32, 16
-    return [dict(model, batch=batch, k=k, prompt=prompt, new_tokens=new_tokens, system=system, dir=directory,
+    return [dict(model, batch=batch, k=k, prefill_k=prefill_k, prompt=prompt, new_tokens=new_tokens, system=system,
+                 dir=directory,
                  backend=backend, repeats=repeats, threads=int(os.environ.get("OMP_NUM_THREADS", "2")))
             for batch, k in sizes for system in SYSTEMS]
 
@@ -145,6 +158,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny model, to check that it runs")
     parser.add_argument("--backend", default="aot_eager", help="torch.compile backend of the layer steps")
     parser.add_argument("--repeats", type=int, default=1, help="timed generations per configuration (median)")
+    parser.add_argument("--prefill-k", type=int, default=None,
+                        help="sub-batches of the speedloader prefill (default: the decode steps' K)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "generate_bench.json"))
     args = parser.parse_args()
     if args.one:
@@ -157,7 +172,8 @@ def main() -> None:
     directory = tempfile.mkdtemp(prefix="slc-generate-")
     load_before = os.getloadavg()
     results = []
-    for spec in tqdm(default_specs(args.quick, directory, args.backend, args.repeats), desc="generate bench", unit="config"):
+    specs = default_specs(args.quick, directory, args.backend, args.repeats, args.prefill_k)
+    for spec in tqdm(specs, desc="generate bench", unit="config"):
         proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"configuration {spec} failed:\n{proc.stderr[-3000:]}")
@@ -181,7 +197,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as handle:
         json.dump({"command": "python bench/generate_bench.py" + (" --quick" if args.quick else "")
-                   + (f" --repeats {args.repeats}" if args.repeats != 1 else ""),
+                   + (f" --repeats {args.repeats}" if args.repeats != 1 else "")
+                   + (f" --prefill-k {args.prefill_k}" if args.prefill_k else ""),
                    "machine": {"platform": platform.platform(), "cores": os.cpu_count(), "torch": torch.__version__,
                                "load_average_before": load_before, "load_average_after": os.getloadavg()},
                    "summary": rows, "runs": results}, handle, indent=2)

@@ -8,7 +8,7 @@ the next block, forward and backward, with the results of eager PyTorch.
 from slcompile.config import SpeedLoaderConfig, options
 from slcompile.errors import BudgetError, CompileError, OptionError, RefusedError
 from slcompile.explain import Explanation, GraphExplanation, explain
-from slcompile.generate import generate
+from slcompile.generate import GenerationOutput, explain_generation, generate
 from slcompile.report import CompileReport, clear_compile_reports, compile_reports
 from slcompile.runtime.stats import mark_step, reset_runtime_stats, runtime_stats
 from slcompile.runtime.weights import gathered_weights, offloaded_parameters
@@ -37,5 +37,7 @@ __all__ = [
     "OffloadedOptimizer",
     "tune",
     "generate",
+    "explain_generation",
+    "GenerationOutput",
     "TuneResult",
 ]

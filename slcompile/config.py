@@ -117,6 +117,19 @@ class SpeedLoaderConfig:
             pinned in chunks once. A plan that needs more than this raises
             `slcompile.runtime.HostPoolFullError` naming the bytes it needs. GPU
             machines only: on a CPU machine nothing is pinned.
+        shard_weights: shard the streamed block weights across the ranks of
+            `torch.distributed`'s default process group (initialize it first, e.g.
+            `dist.init_process_group("gloo")` under torchrun): each rank keeps 1/W of
+            every streamed weight on the `weights` tier, a block's fetch all-gathers
+            the full weight once per pass for all K sub-batches, and its final
+            gradient is reduce-scattered (averaged over the ranks) once per step, so
+            the offloaded optimizer (`slcompile.offload_optimizer`, required) steps
+            this rank's shard only; the resident parameters stay replicated and
+            their gradients are averaged in `step()`. Each rank runs its own batch
+            (the mean of a loss over an equal local batch makes the average the
+            global batch's gradient). Needs `weights` off "device" (with it, "host"
+            streams even on a CPU machine) and `gradients` not "device"
+            (`slcompile.runtime.collectives`).
     """
 
     num_subbatches: int = 2
@@ -133,6 +146,7 @@ class SpeedLoaderConfig:
     memory_budget: int | str | None = None
     gradients: str = "auto"
     host_memory: int | str | None = None
+    shard_weights: bool = False
 
     def __post_init__(self) -> None:
         _check_int("num_subbatches", self.num_subbatches, minimum=1)
@@ -160,6 +174,9 @@ class SpeedLoaderConfig:
                     )
         if self.offload_dir is not None:
             _check_offload_dir(self.offload_dir)
+        if self.shard_weights is not False:
+            _check_sharding(self)
+
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> SpeedLoaderConfig:
@@ -273,4 +290,28 @@ def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
         raise OptionError(
             f"speedloader option {key!r} must be one of {', '.join(map(repr, choices))}, "
             f"got {value!r}"
+        )
+
+
+def _check_sharding(config: SpeedLoaderConfig) -> None:
+    from slcompile.runtime.collectives import process_group_ready
+
+    if not isinstance(config.shard_weights, bool):
+        raise OptionError(f"speedloader option 'shard_weights' must be True or False, got {config.shard_weights!r}")
+    if not process_group_ready():
+        raise OptionError(
+            "speedloader option 'shard_weights' needs torch.distributed's default process group, "
+            "which is not initialized: call torch.distributed.init_process_group(...) (under torchrun, "
+            "or in each spawned process) before the compiled model's first call"
+        )
+    if config.weights == "device":
+        raise OptionError(
+            "speedloader option 'shard_weights' shards the streamed weights, but weights='device' keeps "
+            "every weight resident: use weights='host' or weights='nvme' with it"
+        )
+    if config.gradients == "device":
+        raise OptionError(
+            "speedloader option 'shard_weights' reduce-scatters the weight gradients to an offloaded "
+            "optimizer, but gradients='device' keeps them: use gradients='auto' with "
+            "slcompile.offload_optimizer(model, ...)"
         )

@@ -8,6 +8,15 @@ AOTAutograd (traced and partitioned, nothing compiled to code, no weight moved) 
 predict the step's peak memory per tier from the lifetimes of its graphs; their
 schedule is then the one the transfers were placed by, and the planner's decision
 for each step's saved activations (stash or keep) is listed.
+
+With an optimizer (the offloaded optimizer attached to the model, or the one given
+with `optimizer=`), the prediction covers the whole step, `optimizer.step()`
+included, and the explanation lists the optimizer's share per tier
+(`MemoryPrediction.optimizer_lines`): on the device the resident parameters' state,
+the step phase (their gradients and the step's temporaries) and the gradient
+copies on their way out; on the host the master weights, the states, the
+gradients a block step reads and its temporaries. On a CPU-only machine the host is
+the same memory as the device, and a last line adds the two.
 """
 
 from __future__ import annotations
@@ -42,7 +51,8 @@ class GraphExplanation:
             peak of one step for the example inputs, or None.
         memory_expressions: the same (and the step's own peak) as sympy expressions
             of the size symbols.
-        memory: the full `MemoryPrediction`, or None.
+        memory: the full `MemoryPrediction` (with the optimizer's share, printed
+            per tier, when there is an optimizer), or None.
         budget_error: why no plan fits `memory_budget`, or None.
         activation_plan: per forward step whose saved activations may leave the
             device, the planner's decision (`stash` or `keep`) with their bytes and
@@ -131,23 +141,38 @@ class Explanation:
         return "\n".join(parts)
 
 
-def explain(model: torch.nn.Module, *args: Any, kwargs: Mapping[str, Any] | None = None, **options: Any) -> Explanation:
+def explain(
+    model: torch.nn.Module,
+    *args: Any,
+    kwargs: Mapping[str, Any] | None = None,
+    optimizer: Any = None,
+    optimizer_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Explanation:
     """Explains how the speedloader backend would compile `model(*args, **kwargs)`.
 
     Args:
         model: the model (or any callable Dynamo can capture).
         *args: its positional inputs.
         kwargs: its keyword inputs (`labels=...`).
+        optimizer: the optimizer whose step the prediction covers: an
+            `OffloadedOptimizer`, or a `torch.optim.Optimizer` class as
+            `slcompile.offload_optimizer` would run it; default: the offloaded
+            optimizer attached to the model, if any.
+        optimizer_options: with a class, the keyword options of
+            `slcompile.offload_optimizer` (`states=`, `gradients=`, `max_grad_norm=`,
+            and the class's own: `lr=`, `weight_decay=`, `foreach=`, ...).
         **options: backend options, as in `torch.compile(..., options=...)`.
 
     Returns:
         the Explanation, one entry per captured graph.
     """
     config = SpeedLoaderConfig.from_options(options)
+    check_optimizer(optimizer, optimizer_options, "explain")
     graphs: list[GraphExplanation] = []
 
     def capture(gm: torch.fx.GraphModule, example_inputs):
-        graphs.append(_explain_graph(gm, example_inputs, config))
+        graphs.append(_explain_graph(gm, example_inputs, config, optimizer, optimizer_options))
         return gm.forward
 
     compiled = torch.compile(model, backend=capture, fullgraph=False)
@@ -155,7 +180,8 @@ def explain(model: torch.nn.Module, *args: Any, kwargs: Mapping[str, Any] | None
     return Explanation(tuple(graphs))
 
 
-def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig) -> GraphExplanation:
+def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None,
+                   optimizer_options=None) -> GraphExplanation:
     try:
         state = run_pipeline(gm, example_inputs, config)
         reason = None
@@ -176,7 +202,7 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig) -> GraphExplan
     schedule = planned.text() if planned is not None and reason is None else ""
     memory, budget_error, activation_plan = None, None, ()
     if reason is None and state is not None and state.interleaved is not None:
-        memory, budget_error, lowered = _predict(state, example_inputs)
+        memory, budget_error, lowered = _predict(state, example_inputs, optimizer, optimizer_options)
         if lowered is not None:  # with the transfers placed from the lifetimes
             schedule = lowered.text()
             activation_plan = describe(lowered)
@@ -196,17 +222,78 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig) -> GraphExplan
     )
 
 
-def _predict(state, example_inputs):
+def _predict(state, example_inputs, optimizer=None, optimizer_options=None):
     """(MemoryPrediction, None, the lowered step's planned Schedule), or (None, why
     no plan fits the budget, None)."""
     from slcompile.backends.lowering import lower
-    from slcompile.backends.speedloader import step_plan
     from slcompile.report import CompileReport
 
     report = CompileReport(config=state.config)
     try:
-        lower(state.gm, example_inputs, "aot_eager", report, step_plan(state))
+        lower(state.gm, example_inputs, "aot_eager", report, plan_with_optimizer(state, optimizer, optimizer_options))
     except BudgetError as err:
         return None, str(err), None
     return report.memory, None, report.planned_schedule
+
+
+def check_optimizer(optimizer, optimizer_options, caller: str) -> None:
+    """Refuses an `optimizer=` / `optimizer_options=` pair `explain` or `tune` cannot use."""
+    from slcompile.optim import OffloadedOptimizer
+
+    if optimizer is None or isinstance(optimizer, OffloadedOptimizer):
+        if optimizer_options:
+            raise ValueError(f"{caller}: optimizer_options go with an optimizer class (optimizer=torch.optim.AdamW); "
+                             "an OffloadedOptimizer already has its options")
+        return
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise TypeError(f"{caller}: optimizer must be a torch.optim.Optimizer class (torch.optim.AdamW) or the "
+                        f"OffloadedOptimizer of slcompile.offload_optimizer, got {optimizer!r}")
+    options = dict(optimizer_options or {})
+    tiers = ("host", "nvme")
+    for name in ("states", "gradients"):
+        value = options.pop(name, "host")
+        if value not in tiers:
+            raise ValueError(f"{caller}: optimizer_options[{name!r}] must be one of {tiers}, got {value!r}")
+    options.pop("max_grad_norm", None)
+    try:
+        optimizer([torch.zeros(1, requires_grad=True)], **options)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{caller}: optimizer_options do not suit {optimizer.__name__}: {err}") from err
+
+
+def plan_with_optimizer(state, optimizer=None, optimizer_options=None):
+    """The StepPlan of a pipeline state (`step_plan`), with the step of `optimizer`
+    (see `explain`) when one is given: the streamed weights' gradients then leave
+    the device for it, as they would for an offloaded optimizer attached before
+    compiling (`gradients="auto"`)."""
+    from slcompile.analysis.memory import optimizer_memory
+    from slcompile.backends.speedloader import step_plan
+    from slcompile.optim import OffloadedOptimizer
+    from slcompile.pipeline import engine_for
+    from slcompile.runtime.gradients import gradient_sink_for
+    from slcompile.runtime.tiers import Tier
+
+    plan = step_plan(state)
+    if optimizer is None:
+        return plan
+    values = {i.name: i.value for i in state.inputs}
+    blocks = state.streamed.blocks if state.streamed is not None else ()
+    streamed = [[values[name] for name, _ in block] for block in blocks]
+    if isinstance(optimizer, OffloadedOptimizer):
+        memory, gradients_tier = optimizer.memory(streamed), optimizer.gradient_tier.value
+    else:
+        options = dict(optimizer_options or {})
+        states, gradients_tier = options.pop("states", "host"), options.pop("gradients", "host")
+        max_grad_norm = options.pop("max_grad_norm", None)
+        off = {id(p) for block in streamed for p in block}
+        resident = [i.value for i in state.inputs if i.kind == "param" and isinstance(i.value, torch.Tensor)
+                    and i.value.requires_grad and id(i.value) not in off]
+        memory = optimizer_memory(
+            optimizer, options, [resident], streamed, states=states, max_grad_norm=max_grad_norm,
+            host_is_device=engine_for(state.config.offload_dir).copies_nothing(Tier.HOST, Tier.DEVICE),
+        )
+    sink = plan.gradients
+    if sink is None and state.config.gradients == "auto":
+        sink = gradient_sink_for(gradients_tier, state.streamer, state.streamed, state.inputs)
+    return dataclasses.replace(plan, optimizer=memory, gradients=sink)
 

@@ -2,41 +2,52 @@
 
 `generate(model, input_ids, ...)` returns what `model.generate(...)` returns (the
 sequences, prompt included, pad after EOS) for a Hugging Face decoder-only causal LM,
-computed in SpeedLoader's order: the batch is split into K sub-batches, and every
+computed in SpeedLoader's order: the batch is split into sub-batches, and every
 forward pass (the prefill, then one decode step per token) runs each decoder layer
-for all K sub-batches before the next layer starts.
+for all sub-batches before the next layer starts. The prefill and the decode steps
+may split the batch differently (`prefill_subbatches`, `num_subbatches`).
 
 How a pass runs, with no per-family code:
 
-1. Capture. For each sub-batch, the model's own forward runs on the inputs that
-   `model.prepare_inputs_for_generation` builds, with every decoder layer's forward
-   replaced by a recorder: the embeddings, masks, rotary tables and positions that
-   each layer would receive are recorded, and the pass stops at the last layer.
+1. Capture. The model's own forward runs once on the inputs that
+   `model.prepare_inputs_for_generation` builds for every sequence still generating,
+   with every decoder layer's forward replaced by a recorder: the embeddings, masks,
+   rotary tables and positions that each layer would receive are recorded, and the
+   pass stops at the last layer. Each sub-batch's share is those tensors' rows.
 2. Layers. For each layer: its weights are fetched from the `weights` tier once (the
    next layer's are prefetched), then for each sub-batch its (layer, sub-batch) KV
    cache is taken from the `kv_cache` tier (the next one's load already issued), the
-   layer runs in a compiled step, and the updated cache is stored back.
-3. Tail. For each sub-batch the forward runs once more with the layers returning
-   the outputs of step 2: final norm and head give the logits of the last position.
+   layer runs in a compiled step, and the new positions of the cache are stored.
+3. Tail. The forward runs once more with the layers returning the outputs of step 2
+   for all sub-batches at once: final norm and head give the logits of the last
+   position.
 
 The compiled step is `torch.func.functional_call` of one template layer per layer
 class, with the layer's weights and the past keys and values as inputs: every layer
 of a class shares one graph, and decode steps share one graph (the cache length is a
 dynamic dimension). The prefill has its own graph.
 
-The Hugging Face cache object of each sub-batch is kept for what the model's forward
-reads from it (lengths, sliding-window offsets); its tensors are shape-only `meta`
-placeholders, updated with each layer's new shapes, while the values rest on the
-`kv_cache` tier.
+One Hugging Face cache object is kept for what the model's forward reads from it
+(lengths, sliding-window offsets); its tensors are shape-only `meta` placeholders,
+updated with each layer's new shapes, while the values rest on the `kv_cache` tier.
+
+A sub-batch whose sequences have all reached EOS is not computed again (its tokens
+are `pad_token_id` from then on, as `model.generate` writes them), and its cache is
+freed; generation stops when every sequence has finished.
+
+`explain_generation(...)` prints the schedules of the prefill and of a decode step
+and the bytes each pass moves, from the model's config, without running the model;
+`generate(..., return_dict_in_generate=True)` returns the same records measured.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,10 +55,64 @@ from torch import nn
 
 from slcompile.config import TIERS
 from slcompile.errors import OptionError, RefusedError
+from slcompile.runtime.stats import TransferKey
+from slcompile.runtime.tiers import Tier, TransferKind
 
-__all__ = ["generate", "find_decoder_layers"]
+__all__ = ["generate", "explain_generation", "find_decoder_layers", "GenerationOutput", "GenerationStep",
+           "GenerationExplanation"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationStep:
+    """One forward pass of a generation: predicted (`explain_generation`) or
+    measured (`generate(..., return_dict_in_generate=True)`).
+
+    Attributes:
+        phase: "prefill" or "decode".
+        subbatches: the sub-batches computed (a decode step skips finished ones).
+        schedule: the pass's order, e.g. ``load blk0.w | load blk1.w | blk0.sb0 |
+            store blk0.kv.sb0 | ...`` (transfers only where the tier copies).
+        bytes_moved: bytes per ``(kind, source tier, destination tier)``, nonzero only.
+    """
+
+    phase: str
+    subbatches: tuple[int, ...]
+    schedule: str
+    bytes_moved: Mapping[TransferKey, int]
+
+    def bytes_of(self, kind: TransferKind, source: Tier, destination: Tier) -> int:
+        return self.bytes_moved.get((kind, source, destination), 0)
+
+    def __str__(self) -> str:
+        """Two lines, e.g. ``decode of sub-batches 0, 1: kv device->nvme 4.00 KiB, ...``
+        and the schedule."""
+        from slcompile.units import format_bytes
+
+        moved = ", ".join(f"{kind.value} {source.value}->{destination.value} {format_bytes(n)}"
+                          for (kind, source, destination), n in sorted(
+                              self.bytes_moved.items(), key=lambda item: tuple(x.value for x in item[0])))
+        return (f"{self.phase} of sub-batches {', '.join(map(str, self.subbatches))}: "
+                f"{moved or 'no bytes moved'}\n  {self.schedule}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationOutput:
+    """What `generate(..., return_dict_in_generate=True)` returns.
+
+    Attributes:
+        sequences: what `generate` returns otherwise.
+        steps: every forward pass that ran, in order, as measured.
+    """
+
+    sequences: torch.Tensor
+    steps: tuple[GenerationStep, ...]
+
+    @property
+    def subbatch_steps(self) -> int:
+        """(sub-batch, pass) pairs computed."""
+        return sum(len(step.subbatches) for step in self.steps)
 
 
 def generate(
@@ -57,6 +122,7 @@ def generate(
     *,
     max_new_tokens: int = 20,
     num_subbatches: int = 1,
+    prefill_subbatches: int | None = None,
     weights: str = "device",
     kv_cache: str = "device",
     do_sample: bool = False,
@@ -69,7 +135,8 @@ def generate(
     offload_dir: str | None = None,
     backend: str | Callable = "inductor",
     progress: bool = True,
-) -> torch.Tensor:
+    return_dict_in_generate: bool = False,
+) -> torch.Tensor | GenerationOutput:
     """Generates tokens like `model.generate(...)`, layer-major over sub-batches.
 
     Args:
@@ -78,36 +145,49 @@ def generate(
         attention_mask: `(batch, length)`, 0 at padding (None: no padding).
         max_new_tokens: tokens to generate per sequence (fewer when every sequence
             has reached EOS).
-        num_subbatches: K; the batch size must be divisible by it.
+        num_subbatches: K of the decode steps; the batch size must be divisible by it.
+        prefill_subbatches: K of the prefill (default: `num_subbatches`); the
+            prefill computes many positions per sequence, so it may want smaller
+            sub-batches than the decode steps. The batch size must be divisible by it.
         weights: where the decoder layers' weights rest between uses: "device",
             "host" or "nvme"; off the device, each layer's weights are loaded once
             per forward pass for all K sub-batches. They stay offloaded afterwards
             (read them inside `slcompile.gathered_weights(model)`).
-        kv_cache: where each (layer, sub-batch)'s keys and values rest between
-            decode steps: "device", "host" or "nvme".
+        kv_cache: where each (layer, decode sub-batch)'s keys and values rest
+            between decode steps: "device", "host" or "nvme". Off the device, a step
+            stores only the positions it adds and loads those the cache keeps.
         do_sample: sample the next token (else greedy).
         temperature, top_k, top_p: Hugging Face's warpers, applied in that order
             when sampling (defaults: those of `GenerationConfig`).
         generator: the random generator sampling draws from (same seed, same tokens).
         eos_token_id: the end-of-sequence token(s) (default: the model's generation
-            config's); a finished sequence gets `pad_token_id` from then on.
+            config's); a finished sequence gets `pad_token_id` from then on, and a
+            decode sub-batch whose sequences have all finished is no longer computed.
         pad_token_id: default: the model's, else the first EOS token.
         offload_dir: parent directory of the nvme tier's files (default: temp dir).
         backend: the `torch.compile` backend of the layer steps ("inductor",
             "aot_eager", or a backend callable).
         progress: show a progress bar over the generated tokens.
+        return_dict_in_generate: return a `GenerationOutput` (the sequences and,
+            per forward pass, the sub-batches computed, the schedule and the bytes
+            moved) instead of the sequences alone.
 
     Returns:
-        The sequences, `(batch, length + generated)`, as `model.generate` returns them.
+        The sequences, `(batch, length + generated)`, as `model.generate` returns them
+        (in a `GenerationOutput` when `return_dict_in_generate`).
 
     Raises:
         OptionError: a bad argument (the message names it and a fix).
         RefusedError: the model has no repeated decoder layers or no KV cache.
     """
-    plan = _plan(model, input_ids, attention_mask, max_new_tokens, num_subbatches, weights, kv_cache,
-                 do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id, offload_dir)
+    plan = _plan(model, input_ids, attention_mask, max_new_tokens, num_subbatches, prefill_subbatches, weights,
+                 kv_cache, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id, offload_dir)
     with torch.no_grad():
-        return _Generation(model, plan, backend, generator, progress).run(input_ids, attention_mask)
+        run = _Generation(model, plan, backend, generator, progress)
+        sequences = run.run(input_ids, attention_mask)
+    if return_dict_in_generate:
+        return GenerationOutput(sequences, tuple(run.steps))
+    return sequences
 
 
 # -- checks and the plan -------------------------------------------------------
@@ -119,6 +199,7 @@ class _Plan:
     layers_name: str
     max_new_tokens: int
     num_subbatches: int
+    prefill_subbatches: int
     weights: str
     kv_cache: str
     do_sample: bool
@@ -128,7 +209,6 @@ class _Plan:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     offload_dir: str | None
-
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The model's decoder layers: the `ModuleList` of modules of one class holding
@@ -154,22 +234,38 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return best
 
 
-def _plan(model, input_ids, attention_mask, max_new_tokens, num_subbatches, weights, kv_cache,
+def _check_subbatches(option: str, value: Any, batch: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or batch % value:
+        divisors = [k for k in range(1, batch + 1) if batch % k == 0]
+        raise OptionError(f"generate: {option}={value!r} does not divide the batch of {batch} "
+                          f"sequences; use a divisor of {batch} ({', '.join(map(str, divisors))}) or pad the batch")
+
+
+def _plan(model, input_ids, attention_mask, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
           do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id, offload_dir) -> _Plan:
+    """The checked options; `input_ids` may be a shape `(batch, length)` (explain)."""
     for option, value in (("weights", weights), ("kv_cache", kv_cache)):
         if value not in TIERS:
             raise OptionError(f"generate: {option}={value!r} is not a tier; use one of {', '.join(map(repr, TIERS))}")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.ndim != 2:
+            raise OptionError("generate: input_ids must be a (batch, length) tensor of token ids; "
+                              f"got shape {tuple(input_ids.shape)}")
+        shape = tuple(input_ids.shape)
+    elif isinstance(input_ids, (tuple, list, torch.Size)) and len(input_ids) == 2 and all(
+            isinstance(n, int) and n > 0 for n in input_ids):
+        shape = tuple(input_ids)
+    else:
         raise OptionError("generate: input_ids must be a (batch, length) tensor of token ids; "
-                          f"got {getattr(input_ids, 'shape', type(input_ids).__name__)}")
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+                          f"got {type(input_ids).__name__}")
+    if attention_mask is not None and tuple(attention_mask.shape) != shape:
         raise OptionError(f"generate: attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
-                          f"{tuple(input_ids.shape)}; pass a mask of the same shape (1 = token, 0 = padding)")
-    batch = input_ids.shape[0]
-    if not isinstance(num_subbatches, int) or num_subbatches < 1 or batch % num_subbatches:
-        divisors = [k for k in range(1, batch + 1) if batch % k == 0]
-        raise OptionError(f"generate: num_subbatches={num_subbatches!r} does not divide the batch of {batch} "
-                          f"sequences; use a divisor of {batch} ({', '.join(map(str, divisors))}) or pad the batch")
+                          f"{shape}; pass a mask of the same shape (1 = token, 0 = padding)")
+    batch = shape[0]
+    _check_subbatches("num_subbatches", num_subbatches, batch)
+    if prefill_subbatches is None:
+        prefill_subbatches = num_subbatches
+    _check_subbatches("prefill_subbatches", prefill_subbatches, batch)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise OptionError(f"generate: max_new_tokens={max_new_tokens!r} must be a positive int")
     config = getattr(model, "config", None)
@@ -186,12 +282,12 @@ def _plan(model, input_ids, attention_mask, max_new_tokens, num_subbatches, weig
                            "model has no KV cache per layer; use model.generate", "generate")
     limit = next((getattr(config, name) for name in ("max_position_embeddings", "n_positions", "max_seq_len")
                   if isinstance(getattr(config, name, None), int)), None)
-    total = input_ids.shape[1] + max_new_tokens
+    total = shape[1] + max_new_tokens
     if limit is not None and total > limit:
         raise OptionError(
-            f"generate: max_new_tokens={max_new_tokens} with prompts of {input_ids.shape[1]} tokens makes "
+            f"generate: max_new_tokens={max_new_tokens} with prompts of {shape[1]} tokens makes "
             f"{total} positions, over the model's {limit} (config max_position_embeddings); set "
-            f"max_new_tokens <= {limit - input_ids.shape[1]} or shorten the prompts")
+            f"max_new_tokens <= {limit - shape[1]} or shorten the prompts")
     if offload_dir is not None:
         from slcompile.config import _check_offload_dir
 
@@ -208,8 +304,8 @@ def _plan(model, input_ids, attention_mask, max_new_tokens, num_subbatches, weig
     if do_sample and not temperature > 0:
         raise OptionError(f"generate: temperature={temperature!r} must be > 0 when sampling; "
                           "use do_sample=False for greedy decoding")
-    return _Plan(tuple(layers), layers_name, max_new_tokens, num_subbatches, weights, kv_cache, do_sample,
-                 float(temperature), top_k, float(top_p), eos, pad_token_id, offload_dir)
+    return _Plan(tuple(layers), layers_name, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
+                 do_sample, float(temperature), top_k, float(top_p), eos, pad_token_id, offload_dir)
 
 
 # -- the compiled layer step -----------------------------------------------------
@@ -312,19 +408,102 @@ def _model_call(model, inputs):
     return model(**inputs, return_dict=True)
 
 
+def _rows(value: Any, start: int, count: int, batch: int) -> Any:
+    """`value`'s rows `start:start + count` where it has the batch's rows: a tensor of
+    two or more dimensions whose first is `batch`, also inside tuples and lists (the
+    model inputs and the layers' arguments: ids, masks, positions, embeddings,
+    rotary tables); anything else whole (a cache object, `cache_position`)."""
+    if count == batch:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.narrow(0, start, count) if value.ndim >= 2 and value.shape[0] == batch else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows(item, start, count, batch) for item in value)
+    if isinstance(value, dict):
+        return {name: _rows(item, start, count, batch) for name, item in value.items()}
+    return value
+
+
+def _same_arguments(alone: Any, shared: Any, mask: bool = False) -> bool:
+    """Whether a layer argument captured for one sub-batch alone equals that
+    sub-batch's rows of the one captured for the whole batch. A `mask` the sub-batch
+    alone does not need (None) may be one for the whole batch: its rows let through
+    what no mask does (the model builds each row's mask from that row alone)."""
+    if mask and alone is None and isinstance(shared, torch.Tensor):
+        return True
+    if isinstance(alone, torch.Tensor) or isinstance(shared, torch.Tensor):
+        return (isinstance(alone, torch.Tensor) and isinstance(shared, torch.Tensor)
+                and alone.shape == shared.shape and alone.dtype == shared.dtype and torch.equal(alone, shared))
+    if isinstance(alone, (tuple, list)) and isinstance(shared, (tuple, list)):
+        return len(alone) == len(shared) and all(_same_arguments(a, s, mask) for a, s in zip(alone, shared))
+    if isinstance(alone, dict) and isinstance(shared, dict):
+        return alone.keys() == shared.keys() and all(
+            _same_arguments(alone[name], shared[name], mask or "mask" in name) for name in alone)
+    return type(alone) is type(shared) and (alone is shared or alone == shared)
+
+
+def _cache_windows(model: nn.Module, num_layers: int) -> list[int | None]:
+    """The sliding window of each layer (None: full attention), from the cache layers
+    the model's own DynamicCache builds."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    windows = []
+    for cache_layer in DynamicCache(config=model.config).layers[:num_layers]:
+        if type(cache_layer) is DynamicSlidingWindowLayer:
+            windows.append(cache_layer.sliding_window)
+        elif type(cache_layer) is DynamicLayer:
+            windows.append(None)
+        else:
+            raise RefusedError(f"{type(model).__name__}'s cache layers are {type(cache_layer).__name__}; "
+                               "slcompile.generate handles full and sliding-window attention caches; "
+                               "use model.generate", "generate")
+    return windows + [None] * (num_layers - len(windows))
+
+
+def _streamed_parameters(model: nn.Module, plan: _Plan, offload: bool) -> list[list[tuple[str, nn.Parameter]]]:
+    """Per layer, the parameters its pass fetches from a tier: those already resting
+    on one (an earlier call, a compiled graph), and, when `offload`, those that only
+    this layer uses."""
+    from slcompile.runtime.weights import weight_home
+
+    prefix = f"{plan.layers_name}."
+    outside = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if not name.startswith(prefix)}
+    owners: dict[int, int] = {}
+    for index, layer in enumerate(plan.layers):
+        for param in layer.parameters():
+            owners[id(param)] = index if owners.get(id(param), index) == index else -1
+    streamed = []
+    for index, layer in enumerate(plan.layers):
+        streamed.append([(name, param) for name, param in layer.named_parameters()
+                         if weight_home(param) is not None
+                         or (offload and id(param) not in outside and owners[id(param)] == index)])
+    return streamed
+
+
+def _split(size: int, count: int) -> list[tuple[int, int, int]]:
+    """(sub-batch, first row, rows) of `count` sub-batches of `size` rows."""
+    return [(sb, sb * size, size) for sb in range(count)]
+
+
+def _bytes_moved_since(before: Mapping[TransferKey, int]) -> dict[TransferKey, int]:
+    from slcompile.runtime.stats import runtime_stats
+
+    after = runtime_stats().cumulative.bytes_moved
+    return {key: n - before.get(key, 0) for key, n in after.items() if n - before.get(key, 0)}
+
+
 # -- the engine ----------------------------------------------------------------------
 
 
 class _Generation:
-    """One call of `generate`: the plan, the tiers and the per-sub-batch state."""
+    """One call of `generate`: the plan, the tiers, the cache and the records."""
 
     def __init__(self, model, plan: _Plan, backend, generator, progress):
         from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
         from slcompile.pipeline import engine_for
         from slcompile.runtime.kv import KVStore
-        from slcompile.runtime.tiers import Tier
 
         self.model, self.plan, self.generator, self.progress = model, plan, generator, progress
         self.layers = plan.layers
@@ -335,47 +514,30 @@ class _Generation:
         self.signature = inspect.signature(type(self.layers[0]).forward)
         self.hidden_name = list(self.signature.parameters)[1]  # after self
         self.cache_factory = lambda: DynamicCache(config=model.config)
-        # The sliding window of each layer (None: full attention), from the cache
-        # layers the model's own DynamicCache builds.
-        windows = []
-        for cache_layer in self.cache_factory().layers[: len(self.layers)]:
-            if type(cache_layer) is DynamicSlidingWindowLayer:
-                windows.append(cache_layer.sliding_window)
-            elif type(cache_layer) is DynamicLayer:
-                windows.append(None)
-            else:
-                raise RefusedError(f"{type(model).__name__}'s cache layers are {type(cache_layer).__name__}; "
-                                   "slcompile.generate handles full and sliding-window attention caches; "
-                                   "use model.generate", "generate")
-        if len(windows) != len(self.layers):
-            windows += [None] * (len(self.layers) - len(windows))
-        self.windows = windows
+        self.windows = _cache_windows(model, len(self.layers))
         # One template per (layer class, attention type): same code, same graph.
         self.templates = []
         first_of: dict[tuple, nn.Module] = {}
-        for layer, window in zip(self.layers, windows):
+        for layer, window in zip(self.layers, self.windows):
             group = (type(layer), getattr(layer, "attention_type", None), window)
             self.templates.append(first_of.setdefault(group, layer))
         self.streamer, self.streamed = None, [{} for _ in self.layers]
         self._stream_weights(offload=not self.engine.copies_nothing(Tier(plan.weights), Tier.DEVICE))
+        self.weights_move = self._weights_move()
+        # Whether one capture of all sub-batches gives each its layer arguments, per
+        # phase (checked against a capture of one sub-batch alone on the first pass).
+        self.shared_capture: dict[str, bool] = {}
+        self.steps: list[GenerationStep] = []
+        self.trace: list[str] = []
 
     def _stream_weights(self, offload: bool) -> None:
         """Offloads the parameters that only one layer uses (when `offload`), and
         streams those already offloaded (by an earlier call or a compiled graph)."""
-        from slcompile.runtime.weights import WeightStreamer, weight_home
+        from slcompile.runtime.weights import WeightStreamer
 
         prefix = f"{self.plan.layers_name}."
-        outside = {id(p) for name, p in self.model.named_parameters(remove_duplicate=False)
-                   if not name.startswith(prefix)}
-        owners: dict[int, int] = {}
-        for index, layer in enumerate(self.layers):
-            for param in layer.parameters():
-                owners[id(param)] = index if owners.get(id(param), index) == index else -1
-        for index, layer in enumerate(self.layers):
-            for name, param in layer.named_parameters():
-                resting = weight_home(param) is not None
-                if not resting and (not offload or id(param) in outside or owners[id(param)] != index):
-                    continue
+        for index, params in enumerate(_streamed_parameters(self.model, self.plan, offload)):
+            for name, param in params:
                 if self.streamer is None:
                     key = (id(self.engine), self.plan.weights)
                     if key not in _STREAMERS or _STREAMERS[key].engine is not self.engine:
@@ -385,11 +547,21 @@ class _Generation:
                 self.streamer.offload(stored, param)
                 self.streamed[index][name] = self.streamer.graph_key(stored)
 
+    def _weights_move(self) -> bool:
+        """Whether a fetched weight is copied (it rests on a tier other than the device's memory)."""
+        from slcompile.runtime.weights import weight_home
+
+        return any(not self.engine.copies_nothing(weight_home(param)[2], Tier.DEVICE)
+                   for layer, names in zip(self.layers, self.streamed)
+                   for name, param in layer.named_parameters() if name in names)
+
     # -- weights --------------------------------------------------------------
     def _issue_weights(self, index: int) -> None:
         if self.streamer is not None and index < len(self.layers):
             for key in self.streamed[index].values():
                 self.streamer.issue(key)
+            if self.weights_move and self.streamed[index]:
+                self.trace.append(f"load blk{index}.w")
 
     def _weights(self, index: int) -> dict[str, torch.Tensor]:
         layer = self.layers[index]
@@ -398,6 +570,18 @@ class _Generation:
         if self.streamer is not None:
             tensors.update((name, self.streamer.fetch(key)) for name, key in self.streamed[index].items())
         return tensors
+
+    def _issue_kv(self, index: int, sb: int) -> None:
+        if self.kv.issue(index, sb) and self.kv.appends:
+            self.trace.append(f"load blk{index}.kv.sb{sb}")
+
+    def _store_decoded(self, parts, index: int, position: int, keys, values, new: int) -> None:
+        self._store_kv(index, parts[position][0], keys, values, new)
+
+    def _store_kv(self, index: int, sb: int, keys, values, new: int) -> None:
+        self.kv.store(index, sb, keys, values, new)
+        if self.kv.appends:
+            self.trace.append(f"store blk{index}.kv.sb{sb}")
 
     # -- one forward pass -------------------------------------------------------
     def _capture(self, inputs: dict) -> list[dict[str, Any]]:
@@ -427,49 +611,96 @@ class _Generation:
             logits = _model_call(self.model, inputs).logits
         return logits[:, -1].to(copy=True, dtype=torch.float32)
 
-    def _forward(self, inputs_of: list[dict]) -> torch.Tensor:
-        """One forward pass of every sub-batch, layer-major; the last position's logits."""
-        k = self.plan.num_subbatches
-        calls = [self._capture(inputs) for inputs in inputs_of]
-        hidden = [call[0][self.hidden_name] for call in calls]
-        outputs: list[Any] = [None] * k
+    def _arguments(self, phase: str, inputs: dict, parts: list[tuple[int, int, int]], batch: int):
+        """Each part's layer arguments: rows of one capture of the whole batch, or,
+        where that does not give what a capture of the part alone gives, one
+        capture per part."""
+        def alone(part):
+            return self._capture(_rows(inputs, part[1], part[2], batch))
+
+        first = None
+        if self.shared_capture.get(phase, True):
+            calls = self._capture(inputs)
+            if phase not in self.shared_capture and len(parts) > 1:
+                part, first = parts[0], alone(parts[0])
+                shared = [_rows(call, part[1], part[2], batch) for call in calls]
+                same = all(_same_arguments({k: v for k, v in a.items() if k != "past_key_values"},
+                                           {k: v for k, v in s.items() if k != "past_key_values"})
+                           for a, s in zip(first, shared))  # one dict of arguments per layer
+                if not same:
+                    log.info("%s: the layers' arguments of one sub-batch captured alone differ from its rows of "
+                             "the whole batch's; capturing each sub-batch of the %s separately",
+                             type(self.model).__name__, phase)
+                self.shared_capture[phase] = same
+            if self.shared_capture.get(phase, True):
+                return [[_rows(call, start, count, batch) for call in calls] for _, start, count in parts], True
+        return [first if index == 0 and first is not None else alone(part) for index, part in enumerate(parts)], False
+
+    def _forward(self, phase: str, inputs: dict, parts: list[tuple[int, int, int]], batch: int,
+                 cache, store: Callable) -> torch.Tensor:
+        """One forward pass of the `parts` (sub-batch, first row, rows) of the `batch`
+        rows of `inputs`, layer-major; the last position's logits of those rows.
+        `store(index, position, keys, values, new)` keeps the updated cache of
+        `parts[position]` at layer `index`, whose last `new` positions are new."""
+        from slcompile.runtime.stats import compute_region
+
+        self.trace = []
+        arguments, shared = self._arguments(phase, inputs, parts, batch)
+        hidden = [calls[0][self.hidden_name] for calls in arguments]
+        outputs: list[Any] = [None] * len(parts)
         self._issue_weights(0)
-        self.kv.issue(0, 0)
-        for index, layer in enumerate(self.layers):
+        if phase == "decode":
+            self._issue_kv(0, parts[0][0])
+        for index in range(len(self.layers)):
             tensors = self._weights(index)
             self._issue_weights(index + 1)
-            for sb in range(k):
-                nxt = (index, sb + 1) if sb + 1 < k else (index + 1, 0)
-                if nxt[0] < len(self.layers):
-                    self.kv.issue(*nxt)
-                past = self.kv.take(index, sb)
-                kwargs = dict(calls[sb][index])
-                kwargs[self.hidden_name] = hidden[sb]
+            for position, (sb, _, _) in enumerate(parts):
+                if phase == "decode":
+                    # The next (layer, sub-batch)'s cache loads while this one runs.
+                    if position + 1 < len(parts):
+                        self._issue_kv(index, parts[position + 1][0])
+                    elif index + 1 < len(self.layers):
+                        self._issue_kv(index + 1, parts[0][0])
+                kwargs = dict(arguments[position][index])
+                kwargs[self.hidden_name] = hidden[position]
                 kwargs.pop("past_key_values")
                 window = self.windows[index]
-                if past is None:
-                    output, keys, values = self.prefill_step(self.templates[index], tensors, window, kwargs)
+                if phase == "prefill":
+                    with compute_region(f"blk{index}.sb{sb} prefill"):
+                        output, keys, values = self.prefill_step(self.templates[index], tensors, window, kwargs)
                 else:
+                    past = self.kv.take(index, sb)
                     _mark_length_dynamic(past, kwargs)
-                    output, keys, values = self.decode_step(self.templates[index], tensors, *past, window, kwargs)
-                outputs[sb] = output
-                hidden[sb] = output if isinstance(output, torch.Tensor) else output[0]
-                self.kv.store(index, sb, keys, values)
-                # The model's cache object learns the new shapes (values stay on the tier).
-                query = hidden[sb].shape[-2]
-                new_keys = keys.new_empty((*keys.shape[:-2], query, keys.shape[-1]), device="meta")
-                new_values = values.new_empty((*values.shape[:-2], query, values.shape[-1]), device="meta")
-                calls[sb][index]["past_key_values"].layers[index].update(new_keys, new_values)
+                    with compute_region(f"blk{index}.sb{sb} decode"):
+                        output, keys, values = self.decode_step(self.templates[index], tensors, *past, window,
+                                                                kwargs)
+                self.trace.append(f"blk{index}.sb{sb}")
+                outputs[position] = output
+                hidden[position] = output if isinstance(output, torch.Tensor) else output[0]
+                store(index, position, keys, values, hidden[position].shape[-2])
+            # The model's cache object learns the new shapes (values stay on the tier).
+            query = hidden[0].shape[-2]
+            new_keys = keys.new_empty((self.batch, keys.shape[1], query, keys.shape[-1]), device="meta")
+            new_values = values.new_empty((self.batch, values.shape[1], query, values.shape[-1]), device="meta")
+            cache.layers[index].update(new_keys, new_values)
             del tensors
         self.kv.flush()
-        return torch.cat([self._tail(inputs, output) for inputs, output in zip(inputs_of, outputs)])
+        if shared:
+            first = outputs[0]
+            whole = torch.cat([output if isinstance(output, torch.Tensor) else output[0] for output in outputs])
+            return self._tail(inputs, whole if isinstance(first, torch.Tensor) else (whole, *first[1:]))
+        return torch.cat([self._tail(_rows(inputs, start, count, batch), output)
+                          for (_, start, count), output in zip(parts, outputs)])
 
     # -- the generation loop -----------------------------------------------------
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+        from slcompile.runtime.stats import runtime_stats
+
         plan, model = self.plan, self.model
         k = plan.num_subbatches
+        batch = self.batch = input_ids.shape[0]
         device = input_ids.device
         accepts_positions = "position_ids" in inspect.signature(model.forward).parameters
         keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -490,29 +721,52 @@ class _Generation:
                 processors.append(TopKLogitsWarper(top_k=plan.top_k, min_tokens_to_keep=1))
             if plan.top_p < 1.0:
                 processors.append(TopPLogitsWarper(top_p=plan.top_p, min_tokens_to_keep=1))
-        size = input_ids.shape[0] // k
-        caches = [self.cache_factory() for _ in range(k)]
+        size = batch // k
+        cache = self.cache_factory()
+        prefill_store = _PrefillStore(self._store_kv, batch // plan.prefill_subbatches, size)
         sequences = input_ids
-        unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=device)
+        unfinished = torch.ones(batch, dtype=torch.long, device=device)
+        active = list(range(k))  # the decode sub-batches still generating
         eos = torch.tensor(plan.eos_token_ids, dtype=torch.long, device=device) if plan.eos_token_ids else None
         bar = _progress_bar(plan.max_new_tokens, self.progress)
         try:
             for step in range(plan.max_new_tokens):
-                inputs_of = []
-                for sb in range(k):
-                    rows = slice(sb * size, (sb + 1) * size)
-                    kwargs = {"past_key_values": caches[sb], "use_cache": True}
-                    if attention_mask is not None:
-                        kwargs["attention_mask"] = attention_mask[rows]
-                    if position_ids is not None:
-                        kwargs["position_ids"] = position_ids[rows]
-                    if keep_logits:
-                        kwargs["logits_to_keep"] = 1
-                    inputs = model.prepare_inputs_for_generation(
-                        sequences[rows], next_sequence_length=None if step == 0 else 1,
-                        is_first_iteration=step == 0, **kwargs)
-                    inputs_of.append(inputs)
-                logits = self._forward(inputs_of)
+                phase = "prefill" if step == 0 else "decode"
+                if step == 0:
+                    rows, parts = None, _split(batch // plan.prefill_subbatches, plan.prefill_subbatches)
+                    store = prefill_store
+                else:
+                    rows = None if len(active) == k else torch.cat(
+                        [torch.arange(sb * size, (sb + 1) * size, device=device) for sb in active])
+                    parts = [(sb, position * size, size) for position, sb in enumerate(active)]
+
+                    store = functools.partial(self._store_decoded, parts)
+                if step == plan.max_new_tokens - 1:
+                    store = _no_store  # no pass reads the cache of the last one
+
+                def of_active(tensor):
+                    return tensor if rows is None or tensor is None else tensor[rows]
+
+                kwargs = {"past_key_values": cache, "use_cache": True}
+                if attention_mask is not None:
+                    kwargs["attention_mask"] = of_active(attention_mask)
+                if position_ids is not None:
+                    kwargs["position_ids"] = of_active(position_ids)
+                if keep_logits:
+                    kwargs["logits_to_keep"] = 1
+                inputs = model.prepare_inputs_for_generation(
+                    of_active(sequences), next_sequence_length=None if step == 0 else 1,
+                    is_first_iteration=step == 0, **kwargs)
+                before = dict(runtime_stats().cumulative.bytes_moved)
+                computed = self._forward(phase, inputs, parts, len(parts) * parts[0][2], cache, store)
+                self.steps.append(GenerationStep(phase, tuple(sb for sb, _, _ in parts), " | ".join(self.trace),
+                                                 _bytes_moved_since(before)))
+                if rows is None:
+                    logits = computed
+                else:
+                    # A finished sub-batch's rows get pad tokens whatever their scores.
+                    logits = computed.new_zeros((batch, computed.shape[-1]))
+                    logits[rows] = computed
                 scores = processors(sequences, logits)
                 if plan.do_sample:
                     probs = torch.softmax(scores, dim=-1)
@@ -532,10 +786,246 @@ class _Generation:
                     unfinished = unfinished & ~torch.isin(next_tokens, eos)
                     if not bool(unfinished.any()):
                         break
+                    for sb in [sb for sb in active if not bool(unfinished[sb * size:(sb + 1) * size].any())]:
+                        active.remove(sb)
+                        for index in range(len(self.layers)):
+                            self.kv.drop(index, sb)
         finally:
             bar.close()
             self.kv.close()
         return sequences
+
+
+def _no_store(*args) -> None:
+    pass
+
+
+class _PrefillStore:
+    """Stores the prefill's caches by decode sub-batch: each prefill part's rows go
+    to the decode sub-batches that hold them, stored once a decode sub-batch's rows
+    are all there (at once when both split the batch alike)."""
+
+    def __init__(self, store: Callable, prefill_size: int, decode_size: int):
+        self.store, self.prefill_size, self.decode_size = store, prefill_size, decode_size
+        self.pieces: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def __call__(self, index: int, position: int, keys, values, new: int) -> None:
+        first = position * self.prefill_size
+        row = first
+        while row < first + self.prefill_size:
+            sb = row // self.decode_size
+            end = min((sb + 1) * self.decode_size, first + self.prefill_size)
+            piece = (keys, values) if end - row == keys.shape[0] else (
+                keys.narrow(0, row - first, end - row), values.narrow(0, row - first, end - row))
+            pieces = self.pieces.setdefault((index, sb), [])
+            pieces.append(piece)
+            if end == (sb + 1) * self.decode_size:
+                del self.pieces[index, sb]
+                if len(pieces) == 1:
+                    self.store(index, sb, *pieces[0], new)
+                else:
+                    self.store(index, sb, torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces]), new)
+            row = end
+
+
+# -- explain ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationExplanation:
+    """What `generate` would do, predicted from the model's config and the options,
+    for every sequence generating all `max_new_tokens` (no early EOS).
+
+    Attributes:
+        model: the model's class name.
+        layers_name: where its decoder layers are (`model.layers`).
+        num_layers: how many there are.
+        batch, prompt_length, max_new_tokens: the generation's sizes.
+        prefill_subbatches, num_subbatches: K of the prefill and of the decode steps.
+        weights, kv_cache: the tiers.
+        weight_store_bytes: bytes of layer weights stored on their tier before the prefill.
+        steps: one `GenerationStep` per pass, as `generate(...,
+            return_dict_in_generate=True)` measures them.
+    """
+
+    model: str
+    layers_name: str
+    num_layers: int
+    batch: int
+    prompt_length: int
+    max_new_tokens: int
+    prefill_subbatches: int
+    num_subbatches: int
+    weights: str
+    kv_cache: str
+    weight_store_bytes: int
+    steps: tuple[GenerationStep, ...]
+
+    @property
+    def prefill_schedule(self) -> str:
+        return self.steps[0].schedule
+
+    @property
+    def decode_schedule(self) -> str:
+        return self.steps[1].schedule if len(self.steps) > 1 else ""
+
+    def __str__(self) -> str:
+        from slcompile.units import format_bytes
+
+        kv = (TransferKind.KV, Tier.DEVICE, Tier(self.kv_cache))
+        kv_back = (TransferKind.KV, Tier(self.kv_cache), Tier.DEVICE)
+
+        def weight_bytes(step):
+            return sum(n for (kind, _, destination), n in step.bytes_moved.items()
+                       if kind is TransferKind.WEIGHT and destination is Tier.DEVICE)
+
+        lines = [
+            f"generate {self.model} ({self.num_layers} layers, {self.layers_name}): batch {self.batch}, "
+            f"prompts of {self.prompt_length} tokens, {self.max_new_tokens} new tokens",
+            f"  prefill: {self.prefill_subbatches} sub-batches of {self.batch // self.prefill_subbatches}; "
+            f"decode: {self.num_subbatches} sub-batches of {self.batch // self.num_subbatches}",
+            f"  weights on {self.weights} ({format_bytes(self.weight_store_bytes)} stored before the prefill), "
+            f"kv cache on {self.kv_cache}",
+            f"  prefill schedule: {self.prefill_schedule}",
+        ]
+        if len(self.steps) > 1:
+            lines.append(f"  decode schedule:  {self.decode_schedule}")
+        lines.append(f"  {'pass':<10} {'weights loaded':>15} {'kv stored':>12} {'kv loaded':>12}")
+        names = ["prefill"] + [f"decode {t}" for t in range(1, len(self.steps))]
+        shown = range(len(self.steps)) if len(self.steps) <= 8 else [0, 1, 2, len(self.steps) - 1]
+        for row in shown:
+            if row == len(self.steps) - 1 and row not in (0, 1, 2) and len(self.steps) > 8:
+                lines.append(f"  {'...':<10}")
+            step = self.steps[row]
+            lines.append(f"  {names[row]:<10} {format_bytes(weight_bytes(step)):>15} "
+                         f"{format_bytes(step.bytes_of(*kv)):>12} {format_bytes(step.bytes_of(*kv_back)):>12}")
+        lines.append(f"  {'total':<10} {format_bytes(sum(map(weight_bytes, self.steps))):>15} "
+                     f"{format_bytes(sum(step.bytes_of(*kv) for step in self.steps)):>12} "
+                     f"{format_bytes(sum(step.bytes_of(*kv_back) for step in self.steps)):>12}")
+        return "\n".join(lines)
+
+
+def explain_generation(
+    model: nn.Module,
+    input_shape: Sequence[int],
+    max_new_tokens: int = 20,
+    num_subbatches: int = 1,
+    *,
+    prefill_subbatches: int | None = None,
+    weights: str = "device",
+    kv_cache: str = "device",
+    offload_dir: str | None = None,
+) -> GenerationExplanation:
+    """The schedules and bytes per pass of `generate(model, input_ids, ...)` with
+    these options, without running the model; `print` it for a summary.
+
+    Args:
+        model, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
+            offload_dir: as for `generate`.
+        input_shape: `input_ids.shape`, `(batch, length)`.
+
+    Returns:
+        The prediction; its `steps` equal those `generate(...,
+        return_dict_in_generate=True)` measures when no sequence stops early.
+
+    Raises:
+        OptionError, RefusedError: as `generate` raises them.
+    """
+    from slcompile.pipeline import engine_for
+    from slcompile.runtime.kv import forgettable_segments
+    from slcompile.runtime.weights import weight_home
+
+    plan = _plan(model, tuple(input_shape), None, max_new_tokens, num_subbatches, prefill_subbatches, weights,
+                 kv_cache, False, 1.0, None, 1.0, [], None, offload_dir)
+    engine = engine_for(offload_dir)
+    batch, length = tuple(input_shape)
+    layers = plan.layers
+    streamed = _streamed_parameters(model, plan, not engine.copies_nothing(Tier(weights), Tier.DEVICE))
+    weight_loads: dict[TransferKey, int] = {}
+    weight_store_bytes = 0
+    for params in streamed:
+        for _, param in params:
+            home = weight_home(param)
+            tier = home[2] if home is not None else Tier(weights)
+            nbytes = param.numel() * param.element_size()
+            if home is None and not engine.copies_nothing(Tier.DEVICE, tier):
+                weight_store_bytes += nbytes
+            if not engine.copies_nothing(tier, Tier.DEVICE):
+                key = (TransferKind.WEIGHT, tier, Tier.DEVICE)
+                weight_loads[key] = weight_loads.get(key, 0) + nbytes
+    weights_move = bool(weight_loads)
+    kv_moves = not engine.copies_nothing(Tier(kv_cache), Tier.DEVICE)
+    windows = _cache_windows(model, len(layers))
+    caps = [length + max_new_tokens if window is None else window - 1 for window in windows]
+    position_bytes = [2 * batch * per_row for per_row in _kv_row_bytes(model, layers)]
+    store_key, load_key = (TransferKind.KV, Tier.DEVICE, Tier(kv_cache)), (TransferKind.KV, Tier(kv_cache), Tier.DEVICE)
+    n, kp, kd = len(layers), plan.prefill_subbatches, plan.num_subbatches
+    size_p, size_d = batch // kp, batch // kd
+
+    def weight_loads_of(index):
+        return [f"load blk{index}.w"] if weights_move and index < n and streamed[index] else []
+
+    def prefill_order(stores: bool) -> str:
+        # Decode sub-batch d is stored after the prefill part that holds its last row.
+        order = weight_loads_of(0)
+        for index in range(n):
+            order += weight_loads_of(index + 1)
+            for part in range(kp):
+                order.append(f"blk{index}.sb{part}")
+                if stores:
+                    order += [f"store blk{index}.kv.sb{d}" for d in range(kd)
+                              if part * size_p < (d + 1) * size_d <= (part + 1) * size_p]
+        return " | ".join(order)
+
+    def decode_order(stores: bool) -> str:
+        # Each (layer, sub-batch)'s cache loads while the one before it runs.
+        order = weight_loads_of(0) + (["load blk0.kv.sb0"] if kv_moves else [])
+        for index in range(n):
+            order += weight_loads_of(index + 1)
+            for sb in range(kd):
+                following = (index, sb + 1) if sb + 1 < kd else (index + 1, 0)
+                if kv_moves and following[0] < n:
+                    order.append(f"load blk{following[0]}.kv.sb{following[1]}")
+                order.append(f"blk{index}.sb{sb}")
+                if stores:
+                    order.append(f"store blk{index}.kv.sb{sb}")
+        return " | ".join(order)
+
+    def moved(stored: int, loaded: int) -> dict[TransferKey, int]:
+        kv = {store_key: stored, load_key: loaded} if kv_moves else {}
+        return {key: v for key, v in {**weight_loads, **kv}.items() if v}
+
+    # The last pass stores no cache: no pass reads it.
+    segments = [[min(length, cap)] for cap in caps]
+    last = max_new_tokens == 1
+    steps = [GenerationStep("prefill", tuple(range(kp)), prefill_order(kv_moves and not last),
+                            moved(0 if last else sum(b * s[0] for b, s in zip(position_bytes, segments)), 0))]
+    # A decode step: each (layer, sub-batch) loads the segments it keeps and stores one position.
+    for step in range(1, max_new_tokens):
+        last = step == max_new_tokens - 1
+        loaded = sum(b * sum(s) for b, s in zip(position_bytes, segments))
+        for layer, cap in enumerate(caps):
+            segments[layer].append(1)
+            del segments[layer][:forgettable_segments(segments[layer], min(length + step, cap))]
+        steps.append(GenerationStep("decode", tuple(range(kd)), decode_order(kv_moves and not last),
+                                    moved(0 if last else sum(position_bytes), loaded)))
+    return GenerationExplanation(type(model).__name__, plan.layers_name, n, batch, length, max_new_tokens, kp, kd,
+                                 weights, kv_cache, weight_store_bytes, tuple(steps))
+
+
+def _kv_row_bytes(model: nn.Module, layers: Sequence[nn.Module]) -> list[int]:
+    """Per layer, the bytes of one position of one sequence's keys (as many again
+    for its values), from the model's config: key-value heads times head size in
+    the layers' floating-point type."""
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rows = []
+    for layer in layers:
+        dtype = next((p.dtype for p in layer.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        rows.append(kv_heads * head_dim * dtype.itemsize)
+    return rows
 
 
 def _mark_length_dynamic(past: tuple[torch.Tensor, torch.Tensor], kwargs: dict) -> None:

@@ -58,6 +58,13 @@ update: the next forward's prefetches of a block are issued after that block's
 update (the compiled backward hands them over), and any load of it still pending
 from before is issued again.
 
+With `shard_weights=True` (`slcompile.runtime.collectives`) each rank receives its
+shard of a block's gradients (reduce-scattered, averaged over the ranks), keeps
+host copies and state for that shard only, and writes the updated shard back;
+`step()` first averages the `.grad` of the replicated parameters over the ranks.
+Every rank calls `step()`, `model.state_dict()` (which all-gathers the weights)
+and `model.load_state_dict()` together; `max_grad_norm` is refused there.
+
 On a CPU-only machine the host tier is the device's memory: `gradients="host"` and
 `states="host"` move no bytes. When the model was compiled before the optimizer was
 created (and with `gradients="auto"`), the streamed weights' gradients come back as
@@ -81,7 +88,7 @@ from slcompile.runtime import gradients as gradient_runtime
 from slcompile.runtime.engine import TransferEngine, get_engine
 from slcompile.runtime.errors import OffloadError
 from slcompile.runtime.tiers import Tier, TransferKind
-from slcompile.runtime.weights import fetch_issue, update_weights, weight_home
+from slcompile.runtime.weights import fetch_issue, shard_group_of, update_weights, weight_home
 
 __all__ = ["OffloadedOptimizer", "offload_optimizer"]
 
@@ -290,6 +297,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._norms.clear()
             raise OffloadError(f"the gradients of {len(missing)} weights arrived without the rest of "
                                "their block (a backward that failed part way); those weights were not stepped")
+        self._average_replicated_grads()
         if self.max_grad_norm is not None:
             self._clip_and_step_blocks()
         self._step_from_grad()
@@ -306,6 +314,31 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._install_resident_state()
         _take_options(self._resident, self._resident_groups, self.param_groups)
         self._resident.step()
+
+    def memory(self, streamed: Iterable[Iterable[torch.Tensor]], host_is_device: bool | None = None):
+        """This optimizer's share of a step's memory per tier
+        (`slcompile.analysis.memory.optimizer_memory`) when `streamed` are the
+        model's streamed weights, per block; its other parameters step on the device.
+
+        Args:
+            streamed: the streamed parameters, grouped by block.
+            host_is_device: host memory is the device's; default: this machine's answer.
+        """
+        from slcompile.analysis.memory import optimizer_memory
+
+        blocks = [list(block) for block in streamed]
+        off = {id(p) for block in blocks for p in block}
+        resident = [[p for p in group["params"] if id(p) not in off] for group in self.param_groups]
+        if host_is_device is None:
+            host_is_device = get_engine().copies_nothing(Tier.HOST, Tier.DEVICE)
+        # The class's options as the first group has them; weight decay where any group has it.
+        options = {key: self.param_groups[0][key] for key in self.defaults if key in self.param_groups[0]}
+        decays = [group.get("weight_decay", 0) for group in self.param_groups]
+        if any(decays):
+            options["weight_decay"] = next(decay for decay in decays if decay)
+        return optimizer_memory(self.optimizer_class, options, resident, blocks,
+                                states=self.states_tier.value, max_grad_norm=self.max_grad_norm,
+                                host_is_device=host_is_device)
 
     def wait(self) -> None:
         """Blocks until the block steps submitted so far are done; re-raises their errors."""
@@ -410,6 +443,21 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             host_step.free()
 
     # -- internals --------------------------------------------------------
+    def _average_replicated_grads(self) -> None:
+        """With sharded weights (`shard_weights`): the `.grad` of the parameters every
+        rank keeps whole, averaged over the ranks (an all-reduce each, in the same
+        order on every rank) before they step."""
+        shards = next((g for g in map(shard_group_of, self.params) if g is not None), None)
+        if shards is None:
+            return
+        if self.max_grad_norm is not None:
+            raise ValueError("offload_optimizer: max_grad_norm is not supported with shard_weights=True yet "
+                             "(the norm would need every rank's shards); clip inside the loss or drop it")
+        handles = [shards.all_reduce(self._names[id(p)], p.grad) for p in self.params
+                   if p.grad is not None and shard_group_of(p) is None]
+        for handle in handles:
+            shards.wait(handle)
+
     def _install_resident_state(self) -> None:
         for group in self._resident.param_groups:
             for param in group["params"]:
@@ -423,6 +471,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             key = prefix + self._names[id(param)]
             if key in state_dict and weight_home(param) is not None:
                 master = self._master(param)
+                shards = shard_group_of(param)
+                if shards is not None:  # this rank's shard: every rank calls state_dict() together
+                    master = shards.wait(shards.all_gather(key, lambda: master, param.shape))
                 state_dict[key] = master.to(dtype=param.dtype, copy=True)
 
     def _take_model_state(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
@@ -440,8 +491,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 incompatible_keys.missing_keys.remove(key)
         params = []
         for param, values in taken.values():
+            shards = shard_group_of(param)
             with torch.no_grad():
-                self._master(param).copy_(values.reshape(param.shape))
+                self._master(param).copy_(values.reshape(param.shape) if shards is None else shards.shard(values))
             params.append(param)
         self._write_back(params)
         with torch.no_grad():
@@ -454,16 +506,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if master is not None:
             return master
         home = weight_home(param)
+        shards = shard_group_of(param)  # sharded: the master is this rank's flat shard
         if home is None or param.untyped_storage().nbytes() > 0:
-            values = param.detach()
+            values = param.detach() if shards is None else shards.shard(param)
         else:
             engine, stored_key, _ = home
             values = engine.wait(engine.load(stored_key, TransferKind.WEIGHT))
         dtype = torch.float32 if param.dtype in _LOW_PRECISION else param.dtype
-        master = values.to(device="cpu", dtype=dtype, copy=True).view(param.shape)
+        master = values.to(device="cpu", dtype=dtype, copy=True).view(param.shape if shards is None else -1)
         loaded = self._loaded_masters.pop(self._names[id(param)], None)
         if loaded is not None:
-            master.copy_(loaded.reshape(master.shape))
+            master.copy_(loaded.reshape(master.shape) if shards is None else shards.shard(loaded))
         self._masters[id(param)] = master
         return master
 
@@ -556,7 +609,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         finally:
             for stored_key in sorted(group):
                 for graph_key in sink.deferred_issues.get(stored_key, ()):
-                    fetch_issue(graph_key)
+                    fetch_issue(graph_key, gather=False)  # sharded: the fetch all-gathers, in graph order
 
     def _step_from_grad(self) -> None:
         """Streamed weights whose gradient came back as `.grad` (compiled before this
@@ -743,6 +796,16 @@ class _HostStep:
             for key in keys.values():
                 if key in self.engine:
                     self.engine.free(key)
+
+
+def attached_optimizer_memory(params: Iterable[torch.Tensor], streamed: Iterable[Iterable[torch.Tensor]]):
+    """`OffloadedOptimizer.memory` of the offloaded optimizer that holds any of
+    `params` (a compiled graph's parameters), or None when none does."""
+    for param in params:
+        consumer = gradient_runtime.consumer_of(param)
+        if isinstance(consumer, OffloadedOptimizer):
+            return consumer.memory(streamed)
+    return None
 
 
 def _raise_first(errors: Iterable[OffloadError | None]) -> None:

@@ -37,6 +37,7 @@ from slcompile.analysis.batch_propagation import BatchPlan, propagate_batch
 from slcompile.analysis.inputs import GraphInput, classify_inputs
 from slcompile.analysis.memory import predict_memory
 from slcompile.config import SpeedLoaderConfig
+from slcompile.errors import RefusedError
 from slcompile.passes.check_splittable import check_splittable
 from slcompile.passes.find_batch_dim import BatchInfo, find_batch_dim
 from slcompile.passes.find_blocks import BlockGraph, find_blocks
@@ -107,7 +108,50 @@ class PipelineState:
 
 
 def _classify(state: PipelineState) -> PipelineState:
-    return dataclasses.replace(state, inputs=tuple(classify_inputs(state.gm, state.example_inputs)))
+    inputs = tuple(classify_inputs(state.gm, state.example_inputs))
+    _refuse_fsdp(state.gm, inputs)
+    return dataclasses.replace(state, inputs=inputs)
+
+
+def _refuse_fsdp(gm: torch.fx.GraphModule, inputs) -> None:
+    """Refuses a graph whose parameters FSDP2's `fully_shard` manages (DTensors between
+    calls, all-gathered plain tensors inside them) or that holds DTensor parameters:
+    speedloader streams whole block weights and shards them itself."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return  # neither exists without a process group
+    from torch.distributed.tensor import DTensor
+
+    params = [i for i in inputs if i.kind == "param" and isinstance(i.value, torch.Tensor)]
+    managed = _fsdp_managed() if params else set()
+    found = [i.name for i in params if isinstance(i.value, DTensor) or id(i.value) in managed]
+    if found:
+        raise RefusedError(
+            f"the model is sharded with FSDP2's fully_shard or holds DTensor parameters ({found[0]}): "
+            "speedloader streams and shards whole block weights itself; compile the model without "
+            "fully_shard, with the speedloader option shard_weights=True (and "
+            "slcompile.offload_optimizer) to shard the block weights across the process group's ranks",
+            "classify_inputs",
+        )
+
+
+def _fsdp_managed() -> set[int]:
+    """The ids of the parameters FSDP2 manages in this process, sharded and unsharded
+    (read from its module states: torch has no public query for it)."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:
+        return set()
+    managed = set()
+    for state_ref in list(_module_state_mapping.values()):
+        state = state_ref()
+        group = getattr(state, "_fsdp_param_group", None) if isinstance(state, FSDPState) else None
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            for name in ("_unsharded_param", "sharded_param"):
+                tensor = getattr(fsdp_param, name, None)
+                if tensor is not None:
+                    managed.add(id(tensor))
+    return managed
 
 
 def _find_blocks(state: PipelineState) -> PipelineState:
@@ -140,7 +184,7 @@ def _check(state: PipelineState) -> PipelineState:
 
 def _plan_schedule(state: PipelineState) -> PipelineState:
     config = state.config
-    weights_streamed = moves_off_device(config, config.weights)
+    weights_streamed = moves_off_device(config, config.weights) or config.shard_weights
     schedule = plan_schedule(
         state.blocks, config,
         weights_streamed=weights_streamed,
@@ -188,14 +232,23 @@ def _stream(state: PipelineState) -> PipelineState:
     if state.interleaved is None or state.config.weights == "device":
         return state
     engine = engine_for(state.config.offload_dir)
-    if engine.copies_nothing(Tier(state.config.weights), Tier.DEVICE):
+    sharded = state.config.shard_weights
+    if engine.copies_nothing(Tier(state.config.weights), Tier.DEVICE) and not sharded:
         log.debug("weights=%s copies nothing on this machine: weights stay resident", state.config.weights)
         return state
-    streamer = WeightStreamer(engine, state.config.weights, state.config.live_blocks)
+    shards = None
+    if sharded:
+        from slcompile.runtime.collectives import shard_group
+
+        shards = shard_group()
+    streamer = WeightStreamer(engine, state.config.weights, state.config.live_blocks, shards=shards)
     gm, streamed = stream_weights(
         state.gm, state.blocks, state.inputs, streamer.stored_key_for, streamer.graph_key,
         per_subbatch=state.schedule.fetches_per_subbatch(),
     )
+    if sharded:
+        values = {i.name: i.value for i in state.inputs}
+        streamer.shard([values[name] for block in streamed.blocks for name, _ in block])
     return dataclasses.replace(state, gm=gm, streamer=streamer, streamed=streamed)
 
 
@@ -387,7 +440,19 @@ def _predict_memory(step: StepState):
         weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes,
         activations_tier=plan.activations_tier, offloaded_bytes=offloaded.bytes,
         recompute=step.recompute, load_granularity=load_granularity(),
+        optimizer=plan.optimizer, gradient_copies=_gradients_copied(plan),
     )
+
+
+def _gradients_copied(plan) -> bool:
+    """Whether the stores of gradients copy them on the device (`GradientSink.store`:
+    a tier that keeps the very memory, the host of a CPU-only machine)."""
+    from slcompile.runtime.tiers import Tier
+
+    sink = plan.gradients
+    if sink is None or getattr(sink, "shards", None) is not None:
+        return False
+    return sink.engine.copies_nothing(Tier.DEVICE, sink.tier)
 
 
 def _derive_schedule(step: StepState) -> Schedule:

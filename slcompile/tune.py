@@ -8,6 +8,11 @@ runs fastest when it fits: fewer sub-batches first (bigger matrix products, fewe
 per-sub-batch overheads), then more blocks' weights live (more prefetch ahead), with
 `recompute="auto"` keeping saved activations before recomputing blocks. The first
 plan that fits is the answer.
+
+The budget covers the whole step: with an optimizer (the offloaded optimizer
+attached to the model, or `optimizer=`, as in `slcompile.explain`), a plan whose
+forward and backward fit but whose `optimizer.step()` would not (the resident
+parameters' state, their gradients and the step's temporaries) is refused.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ def tune(
     kwargs: Mapping[str, Any] | None = None,
     num_subbatches: Sequence[int] | None = None,
     live_blocks: Sequence[int] = (2, 1),
+    optimizer: Any = None,
+    optimizer_options: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> TuneResult:
     """Chooses K, live_blocks and recomputation for `model(*args)` under a budget.
@@ -57,6 +64,9 @@ def tune(
         memory_budget: the device's limit for one step (bytes or "2GiB").
         num_subbatches: the K to consider (default: every divisor of the batch).
         live_blocks: the windows to consider, preferred first.
+        optimizer, optimizer_options: the optimizer whose step the budget covers,
+            as in `slcompile.explain` (default: the offloaded optimizer attached to
+            the model, if any).
         **options: other backend options, fixed (`weights="nvme"`, ...).
 
     Raises:
@@ -64,11 +74,12 @@ def tune(
         RefusedError: the graph cannot be split into sub-batches at all.
     """
     from slcompile.backends.lowering import lower
-    from slcompile.backends.speedloader import step_plan
+    from slcompile.explain import check_optimizer, plan_with_optimizer
     from slcompile.pipeline import run_pipeline
     from slcompile.report import CompileReport
 
     budget = parse_bytes(memory_budget, "memory_budget")
+    check_optimizer(optimizer, optimizer_options, "tune")
     captured = []
 
     def capture(gm: torch.fx.GraphModule, example_inputs):
@@ -90,7 +101,8 @@ def tune(
             try:
                 state = run_pipeline(gm, example_inputs, config)
                 report = CompileReport(config=config)
-                lower(state.gm, example_inputs, "aot_eager", report, step_plan(state))
+                lower(state.gm, example_inputs, "aot_eager", report,
+                      plan_with_optimizer(state, optimizer, optimizer_options))
             except RefusedError:
                 tried.append((k, window, None))
                 continue

@@ -111,8 +111,13 @@ def kv_bytes(model, batch: int, length: int) -> int:
     return config.num_hidden_layers * per_layer
 
 
+KV_STORED = (TransferKind.KV, Tier.DEVICE, Tier.NVME)
+KV_LOADED = (TransferKind.KV, Tier.NVME, Tier.DEVICE)
+WEIGHT_LOADED = (TransferKind.WEIGHT, Tier.NVME, Tier.DEVICE)
+
+
 @pytest.mark.parametrize("k", [1, 4])
-def test_weight_and_kv_bytes_per_step_are_exact_and_weights_load_once_per_step(tmp_path, k):
+def test_nvme_kv_cache_stores_only_new_positions_and_loads_what_it_uses_and_weights_load_once_per_step(tmp_path, k):
     model = FAMILIES["llama"]().eval()
     input_ids, mask = left_padded_batch(batch=4, length=6)
     new_tokens = 8
@@ -120,21 +125,117 @@ def test_weight_and_kv_bytes_per_step_are_exact_and_weights_load_once_per_step(t
     block_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
     slcompile.reset_runtime_stats()
     out = run_generate(model, input_ids, mask, new_tokens, [], num_subbatches=k, weights="nvme", kv_cache="nvme",
-                       offload_dir=str(tmp_path))
-    assert torch.equal(out, expected)
+                       offload_dir=str(tmp_path), return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert [step.phase for step in out.steps] == ["prefill"] + ["decode"] * (new_tokens - 1)
+    for t, step in enumerate(out.steps):
+        # Each layer's weights are loaded once per pass, for all K sub-batches.
+        assert step.bytes_of(*WEIGHT_LOADED) == block_bytes
+        if t == 0:
+            assert step.bytes_of(*KV_STORED) == kv_bytes(model, 4, 6) and step.bytes_of(*KV_LOADED) == 0
+        else:
+            # A decode step stores the one position it adds to each (layer, sub-batch)
+            # and loads the 6 + t - 1 positions the cache holds, whatever K is; the
+            # last one stores nothing (no step reads it).
+            assert step.bytes_of(*KV_STORED) == (kv_bytes(model, 4, 1) if t < new_tokens - 1 else 0)
+            assert step.bytes_of(*KV_LOADED) == kv_bytes(model, 4, 6 + t - 1)
     moved = slcompile.runtime_stats().cumulative.bytes_moved
-    passes = new_tokens  # the prefill and one decode step per token but the last
-    # Each layer's weights are loaded once per pass, for all K sub-batches.
-    assert moved[(TransferKind.WEIGHT, Tier.NVME, Tier.DEVICE)] == passes * block_bytes
-    # The cache after pass t holds 6 + t positions per sequence; pass t stores it and
-    # pass t + 1 loads it back, whatever K is.
-    stored = sum(kv_bytes(model, 4, 6 + t) for t in range(passes))
-    loaded = sum(kv_bytes(model, 4, 6 + t) for t in range(passes - 1))
-    assert moved[(TransferKind.KV, Tier.DEVICE, Tier.NVME)] == stored
-    assert moved[(TransferKind.KV, Tier.NVME, Tier.DEVICE)] == loaded
+    assert moved[KV_STORED] == kv_bytes(model, 4, 6 + new_tokens - 2)
+    assert moved[KV_LOADED] == sum(kv_bytes(model, 4, 6 + t) for t in range(new_tokens - 1))
+    assert moved[WEIGHT_LOADED] == new_tokens * block_bytes
     # The weights stay on the tier; a later call on device weights fetches them.
     assert len(slcompile.offloaded_parameters(model)) == len(list(model.model.layers.parameters()))
     assert torch.equal(run_generate(model, input_ids, mask, new_tokens, [], num_subbatches=k), expected)
+
+
+@pytest.mark.parametrize("family,prefill_k,k", [("llama", 4, 2), ("mistral", 1, 4), ("gpt2", 2, 4)])
+def test_prefill_and_decode_split_the_batch_differently_with_the_same_tokens(tmp_path, family, prefill_k, k):
+    model = FAMILIES[family]().eval()
+    input_ids, mask = left_padded_batch()
+    expected = eager_generate(model, input_ids, mask, 6, eos=[])
+    out = run_generate(model, input_ids, mask, 6, [], num_subbatches=k, prefill_subbatches=prefill_k,
+                       kv_cache="nvme", offload_dir=str(tmp_path), return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.steps[0].subbatches == tuple(range(prefill_k))
+    assert all(step.subbatches == tuple(range(k)) for step in out.steps[1:])
+
+
+def test_finished_subbatches_are_skipped_and_generation_stops_when_all_are_done(tmp_path):
+    model = FAMILIES["llama"]().eval()
+    input_ids, mask = left_padded_batch()
+    new_tokens = 10
+    # Row 0 (sub-batch 0 of four) ends after its third token, the others go on.
+    eos = early_eos(model, input_ids, mask, new_tokens)
+    expected = eager_generate(model, input_ids, mask, new_tokens, eos=eos)
+    out = run_generate(model, input_ids, mask, new_tokens, eos, num_subbatches=4, kv_cache="nvme",
+                       offload_dir=str(tmp_path), return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    generated = out.sequences[:, input_ids.shape[1]:]
+    done = [int((row == eos).nonzero()[0]) if (row == eos).any() else None for row in generated]
+    assert done[0] == 2 and None in done
+    for t, step in enumerate(out.steps):
+        # Pass t computes the token at t; a sub-batch (one row) finished before it is skipped.
+        assert step.subbatches == tuple(sb for sb in range(4) if done[sb] is None or done[sb] >= t)
+        assert step.bytes_of(*KV_LOADED) == (0 if t == 0 else kv_bytes(model, len(step.subbatches), 7 + t - 1))
+    assert out.subbatch_steps < 4 * new_tokens
+    # Every sequence ends at its first token: one pass, then the pads.
+    first = eager_generate(model, input_ids, mask, 1, eos=[])[:, -1].tolist()
+    expected = eager_generate(model, input_ids, mask, new_tokens, eos=first)
+    out = run_generate(model, input_ids, mask, new_tokens, first, num_subbatches=2, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert len(out.steps) == 1 and out.sequences.shape[1] == input_ids.shape[1] + 1
+
+
+def test_embeddings_masks_and_rotary_are_computed_once_per_pass(monkeypatch):
+    import importlib
+
+    generation = importlib.import_module("slcompile.generate")  # the attribute is the function
+    model = FAMILIES["llama"]().eval()
+    input_ids, mask = left_padded_batch()
+    expected = eager_generate(model, input_ids, mask, 5, eos=[])
+    calls = []
+    model.get_input_embeddings().register_forward_hook(lambda *args: calls.append(1))
+    assert torch.equal(run_generate(model, input_ids, mask, 5, [], num_subbatches=4), expected)
+    # One capture and one tail per pass, whatever K, and once per phase the capture
+    # of one sub-batch alone that checks the shared one gives the same arguments.
+    assert len(calls) == 2 * 5 + 2
+    # Where they would differ, each sub-batch is captured alone: the same tokens.
+    calls.clear()
+    monkeypatch.setattr(generation, "_same_arguments", lambda *args: False)
+    assert torch.equal(run_generate(model, input_ids, mask, 5, [], num_subbatches=4), expected)
+    # (the first prefill and decode passes also ran the shared capture they checked)
+    assert len(calls) == 2 * 4 * 5 + 2
+
+
+def test_explain_generation_predicts_the_measured_schedules_and_bytes_of_every_pass(tmp_path):
+    from slcompile.generate import explain_generation
+
+    for family, prefill_k, k in (("llama", 2, 1), ("mistral", 4, 2)):
+        model = FAMILIES[family]().eval()
+        input_ids, mask = left_padded_batch(batch=4, length=6)
+        options = dict(num_subbatches=k, prefill_subbatches=prefill_k, weights="nvme", kv_cache="nvme",
+                       offload_dir=str(tmp_path))
+        expected = eager_generate(model, input_ids, mask, 6, eos=[])
+        explained = explain_generation(model, input_ids.shape, 6, **options)
+        out = run_generate(model, input_ids, mask, 6, [], return_dict_in_generate=True, **options)
+        assert torch.equal(out.sequences, expected)
+        assert out.steps == explained.steps
+    # Mistral's window of 4 keeps 3 positions: after the 6-token prefill a decode step
+    # reads the prefill's last 3 (stored as one segment), then it and the new ones,
+    # until the window has left it.
+    loaded = [step.bytes_of(*KV_LOADED) for step in explained.steps]
+    assert loaded == [kv_bytes(model, 4, n) for n in (0, 3, 4, 5, 3, 3)]
+    assert explained.prefill_schedule == (
+        "load blk0.w | load blk1.w | blk0.sb0 | blk0.sb1 | store blk0.kv.sb0 | blk0.sb2 | blk0.sb3 | "
+        "store blk0.kv.sb1 | blk1.sb0 | blk1.sb1 | store blk1.kv.sb0 | blk1.sb2 | blk1.sb3 | store blk1.kv.sb1")
+    assert explained.decode_schedule == (
+        "load blk0.w | load blk0.kv.sb0 | load blk1.w | load blk0.kv.sb1 | blk0.sb0 | store blk0.kv.sb0 | "
+        "load blk1.kv.sb0 | blk0.sb1 | store blk0.kv.sb1 | load blk1.kv.sb1 | blk1.sb0 | store blk1.kv.sb0 | "
+        "blk1.sb1 | store blk1.kv.sb1")
+    assert "store" not in explained.steps[-1].schedule and not explained.steps[-1].bytes_of(*KV_STORED)
+    text = str(explained)
+    assert "prefill: 4 sub-batches of 1; decode: 2 sub-batches of 2" in text
+    assert f"prefill schedule: {explained.prefill_schedule}" in text
 
 
 def test_one_compile_for_the_prefill_and_one_for_every_decode_step():
@@ -170,9 +271,42 @@ def test_bad_input_gets_a_clear_error():
     input_ids, mask = left_padded_batch(batch=6)
     with pytest.raises(slcompile.OptionError, match=r"^generate: num_subbatches=4 does not divide the batch of 6"):
         run_generate(model, input_ids, mask, 4, [], num_subbatches=4)
+    with pytest.raises(slcompile.OptionError, match=r"^generate: prefill_subbatches=4 does not .* \(1, 2, 3, 6\)"):
+        run_generate(model, input_ids, mask, 4, [], num_subbatches=2, prefill_subbatches=4)
     with pytest.raises(slcompile.OptionError, match=r"max_new_tokens=60 .* over the model's 64 .* max_new_tokens <= 57"):
         run_generate(model, input_ids, mask, 60, [])
     with pytest.raises(slcompile.OptionError, match="kv_cache='disk' is not a tier"):
         run_generate(model, input_ids, mask, 4, [], kv_cache="disk")
     with pytest.raises(slcompile.RefusedError, match="^Stack has no KV cache"):
         run_generate(Stack(lambda width: torch.nn.Linear(width, width)), torch.zeros(2, 3, dtype=torch.long), None, 4, [])
+
+
+def test_kv_store_appends_new_positions_and_reads_back_the_positions_the_cache_keeps(tmp_path):
+    from slcompile.runtime.engine import TransferEngine
+    from slcompile.runtime.kv import KVStore
+
+    engine = TransferEngine(offload_dir=str(tmp_path))
+    store = KVStore(engine, "nvme")
+    full = torch.randn(2, 2, 9, 4)  # (batch, heads, positions, head_dim)
+    row_bytes = 2 * 2 * 4 * 4  # one position of keys (as many for values)
+    slcompile.reset_runtime_stats()
+    # A window that keeps 3 positions: the prefill stores its last 3, each step adds one.
+    store.store(0, 0, full[:, :, 3:6], -full[:, :, 3:6], new=6)
+    for end in (7, 8, 9):
+        keys, values = store.take(0, 0)
+        assert torch.equal(keys, full[:, :, end - 4:end - 1]) and torch.equal(values, -keys)
+        store.store(0, 0, full[:, :, end - 3:end], -full[:, :, end - 3:end], new=1)
+    store.flush()
+    # The prefill's segment is freed once no kept position is in it.
+    assert store.segments(0, 0) == (1, 1, 1)
+    moved = slcompile.runtime_stats().cumulative.bytes_moved
+    assert moved[KV_STORED] == 2 * row_bytes * (3 + 3)
+    assert moved[KV_LOADED] == 2 * row_bytes * (3 + 4 + 5)
+    store.close()
+    assert engine.keys() == []
+    # The device tier keeps the layer's cache itself: no copy, no bytes.
+    device = KVStore(engine, "device")
+    device.store(0, 0, full, -full, new=1)
+    assert device.take(0, 0)[0].data_ptr() == full.data_ptr() and device.segments(0, 0) == (9,)
+    assert slcompile.runtime_stats().cumulative.bytes_moved == moved
+    engine.close()

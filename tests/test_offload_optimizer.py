@@ -435,6 +435,13 @@ def test_model_four_times_the_budget_trains_under_it():
             resident_states = sum(_bytes(values) for name, values in state.items() if name not in streamed)
             device_peak = report.memory.held_bytes + resident_states + peak
             assert device_peak <= budget, (device_peak, budget)
+            # The prediction the budget was checked with covers the optimizer's step
+            # (tests/test_optimizer_memory.py measures it closely).
+            # (and AdamW's step count, a 0-dim float32 tensor per parameter)
+            resident_count = sum(name not in streamed for name in state)
+            assert report.memory.optimizer.device_state_bytes == resident_states + 4 * resident_count
+            predicted = report.memory.peak_bytes["device"]
+            assert abs(predicted - device_peak) <= 0.05 * device_peak, (predicted, device_peak)
     state_bytes = sum(_bytes(values) for values in opt.state_dict()["state"].values())
     assert 2 * model_bytes + state_bytes >= 4 * budget
     with slcompile.gathered_weights(model):

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import sympy
 import torch
 import torch.fx
 
-__all__ = ["Value", "LifetimeTable", "StepLifetimes", "analyze_lifetimes", "analyze_training_step", "tensor_bytes"]
+__all__ = [
+    "Value", "LifetimeTable", "StepLifetimes", "analyze_lifetimes", "analyze_training_step", "tensor_bytes",
+    "max_of",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +84,34 @@ class LifetimeTable:
 
     def peak_expression(self) -> sympy.Expr:
         """The peak as one expression: the max over the distinct resident sizes."""
-        return sympy.Max(*set(self.resident)) if self.resident else sympy.Integer(0)
+        return max_of(self.resident)
 
     def total(self, kind: str, sizes: Mapping[sympy.Symbol, int] | None = None) -> int:
         """Bytes of all values of one kind (made or held), for concrete sizes."""
         subs = dict(sizes or {})
         return sum(int(v.bytes.subs(subs)) for v in (*self.values, *self.held) if v.kind == kind)
+
+
+def max_of(exprs: Iterable[sympy.Expr]) -> sympy.Expr:
+    """`sympy.Max` of byte counts, without those another one bounds. Each is a sum of
+    terms, a number times a product of sizes (symbols, a sub-batch's `s // K`, pages
+    rounded up), none negative: one whose every coefficient is at most another's is
+    at most that one. (sympy's own comparison of hundreds of them takes minutes.)"""
+    distinct = set(exprs)
+    if len(distinct) <= 1:
+        return next(iter(distinct), sympy.Integer(0))
+    terms = {e: dict(sympy.expand(e).as_coefficients_dict()) for e in distinct}
+    if any(not c.is_number for coefficients in terms.values() for c in coefficients.values()):
+        return sympy.Max(*distinct)
+    kept: list[sympy.Expr] = []
+    # Largest first: a term is dropped when one already kept bounds it.
+    for expr in sorted(distinct, key=lambda e: (-sum(terms[e].values()), str(e))):
+        mine = terms[expr]
+        if not any(all(theirs.get(m, 0) >= mine.get(m, 0) for m in {*mine, *theirs})
+                   for theirs in (terms[other] for other in kept)):
+            kept.append(expr)
+    # None of the kept terms bounds another: nothing is left for sympy to simplify.
+    return sympy.Max(*kept, evaluate=False) if len(kept) > 1 else kept[0]
 
 
 def tensor_bytes(value: torch.Tensor) -> sympy.Expr:

@@ -20,24 +20,46 @@ device terms per node, by kind, for the example sizes. The slower tiers hold the
 streamed weights and, from the forward's stores to the backward's last read, the
 offloaded activations (step totals, not per node). Everything is a sympy expression
 of the size symbols, evaluated for the example inputs.
+
+A gradient stored to a tier that copies nothing (the host tier of a CPU-only
+machine) is copied first, since the graph may reuse its buffer
+(`slcompile.runtime.gradients`): with `gradient_copies`, the backward also holds
+each copy from the store's issue to its wait, beside the graph's own buffer.
+
+With an optimizer (`optimizer_memory`: the offloaded optimizer's step, or the one
+`explain`/`tune` are told of), the step ends with `optimizer.step()`: the device
+then holds the forward's outputs, the gradients the backward returned (the
+resident parameters' `.grad`) and the temporaries of the resident parameters'
+step, a third phase beside the forward's and the backward's peaks; and the
+resident parameters' optimizer state, held from one step to the next like the
+parameters. The host's and nvme's shares of the optimizer (master weights, the
+streamed weights' states, the gradients a block step reads) are reported apart
+(`OptimizerMemory`), not in `peak_bytes`, which sizes the transfer engine's tiers.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import sympy
 import torch
 import torch.fx
 
-from slcompile.analysis.lifetimes import LifetimeTable, analyze_lifetimes, analyze_training_step, tensor_bytes
+from slcompile.analysis.lifetimes import (
+    LifetimeTable, analyze_lifetimes, analyze_training_step, max_of, tensor_bytes,
+)
 from slcompile.meta import get_slc_meta
 from slcompile.units import format_bytes
 
 __all__ = [
     "GraphMemory",
     "MemoryPrediction",
+    "OptimizerMemory",
+    "optimizer_memory",
     "predict_memory",
     "predict_step_memory",
     "size_hints",
@@ -58,7 +80,9 @@ class GraphMemory:
         live: per kind, the bytes live at each node: the lifetime kinds ("weight":
             fetched weights, "activation", "saved", "gradient", "input": inputs the
             graph frees) and "prefetched" (weights loaded ahead, not yet fetched) and
-            "outputs_held" (in the backward, the forward's outputs the caller holds).
+            "outputs_held" (in the backward, the forward's outputs the caller holds),
+            and in a backward with `gradient_copies`, "gradient_copy" (copies of
+            stored gradients until their store's wait).
             Inputs the caller holds through the step are not per node
             (`MemoryPrediction.held_bytes`).
     """
@@ -94,14 +118,206 @@ class GraphMemory:
 
 
 @dataclasses.dataclass(frozen=True)
+class OptimizerMemory:
+    """The optimizer step's share of a training step's memory, in bytes, per tier
+    (`optimizer_memory`).
+
+    Attributes:
+        name: the optimizer class's name.
+        states_tier: where the streamed weights' optimizer state rests ("host", "nvme").
+        device_state_bytes: the optimizer state of the parameters stepped on the
+            device (those not streamed), held from one step to the next.
+        device_step_bytes: the most bytes the temporaries of the device's step take
+            at once (torch's for-loop, foreach or fused implementation).
+        host_master_bytes: the host copies of the weights the host steps (fp32 for
+            bf16/fp16 parameters).
+        host_state_bytes: the optimizer state that rests in host memory.
+        host_gradient_bytes: gradients in host memory waiting for their block's step
+            (one block's; with `max_grad_norm` every streamed weight's, until `step()`).
+        host_step_bytes: the temporaries of one block's step on the host, and with
+            nvme states the block's state loaded for it.
+        nvme_state_bytes: the optimizer state that rests in nvme files.
+        host_is_device: host memory is the device's memory (a CPU-only machine).
+    """
+
+    name: str
+    states_tier: str
+    device_state_bytes: int
+    device_step_bytes: int
+    host_master_bytes: int = 0
+    host_state_bytes: int = 0
+    host_gradient_bytes: int = 0
+    host_step_bytes: int = 0
+    nvme_state_bytes: int = 0
+    host_is_device: bool = False
+
+    @property
+    def host_bytes(self) -> int:
+        """The host's share at its most."""
+        return self.host_master_bytes + self.host_state_bytes + self.host_gradient_bytes + self.host_step_bytes
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Scalar temporaries of a step (bias corrections, a step count's copy); a few bytes.
+_STEP_SCALAR_BYTES = 64
+
+
+def optimizer_memory(
+    optimizer_class: type[torch.optim.Optimizer],
+    options: Mapping[str, Any],
+    resident: Sequence[Sequence[torch.Tensor]],
+    streamed: Sequence[Sequence[torch.Tensor]] = (),
+    *,
+    states: str = "host",
+    max_grad_norm: float | None = None,
+    host_is_device: bool = False,
+) -> OptimizerMemory:
+    """The memory an optimizer step of `optimizer_class` takes, per tier, as
+    `slcompile.offload_optimizer` runs it: the resident parameters stepped on the
+    device by one instance, each block of streamed parameters on the host by its own.
+
+    The state per parameter is what one step of `optimizer_class` with `options`
+    leaves (found by stepping a 3-element tensor once). The temporaries follow what
+    torch's implementations allocate on the CPU (measured with `measured_peak_bytes`,
+    tests/test_optimizer_memory.py): the for-loop one per parameter in turn (Adam(W)
+    two tensors of its size, three with maximize or L2 weight decay, while
+    the previous parameter's denominator lives; SGD one with weight decay or
+    maximize, one more with nesterov), the foreach one a list the size of the whole
+    group (SGD none without weight decay or maximize), the fused one none. Other
+    classes are given the most any other of torch's optimizers takes (Adadelta,
+    NAdam): three tensors of the parameter's size and the previous one's (for-loop),
+    three times the group (foreach).
+
+    Args:
+        optimizer_class: the optimizer class.
+        options: its options (lr, weight_decay, foreach, ...).
+        resident: the parameters stepped on the device, per param group, in order;
+            bf16/fp16 ones are stepped on fp32 host copies instead.
+        streamed: the streamed parameters, per block (the host steps them).
+        states: where the streamed weights' state rests: "host" or "nvme".
+        max_grad_norm: the clip of `offload_optimizer`: every streamed gradient then
+            waits in host memory for `step()`.
+        host_is_device: host memory is the device's (a CPU-only machine).
+    """
+    per_element, scalar_bytes = _state_layout(optimizer_class, options)
+
+    def state_bytes(nbytes: int) -> int:
+        return int(per_element * nbytes) + scalar_bytes
+
+    device_groups = [[_nbytes(p) for p in group if p.dtype not in _LOW_PRECISION] for group in resident]
+    on_host = [p for group in resident for p in group if p.dtype in _LOW_PRECISION]
+    blocks = [[_master_bytes(p) for p in block] for block in streamed]
+    if on_host:
+        blocks.append([_master_bytes(p) for p in on_host])
+    foreach = options.get("foreach")
+    if foreach is None:  # torch's default: foreach kernels where the device has them
+        foreach = any(p.device.type in ("cuda", "xpu") for group in resident for p in group)
+    device_step = _temporaries(optimizer_class, options, device_groups, bool(foreach))
+    host_step = max((_temporaries(optimizer_class, options, [block], bool(options.get("foreach")))
+                     for block in blocks), default=0)
+    masters = sum(sum(block) for block in blocks)
+    host_states = sum(state_bytes(b) for block in blocks for b in block)
+    scalars = scalar_bytes * sum(len(block) for block in blocks)
+    nvme = 0
+    if states == "nvme":
+        # Tensor states rest in files (scalars stay); one block's are loaded for its step.
+        nvme = host_states - scalars
+        host_step += max((sum(state_bytes(b) - scalar_bytes for b in block) for block in blocks), default=0)
+        host_states = scalars
+    gradients = masters if max_grad_norm is not None else max((sum(block) for block in blocks), default=0)
+    return OptimizerMemory(
+        name=optimizer_class.__name__,
+        states_tier=states,
+        device_state_bytes=sum(state_bytes(b) for group in device_groups for b in group),
+        device_step_bytes=device_step,
+        host_master_bytes=masters,
+        host_state_bytes=host_states,
+        host_gradient_bytes=gradients if blocks else 0,
+        host_step_bytes=host_step,
+        nvme_state_bytes=nvme,
+        host_is_device=host_is_device,
+    )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return int(tensor.numel()) * tensor.element_size()
+
+
+def _master_bytes(param: torch.Tensor) -> int:
+    return int(param.numel()) * (4 if param.dtype in _LOW_PRECISION else param.element_size())
+
+
+@functools.lru_cache(maxsize=64)
+def _state_layout_cached(optimizer_class, options: tuple) -> tuple[float, int]:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        param = torch.zeros(3, requires_grad=True)
+        param.grad = torch.ones(3)
+        optimizer = optimizer_class([param], **dict(options))
+        optimizer.step()
+        state = optimizer.state[param]
+    per_element, scalars = 0.0, 0
+    for value in state.values():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() == 0:
+            scalars += value.element_size()
+        else:
+            per_element += value.numel() * value.element_size() / _nbytes(param)
+    return per_element, scalars
+
+
+def _state_layout(optimizer_class, options: Mapping[str, Any]) -> tuple[float, int]:
+    """(state bytes per parameter byte, bytes of scalar state per parameter) after a step."""
+    accepted = inspect.signature(optimizer_class.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        # A group's options may hold more than the constructor takes (AdamW's decoupled_weight_decay).
+        options = {key: value for key, value in options.items() if key in accepted}
+    try:
+        key = tuple(sorted(options.items()))
+        hash(key)
+    except TypeError:  # unhashable options (a tensor lr): not cached
+        return _state_layout_cached.__wrapped__(optimizer_class, tuple(options.items()))
+    return _state_layout_cached(optimizer_class, key)
+
+
+def _temporaries(optimizer_class, options: Mapping[str, Any], groups: Sequence[Sequence[int]], foreach: bool) -> int:
+    """The most bytes a step's temporaries take at once, over the param groups
+    (parameter bytes, in order); see `optimizer_memory`."""
+    if options.get("fused"):
+        return 0
+    per_param, previous, per_group = 3, 1, 3
+    weight_decay = options.get("weight_decay", 0) != 0
+    if issubclass(optimizer_class, torch.optim.Adam):
+        decoupled = issubclass(optimizer_class, torch.optim.AdamW) or options.get("decoupled_weight_decay")
+        extra = options.get("maximize") or (weight_decay and not decoupled)
+        per_param, previous, per_group = (3 if extra else 2), 1, 1
+    elif issubclass(optimizer_class, torch.optim.SGD):
+        extra = int(bool(weight_decay or options.get("maximize")))
+        per_param, previous, per_group = extra + int(bool(options.get("nesterov"))), 0, extra
+    most = 0
+    for group in groups:
+        if not group:
+            continue
+        if foreach:
+            most = max(most, per_group * sum(group))
+        else:
+            most = max(most, max(per_param * b + previous * a for a, b in zip([0, *group], group)))
+    return most + (_STEP_SCALAR_BYTES if any(groups) else 0)
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryPrediction:
     """Predicted bytes of one compiled step.
 
     Attributes:
         peak_bytes: per tier ("device", "host", "nvme"), the peak for the example
-            inputs; the device's includes `held_bytes`.
+            inputs; the device's includes `held_bytes` and the resident parameters'
+            optimizer state (`optimizer.device_state_bytes`).
         step_peak_bytes: the device bytes the step itself allocates at its peak
-            (what a profiler sees from the step's start).
+            (what a profiler sees from the step's start), `optimizer.step()` included
+            when there is an optimizer.
         held_bytes: device bytes the caller holds through the step (resident
             parameters and buffers, the inputs).
         prefetch_bytes: the most weight bytes prefetched ahead at once.
@@ -109,7 +325,15 @@ class MemoryPrediction:
         expressions: the symbolic form of `peak_bytes` and `step_peak_bytes`.
         recompute: the recompute choice the plan was made with.
         graphs: per graph, in the order they run, the device bytes live at each node
-            by kind; the largest total is `step_peak_bytes`.
+            by kind; without an optimizer the largest total is `step_peak_bytes`.
+        optimizer: the optimizer's share (`OptimizerMemory`), or None when the
+            prediction has no optimizer step.
+        optimizer_step_bytes: device bytes of the optimizer step's phase (the
+            forward's outputs, the gradients the backward returned, the resident
+            step's temporaries); part of `step_peak_bytes` when it is the largest.
+        optimizer_gradient_bytes: of those, the gradients the backward returned.
+        gradient_copy_bytes: the most bytes of gradient copies on their way to the
+            optimizer's tier at once (`gradient_copies`), part of the backward.
     """
 
     peak_bytes: dict[str, int]
@@ -120,14 +344,40 @@ class MemoryPrediction:
     expressions: dict[str, sympy.Expr]
     recompute: str = "none"
     graphs: tuple[GraphMemory, ...] = ()
+    optimizer: OptimizerMemory | None = None
+    optimizer_step_bytes: int = 0
+    optimizer_gradient_bytes: int = 0
+    gradient_copy_bytes: int = 0
 
     def __str__(self) -> str:
         tiers = ", ".join(f"{tier} {_mib(b)}" for tier, b in self.peak_bytes.items() if b)
-        return (
+        line = (
             f"predicted peak: {tiers or 'nothing'} (step {_mib(self.step_peak_bytes)}, held "
             f"{_mib(self.held_bytes)}, prefetched weights {_mib(self.prefetch_bytes)}, offloaded "
             f"activations {_mib(self.offloaded_activation_bytes)}; recompute={self.recompute})"
         )
+        return "\n".join((line, *self.optimizer_lines()))
+
+    def optimizer_lines(self) -> tuple[str, ...]:
+        """The optimizer's share, one line per tier (none without an optimizer)."""
+        opt = self.optimizer
+        if opt is None:
+            return ()
+        lines = [
+            f"optimizer {opt.name}, device: resident states {_mib(opt.device_state_bytes)}, step phase "
+            f"{_mib(self.optimizer_step_bytes)} (gradients {_mib(self.optimizer_gradient_bytes)}, step "
+            f"temporaries {_mib(opt.device_step_bytes)}), gradient copies in flight {_mib(self.gradient_copy_bytes)}",
+            f"optimizer {opt.name}, host: {_mib(opt.host_bytes)} (master weights {_mib(opt.host_master_bytes)}, "
+            f"states {_mib(opt.host_state_bytes)}, gradients {_mib(opt.host_gradient_bytes)}, step temporaries "
+            f"{_mib(opt.host_step_bytes)})" + (f"; nvme: states {_mib(opt.nvme_state_bytes)}"
+                                                if opt.nvme_state_bytes else ""),
+        ]
+        if opt.host_is_device:
+            lines.append(
+                "host memory is the device's on this machine: device peak + optimizer host = "
+                f"{_mib(self.peak_bytes['device'] + opt.host_bytes)}"
+            )
+        return tuple(lines)
 
 
 def _mib(nbytes: int) -> str:
@@ -224,6 +474,8 @@ def predict_memory(
     sizes: Mapping[sympy.Symbol, int] | None = None,
     load_granularity: int = 1,
     load_overhead: int = 0,
+    optimizer: OptimizerMemory | None = None,
+    gradient_copies: bool = False,
 ) -> MemoryPrediction:
     """Predicts a step's memory per tier (the graphs are not changed).
 
@@ -238,6 +490,11 @@ def predict_memory(
         sizes: values of the size symbols; default: the example inputs'.
         load_granularity: loaded tensors take their size rounded up to this (see
             `analyze_lifetimes`), plus `load_overhead` bytes each.
+        optimizer: the optimizer's share (`optimizer_memory`): a training step then
+            ends with its step, and the device holds its resident state.
+        gradient_copies: each gradient stored by `slc::offload_grad` is copied on the
+            device first, the copy held until the store's wait (the host tier of a
+            CPU-only machine).
     """
     subs = dict(sizes if sizes is not None else size_hints(forward, *(g for g in (backward,) if g)))
     tables: list[LifetimeTable]
@@ -253,14 +510,27 @@ def predict_memory(
         )], [forward]
         before = [sympy.Integer(0)]
     extra = _prefetched(tables, graphs, live_blocks, load_granularity, load_overhead)
+    copies = [_gradient_copies(gm) if gradient_copies and kind == 1 else [sympy.Integer(0)] * len(table.resident)
+              for kind, (gm, table) in enumerate(zip(graphs, tables))]
     resident = [
-        sympy.expand(held_before + expr + ahead)
-        for table, per_node, held_before in zip(tables, extra, before)
-        for expr, ahead in zip(table.resident, per_node)
+        sympy.expand(held_before + expr + ahead + copied)
+        for table, per_node, held_before, copied in zip(tables, extra, before, copies)
+        for expr, ahead, copied in zip(table.resident, per_node, copied)
     ]
-    step_expr = sympy.Max(*set(resident)) if resident else sympy.Integer(0)
+    # The optimizer's step: the caller holds the outputs, the resident parameters
+    # their .grad (what the backward returned), and the next forward's first blocks
+    # are prefetched (as at the backward's end), while the step's temporaries live.
+    stepped = optimizer is not None and backward is not None
+    optimizer_step = optimizer_gradients = optimizer_state = sympy.Integer(0)
+    if stepped:
+        optimizer_state = sympy.Integer(optimizer.device_state_bytes)
+        optimizer_gradients = _returned_gradients(tables[1])
+        ahead = extra[1][-1] if extra[1] else 0
+        optimizer_step = sympy.expand(before[1] + optimizer_gradients + ahead + optimizer.device_step_bytes)
+        resident.append(optimizer_step)
+    step_expr = max_of(resident)
     held_expr = _held_bytes(forward)
-    device_expr = sympy.expand(held_expr) + step_expr
+    device_expr = sympy.expand(held_expr + optimizer_state) + step_expr
     tier_exprs: dict[str, sympy.Expr] = {"device": device_expr, "host": sympy.Integer(0), "nvme": sympy.Integer(0)}
     if weights_tier != "device" and streamed_bytes:
         tier_exprs[weights_tier] += streamed_bytes
@@ -269,8 +539,8 @@ def predict_memory(
     evaluated = {tier: int(expr.subs(subs)) for tier, expr in tier_exprs.items()}
     kinds = ["forward", "backward"] if backward is not None else [graph_kind]
     per_node = tuple(
-        _graph_memory(kind, gm, table, ahead, int(sympy.sympify(held_before).subs(subs)), subs)
-        for kind, gm, table, ahead, held_before in zip(kinds, graphs, tables, extra, before)
+        _graph_memory(kind, gm, table, ahead, int(sympy.sympify(held_before).subs(subs)), subs, copied)
+        for kind, gm, table, ahead, held_before, copied in zip(kinds, graphs, tables, extra, before, copies)
     )
     return MemoryPrediction(
         peak_bytes=evaluated,
@@ -281,10 +551,44 @@ def predict_memory(
         expressions={**{f"peak_{tier}": expr for tier, expr in tier_exprs.items()}, "step_peak": step_expr},
         recompute=recompute,
         graphs=per_node,
+        optimizer=optimizer if stepped else None,
+        optimizer_step_bytes=int(sympy.sympify(optimizer_step).subs(subs)),
+        optimizer_gradient_bytes=int(sympy.sympify(optimizer_gradients).subs(subs)),
+        gradient_copy_bytes=max((int(sympy.sympify(c).subs(subs)) for c in copies[-1]), default=0),
     )
 
 
-def _graph_memory(kind, gm, table: LifetimeTable, prefetched: list[int], outputs_held: int, subs) -> GraphMemory:
+def _gradient_copies(backward: torch.fx.GraphModule) -> list[sympy.Expr]:
+    """Per node of the backward: bytes of the gradient copies from each
+    `slc::offload_grad` to its wait (to the end when none waits)."""
+    from slcompile.vocabulary import WAIT, is_gradient_store
+
+    nodes = list(backward.graph.nodes)
+    index = {node: i for i, node in enumerate(nodes)}
+    change = [sympy.Integer(0)] * (len(nodes) + 1)
+    for node in nodes:
+        if not is_gradient_store(node):
+            continue
+        waits = [user for user in node.users if user.target is WAIT]
+        end = max((index[w] for w in waits), default=len(nodes) - 1)
+        change[index[node]] += tensor_bytes(node.args[0].meta["val"])
+        change[end + 1] -= tensor_bytes(node.args[0].meta["val"])
+    running, series = sympy.Integer(0), []
+    for i in range(len(nodes)):
+        running = sympy.expand(running + change[i])
+        series.append(running)
+    return series
+
+
+def _returned_gradients(table: LifetimeTable) -> sympy.Expr:
+    """Bytes of the gradients a backward returns (alive at its output)."""
+    last = len(table.resident) - 1
+    return sympy.expand(sum((v.bytes for v in table.values if v.kind == "gradient" and v.last_use >= last),
+                            sympy.Integer(0)))
+
+
+def _graph_memory(kind, gm, table: LifetimeTable, prefetched: list[int], outputs_held: int, subs,
+                  copied=()) -> GraphMemory:
     """The lifetime table swept over the nodes, one series per value kind."""
     nodes = tuple(node.name for node in gm.graph.nodes)
     deltas: dict[str, list[int]] = {}
@@ -300,6 +604,8 @@ def _graph_memory(kind, gm, table: LifetimeTable, prefetched: list[int], outputs
             running += delta[index]
             series.append(running)
         live[value_kind] = tuple(series)
+    if any(copied):
+        live["gradient_copy"] = tuple(int(sympy.sympify(c).subs(subs)) for c in copied)
     live["prefetched"] = tuple(prefetched)
     live["outputs_held"] = (outputs_held,) * len(nodes)
     return GraphMemory(kind, nodes, live)

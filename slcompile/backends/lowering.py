@@ -69,6 +69,8 @@ class StepPlan:
             device (`offload_gradients`), else None.
         stash_everything: stash every saved activation that may leave, instead of
             what the planner chooses under the budget (the last resort).
+        optimizer: the optimizer step's share of the memory (`OptimizerMemory`), or
+            None: the budget then covers the forward and backward only.
     """
 
     block_positions: dict[int, int]
@@ -85,6 +87,7 @@ class StepPlan:
     schedule: Any = None
     gradients: Any = None
     stash_everything: bool = False
+    optimizer: Any = None
 
 
 def lower(

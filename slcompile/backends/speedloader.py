@@ -128,7 +128,17 @@ def step_plan(state) -> StepPlan:
         streamed_bytes=state.streamed.streamed_bytes if state.streamed is not None else 0,
         schedule=state.schedule,
         gradients=gradient_sink_for(config.gradients, state.streamer, state.streamed, state.inputs),
+        optimizer=_optimizer_memory(state),
     )
+
+
+def _optimizer_memory(state):
+    """The share of the offloaded optimizer holding the graph's parameters, or None."""
+    from slcompile.optim import attached_optimizer_memory
+
+    values = {i.name: i.value for i in state.inputs}
+    streamed = [[values[name] for name, _ in block] for block in state.streamed.blocks] if state.streamed else []
+    return attached_optimizer_memory((i.value for i in state.inputs if i.kind == "param"), streamed)
 
 
 def _activation_stash(config: SpeedLoaderConfig):

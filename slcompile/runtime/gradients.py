@@ -14,6 +14,13 @@ Which gradients leave is decided when the graph compiles (`SpeedLoaderConfig.gra
 "host"/"nvme" send every streamed weight's gradient there, and a backward whose
 parameters no offloaded optimizer holds raises `OffloadError`.
 
+Sharded weights (`shard_weights`, `slcompile.runtime.collectives`): the op
+reduce-scatters the gradient on the communication thread (averaged over the ranks)
+and stores this rank's shard, which is what the consumer takes; every streamed
+weight's gradient then leaves, and a graph with no offloaded optimizer holding them
+does not compile. A gradient stored in shares (per sub-batch) is reduce-scattered
+per share.
+
 On a CPU-only machine the host tier is the device's memory: gradients sent to
 "host" move no bytes (the store is zero-copy; the op copies the gradient so the
 compiled graph may reuse its buffer, counted in `local_copy_bytes`). The nvme tier
@@ -32,6 +39,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from slcompile.errors import OptionError
 from slcompile.runtime import ops
 from slcompile.runtime.engine import TransferEngine, TransferHandle
 from slcompile.runtime.errors import OffloadError
@@ -99,10 +107,13 @@ class GradientSink:
         params: stored weight key -> the parameter, for every streamed weight.
         explicit: True when the user asked for this tier (every streamed weight's
             gradient leaves); False for "auto" (only those a consumer holds).
+        shards: the `ShardGroup` the weights are sharded over: the gradients are
+            reduce-scattered and this rank's shard is stored (None: whole gradients).
     """
 
     def __init__(self, engine: TransferEngine, tier: Tier | str, params: Mapping[str, torch.nn.Parameter],
-                 *, explicit: bool):
+                 *, explicit: bool, shards=None):
+        self.shards = shards
         self.engine = engine
         self.tier = Tier(tier)
         self.params = dict(params)
@@ -164,6 +175,8 @@ class GradientSink:
                 key=stored_key,
             )
         engine = self.engine
+        if self.shards is not None:
+            return self._reduce_and_store(stored_key, param, consumer, grad)
         if engine.copies_nothing(engine.tier_of(grad), self.tier):
             # The engine would keep the graph's own buffer, which the graph may reuse.
             grad = grad.detach().clone(memory_format=torch.contiguous_format)
@@ -183,13 +196,32 @@ class GradientSink:
             consumer.gradient_arrived(self, stored_key, param, handle)
         return token
 
+    def _reduce_and_store(self, stored_key: str, param, consumer, grad: torch.Tensor) -> torch.Tensor:
+        """Sharded: issues the reduce-scatter of `grad`, whose shard is then stored;
+        the token is the reduce-scatter's (the graph keeps `grad` until it is done)."""
+        engine, tier = self.engine, self.tier
+        stored = self._stored.setdefault(stored_key, [])
+        key = gradient_key_of(stored_key) if self.shares.get(stored_key, 1) == 1 else \
+            f"{gradient_key_of(stored_key)}#{len(stored)}"
+        handle = self.shards.reduce_scatter(
+            key, grad, then=lambda shard: engine.store(key, shard, tier, TransferKind.GRADIENT, forget_source=True)
+        )
+        stored.append((key, handle))
+        token = ops._token_for(engine, handle)
+        if len(stored) >= self.shares.get(stored_key, 1):
+            consumer.gradient_arrived(self, stored_key, param, handle)
+        return token
+
     def take(self, stored_key: str) -> torch.Tensor:
         """The gradient of a weight whose stores have all arrived, loaded from the
-        tier (its shares added in the order they were stored); frees it there."""
+        tier (its shares added in the order they were stored); frees it there.
+        Sharded: this rank's shard of it, flat."""
         stored = self._stored.pop(stored_key)
         total = None
         for key, handle in stored:
-            self.engine.wait(handle)
+            result = self.engine.wait(handle)
+            if self.shards is not None:
+                self.engine.wait(result)  # the reduce-scatter's result is the store of its shard
             share = self.engine.wait(self.engine.load(key, TransferKind.GRADIENT))
             self.engine.free(key)
             total = share if total is None else total + share
@@ -213,6 +245,21 @@ def gradient_sink_for(gradients: str, streamer, streamed, inputs) -> GradientSin
         return None
     values = {i.name: i.value for i in inputs}
     params = {key: values[name] for block in streamed.blocks for name, key in block}
+    if streamer.shards is not None:
+        holders = [c for c in map(consumer_of, params.values()) if c is not None]
+        if gradients == "auto" and not holders:
+            raise OptionError(
+                "speedloader option 'shard_weights' sends each rank's shard of the weight gradients to an "
+                "offloaded optimizer, but none holds the model's parameters: create "
+                "slcompile.offload_optimizer(model, ...) before the compiled model's first call"
+            )
+        if any(getattr(holder, "max_grad_norm", None) is not None for holder in holders):
+            raise OptionError(
+                "speedloader option 'shard_weights' does not support an offloaded optimizer with "
+                "max_grad_norm yet (the norm needs every rank's shards): make it without max_grad_norm"
+            )
+        tier = gradients if gradients != "auto" else holders[0].gradient_tier
+        return GradientSink(streamer.engine, tier, params, explicit=True, shards=streamer.shards)
     if gradients != "auto":
         return GradientSink(streamer.engine, gradients, params, explicit=True)
     holders = [c for c in map(consumer_of, params.values()) if c is not None]

@@ -71,6 +71,11 @@ class TransferKind(str, enum.Enum):
     GRADIENT = "gradient"
     OPTIMIZER_STATE = "optimizer_state"
     KV = "kv"
+    # Collectives between ranks (`slcompile.runtime.collectives`): bytes received
+    # from the other ranks, keyed device->device.
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
 
 
 def compute_device() -> torch.device:

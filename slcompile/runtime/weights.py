@@ -21,6 +21,13 @@ module keeps the weights and implements both ops.
 - `gathered_weights(model)` brings the values back into the parameters for code that
   reads them directly (an optimizer step, `state_dict()`), then offloads them again;
   it first drops pending loads, so no stale value is ever read.
+- Sharded (`shards`, a `slcompile.runtime.collectives.ShardGroup`): the tier holds this
+  rank's shard of each weight; an issue loads it and all-gathers the full weight on
+  the group's communication thread (a prefetch overlaps both with compute), and
+  `gathered_weights` all-gathers too (every rank must call it). Only the graphs
+  issue all-gathers, so every rank issues them in the same order: the loads the
+  optimizer issues after a block's update load the shard only, and the all-gather
+  waits for the fetch.
 
 Graph keys are `WeightKey`s, `w3|w0:layers_0_fc_weight#sb1@bwd`: the streamer of the
 compiled graph, the stored tensor's key, the sub-batch of a per-sub-batch fetch and
@@ -40,12 +47,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from slcompile.runtime import ops
 from slcompile.runtime.engine import TransferEngine, TransferHandle
+from slcompile.runtime.errors import OffloadError
 from slcompile.runtime.tiers import Tier, TransferKind
 from slcompile.vocabulary import WeightKey
 
 __all__ = [
     "WeightStreamer", "gathered_weights", "offloaded_parameters", "weight_home", "update_weights",
-    "drain_prefetches",
+    "drain_prefetches", "shard_group_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -55,6 +63,8 @@ _STREAMERS: dict[str, WeightStreamer] = {}
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # Stored key -> the engine that holds it.
 _ENGINE_OF: dict[str, TransferEngine] = {}
+# Parameter -> the ShardGroup its weight is sharded over, from compile time on.
+_SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _REGISTRY_LOCK = threading.Lock()
 _NUMBERS = itertools.count()
 
@@ -68,14 +78,17 @@ class WeightStreamer:
         live_blocks: how many blocks' weights may be on the device at once: the one
             computing and `live_blocks - 1` prefetched (the graphs' `slc::fetch_issue`
             calls sit that far ahead; the streamer loads whatever they issue).
+        shards: the `ShardGroup` the weights are sharded over (None: whole weights).
     """
 
-    def __init__(self, engine: TransferEngine, tier: Tier | str, live_blocks: int):
+    def __init__(self, engine: TransferEngine, tier: Tier | str, live_blocks: int, shards=None):
+        self.shards = shards
         self.engine = engine
         self.tier = Tier(tier)
         self.live_blocks = live_blocks
         self.name = f"w{next(_NUMBERS)}"
-        self.pending: dict[str, TransferHandle] = {}  # graph key -> issued load
+        self.pending: dict[str, TransferHandle] = {}  # graph key -> issued load (or all-gather)
+        self.shapes: dict[str, torch.Size] = {}  # stored key -> the weight's shape, when sharded
         self.lock = threading.Lock()
         with _REGISTRY_LOCK:
             _STREAMERS[self.name] = self
@@ -91,27 +104,39 @@ class WeightStreamer:
         """The key of a fetch of `stored_key` in this streamer's graphs."""
         return WeightKey(self.name, stored_key)
 
+    def shard(self, params) -> None:
+        """Marks `params` as sharded over `shards` (before the lowering, so an offloaded
+        optimizer prepares shard-sized copies)."""
+        with _REGISTRY_LOCK:
+            for param in params:
+                _SHARDS[param] = self.shards
+
     def offload(self, stored_key: str, param: torch.Tensor) -> None:
-        """Stores `param`'s values and releases its storage; a parameter already
-        offloaded (a graph compiled again) is left as it is."""
+        """Stores `param`'s values (this rank's shard when sharded) and releases its
+        storage; a parameter already offloaded (a graph compiled again) is left as it is."""
+        self.shapes[stored_key] = param.shape
         with _REGISTRY_LOCK:
             if param in _OWNERS:
                 return
-        self.engine.wait(self.engine.store(stored_key, param.detach(), self.tier, TransferKind.WEIGHT))
+        values = param.detach() if self.shards is None else self.shards.shard(param)
+        self.engine.wait(self.engine.store(stored_key, values, self.tier, TransferKind.WEIGHT))
         param.untyped_storage().resize_(0)
         with _REGISTRY_LOCK:
             _OWNERS[param] = (self.engine, stored_key, self.tier)
             _ENGINE_OF[stored_key] = self.engine
 
     # -- at run time ------------------------------------------------------
-    def issue(self, key: WeightKey) -> None:
-        """Starts the load `key` names, unless one is already pending under it."""
+    def issue(self, key: WeightKey, *, gather: bool = True) -> None:
+        """Starts the load `key` names, unless one is already pending under it.
+        Sharded, `gather` also issues its all-gather (only the graphs' issues do)."""
         graph_key = key.format()
         with self.lock:
             if graph_key in self.pending:
                 return
             engine = _engine_of(key.stored, self.engine)
             self.pending[graph_key] = engine.load(key.stored, TransferKind.WEIGHT)
+            if self.shards is not None and gather:
+                self.pending[graph_key] = self._gather(key, self.pending[graph_key])
 
     def fetch(self, key: WeightKey) -> torch.Tensor:
         """The weight `key` names: its pending load's result, or a load now."""
@@ -120,12 +145,22 @@ class WeightStreamer:
         engine = _engine_of(key.stored, self.engine)
         if handle is None:
             handle = engine.load(key.stored, TransferKind.WEIGHT)
-        return engine.wait(handle)
+        if self.shards is None:
+            return engine.wait(handle)
+        if handle.kind is not TransferKind.ALL_GATHER:
+            handle = self._gather(key, handle)
+        return self.shards.wait(handle)
+
+    def _gather(self, key: WeightKey, load: TransferHandle) -> TransferHandle:
+        """The all-gather of the weight whose shard `load` brings."""
+        engine = _engine_of(key.stored, self.engine)
+        shape = self.shapes[key.stored]
+        return self.shards.all_gather(key.format(), lambda: engine.wait(load), shape)
 
     def _drop_pending(self) -> None:
         pending, self.pending = self.pending, {}
         for handle in pending.values():
-            self.engine.wait(handle)
+            self.engine.wait(handle)  # an all-gather too: every rank issued it, so it ends
 
     def drain(self) -> None:
         """Waits for and drops prefetched loads: before the weights change (an
@@ -138,6 +173,14 @@ class WeightStreamer:
         under it: each load then reads them); returns how many were stale."""
         with self.lock:
             stale = [k for k in self.pending if WeightKey.parse(k).stored == stored_key]
+            gathered = [k for k in stale if self.pending[k].kind is TransferKind.ALL_GATHER]
+            if gathered:
+                # Issuing it again here would put it out of step with the other ranks.
+                raise OffloadError(
+                    "a weight was updated while its all-gather of the old values was pending; with "
+                    "shard_weights, prefetches of the next forward must wait for the update",
+                    key=stored_key,
+                )
             for graph_key in stale:
                 engine = _engine_of(stored_key, self.engine)
                 engine.wait(self.pending.pop(graph_key))
@@ -168,7 +211,12 @@ def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
     params = offloaded_parameters(model)
     for _, param in params:
         engine, key, _ = _OWNERS[param]
-        values = engine.wait(engine.load(key, TransferKind.WEIGHT))
+        load = engine.load(key, TransferKind.WEIGHT)
+        shards = shard_group_of(param)
+        if shards is None:
+            values = engine.wait(load)
+        else:
+            values = shards.wait(shards.all_gather(key, lambda: engine.wait(load), param.shape))
         param.untyped_storage().resize_(values.numel() * values.element_size())
         with torch.no_grad():
             param.copy_(values.view_as(param))
@@ -177,7 +225,9 @@ def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for _, param in params:
             engine, key, tier = _OWNERS[param]
-            engine.wait(engine.store(key, param.detach(), tier, TransferKind.WEIGHT))
+            shards = shard_group_of(param)
+            values = param.detach() if shards is None else shards.shard(param)
+            engine.wait(engine.store(key, values, tier, TransferKind.WEIGHT))
             param.untyped_storage().resize_(0)
 
 
@@ -189,11 +239,12 @@ def _streamer_of(key: WeightKey) -> WeightStreamer:
     return streamer
 
 
-def fetch_issue(key: str) -> torch.Tensor:
+def fetch_issue(key: str, gather: bool = True) -> torch.Tensor:
     """Starts loading the weight `key` names; `fetch_weight` of that key takes it.
-    Returns a dependency token."""
+    Returns a dependency token. A sharded weight's all-gather is issued too unless
+    `gather` is False (an issue from outside the graphs: the fetch issues it)."""
     parsed = WeightKey.parse(key)
-    _streamer_of(parsed).issue(parsed)
+    _streamer_of(parsed).issue(parsed, gather=gather)
     return ops._dependency_token()
 
 
@@ -201,6 +252,12 @@ def fetch_weight(param: torch.Tensor, key: str) -> torch.Tensor:
     """The values of an offloaded parameter, as a new tensor on the device."""
     parsed = WeightKey.parse(key)
     return _streamer_of(parsed).fetch(parsed)
+
+
+def shard_group_of(param: torch.Tensor):
+    """The `ShardGroup` a parameter's weight is sharded over; None when it is not."""
+    with _REGISTRY_LOCK:
+        return _SHARDS.get(param)
 
 
 def weight_home(param: torch.Tensor) -> tuple[TransferEngine, str, Tier] | None:

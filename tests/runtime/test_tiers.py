@@ -21,7 +21,9 @@ from slcompile.runtime.errors import HostPoolFullError
 
 def test_enums_are_their_names():
     assert [tier.value for tier in Tier] == ["device", "host", "nvme"]
-    assert [kind.value for kind in TransferKind] == ["weight", "activation", "gradient", "optimizer_state", "kv"]
+    assert [kind.value for kind in TransferKind] == [
+        "weight", "activation", "gradient", "optimizer_state", "kv", "all_gather", "reduce_scatter", "all_reduce",
+    ]
     assert Tier("nvme") is Tier.NVME and TransferKind("kv") is TransferKind.KV
 
 

@@ -1,0 +1,292 @@
+"""Block weights sharded across ranks: numerics against eager on the whole batch and
+exact collective byte counts, with two CPU processes over gloo.
+
+The baseline, FSDP2 (`fully_shard`) with gradient accumulation over K micro-batches,
+is measured in the same processes: its collective bytes grow with K where the
+sharded schedule's do not.
+
+One spawn checks everything that needs the process group, to pay its start-up once.
+"""
+
+import copy
+import datetime
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import slcompile
+from models import GPTConfig, TinyGPT, make_gpt_batch
+from slcompile.runtime import Tier, TransferKind, mark_step, reset_runtime_stats
+from slcompile.runtime.collectives import shard_group
+from slcompile.vocabulary import WeightKey, is_fetch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench/
+from bench.distributed_bench import counted_collectives  # noqa: E402
+
+WORLD = 2
+CFG = GPTConfig(n_layers=2, d_model=32, vocab_size=64, seq_len=8)
+BATCH = 8  # the global batch; each rank runs half of it
+STEPS = 3
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
+COLLECTIVE = {kind: (kind, Tier.DEVICE, Tier.DEVICE)
+              for kind in (TransferKind.ALL_GATHER, TransferKind.REDUCE_SCATTER, TransferKind.ALL_REDUCE)}
+
+
+def _model():
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    # As in test_offload_optimizer: the key part of a fused qkv bias has an exactly-zero
+    # gradient, where Adam turns rounding noise into steps of size lr.
+    for block in model.layers:
+        block.attn.qkv.register_parameter("bias", None)
+    return model
+
+
+def _batch(size, seed):
+    """A batch whose every target counts: the global batch's mean loss is then the
+    mean of the ranks' mean losses (ignored targets would weigh the halves unequally)."""
+    idx, targets = make_gpt_batch(CFG, size, seed=seed)
+    return idx, targets.clamp(min=0)
+
+
+def _fetched_bytes(graph):
+    sizes = {}
+    for node in graph.graph.nodes:
+        if is_fetch(node):
+            value = node.meta["val"]
+            sizes[WeightKey.parse(node.args[1]).stored] = value.numel() * value.element_size()
+    return sum(sizes.values())
+
+
+def _train_sharded(rank, k, weights, offload_dir):
+    """Three AdamW steps on this rank's half of each batch, against eager AdamW on
+    the whole batch; returns the figures of each step, the streamed bytes, the bytes
+    the graphs fetch per step and the bytes of the replicated parameters."""
+    eager = _model()
+    eager_opt = torch.optim.AdamW(eager.parameters(), **ADAMW)
+    model = copy.deepcopy(eager)
+    opt = slcompile.offload_optimizer(model, torch.optim.AdamW, **ADAMW)
+    options = {"lowering": "aot_eager", "num_subbatches": k, "weights": weights, "shard_weights": True,
+               "offload_dir": offload_dir}
+    compiled = torch.compile(model, backend="speedloader", options=options)
+    half = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    steps = []
+    reset_runtime_stats()
+    for step in range(STEPS):
+        idx, targets = _batch(BATCH, step)
+        with torch.no_grad():
+            expected_local_loss = eager(idx[half], targets[half])[1]
+        eager(idx, targets)[1].backward()
+        loss = compiled(idx[half], targets[half])[1]
+        loss.backward()
+        opt.step()
+        steps.append(mark_step())
+        torch.testing.assert_close(loss.detach(), expected_local_loss, atol=1e-5, rtol=1e-5)
+        # Replicated parameters: their .grad is the ranks' average, the whole batch's.
+        streamed = {name for name, _ in slcompile.offloaded_parameters(model)}
+        assert streamed, "no weight is streamed"
+        for (name, param), expected in zip(model.named_parameters(), eager.parameters()):
+            if name not in streamed:
+                torch.testing.assert_close(param.grad, expected.grad, atol=1e-5, rtol=1e-5,
+                                           msg=lambda m: f"k={k} step {step}: grad of {name}: {m}")
+            else:
+                assert param.grad is None, name
+        eager_opt.step()
+        eager_opt.zero_grad()
+        opt.zero_grad()
+    # Each step's loss above already read the weights the step before wrote.
+    with slcompile.gathered_weights(model):
+        for (name, param), expected in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(param, expected, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"k={k}: {name} after {STEPS} steps: {m}")
+    # state_dict() all-gathers each streamed weight from the optimizer's shards.
+    state = model.state_dict()
+    for name, expected in eager.state_dict().items():
+        torch.testing.assert_close(state[name], expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    # The optimizer state of a streamed weight is this rank's shard of eager AdamW's.
+    shards = shard_group()
+    saved = opt.state_dict()["state"]
+    for name, param in eager.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            expected = eager_opt.state[param][key]
+            expected = shards.shard(expected) if name in streamed else expected
+            torch.testing.assert_close(saved[name][key], expected, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"{name} {key}: {m}")
+    report = slcompile.compile_reports()[-1]
+    fetched = _fetched_bytes(report.graphs["forward"]) + _fetched_bytes(report.graphs["backward"])
+    replicated = sum(p.nbytes for name, p in eager.named_parameters() if name not in streamed)
+    opt.close()
+    return steps, report.streamed_bytes, fetched, replicated
+
+
+def _check_padding(rank):
+    """A tensor whose size W does not divide: rank r keeps elements [4r, 4r + 4) of it,
+    zero-padded; the bytes are those of (W - 1) padded shards."""
+    shards = shard_group()
+    full = torch.arange(7.0).view(7, 1) * (rank + 1)  # each rank's own values
+    reset_runtime_stats()
+    gathered = shards.wait(shards.all_gather("t", lambda: shards.shard(full), full.shape))
+    reduced = shards.wait(shards.reduce_scatter("t", full))
+    moved = mark_step().bytes_moved
+    # Rank 0 gave elements 0-3 of its tensor, rank 1 elements 4-6 of its own (twice rank 0's).
+    expected = torch.cat([torch.arange(4.0), torch.arange(4.0, 7.0) * 2]).view(7, 1)
+    torch.testing.assert_close(gathered, expected, rtol=0, atol=0)
+    average = torch.nn.functional.pad(torch.arange(7.0) * 1.5, (0, 1))
+    torch.testing.assert_close(reduced, average[rank * 4:(rank + 1) * 4], rtol=0, atol=0)
+    assert moved[COLLECTIVE[TransferKind.ALL_GATHER]] == (WORLD - 1) * 4 * 4
+    assert moved[COLLECTIVE[TransferKind.REDUCE_SCATTER]] == (WORLD - 1) * 4 * 4
+
+
+def _check_counted_collectives():
+    """`counted_collectives` counts FSDP2's collectives as the shard group counts its
+    own: for a tensor of 7 elements, each kind with its padded shards of 4."""
+    shards = shard_group()
+    full, shard = torch.zeros(8), torch.zeros(4)
+    with counted_collectives() as moved:
+        dist.all_gather_into_tensor(full, shard)
+        dist.reduce_scatter_tensor(shard, full)
+        dist.all_reduce(torch.zeros(7))
+    assert moved == {COLLECTIVE[kind]: shards.received_bytes(kind, 7, 4) for kind in COLLECTIVE}, dict(moved)
+    assert moved[COLLECTIVE[TransferKind.ALL_REDUCE]] == 2 * (WORLD - 1) * 4 * 4
+
+
+def _shard_bytes(params):
+    """Bytes of this rank's FSDP2 shards of `params`: dim 0 padded to a multiple of W."""
+    return sum(-(-p.shape[0] // WORLD) * (p.numel() // p.shape[0]) * p.element_size() for p in params)
+
+
+def _train_fsdp2(rank, k):
+    """FSDP2 on each block and on the root, K micro-batches of this rank's half of
+    each batch one after the other (FSDP2 reduce-scatters after each backward, its
+    default), AdamW on the shards, against eager AdamW on the whole batch; returns the
+    collective bytes each step receives (`counted_collectives`) and the eager model."""
+    eager = _model()
+    eager_opt = torch.optim.AdamW(eager.parameters(), **ADAMW)
+    model = copy.deepcopy(eager)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    half = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    steps = []
+    for step in range(STEPS):
+        idx, targets = _batch(BATCH, step)
+        micro = list(zip(idx[half].chunk(k), targets[half].chunk(k)))
+        with torch.no_grad():
+            expected = [eager(i, t)[1] for i, t in micro]
+        eager(idx, targets)[1].backward()
+        with counted_collectives() as moved:
+            for (i, t), expected_loss in zip(micro, expected):
+                loss = model(i, t)[1]
+                (loss / k).backward()
+                torch.testing.assert_close(loss.detach(), expected_loss, atol=1e-5, rtol=1e-5)
+            opt.step()
+            opt.zero_grad()
+        steps.append(dict(moved))
+        eager_opt.step()
+        eager_opt.zero_grad()
+    for (name, param), expected in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(param.full_tensor(), expected, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"fsdp2 k={k}: {name} after {STEPS} steps: {m}")
+    return steps, eager
+
+
+def _worker(rank, rendezvous, offload_dir, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        _check_padding(rank)
+        _check_counted_collectives()
+        # On this CPU machine "host" is the device's memory: it streams (no bytes) only to shard.
+        for k, weights in ((1, "nvme"), (4, "nvme"), (4, "host")):
+            torch._dynamo.reset()
+            steps, streamed_bytes, fetched, replicated = _train_sharded(rank, k, weights, offload_dir)
+            for index, step in enumerate(steps):
+                moved = step.bytes_moved
+                # Each rank receives the (W-1)/W of every fetched weight it does not keep,
+                # once per pass, whatever K; and (W-1)/W of every streamed gradient per step.
+                assert moved[COLLECTIVE[TransferKind.ALL_GATHER]] == fetched * (WORLD - 1) // WORLD, (k, dict(moved))
+                assert moved[COLLECTIVE[TransferKind.REDUCE_SCATTER]] == streamed_bytes * (WORLD - 1) // WORLD
+                assert moved[COLLECTIVE[TransferKind.ALL_REDUCE]] == 2 * replicated * (WORLD - 1) // WORLD
+                # The tier holds this rank's shard only: each fetch loads it, each update
+                # writes it (from the second step: the first also offloads and loads on demand).
+                if weights == "nvme" and index > 0:
+                    assert moved[(TransferKind.WEIGHT, Tier.NVME, Tier.DEVICE)] == fetched // WORLD
+                    assert moved[(TransferKind.WEIGHT, Tier.DEVICE, Tier.NVME)] == streamed_bytes // WORLD
+            results[(rank, k, weights)] = moved[COLLECTIVE[TransferKind.ALL_GATHER]]
+            results[("speedloader", rank, k, weights)] = {kind: moved[key] for kind, key in COLLECTIVE.items()}
+        # The baseline: FSDP2 with gradient accumulation. Each micro-batch all-gathers
+        # every weight for its forward and the blocks' again for its backward (the
+        # root's stay gathered in between), and reduce-scatters every gradient.
+        for k in (1, 4):
+            steps, model = _train_fsdp2(rank, k)
+            every = _shard_bytes(model.parameters()) * (WORLD - 1)
+            blocks = _shard_bytes(model.layers.parameters()) * (WORLD - 1)
+            for moved in steps:
+                assert moved == {COLLECTIVE[TransferKind.ALL_GATHER]: k * (every + blocks),
+                                 COLLECTIVE[TransferKind.REDUCE_SCATTER]: k * every}, (k, moved)
+            results[("fsdp2", rank, k)] = {key[0]: n for key, n in steps[-1].items()}
+        # No offloaded optimizer: the shards of the gradients would have nowhere to go.
+        torch._dynamo.reset()
+        compiled = torch.compile(_model(), backend="speedloader",
+                                 options={"lowering": "aot_eager", "weights": "nvme", "shard_weights": True,
+                                          "offload_dir": offload_dir})
+        idx, targets = _batch(BATCH // WORLD, 0)
+        with pytest.raises(Exception, match="shard_weights.*offload_optimizer"):
+            compiled(idx, targets)
+        torch._dynamo.reset()
+        model = _model()
+        slcompile.offload_optimizer(model, torch.optim.AdamW, lr=1e-3, max_grad_norm=1.0)
+        compiled = torch.compile(model, backend="speedloader", options={
+            "lowering": "aot_eager", "weights": "nvme", "shard_weights": True, "offload_dir": offload_dir})
+        with pytest.raises(Exception, match="shard_weights.*max_grad_norm"):
+            compiled(idx, targets)
+        # FSDP2 shards the parameters itself: refused, pointing to shard_weights.
+        torch._dynamo.reset()
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = _model()
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        compiled = torch.compile(model, backend="speedloader",
+                                 options={"lowering": "aot_eager", "on_refusal": "raise"})
+        with pytest.raises(Exception, match="fully_shard.*shard_weights=True"):
+            compiled(idx, targets)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sharded_training_matches_eager_on_the_whole_batch(tmp_path):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        # A file rendezvous: no port that another test process could take first.
+        mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path), results), nprocs=WORLD, join=True)
+        every = dict(results)
+    gathered = {key: n for key, n in every.items() if isinstance(key[0], int)}
+    # All-gathered bytes per step depend neither on K nor on the tier, and match across ranks.
+    assert len(set(gathered.values())) == 1 and len(gathered) == 3 * WORLD, gathered
+    assert next(iter(gathered.values())) > 0
+    # FSDP2 with gradient accumulation moves K times its K=1 bytes, of each kind; the
+    # sharded schedule moves the same bytes at K=1 and K=4, about FSDP2's at K=1.
+    for rank in range(WORLD):
+        fsdp2 = {k: every[("fsdp2", rank, k)] for k in (1, 4)}
+        for kind in (TransferKind.ALL_GATHER, TransferKind.REDUCE_SCATTER):
+            assert fsdp2[4][kind] == 4 * fsdp2[1][kind] > 0, (kind, fsdp2)
+        ours = {k: sum(every[("speedloader", rank, k, "nvme")].values()) for k in (1, 4)}
+        assert ours[1] == ours[4]
+        assert sum(fsdp2[4].values()) > 3 * ours[4], (fsdp2, ours)
+
+
+def test_shard_weights_needs_a_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="'shard_weights'.*init_process_group"):
+        slcompile.options(shard_weights=True, weights="nvme")
