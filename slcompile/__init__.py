@@ -8,12 +8,13 @@ the next block, forward and backward, with the results of eager PyTorch.
 from slcompile.config import SpeedLoaderConfig, options
 from slcompile.errors import BudgetError, CompileError, OptionError, RefusedError
 from slcompile.explain import Explanation, GraphExplanation, explain
-from slcompile.generate import GenerationOutput, explain_generation, generate
+from slcompile.generate import GenerationOutput, explain_generation, generate, generation
 from slcompile.report import CompileReport, clear_compile_reports, compile_reports
 from slcompile.runtime.stats import mark_step, reset_runtime_stats, runtime_stats
 from slcompile.runtime.weights import gathered_weights, offloaded_parameters
 from slcompile.optim import OffloadedOptimizer, offload_optimizer
-from slcompile.tune import TuneResult, tune
+from slcompile.checkpoint import load_sharded, save_sharded
+from slcompile.tune import GenerationTuneResult, TuneResult, tune, tune_generation
 
 __all__ = [
     "SpeedLoaderConfig",
@@ -35,9 +36,14 @@ __all__ = [
     "offloaded_parameters",
     "offload_optimizer",
     "OffloadedOptimizer",
+    "save_sharded",
+    "load_sharded",
     "tune",
     "generate",
     "explain_generation",
+    "generation",
+    "tune_generation",
+    "GenerationTuneResult",
     "GenerationOutput",
     "TuneResult",
 ]

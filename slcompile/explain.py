@@ -288,9 +288,11 @@ def plan_with_optimizer(state, optimizer=None, optimizer_options=None):
         off = {id(p) for block in streamed for p in block}
         resident = [i.value for i in state.inputs if i.kind == "param" and isinstance(i.value, torch.Tensor)
                     and i.value.requires_grad and id(i.value) not in off]
+        shards = state.streamer.shards if state.streamer is not None else None
         memory = optimizer_memory(
             optimizer, options, [resident], streamed, states=states, max_grad_norm=max_grad_norm,
             host_is_device=engine_for(state.config.offload_dir).copies_nothing(Tier.HOST, Tier.DEVICE),
+            weight_shards=shards.world_size if shards is not None else 1,
         )
     sink = plan.gradients
     if sink is None and state.config.gradients == "auto":

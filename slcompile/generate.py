@@ -37,7 +37,13 @@ freed; generation stops when every sequence has finished.
 
 `explain_generation(...)` prints the schedules of the prefill and of a decode step
 and the bytes each pass moves, from the model's config, without running the model;
-`generate(..., return_dict_in_generate=True)` returns the same records measured.
+`generate(..., return_dict_in_generate=True)` returns the same records measured. It
+also predicts the device memory of the prefill and of the decode passes
+(`PassMemory`; `_MemoryModel` lists what it counts), which
+`slcompile.tune_generation` chooses options from.
+
+`with generation(model, ...)` routes `model.generate(...)` through `generate` for
+code that calls the model's own method.
 """
 
 from __future__ import annotations
@@ -58,8 +64,8 @@ from slcompile.errors import OptionError, RefusedError
 from slcompile.runtime.stats import TransferKey
 from slcompile.runtime.tiers import Tier, TransferKind
 
-__all__ = ["generate", "explain_generation", "find_decoder_layers", "GenerationOutput", "GenerationStep",
-           "GenerationExplanation"]
+__all__ = ["generate", "explain_generation", "find_decoder_layers", "generation", "GenerationOutput",
+           "GenerationStep", "GenerationExplanation", "PassMemory"]
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +194,75 @@ def generate(
     if return_dict_in_generate:
         return GenerationOutput(sequences, tuple(run.steps))
     return sequences
+
+
+_ENGINE_OPTIONS = ("num_subbatches", "prefill_subbatches", "weights", "kv_cache", "offload_dir", "backend", "progress")
+_CALL_OPTIONS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id")
+
+
+@contextlib.contextmanager
+def generation(model: nn.Module, **options: Any) -> Iterator[nn.Module]:
+    """Within the block, `model.generate(...)` runs `slcompile.generate` with these
+    options; the model's own `generate` comes back on exit.
+
+    For code that calls `model.generate` (a pipeline, an evaluation harness)::
+
+        with slcompile.generation(model, num_subbatches=4, kv_cache="nvme"):
+            sequences = model.generate(input_ids, attention_mask=mask, max_new_tokens=32)
+
+    Args:
+        model: as for `generate`.
+        **options: `generate`'s options for every call in the block:
+            num_subbatches, prefill_subbatches, weights, kv_cache, offload_dir,
+            backend, progress.
+
+    Inside the block `model.generate` takes `input_ids` (or `inputs`),
+    `attention_mask`, `max_new_tokens` (default: the generation config's, else its
+    `max_length` less the prompt), `do_sample`, `temperature`, `top_k`, `top_p`,
+    `eos_token_id`, `pad_token_id` (defaults: `model.generation_config`'s or
+    `generation_config=`'s), `return_dict_in_generate` and `use_cache`; any other
+    argument raises OptionError.
+
+    Raises:
+        OptionError: an option that is not one of `generate`'s.
+    """
+    unknown = sorted(set(options) - set(_ENGINE_OPTIONS))
+    if unknown:
+        raise OptionError(f"generation: {', '.join(unknown)} is not an option of slcompile.generate; use "
+                          f"{', '.join(_ENGINE_OPTIONS)} here and pass the others to model.generate")
+
+    def routed(inputs=None, generation_config=None, **kwargs):
+        config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+        input_ids = kwargs.pop("input_ids", inputs)
+        if not isinstance(input_ids, torch.Tensor):
+            raise OptionError("model.generate inside slcompile.generation: pass the prompts as input_ids, "
+                              "a (batch, length) tensor of token ids")
+        call = {name: kwargs.pop(name, getattr(config, name, None)) for name in _CALL_OPTIONS}
+        max_length = kwargs.pop("max_length", getattr(config, "max_length", None))
+        if call["max_new_tokens"] is None and max_length is not None:
+            call["max_new_tokens"] = max_length - input_ids.shape[1]
+        defaults = {"max_new_tokens": 20, "do_sample": False, "temperature": 1.0, "top_p": 1.0}
+        call.update((name, value) for name, value in defaults.items() if call[name] is None)
+        attention_mask = kwargs.pop("attention_mask", None)
+        return_dict = bool(kwargs.pop("return_dict_in_generate", False))
+        if kwargs.pop("use_cache", True) is False:
+            raise OptionError("model.generate inside slcompile.generation: use_cache=False; the layer-major "
+                              "engine generates with a KV cache; leave the block to generate without one")
+        if kwargs:
+            raise OptionError(f"model.generate inside slcompile.generation: {', '.join(sorted(kwargs))} is not "
+                              f"supported; use {', '.join(('attention_mask', *_CALL_OPTIONS))}, or call "
+                              "model.generate outside the block")
+        return generate(model, input_ids, attention_mask, return_dict_in_generate=return_dict, **call, **options)
+
+    saved = model.__dict__.get("generate")  # usually none: the class's method
+    model.generate = routed
+    try:
+        yield model
+    finally:
+        if saved is None:
+            del model.generate
+        else:
+            model.generate = saved
 
 
 # -- checks and the plan -------------------------------------------------------
@@ -481,6 +556,65 @@ def _streamed_parameters(model: nn.Module, plan: _Plan, offload: bool) -> list[l
     return streamed
 
 
+def _position_ids(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    """The prompts' positions, as `model.generate` counts them (None when the model
+    takes none): 0 from each row's first token, 0 at left padding."""
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return None
+    if attention_mask is not None:
+        position_ids = attention_mask.long().cumsum(-1) - 1
+        return position_ids.masked_fill(attention_mask == 0, 0)
+    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+
+
+def _pass_inputs(model: nn.Module, sequences, cache, attention_mask, position_ids, first: bool) -> dict:
+    """The model's inputs for one pass over `sequences`, as `model.generate` builds them."""
+    kwargs = {"past_key_values": cache, "use_cache": True}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = 1
+    return model.prepare_inputs_for_generation(sequences, next_sequence_length=None if first else 1,
+                                               is_first_iteration=first, **kwargs)
+
+
+def _capture(model: nn.Module, layers: Sequence[nn.Module], layers_name: str, inputs: dict) -> list[dict[str, Any]]:
+    """Each layer's arguments, by name, in one run of the model's forward on
+    `inputs` that stops at the last layer (each layer returns its hidden states)."""
+    signature = inspect.signature(type(layers[0]).forward)
+    hidden_name = list(signature.parameters)[1]  # after self
+    calls: list[dict[str, Any]] = [None] * len(layers)  # type: ignore[list-item]
+
+    def recorder(index):
+        def forward(*args, **kwargs):
+            calls[index] = _as_keywords(signature, (None, *args), kwargs)
+            calls[index].pop("self")
+            if index == len(layers) - 1:
+                raise _Captured
+            return calls[index][hidden_name]
+        return forward
+
+    with _layers_replaced(layers, recorder):
+        try:
+            _model_call(model, inputs)
+        except _Captured:
+            pass
+    if any(call is None for call in calls):
+        raise RefusedError(f"{type(model).__name__}'s forward did not call every layer of "
+                           f"{layers_name}; use model.generate", "generate")
+    return calls
+
+
+def _tail(model: nn.Module, layers: Sequence[nn.Module], inputs: dict, output) -> torch.Tensor:
+    """The last position's logits (float32) of the model's forward on `inputs`
+    with every layer returning `output` (the last layer's, for the whole batch)."""
+    with _layers_replaced(layers, lambda index: (lambda *args, **kwargs: output)):
+        logits = _model_call(model, inputs).logits
+    return logits[:, -1].to(copy=True, dtype=torch.float32)
+
+
 def _split(size: int, count: int) -> list[tuple[int, int, int]]:
     """(sub-batch, first row, rows) of `count` sub-batches of `size` rows."""
     return [(sb, sb * size, size) for sb in range(count)]
@@ -585,31 +719,10 @@ class _Generation:
 
     # -- one forward pass -------------------------------------------------------
     def _capture(self, inputs: dict) -> list[dict[str, Any]]:
-        calls: list[dict[str, Any]] = [None] * len(self.layers)  # type: ignore[list-item]
-
-        def recorder(index):
-            def forward(*args, **kwargs):
-                calls[index] = _as_keywords(self.signature, (None, *args), kwargs)
-                calls[index].pop("self")
-                if index == len(self.layers) - 1:
-                    raise _Captured
-                return calls[index][self.hidden_name]
-            return forward
-
-        with _layers_replaced(self.layers, recorder):
-            try:
-                _model_call(self.model, inputs)
-            except _Captured:
-                pass
-        if any(call is None for call in calls):
-            raise RefusedError(f"{type(self.model).__name__}'s forward did not call every layer of "
-                               f"{self.plan.layers_name}; use model.generate", "generate")
-        return calls
+        return _capture(self.model, self.layers, self.plan.layers_name, inputs)
 
     def _tail(self, inputs: dict, output) -> torch.Tensor:
-        with _layers_replaced(self.layers, lambda index: (lambda *args, **kwargs: output)):
-            logits = _model_call(self.model, inputs).logits
-        return logits[:, -1].to(copy=True, dtype=torch.float32)
+        return _tail(self.model, self.layers, inputs, output)
 
     def _arguments(self, phase: str, inputs: dict, parts: list[tuple[int, int, int]], batch: int):
         """Each part's layer arguments: rows of one capture of the whole batch, or,
@@ -674,15 +787,19 @@ class _Generation:
                     with compute_region(f"blk{index}.sb{sb} decode"):
                         output, keys, values = self.decode_step(self.templates[index], tensors, *past, window,
                                                                 kwargs)
+                    del past
                 self.trace.append(f"blk{index}.sb{sb}")
                 outputs[position] = output
                 hidden[position] = output if isinstance(output, torch.Tensor) else output[0]
                 store(index, position, keys, values, hidden[position].shape[-2])
+                kv_layout = (keys.shape[1], keys.shape[-1], keys.dtype)
+                # The layer's input, past and new cache are dropped now, not when the
+                # next sub-batch overwrites them (the memory model counts one of each).
+                del kwargs, output, keys, values
             # The model's cache object learns the new shapes (values stay on the tier).
-            query = hidden[0].shape[-2]
-            new_keys = keys.new_empty((self.batch, keys.shape[1], query, keys.shape[-1]), device="meta")
-            new_values = values.new_empty((self.batch, values.shape[1], query, values.shape[-1]), device="meta")
-            cache.layers[index].update(new_keys, new_values)
+            heads, head_dim, dtype = kv_layout
+            meta = torch.empty((self.batch, heads, hidden[0].shape[-2], head_dim), dtype=dtype, device="meta")
+            cache.layers[index].update(meta, meta)
             del tensors
         self.kv.flush()
         if shared:
@@ -702,15 +819,7 @@ class _Generation:
         k = plan.num_subbatches
         batch = self.batch = input_ids.shape[0]
         device = input_ids.device
-        accepts_positions = "position_ids" in inspect.signature(model.forward).parameters
-        keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        position_ids = None
-        if accepts_positions:
-            if attention_mask is not None:
-                position_ids = attention_mask.long().cumsum(-1) - 1
-                position_ids = position_ids.masked_fill(attention_mask == 0, 0)
-            else:
-                position_ids = torch.arange(input_ids.shape[1], device=device).unsqueeze(0).expand_as(input_ids)
+        position_ids = _position_ids(model, input_ids, attention_mask)
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # as model.generate: no padding, no mask
         processors = LogitsProcessorList()
@@ -747,16 +856,8 @@ class _Generation:
                 def of_active(tensor):
                     return tensor if rows is None or tensor is None else tensor[rows]
 
-                kwargs = {"past_key_values": cache, "use_cache": True}
-                if attention_mask is not None:
-                    kwargs["attention_mask"] = of_active(attention_mask)
-                if position_ids is not None:
-                    kwargs["position_ids"] = of_active(position_ids)
-                if keep_logits:
-                    kwargs["logits_to_keep"] = 1
-                inputs = model.prepare_inputs_for_generation(
-                    of_active(sequences), next_sequence_length=None if step == 0 else 1,
-                    is_first_iteration=step == 0, **kwargs)
+                inputs = _pass_inputs(model, of_active(sequences), cache, of_active(attention_mask),
+                                      of_active(position_ids), step == 0)
                 before = dict(runtime_stats().cumulative.bytes_moved)
                 computed = self._forward(phase, inputs, parts, len(parts) * parts[0][2], cache, store)
                 self.steps.append(GenerationStep(phase, tuple(sb for sb, _, _ in parts), " | ".join(self.trace),
@@ -773,6 +874,8 @@ class _Generation:
                     next_tokens = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
                 else:
                     next_tokens = torch.argmax(scores, dim=-1)
+                # The pass's logits are not held through the next pass.
+                computed = logits = scores = probs = None
                 if eos is not None:
                     next_tokens = next_tokens * unfinished + plan.pad_token_id * (1 - unfinished)
                 sequences = torch.cat([sequences, next_tokens[:, None]], dim=-1)
@@ -846,6 +949,10 @@ class GenerationExplanation:
         weight_store_bytes: bytes of layer weights stored on their tier before the prefill.
         steps: one `GenerationStep` per pass, as `generate(...,
             return_dict_in_generate=True)` measures them.
+        prefill_memory: the device memory of the prefill (`PassMemory`; None, with a
+            logged warning, for a model whose forward cannot be traced on fake tensors).
+        decode_memory: that of the decode pass with the highest peak (the last, but
+            for sliding-window caches); None with one new token.
     """
 
     model: str
@@ -860,6 +967,13 @@ class GenerationExplanation:
     kv_cache: str
     weight_store_bytes: int
     steps: tuple[GenerationStep, ...]
+    prefill_memory: PassMemory | None = None
+    decode_memory: PassMemory | None = None
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The device's peak over the whole generation (None when not predicted)."""
+        return max((m.peak_bytes for m in (self.prefill_memory, self.decode_memory) if m is not None), default=None)
 
     @property
     def prefill_schedule(self) -> str:
@@ -890,6 +1004,9 @@ class GenerationExplanation:
         ]
         if len(self.steps) > 1:
             lines.append(f"  decode schedule:  {self.decode_schedule}")
+        for memory in (self.prefill_memory, self.decode_memory):
+            if memory is not None:
+                lines.append(f"  {memory}")
         lines.append(f"  {'pass':<10} {'weights loaded':>15} {'kv stored':>12} {'kv loaded':>12}")
         names = ["prefill"] + [f"decode {t}" for t in range(1, len(self.steps))]
         shown = range(len(self.steps)) if len(self.steps) <= 8 else [0, 1, 2, len(self.steps) - 1]
@@ -915,26 +1032,49 @@ def explain_generation(
     weights: str = "device",
     kv_cache: str = "device",
     offload_dir: str | None = None,
+    load_granularity: int | None = None,
+    load_overhead: int = 0,
 ) -> GenerationExplanation:
-    """The schedules and bytes per pass of `generate(model, input_ids, ...)` with
-    these options, without running the model; `print` it for a summary.
+    """The schedules, bytes and device memory per pass of `generate(model,
+    input_ids, ...)` with these options, without running the model (the memory of
+    a layer step and of the tail comes from their graphs traced on fake tensors);
+    `print` it for a summary.
 
     Args:
         model, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
             offload_dir: as for `generate`.
         input_shape: `input_ids.shape`, `(batch, length)`.
+        load_granularity: a tensor loaded from a tier that copies takes its size
+            rounded up to this (default: the page on a CPU machine, whose loads read
+            files straight into page-padded memory; 1 on a GPU).
+        load_overhead: bytes each loaded tensor takes beyond that (one page inside
+            `slcompile.runtime.nvme.buffers_seen_by_profiler`).
 
     Returns:
         The prediction; its `steps` equal those `generate(...,
-        return_dict_in_generate=True)` measures when no sequence stops early.
+        return_dict_in_generate=True)` measures when no sequence stops early, and
+        `prefill_memory`/`decode_memory` give the device peak of the prefill and of
+        the largest decode pass, for greedy decoding of prompts without padding.
 
     Raises:
         OptionError, RefusedError: as `generate` raises them.
     """
+    return _explain_generation(model, input_shape, max_new_tokens, num_subbatches, prefill_subbatches, weights,
+                               kv_cache, offload_dir, load_granularity, load_overhead, {})
+
+
+def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
+                        offload_dir, load_granularity, load_overhead, memo: dict) -> GenerationExplanation:
+    """`explain_generation`; `memo` keeps the traced memory of the capture, the layer
+    steps and the tail between calls for one model and input shape (they do not
+    depend on the tiers)."""
     from slcompile.pipeline import engine_for
+    from slcompile.pipeline import load_granularity as default_granularity
     from slcompile.runtime.kv import forgettable_segments
     from slcompile.runtime.weights import weight_home
 
+    if load_granularity is None:
+        load_granularity = default_granularity()
     plan = _plan(model, tuple(input_shape), None, max_new_tokens, num_subbatches, prefill_subbatches, weights,
                  kv_cache, False, 1.0, None, 1.0, [], None, offload_dir)
     engine = engine_for(offload_dir)
@@ -1001,16 +1141,31 @@ def explain_generation(
     steps = [GenerationStep("prefill", tuple(range(kp)), prefill_order(kv_moves and not last),
                             moved(0 if last else sum(b * s[0] for b, s in zip(position_bytes, segments)), 0))]
     # A decode step: each (layer, sub-batch) loads the segments it keeps and stores one position.
+    loaded_segments = {}
     for step in range(1, max_new_tokens):
         last = step == max_new_tokens - 1
+        loaded_segments[step] = [tuple(s) for s in segments]
         loaded = sum(b * sum(s) for b, s in zip(position_bytes, segments))
         for layer, cap in enumerate(caps):
             segments[layer].append(1)
             del segments[layer][:forgettable_segments(segments[layer], min(length + step, cap))]
         steps.append(GenerationStep("decode", tuple(range(kd)), decode_order(kv_moves and not last),
                                     moved(0 if last else sum(position_bytes), loaded)))
+    try:
+        memory = _MemoryModel(model, plan, engine, batch, length, streamed, load_granularity, load_overhead, memo)
+        prefill_memory = memory.pass_memory("prefill", 0, kv_moves and max_new_tokens > 1)
+        # Every decode pass's layer steps are traced with the last one's cache length:
+        # the longest, so no step's temporaries are underestimated.
+        longest = length + max_new_tokens - 2
+        decode_memory = max((memory.pass_memory("decode", length + step - 1, kv_moves and step < max_new_tokens - 1,
+                                                loaded_segments[step], longest)
+                             for step in range(1, max_new_tokens)), key=lambda m: m.peak_bytes, default=None)
+    except Exception as error:  # noqa: BLE001 - the schedules and bytes stand without the memory
+        log.warning("explain_generation: the device memory of %s's passes is not predicted: tracing its forward "
+                    "on fake tensors failed (%s: %s)", type(model).__name__, type(error).__name__, error)
+        prefill_memory = decode_memory = None
     return GenerationExplanation(type(model).__name__, plan.layers_name, n, batch, length, max_new_tokens, kp, kd,
-                                 weights, kv_cache, weight_store_bytes, tuple(steps))
+                                 weights, kv_cache, weight_store_bytes, tuple(steps), prefill_memory, decode_memory)
 
 
 def _kv_row_bytes(model: nn.Module, layers: Sequence[nn.Module]) -> list[int]:
@@ -1026,6 +1181,318 @@ def _kv_row_bytes(model: nn.Module, layers: Sequence[nn.Module]) -> list[int]:
         dtype = next((p.dtype for p in layer.parameters() if p.is_floating_point()), torch.get_default_dtype())
         rows.append(kv_heads * head_dim * dtype.itemsize)
     return rows
+
+
+# -- device memory -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PassMemory:
+    """The device memory of one forward pass of a generation, predicted.
+
+    Attributes:
+        phase: "prefill" or "decode".
+        peak_bytes: the device's peak during the pass.
+        resident_bytes: the parameters and buffers the device holds for the whole
+            generation (all but the streamed layer weights): the part of the peak
+            that exists before `generate` is called.
+        moment: where the peak is: ``blk1.sb0`` (the layer step of one
+            (layer, sub-batch)), ``take blk1.sb0`` (its cache's segments joined) or
+            ``tail`` (final norm and head).
+        terms: the peak's parts, by name (they add up to `peak_bytes`).
+    """
+
+    phase: str
+    peak_bytes: int
+    resident_bytes: int
+    moment: str
+    terms: Mapping[str, int]
+
+    def __str__(self) -> str:
+        """One line, e.g. ``prefill peak 1.50 MiB at blk1.sb0: parameters 1.00 MiB, ...``."""
+        from slcompile.units import format_bytes
+
+        parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in self.terms.items() if n)
+        return f"{self.phase} peak {format_bytes(self.peak_bytes)} at {self.moment}: {parts}"
+
+
+class _MemoryModel:
+    """The device memory of the passes of one generation, for `explain_generation`.
+
+    At every moment of a pass the device holds:
+
+    - the parameters and buffers that are not streamed (`resident`);
+    - what the capture made for all sub-batches (embeddings, rotary tables, masks),
+      until the pass ends (`captured`), and each sub-batch's hidden states between
+      layers (`hidden`);
+    - the streamed weights of `live_blocks` = 2 layers: the one computing and the
+      next, prefetched (`weights`), each tensor padded as loads pad it;
+    - the KV cache (`kv`): on a tier that copies nothing, every cache (the caches
+      already computed by this pass at their new length); on one that copies, the
+      cache of the (layer, sub-batch) computing and the loaded segments of the next
+      one, and the stores still in flight (their new positions);
+    - the temporaries of the compiled layer step (`step`): the peak of the values
+      its graph makes (new cache included), from the lifetimes of the step's ATen
+      graph traced on fake tensors, as `aot_eager` runs it (Inductor's fused
+      kernels hold less: an upper bound there);
+    - at the tail, the last layer's outputs, their concatenation, and the forward
+      run again (what it computes before the layers, held through it as the
+      capture is, then the final norm and the logits, traced likewise: `tail`).
+
+    The pass's peak is the largest such sum over its layer steps and its tail.
+    Not counted: the growing sequences and masks (a few bytes a token), the
+    sampling warpers' temporaries, and the transients of the capture itself.
+    """
+
+    def __init__(self, model, plan: _Plan, engine, batch: int, length: int, streamed, load_granularity: int,
+                 load_overhead: int, memo: dict):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from slcompile.runtime.weights import weight_home
+
+        self.model, self.plan, self.batch, self.length = model, plan, batch, length
+        self.layers = plan.layers
+        self.granularity, self.overhead = max(1, load_granularity), load_overhead
+        self.kv_moves = not engine.copies_nothing(Tier(plan.kv_cache), Tier.DEVICE)
+        loaded = set()
+        self.weights = []
+        for params in streamed:
+            nbytes = 0
+            for _, param in params:
+                home = weight_home(param)
+                if not engine.copies_nothing(home[2] if home is not None else Tier(plan.weights), Tier.DEVICE):
+                    loaded.add(id(param))
+                    nbytes += self._padded(param.numel() * param.element_size())
+            self.weights.append(nbytes)
+        self.resident = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in loaded) + sum(
+            b.numel() * b.element_size() for b in model.buffers())
+        self.windows = _cache_windows(model, len(self.layers))
+        self.caps = [None if window is None else window - 1 for window in self.windows]
+        self.key_bytes = _kv_row_bytes(model, self.layers)  # one position of one sequence's keys
+        signature = inspect.signature(type(self.layers[0]).forward)
+        self.hidden_name = list(signature.parameters)[1]
+        first_of: dict[tuple, int] = {}
+        self.group = [first_of.setdefault((type(layer), getattr(layer, "attention_type", None), window), index)
+                      for index, (layer, window) in enumerate(zip(self.layers, self.windows))]
+        if "mode" not in memo:  # one mode for every fake tensor the memo keeps
+            memo["mode"] = FakeTensorMode(allow_non_fake_inputs=True)
+        self.mode = memo["mode"]
+        self.device = next(iter(model.parameters())).device
+        # Traced peaks by (layer group, sequences, query, past) and ("tail", shape),
+        # the captures by (phase, past), and a layer step's output (its structure).
+        self.peaks: dict[tuple, int] = memo.setdefault("peaks", {})
+        self.captures: dict[tuple, tuple] = memo.setdefault("captures", {})
+        self.outputs: dict[str, Any] = memo.setdefault("output", {})
+
+    def _padded(self, nbytes: int) -> int:
+        return -(-nbytes // self.granularity) * self.granularity + self.overhead
+
+    def _kept(self, index: int, positions: int) -> int:
+        cap = self.caps[index]
+        return positions if cap is None else min(positions, cap)
+
+    def _cache_bytes(self, index: int, sequences: int, positions: int) -> int:
+        return 2 * sequences * positions * self.key_bytes[index]
+
+    def _loaded_bytes(self, index: int, sequences: int, segments: Sequence[int]) -> int:
+        return sum(2 * self._padded(sequences * size * self.key_bytes[index]) for size in segments)
+
+    def _layout(self, index: int) -> tuple[int, int, torch.dtype]:
+        config = self.model.config
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        dtype = next((p.dtype for p in self.layers[index].parameters() if p.is_floating_point()),
+                     torch.get_default_dtype())
+        return kv_heads, head_dim, dtype
+
+    def _grow(self, cache, sequences: int, positions: int) -> None:
+        for index, layer in enumerate(cache.layers[:len(self.layers)]):
+            heads, head_dim, dtype = self._layout(index)
+            meta = torch.empty((sequences, heads, positions, head_dim), dtype=dtype, device="meta")
+            layer.update(meta, meta)
+
+    def _fake_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        with self.mode:
+            return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+
+    def _traced_peak(self, function: Callable, args: Any) -> int:
+        """The peak bytes of the values `function(*args)` makes (its inputs not
+        counted), from the lifetimes of its ATen graph traced on fake tensors."""
+        import torch.utils._pytree as pytree
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        from slcompile.analysis.lifetimes import analyze_lifetimes
+
+        flat, spec = pytree.tree_flatten(args)
+        where = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
+
+        def run(*tensors):
+            leaves = list(flat)
+            for i, tensor in zip(where, tensors):
+                leaves[i] = tensor
+            return function(*pytree.tree_unflatten(leaves, spec))
+
+        tensors = [flat[i] if isinstance(flat[i], FakeTensor) else self.mode.from_tensor(flat[i]) for i in where]
+        gm = make_fx(run, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+        return analyze_lifetimes(gm, "inference").peak()
+
+    def _step_peak(self, index: int, sequences: int, past: int, call: dict) -> int:
+        group = self.group[index]
+        query = call[self.hidden_name].shape[-2]
+        key = (group, sequences, query, past)
+        if key not in self.peaks:
+            template, window = self.layers[group], self.windows[group]
+            kwargs = _rows({k: v for k, v in call.items() if k != "past_key_values"}, 0, sequences, self.batch)
+            tensors = {name: self._fake_like(t) for name, t in (*template.named_parameters(),
+                                                                 *template.named_buffers())}
+            heads, head_dim, dtype = self._layout(group)
+            with self.mode:
+                pasts = [torch.empty((sequences, heads, past, head_dim), dtype=dtype, device=self.device)
+                         if past else None for _ in range(2)]
+
+            def step(tensors, past_keys, past_values, kwargs):
+                result = _layer_step(template, tensors, past_keys, past_values, window, kwargs)
+                self.outputs["step"] = result[0]
+                return result
+
+            self.peaks[key] = self._traced_peak(step, (tensors, *pasts, kwargs))
+        return self.peaks[key]
+
+    def _tail_peak(self, inputs: dict, hidden: torch.Tensor) -> int:
+        key = ("tail", tuple(hidden.shape))
+        if key not in self.peaks:
+            tensors, fakes = {}, {}
+            for name, t in (*self.model.named_parameters(remove_duplicate=False), *self.model.named_buffers()):
+                tensors[name] = fakes.setdefault(id(t), self._fake_like(t))
+            cache = inputs["past_key_values"]
+            others = {k: v for k, v in inputs.items() if k != "past_key_values"}
+            first = self.outputs["step"]
+
+            def tail(tensors, whole, others):
+                output = whole if isinstance(first, torch.Tensor) else (whole, *first[1:])
+                with _layers_replaced(self.layers, lambda index: (lambda *args, **kwargs: output)):
+                    logits = torch.func.functional_call(
+                        self.model, tensors, (), {**others, "past_key_values": cache, "return_dict": True}).logits
+                return logits[:, -1].to(copy=True, dtype=torch.float32)
+
+            self.peaks[key] = self._traced_peak(tail, (tensors, self._fake_like(hidden), others))
+        return self.peaks[key]
+
+    def _traced(self, phase: str, past: int, size: int) -> tuple[int, int, list[int], int]:
+        """The traced parts of a pass after `past` positions with sub-batches of
+        `size`: the bytes the capture makes, the hidden states of the batch, each
+        layer step's peak and the tail's."""
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from transformers import DynamicCache
+
+        batch, n = self.batch, len(self.layers)
+        query = self.length if phase == "prefill" else 1
+        if (phase, past) not in self.captures:
+            # The capture, on fake tensors: the tensors it makes, held by the
+            # layers' arguments through the pass.
+            cache = DynamicCache(config=self.model.config)
+            if past:
+                self._grow(cache, batch, past)
+            sequences = torch.zeros((batch, past + query), dtype=torch.long, device=self.device)
+            inputs = _pass_inputs(self.model, sequences, cache, None, _position_ids(self.model, sequences, None),
+                                  phase == "prefill")
+            with self.mode:
+                calls = _capture(self.model, self.layers, self.plan.layers_name, inputs)
+            storages = {}
+            for call in calls:
+                for name, value in call.items():
+                    for leaf in (value if isinstance(value, (tuple, list)) else (value,)):
+                        if name != "past_key_values" and isinstance(leaf, FakeTensor):
+                            storages[StorageWeakRef(leaf.untyped_storage())] = leaf.untyped_storage().nbytes()
+            self._grow(cache, batch, query)  # the tail sees the pass's new positions
+            self.captures[phase, past] = (inputs, calls, sum(storages.values()))
+        inputs, calls, captured = self.captures[phase, past]
+        hidden = calls[0][self.hidden_name]
+        steps = [self._step_peak(index, size, self._kept(index, past), calls[index]) for index in range(n)]
+        tail = self._tail_peak(inputs, hidden)
+        return captured, hidden.numel() * hidden.element_size(), steps, tail
+
+    def pass_memory(self, phase: str, past: int, stores: bool, segments: Sequence[Sequence[int]] = (),
+                    traced_past: int | None = None) -> PassMemory:
+        """The device memory of the pass that follows `past` positions.
+
+        Args:
+            phase: "prefill" or "decode".
+            past: positions each sequence has before the pass (0 for the prefill).
+            stores: whether the pass stores its caches (on a tier that copies).
+            segments: per layer, the positions of each stored segment the decode
+                pass loads (on a tier that copies).
+            traced_past: the past the capture and the layer steps are traced with
+                (default: `past`).
+        """
+        plan, batch, n = self.plan, self.batch, len(self.layers)
+        parts = plan.prefill_subbatches if phase == "prefill" else plan.num_subbatches
+        size, decode_size = batch // parts, batch // plan.num_subbatches
+        query = self.length if phase == "prefill" else 1
+        captured, hidden_bytes, steps, tail = self._traced(phase, past if traced_past is None else traced_past, size)
+        part_hidden = hidden_bytes // parts
+
+        # 2. The stores' sources in the order they are issued (the last
+        # `stores_in_flight` (layer, sub-batch)s' are alive), and how many precede
+        # each layer step.
+        issued, before = [], {}
+        for index in range(n):
+            for part in range(parts):
+                before[index, part] = len(issued)
+                if not (stores and self.kv_moves):
+                    continue
+                if phase == "decode":
+                    issued.append(self._cache_bytes(index, size, 1))
+                else:
+                    issued += [self._cache_bytes(index, decode_size, self._kept(index, self.length))
+                               for d in range(plan.num_subbatches)
+                               if part * size < (d + 1) * decode_size <= (part + 1) * size]
+
+        def in_flight(count: int) -> int:
+            return sum(issued[max(0, count - 4):count])
+
+        # 3. Every moment of the pass.
+        held = 0 if self.kv_moves else sum(self._cache_bytes(i, batch, self._kept(i, past)) for i in range(n))
+        growth = [self._cache_bytes(i, size, self._kept(i, past + query)) - self._cache_bytes(
+            i, size, self._kept(i, past)) for i in range(n)]
+        moments: list[tuple[str, dict[str, int]]] = []
+        grown = 0
+        for index in range(n):
+            weights = self.weights[index] + (self.weights[index + 1] if index + 1 < n else 0)
+            for part in range(parts):
+                common = {"parameters": self.resident, "weights": weights,
+                          "hidden": captured + (parts if index else part) * part_hidden}
+                if not self.kv_moves:
+                    # Prefill parts smaller than a decode sub-batch wait as pieces: the same bytes.
+                    moments.append((f"blk{index}.sb{part}", {**common, "kv": held + grown, "step": steps[index]}))
+                    grown += growth[index]
+                    continue
+                stored = in_flight(before[index, part])
+                if phase == "prefill":
+                    pending = self._cache_bytes(index, (part * size) % decode_size, self._kept(index, self.length)) \
+                        if size < decode_size else 0
+                    moments.append((f"blk{index}.sb{part}", {**common, "kv": stored + pending, "step": steps[index]}))
+                    continue
+                following = (index, part + 1) if part + 1 < parts else (index + 1, 0)
+                ahead = self._loaded_bytes(following[0], size, segments[following[0]]) if following[0] < n else 0
+                own = segments[index]
+                if len(own) > 1:
+                    joined = self._cache_bytes(index, size, sum(own))
+                    moments.append((f"take blk{index}.sb{part}", {
+                        **common, "kv": stored + ahead + self._loaded_bytes(index, size, own) + joined}))
+                else:
+                    joined = self._loaded_bytes(index, size, own)
+                moments.append((f"blk{index}.sb{part}", {**common, "kv": stored + ahead + joined,
+                                                         "step": steps[index]}))
+        # The tail: every sub-batch's last output, their concatenation, and the
+        # forward again, holding what it computes before the layers as the capture does.
+        moments.append(("tail", {"parameters": self.resident, "hidden": 2 * captured + 2 * hidden_bytes,
+                                 "kv": 0 if self.kv_moves else held + grown, "tail": tail}))
+        moment, terms = max(moments, key=lambda item: sum(item[1].values()))
+        return PassMemory(phase, sum(terms.values()), self.resident, moment, terms)
 
 
 def _mark_length_dynamic(past: tuple[torch.Tensor, torch.Tensor], kwargs: dict) -> None:

@@ -64,6 +64,8 @@ host copies and state for that shard only, and writes the updated shard back;
 `step()` first averages the `.grad` of the replicated parameters over the ranks.
 Every rank calls `step()`, `model.state_dict()` (which all-gathers the weights)
 and `model.load_state_dict()` together; `max_grad_norm` is refused there.
+`slcompile.save_sharded` / `load_sharded` checkpoint the shards with
+`torch.distributed.checkpoint`, no weight gathered (`slcompile.checkpoint`).
 
 On a CPU-only machine the host tier is the device's memory: `gradients="host"` and
 `states="host"` move no bytes. When the model was compiled before the optimizer was
@@ -336,9 +338,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         decays = [group.get("weight_decay", 0) for group in self.param_groups]
         if any(decays):
             options["weight_decay"] = next(decay for decay in decays if decay)
+        shards = next((g for g in (shard_group_of(p) for block in blocks for p in block) if g is not None), None)
         return optimizer_memory(self.optimizer_class, options, resident, blocks,
                                 states=self.states_tier.value, max_grad_norm=self.max_grad_norm,
-                                host_is_device=host_is_device)
+                                host_is_device=host_is_device,
+                                weight_shards=shards.world_size if shards is not None else 1)
 
     def wait(self) -> None:
         """Blocks until the block steps submitted so far are done; re-raises their errors."""
@@ -428,9 +432,22 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for index, param in enumerate(host_step.params):
                 values = self._loaded_state.pop(self._names[id(param)], None)
                 if values is not None:
+                    _check_state_size(param, self._names[id(param)], values, host_step.masters[index])
                     host_step.set_state(index, values)
         if self._resident is not None:
             self._install_resident_state()
+
+    def host_copy(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The host copy of a streamed parameter the optimizer steps (its master values):
+        this rank's flat, zero-padded shard when the weight is sharded
+        (`shard_weights`), else a tensor of the parameter's shape. Change it in place,
+        then `store_host_copies` writes it to the weight's tier."""
+        self.wait()
+        return self._master(param)
+
+    def store_host_copies(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Writes the host copies of streamed `params` to their weights' tier, all or none."""
+        self._write_back([p for p in params if weight_home(p) is not None])
 
     def close(self) -> None:
         """Finishes running steps, detaches from the model and frees stored states."""
@@ -515,8 +532,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         dtype = torch.float32 if param.dtype in _LOW_PRECISION else param.dtype
         master = values.to(device="cpu", dtype=dtype, copy=True).view(param.shape if shards is None else -1)
         loaded = self._loaded_masters.pop(self._names[id(param)], None)
-        if loaded is not None:
-            master.copy_(loaded.reshape(master.shape) if shards is None else shards.shard(loaded))
+        if loaded is not None:  # a whole weight, or this rank's padded shard already (`load_sharded`)
+            if shards is not None and loaded.numel() != master.numel():
+                loaded = shards.shard(loaded)
+            master.copy_(loaded.reshape(master.shape))
         self._masters[id(param)] = master
         return master
 
@@ -532,6 +551,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for index, param in enumerate(params):
                 values = self._loaded_state.pop(self._names[id(param)], None)
                 if values is not None:
+                    _check_state_size(param, self._names[id(param)], values, masters[index])
                     host_step.set_state(index, values)
             self._host_steps[key] = host_step
         return host_step
@@ -824,6 +844,22 @@ def _take_options(optimizer: torch.optim.Optimizer, group_ids: list[int], param_
     stand for (a scheduler may have changed the learning rate since the last step)."""
     for group, index in zip(optimizer.param_groups, group_ids):
         group.update(_options(param_groups[index]))
+
+
+def _check_state_size(param: torch.nn.Parameter, name: str, values: Mapping[str, Any], master: torch.Tensor) -> None:
+    """Refuses a loaded state of a sharded weight whose tensors are not the size of
+    the host copy, this rank's shard, they step with (an elementwise optimizer's
+    state always is; others keep their own shapes and checks)."""
+    if shard_group_of(param) is None:
+        return
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() != master.numel():
+            raise ValueError(
+                f"load_state_dict: the optimizer state {key!r} of {name!r} has {value.numel()} elements, its "
+                f"host copy {master.numel()}: a state of a weight sharded over another number of ranks (or "
+                "not sharded); load it with slcompile.load_sharded into a model compiled with the same "
+                "shard_weights"
+            )
 
 
 def _copy(value: Any) -> Any:

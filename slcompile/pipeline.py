@@ -431,7 +431,7 @@ def _predict_memory(step: StepState):
         return predict_memory(
             step.graphs["inference"], graph_kind="inference", live_blocks=plan.live_blocks,
             weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes,
-            load_granularity=load_granularity(),
+            load_granularity=load_granularity(), weight_shards=_weight_shards(plan),
         )
     offloaded = step.results.get("offload_activations") or OffloadedActivations()
     return predict_memory(
@@ -440,8 +440,14 @@ def _predict_memory(step: StepState):
         weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes,
         activations_tier=plan.activations_tier, offloaded_bytes=offloaded.bytes,
         recompute=step.recompute, load_granularity=load_granularity(),
-        optimizer=plan.optimizer, gradient_copies=_gradients_copied(plan),
+        optimizer=plan.optimizer, gradient_copies=_gradients_copied(plan), weight_shards=_weight_shards(plan),
     )
+
+
+def _weight_shards(plan) -> int:
+    """Over how many ranks the streamed weights are sharded (`shard_weights`)."""
+    shards = plan.streamer.shards if plan.streamer is not None else None
+    return shards.world_size if shards is not None else 1
 
 
 def _gradients_copied(plan) -> bool:

@@ -13,6 +13,14 @@ The budget covers the whole step: with an optimizer (the offloaded optimizer
 attached to the model, or `optimizer=`, as in `slcompile.explain`), a plan whose
 forward and backward fit but whose `optimizer.step()` would not (the resident
 parameters' state, their gradients and the step's temporaries) is refused.
+
+`slcompile.tune_generation(model, input_shape, max_new_tokens, memory_budget=...)`
+does the same for `slcompile.generate`, from `explain_generation`'s device peaks of
+the prefill and of the decode passes (the layer step and the tail traced once on
+fake tensors; nothing runs): weights on the device before host before nvme (fewer
+weight bytes loaded per token), then the KV cache likewise, then for each phase the
+fewest sub-batches that fit (the decode loads each layer's weights once per pass
+whatever K, and fewer, larger sub-batches make bigger matrix products).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch
 from slcompile.config import SpeedLoaderConfig, parse_bytes
 from slcompile.errors import BudgetError, RefusedError
 
-__all__ = ["TuneResult", "tune"]
+__all__ = ["TuneResult", "tune", "GenerationTuneResult", "GenerationBudgetError", "tune_generation"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,3 +123,137 @@ def tune(
     if smallest is None:
         raise RefusedError("no candidate number of sub-batches can split this model's batch", "tune")
     raise BudgetError(budget, smallest)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationTuneResult:
+    """What `tune_generation` chose.
+
+    Attributes:
+        options: `slcompile.generate`'s options (`num_subbatches`,
+            `prefill_subbatches`, `weights`, `kv_cache`):
+            `generate(model, input_ids, max_new_tokens=..., **result.options)`.
+        memory: the chosen options' `GenerationExplanation`; its `peak_bytes` is
+            at most the budget.
+        tried: (weights, kv_cache, phase, K, device peak bytes) of every pass
+            evaluated, in order.
+    """
+
+    options: dict[str, Any]
+    memory: Any
+    tried: tuple[tuple[str, str, str, int, int], ...]
+
+
+class GenerationBudgetError(BudgetError):
+    """No options of `slcompile.generate` fit the budget (a `BudgetError`; `smallest`
+    is the smallest budget any would fit)."""
+
+    def __init__(self, budget: int, smallest: int, tiers: str):
+        from slcompile.units import format_bytes
+
+        self.budget, self.smallest, self.tried = budget, smallest, ()
+        Exception.__init__(
+            self, f"generation needs at least {smallest} bytes ({format_bytes(smallest)}) on the device, over "
+            f"memory_budget={budget} ({format_bytes(budget)}) with {tiers} and every number of sub-batches; set "
+            f"memory_budget >= {smallest}, or shorten the prompts or max_new_tokens")
+
+
+def tune_generation(
+    model: torch.nn.Module,
+    input_shape: Sequence[int],
+    max_new_tokens: int,
+    *,
+    memory_budget: int | str,
+    weights: str | None = None,
+    kv_cache: str | None = None,
+    offload_dir: str | None = None,
+    load_granularity: int | None = None,
+    load_overhead: int = 0,
+) -> GenerationTuneResult:
+    """Chooses `slcompile.generate`'s sub-batches and tiers under a device budget.
+
+    Args:
+        model: as for `slcompile.generate`.
+        input_shape: the prompts' `(batch, length)`.
+        max_new_tokens: tokens to generate.
+        memory_budget: the device's limit for the whole generation (bytes or "2GiB").
+        weights, kv_cache: the tier, fixed; None: the first that fits of "device",
+            "host" (where it is not the device's own memory) and "nvme".
+        offload_dir: as for `generate`.
+        load_granularity, load_overhead: as for `explain_generation`.
+
+    Returns:
+        The options and their prediction.
+
+    Raises:
+        GenerationBudgetError: nothing fits; names the smallest budget that would.
+        OptionError, RefusedError: as `generate` raises them.
+    """
+    from slcompile.config import TIERS
+    from slcompile.generate import _explain_generation, _plan
+    from slcompile.pipeline import engine_for
+    from slcompile.runtime.tiers import Tier
+
+    budget = parse_bytes(memory_budget, "memory_budget")
+    # The checks of `generate`, before anything is traced.
+    _plan(model, input_shape, None, max_new_tokens, 1, None, weights or "device", kv_cache or "device",
+          False, 1.0, None, 1.0, [], None, offload_dir)
+    batch = tuple(input_shape)[0]
+    engine = engine_for(offload_dir)
+    divisors = [k for k in range(1, batch + 1) if batch % k == 0]
+
+    def tiers(fixed: str | None) -> list[str]:
+        if fixed is not None:
+            return [fixed]
+        # A tier that is the device's own memory (the host of a CPU machine) saves nothing.
+        return [t for t in TIERS if t == "device" or not engine.copies_nothing(Tier(t), Tier.DEVICE)]
+
+    memo: dict = {}
+    tried: list[tuple[str, str, str, int, int]] = []
+    peaks: dict[tuple, int] = {}
+
+    def peak(w: str, kv: str, phase: str, prefill_k: int, decode_k: int) -> int:
+        # The decode passes depend on the decode K alone.
+        key = (w, kv, phase, prefill_k if phase == "prefill" else None, decode_k)
+        if key not in peaks:
+            explained = _explain_generation(model, input_shape, max_new_tokens, decode_k, prefill_k, w, kv,
+                                            offload_dir, load_granularity, load_overhead, memo)
+            memory = getattr(explained, f"{phase}_memory")
+            if memory is None:
+                raise RefusedError(f"the device memory of {type(model).__name__}'s generation cannot be predicted "
+                                   "(see the warning logged); choose num_subbatches and the tiers by hand", "tune")
+            peaks[key] = memory.peak_bytes
+            tried.append((w, kv, phase, prefill_k if phase == "prefill" else decode_k, peaks[key]))
+        return peaks[key]
+
+    def choose(w: str, kv: str, limit: int) -> tuple[int, int] | None:
+        """(prefill K, decode K): the fewest sub-batches that fit, decode first."""
+        decode_k = next((k for k in divisors if max_new_tokens == 1 or peak(w, kv, "decode", k, k) <= limit), None)
+        if decode_k is None:
+            return None
+        prefill_k = next((k for k in divisors if peak(w, kv, "prefill", k, decode_k) <= limit), None)
+        return None if prefill_k is None else (prefill_k, decode_k)
+
+    combinations = [(w, kv) for w in tiers(weights) for kv in tiers(kv_cache)]
+    for w, kv in combinations:
+        chosen = choose(w, kv, budget)
+        if chosen is not None:
+            prefill_k, decode_k = chosen
+            explanation = _explain_generation(model, input_shape, max_new_tokens, decode_k, prefill_k, w, kv,
+                                              offload_dir, load_granularity, load_overhead, memo)
+            options = {"num_subbatches": decode_k, "prefill_subbatches": prefill_k, "weights": w, "kv_cache": kv}
+            return GenerationTuneResult(options, explanation, tuple(tried))
+    # The smallest budget: the least peak of any pass at which the choice succeeds.
+    smallest = None
+    for w, kv in combinations:
+        for decode_k in divisors:
+            if max_new_tokens > 1:
+                peak(w, kv, "decode", decode_k, decode_k)
+            for prefill_k in divisors:
+                peak(w, kv, "prefill", prefill_k, decode_k)
+        candidates = sorted({n for (tw, tkv, *_), n in peaks.items() if (tw, tkv) == (w, kv)})
+        need = next(n for n in candidates if choose(w, kv, n) is not None)
+        smallest = need if smallest is None else min(smallest, need)
+    described = f"weights={weights!r}" if weights else "weights on any tier"
+    described += f", kv_cache={kv_cache!r}" if kv_cache else ", the KV cache on any tier"
+    raise GenerationBudgetError(budget, smallest, described)

@@ -12,6 +12,7 @@ from models import hf_gpt2, hf_llama
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import slcompile
+from slcompile.generate import explain_generation
 from slcompile.runtime.tiers import Tier, TransferKind
 
 VOCAB = 96
@@ -309,4 +310,147 @@ def test_kv_store_appends_new_positions_and_reads_back_the_positions_the_cache_k
     device.store(0, 0, full, -full, new=1)
     assert device.take(0, 0)[0].data_ptr() == full.data_ptr() and device.segments(0, 0) == (9,)
     assert slcompile.runtime_stats().cumulative.bytes_moved == moved
+    engine.close()
+
+
+def measured_generate_peak(model, input_ids, new_tokens, **options) -> int:
+    """Bytes the allocator handed out at the peak of a `generate` call, over what
+    it held before (the resident parameters), in steady state: compiled, weights
+    already on their tier. Loads land in torch's allocator, one page of slack each."""
+    from slcompile.analysis.memory import measured_peak_bytes
+    from slcompile.runtime.nvme import buffers_seen_by_profiler
+
+    def run():
+        run_generate(model, input_ids, None, new_tokens, [], **options)
+
+    with buffers_seen_by_profiler():
+        run()
+        return measured_peak_bytes(run)
+
+
+# (prefill K, decode K, weights, kv_cache, prompt length, new tokens): the prefill
+# the peak on each tier, then generations whose last decode pass is the peak (on
+# nvme, the segments of the cache are loaded and joined: none is kept in memory
+# once stored).
+MEMORY_CASES = [
+    (2, 2, "device", "device", 32, 2),
+    (4, 2, "nvme", "nvme", 32, 2),
+    (1, 4, "device", "device", 4, 40),
+    (2, 2, "device", "nvme", 16, 8),
+]
+
+
+@pytest.mark.parametrize("prefill_k,k,weights,kv_cache,length,new_tokens", MEMORY_CASES)
+def test_explained_device_peak_of_prefill_and_decode_within_five_percent_of_measured(
+        tmp_path, prefill_k, k, weights, kv_cache, length, new_tokens):
+    from slcompile.runtime.tiers import PAGE_BYTES
+
+    model = hf_llama(num_hidden_layers=2, hidden_size=64, vocab_size=VOCAB).eval()
+    input_ids = torch.randint(3, VOCAB, (8, length), generator=torch.Generator().manual_seed(0))
+    options = dict(num_subbatches=k, prefill_subbatches=prefill_k, weights=weights, kv_cache=kv_cache,
+                   offload_dir=str(tmp_path))
+    # Inside `buffers_seen_by_profiler` each loaded tensor carries one page of slack.
+    explained = explain_generation(model, input_ids.shape, new_tokens, load_overhead=PAGE_BYTES, **options)
+    prefill, decode = explained.prefill_memory, explained.decode_memory
+    assert (decode.peak_bytes > prefill.peak_bytes) == (new_tokens > 2), (prefill, decode)
+    assert prefill.resident_bytes == decode.resident_bytes
+    if weights == "nvme":
+        assert prefill.terms["weights"] > 0 and prefill.resident_bytes < sum(
+            p.numel() * 4 for p in model.parameters())
+    expected = eager_generate(model, input_ids, None, new_tokens, eos=[])
+    assert torch.equal(run_generate(model, input_ids, None, new_tokens, [], **options), expected)
+    measured = measured_generate_peak(model, input_ids, new_tokens, **options)
+    predicted = explained.peak_bytes - prefill.resident_bytes
+    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured, str(explained))
+
+
+def test_tune_generation_picks_the_fewest_subbatches_that_fit_and_refuses_a_budget_nothing_fits(tmp_path):
+    from slcompile.tune import GenerationBudgetError
+
+    model = hf_llama(num_hidden_layers=2, hidden_size=64, vocab_size=VOCAB).eval()
+    shape, new_tokens = (8, 32), 2
+    peaks = {k: explain_generation(model, shape, new_tokens, k).peak_bytes for k in (1, 2, 4)}
+    # Past two sub-batches the tail (the whole batch's last hidden states) is the peak.
+    assert peaks[1] > peaks[2] >= peaks[4]
+    budget = (peaks[2] + peaks[1]) // 2
+    result = slcompile.tune_generation(model, shape, new_tokens, memory_budget=budget, weights="device",
+                                       kv_cache="device", offload_dir=str(tmp_path))
+    options = result.options
+    assert options == {"num_subbatches": options["num_subbatches"], "prefill_subbatches": 2,
+                       "weights": "device", "kv_cache": "device"}
+    assert result.memory.peak_bytes <= budget
+    # A smaller K would not fit, as predicted.
+    smaller = explain_generation(model, shape, new_tokens, options["num_subbatches"], prefill_subbatches=1)
+    assert smaller.prefill_memory.peak_bytes > budget
+    if options["num_subbatches"] > 1:
+        assert explain_generation(model, shape, new_tokens, options["num_subbatches"] // 2).decode_memory.peak_bytes \
+            > budget
+    # The chosen options fit as measured.
+    input_ids = torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(1))
+    measured = measured_generate_peak(model, input_ids, new_tokens, **options)
+    assert measured + result.memory.prefill_memory.resident_bytes <= budget
+    with pytest.raises(GenerationBudgetError, match=r"^generation needs at least (\d+) bytes") as error:
+        slcompile.tune_generation(model, shape, new_tokens, memory_budget=1000, offload_dir=str(tmp_path))
+    assert isinstance(error.value, slcompile.BudgetError) and error.value.smallest > 1000
+    # The smallest budget named fits.
+    assert slcompile.tune_generation(model, shape, new_tokens, memory_budget=error.value.smallest,
+                                     offload_dir=str(tmp_path)).memory.peak_bytes <= error.value.smallest
+
+
+def test_model_generate_inside_generation_runs_layer_major_with_the_tokens_of_eager(tmp_path):
+    model = FAMILIES["llama"]().eval()
+    input_ids, mask = left_padded_batch()
+    expected = eager_generate(model, input_ids, mask, 6, eos=[])
+    slcompile.reset_runtime_stats()
+    with slcompile.generation(model, num_subbatches=2, kv_cache="nvme", backend="aot_eager", progress=False,
+                              offload_dir=str(tmp_path)):
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=[],
+                             pad_token_id=PAD, return_dict_in_generate=True)
+        with pytest.raises(slcompile.OptionError, match="num_beams is not supported"):
+            model.generate(input_ids, max_new_tokens=2, num_beams=2)
+    assert torch.equal(out.sequences, expected)
+    assert [step.subbatches for step in out.steps] == [(0, 1)] * 6
+    assert slcompile.runtime_stats().cumulative.bytes_moved[KV_STORED] > 0
+    # Outside the block, model.generate is the model's own again.
+    assert "generate" not in model.__dict__
+    assert torch.equal(eager_generate(model, input_ids, mask, 6, eos=[]), expected)
+    with pytest.raises(slcompile.OptionError, match="^generation: beams is not an option"):
+        with slcompile.generation(model, beams=2):
+            pass
+
+
+def test_explain_without_a_traceable_forward_logs_and_tune_generation_refuses(monkeypatch, caplog):
+    import importlib
+
+    generation = importlib.import_module("slcompile.generate")
+    model = FAMILIES["llama"]().eval()
+
+    def untraceable(*args, **kwargs):
+        raise RuntimeError("data-dependent branch")
+
+    monkeypatch.setattr(generation._MemoryModel, "_traced", untraceable)
+    explained = explain_generation(model, (4, 6), 3, 2)
+    assert explained.prefill_memory is None and explained.peak_bytes is None and len(explained.steps) == 3
+    assert "not predicted: tracing its forward on fake tensors failed (RuntimeError" in caplog.text
+    with pytest.raises(slcompile.RefusedError, match="cannot be predicted"):
+        slcompile.tune_generation(model, (4, 6), 3, memory_budget="1GiB")
+
+
+def test_kv_store_keeps_no_stored_tensor_alive_once_its_store_is_done(tmp_path):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from slcompile.runtime.engine import TransferEngine
+    from slcompile.runtime.kv import KVStore
+
+    engine = TransferEngine(offload_dir=str(tmp_path))
+    store = KVStore(engine, "nvme")
+    keys, values = torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4)
+    memory = [StorageWeakRef(keys.untyped_storage()), StorageWeakRef(values.untyped_storage())]
+    store.store(0, 0, keys, values, new=5)
+    store.flush()
+    del keys, values
+    assert all(ref.expired() for ref in memory)
+    loaded_keys, _ = store.take(0, 0)
+    assert loaded_keys.shape == (2, 2, 5, 4)
+    store.close()
     engine.close()

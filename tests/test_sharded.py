@@ -1,5 +1,8 @@
-"""Block weights sharded across ranks: numerics against eager on the whole batch and
-exact collective byte counts, with two CPU processes over gloo.
+"""Block weights sharded across ranks: numerics against eager on the whole batch,
+exact collective byte counts, the predicted bytes of the weights' tier against the
+runtime's, and DCP checkpoints (`save_sharded` / `load_sharded`: a resumed run
+equals the uninterrupted one bit for bit, each rank writes its own shards), with
+two CPU processes over gloo; and the padded shard layout with four.
 
 The baseline, FSDP2 (`fully_shard`) with gradient accumulation over K micro-batches,
 is measured in the same processes: its collective bytes grow with K where the
@@ -10,19 +13,23 @@ One spawn checks everything that needs the process group, to pay its start-up on
 
 import copy
 import datetime
+import gc
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 import slcompile
 from models import GPTConfig, TinyGPT, make_gpt_batch
-from slcompile.runtime import Tier, TransferKind, mark_step, reset_runtime_stats
+from slcompile.runtime import Tier, TransferKind, mark_step, reset_runtime_stats, runtime_stats
 from slcompile.runtime.collectives import shard_group
 from slcompile.vocabulary import WeightKey, is_fetch
 
@@ -38,8 +45,8 @@ COLLECTIVE = {kind: (kind, Tier.DEVICE, Tier.DEVICE)
               for kind in (TransferKind.ALL_GATHER, TransferKind.REDUCE_SCATTER, TransferKind.ALL_REDUCE)}
 
 
-def _model():
-    torch.manual_seed(0)
+def _model(seed=0):
+    torch.manual_seed(seed)
     model = TinyGPT(CFG)
     # As in test_offload_optimizer: the key part of a fused qkv bias has an exactly-zero
     # gradient, where Adam turns rounding noise into steps of size lr.
@@ -64,20 +71,29 @@ def _fetched_bytes(graph):
     return sum(sizes.values())
 
 
-def _train_sharded(rank, k, weights, offload_dir):
+def _train_sharded(rank, k, weights, offload_dir, checkpoint=None):
     """Three AdamW steps on this rank's half of each batch, against eager AdamW on
     the whole batch; returns the figures of each step, the streamed bytes, the bytes
-    the graphs fetch per step and the bytes of the replicated parameters."""
+    the graphs fetch per step, the bytes of the replicated parameters and the last
+    step's loss, parameters and optimizer state. With `checkpoint`, saves one there
+    after the second step."""
     eager = _model()
     eager_opt = torch.optim.AdamW(eager.parameters(), **ADAMW)
     model = copy.deepcopy(eager)
     opt = slcompile.offload_optimizer(model, torch.optim.AdamW, **ADAMW)
     options = {"lowering": "aot_eager", "num_subbatches": k, "weights": weights, "shard_weights": True,
                "offload_dir": offload_dir}
-    compiled = torch.compile(model, backend="speedloader", options=options)
     half = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    explained = None
+    if checkpoint is not None:  # once: `explain` predicts what the compiled step below measures
+        idx, targets = _batch(BATCH, 0)
+        explained = slcompile.explain(model, idx[half], targets[half], **options).graphs[0].memory
+        torch._dynamo.reset()
+    compiled = torch.compile(model, backend="speedloader", options=options)
     steps = []
+    gc.collect()  # what earlier runs left on the tiers goes now, not during the steps
     reset_runtime_stats()
+    resident_before = runtime_stats().resident_bytes
     for step in range(STEPS):
         idx, targets = _batch(BATCH, step)
         with torch.no_grad():
@@ -100,8 +116,18 @@ def _train_sharded(rank, k, weights, offload_dir):
         eager_opt.step()
         eager_opt.zero_grad()
         opt.zero_grad()
+        if checkpoint is not None and step == STEPS - 2:
+            slcompile.save_sharded(model, opt, checkpoint)
+            # What a load without sharding must read back: the whole weights, eager AdamW's state.
+            whole = {name: value.clone() for name, value in model.state_dict().items()}
+            states = {name: {key: value.clone() for key, value in eager_opt.state[param].items()}
+                      for name, param in eager.named_parameters()}
+            at_checkpoint = (whole, states)
+            mark_step()  # the next step's figures leave out the gathers of state_dict()
+    resident = runtime_stats().resident_bytes
     # Each step's loss above already read the weights the step before wrote.
     with slcompile.gathered_weights(model):
+        final = {name: param.detach().clone() for name, param in model.named_parameters()}
         for (name, param), expected in zip(model.named_parameters(), eager.parameters()):
             torch.testing.assert_close(param, expected, atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"k={k}: {name} after {STEPS} steps: {m}")
@@ -120,9 +146,94 @@ def _train_sharded(rank, k, weights, offload_dir):
                                        msg=lambda m: f"{name} {key}: {m}")
     report = slcompile.compile_reports()[-1]
     fetched = _fetched_bytes(report.graphs["forward"]) + _fetched_bytes(report.graphs["backward"])
+    # The memory model: the weights' tier holds this rank's padded shard of each
+    # streamed weight, as the runtime measures it; the optimizer's host copies too.
+    params = dict(eager.named_parameters())
+    shard_bytes = sum(shards.shard_numel(params[name].numel()) * params[name].element_size() for name in streamed)
+    assert shard_bytes < report.streamed_bytes
+    tier = Tier(weights)
+    assert report.memory.peak_bytes[weights] == resident[tier] - resident_before[tier] == shard_bytes, (
+        report.memory.peak_bytes, resident, resident_before)
+    masters = sum(opt.host_copy(param).nbytes for name, param in model.named_parameters() if name in streamed)
+    assert report.memory.optimizer.host_master_bytes == masters == shard_bytes
+    if explained is not None:
+        assert explained.peak_bytes[weights] == shard_bytes, explained.peak_bytes
+        assert explained.optimizer.host_master_bytes == shard_bytes
     replicated = sum(p.nbytes for name, p in eager.named_parameters() if name not in streamed)
     opt.close()
-    return steps, report.streamed_bytes, fetched, replicated
+    last = (loss.detach(), final, saved, at_checkpoint if checkpoint is not None else None)
+    return steps, report.streamed_bytes, fetched, replicated, last
+
+
+def _resume(rank, k, weights, offload_dir, checkpoint, last):
+    """A fresh model (other initial values) and optimizer, the checkpoint of step 2
+    loaded before the compile, then step 3: the loss, parameters and optimizer state
+    of the uninterrupted run `last`, bit for bit. Loaded again into the compiled,
+    sharded model, step 3 once more: the same again."""
+    expected_loss, expected_params, expected_state, _ = last
+    torch._dynamo.reset()
+    model = _model(seed=1)
+    opt = slcompile.offload_optimizer(model, torch.optim.AdamW, **ADAMW)
+    compiled = torch.compile(model, backend="speedloader", options={
+        "lowering": "aot_eager", "num_subbatches": k, "weights": weights, "shard_weights": True,
+        "offload_dir": offload_dir})
+    half = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    idx, targets = _batch(BATCH, STEPS - 1)
+    for when in ("before the compile", "into the sharded model"):
+        slcompile.load_sharded(model, opt, checkpoint)
+        loss = compiled(idx[half], targets[half])[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(loss.detach(), expected_loss, rtol=0, atol=0, msg=lambda m: f"{when}: {m}")
+        with slcompile.gathered_weights(model):
+            for name, param in model.named_parameters():
+                torch.testing.assert_close(param, expected_params[name], rtol=0, atol=0,
+                                           msg=lambda m: f"{when}: {name}: {m}")
+        state = opt.state_dict()["state"]
+        assert state.keys() == expected_state.keys()
+        for name, values in expected_state.items():
+            for key, value in values.items():
+                torch.testing.assert_close(state[name][key], value, rtol=0, atol=0,
+                                           msg=lambda m: f"{when}: {name} {key}: {m}")
+    streamed = {name for name, _ in slcompile.offloaded_parameters(model)}
+    opt.close()
+    return streamed
+
+
+def _check_checkpoint_files(checkpoint, streamed):
+    """Each rank wrote its own file: its shard of every streamed weight and of its
+    optimizer state (DCP chunk r of the tensor's 1-D view: elements [r*n, (r+1)*n)),
+    and the replicated tensors once over all ranks; no rank wrote the whole model."""
+    metadata = dcp.FileSystemReader(checkpoint).read_metadata()
+    payload = {rank: 0 for rank in range(WORLD)}  # tensor bytes each rank's file holds
+    whole = 0
+    for fqn, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        itemsize = torch.empty((), dtype=item.properties.dtype).element_size()
+        whole += item.size.numel() * itemsize
+        name = fqn.split("/")[1]
+        chunks = [(chunk.offsets, chunk.sizes) for chunk in item.chunks]
+        if name in streamed and item.size.numel() > 1:
+            numel = item.size.numel()
+            size = -(-numel // WORLD)
+            assert item.size == (numel,), fqn
+            assert chunks == [((r * size,), (min(numel, (r + 1) * size) - r * size,)) for r in range(WORLD)], fqn
+        else:
+            assert chunks == [((0,) * len(item.size), item.size)], fqn
+        for index, info in metadata.storage_data.items():
+            if index.fqn == fqn:
+                rank = int(info.relative_path.split("_")[2])
+                chunk = item.chunks[index.index]
+                payload[rank] += chunk.sizes.numel() * itemsize
+                if name in streamed and item.size.numel() > 1:
+                    assert chunk.offsets[0] == rank * -(-item.size.numel() // WORLD), (fqn, info)
+    assert sum(payload.values()) == whole
+    for rank in range(WORLD):
+        path = Path(checkpoint) / f"__{rank}_0.distcp"
+        assert path.stat().st_size >= payload[rank] > 0, (rank, payload)
+        assert payload[rank] < 0.7 * whole, (rank, payload, whole)
 
 
 def _check_padding(rank):
@@ -206,9 +317,16 @@ def _worker(rank, rendezvous, offload_dir, results):
         _check_padding(rank)
         _check_counted_collectives()
         # On this CPU machine "host" is the device's memory: it streams (no bytes) only to shard.
+        checkpoint = str(Path(offload_dir) / "checkpoint")
         for k, weights in ((1, "nvme"), (4, "nvme"), (4, "host")):
             torch._dynamo.reset()
-            steps, streamed_bytes, fetched, replicated = _train_sharded(rank, k, weights, offload_dir)
+            steps, streamed_bytes, fetched, replicated, last = _train_sharded(
+                rank, k, weights, offload_dir, checkpoint if k == 4 and weights == "nvme" else None)
+            if k == 4 and weights == "nvme":
+                streamed = _resume(rank, k, weights, offload_dir, checkpoint, last)
+                dist.barrier()
+                _check_checkpoint_files(checkpoint, streamed)
+                results["checkpoint", rank] = last[-1]
             for index, step in enumerate(steps):
                 moved = step.bytes_moved
                 # Each rank receives the (W-1)/W of every fetched weight it does not keep,
@@ -264,6 +382,24 @@ def _worker(rank, rendezvous, offload_dir, results):
         dist.destroy_process_group()
 
 
+def _check_unsharded_load(checkpoint, weights, states):
+    """The checkpoint of two ranks, loaded by one process without a process group
+    into a model not compiled: whole weights and whole optimizer states (DCP reads
+    every rank's chunks of each)."""
+    model = _model(seed=1)
+    opt = slcompile.offload_optimizer(model, torch.optim.AdamW, **ADAMW)
+    slcompile.load_sharded(model, opt, checkpoint)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, weights[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    saved = opt.state_dict()["state"]
+    assert saved.keys() == states.keys()
+    for name, values in states.items():
+        for key, value in values.items():
+            torch.testing.assert_close(saved[name][key], value, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"{name} {key}: {m}")
+    opt.close()
+
+
 @pytest.mark.slow
 def test_sharded_training_matches_eager_on_the_whole_batch(tmp_path):
     with mp.Manager() as manager:
@@ -271,6 +407,7 @@ def test_sharded_training_matches_eager_on_the_whole_batch(tmp_path):
         # A file rendezvous: no port that another test process could take first.
         mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path), results), nprocs=WORLD, join=True)
         every = dict(results)
+    _check_unsharded_load(tmp_path / "checkpoint", *every["checkpoint", 0])
     gathered = {key: n for key, n in every.items() if isinstance(key[0], int)}
     # All-gathered bytes per step depend neither on K nor on the tier, and match across ranks.
     assert len(set(gathered.values())) == 1 and len(gathered) == 3 * WORLD, gathered
@@ -284,6 +421,62 @@ def test_sharded_training_matches_eager_on_the_whole_batch(tmp_path):
         ours = {k: sum(every[("speedloader", rank, k, "nvme")].values()) for k in (1, 4)}
         assert ours[1] == ours[4]
         assert sum(fsdp2[4].values()) > 3 * ours[4], (fsdp2, ours)
+
+
+def _padding_worker(rank, world, rendezvous):
+    """World size 4 and tensors 4 does not divide: rank r keeps elements [r*n, (r+1)*n)
+    zero-padded, n = ceil(numel / 4) (for 5 elements rank 3 keeps padding only);
+    all-gather, reduce-scatter and all-reduce move (W-1) padded shards of bytes. Less
+    the padding, a shard is the DTensor `Shard(0)` shard of the flat tensor, as
+    checkpoints save it: DCP reads the whole tensor back from the four ranks' chunks."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        shards = shard_group()
+        mesh = init_device_mesh("cpu", (world,))
+        saved, expected = {}, {}
+        for numel in (5, 7, 9):
+            size = -(-numel // world)
+            full = torch.arange(1.0, numel + 1) * (rank + 1)  # each rank's own values
+            mine = shards.shard(full)
+            assert mine.numel() == size
+            valid = max(0, min(numel, (rank + 1) * size) - rank * size)
+            torch.testing.assert_close(mine[:valid], full[rank * size:rank * size + valid], rtol=0, atol=0)
+            assert not mine[valid:].any()
+            reset_runtime_stats()
+            gathered = shards.wait(shards.all_gather("t", lambda: mine, full.shape))
+            reduced = shards.wait(shards.reduce_scatter("t", full))
+            averaged = shards.wait(shards.all_reduce("t", full.clone()))
+            moved = mark_step().bytes_moved
+            # Element i comes from the rank that keeps it: rank i // size, scaled by its rank + 1.
+            owner = torch.arange(numel) // size
+            torch.testing.assert_close(gathered, torch.arange(1.0, numel + 1) * (owner + 1), rtol=0, atol=0)
+            mean = torch.arange(1.0, numel + 1) * sum(range(1, world + 1)) / world
+            torch.testing.assert_close(averaged, mean)
+            torch.testing.assert_close(reduced, torch.nn.functional.pad(mean, (0, size * world - numel))
+                                       [rank * size:(rank + 1) * size])
+            shard_bytes = (world - 1) * size * 4
+            assert moved[COLLECTIVE[TransferKind.ALL_GATHER]] == shard_bytes
+            assert moved[COLLECTIVE[TransferKind.REDUCE_SCATTER]] == shard_bytes
+            assert moved[COLLECTIVE[TransferKind.ALL_REDUCE]] == 2 * shard_bytes
+            saved[f"t{numel}"] = DTensor.from_local(mine[:valid], mesh, [Shard(0)], run_check=False,
+                                                   shape=torch.Size([numel]), stride=(1,))
+            expected[f"t{numel}"] = gathered
+        checkpoint = str(Path(rendezvous).parent / "checkpoint")
+        dcp.save(saved, checkpoint_id=checkpoint)
+        loaded = {name: torch.zeros_like(value) for name, value in expected.items()}
+        dcp.load(loaded, checkpoint_id=checkpoint)
+        for name, value in expected.items():
+            torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        dist.barrier()  # no rank leaves while another still talks to it
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_shards_of_four_ranks_are_padded(tmp_path):
+    mp.spawn(_padding_worker, args=(4, str(tmp_path / "rendezvous")), nprocs=4, join=True)
 
 
 def test_shard_weights_needs_a_process_group():

@@ -35,6 +35,13 @@ resident parameters' optimizer state, held from one step to the next like the
 parameters. The host's and nvme's shares of the optimizer (master weights, the
 streamed weights' states, the gradients a block step reads) are reported apart
 (`OptimizerMemory`), not in `peak_bytes`, which sizes the transfer engine's tiers.
+
+With the streamed weights sharded over W ranks (`shard_weights`, `weight_shards=W`)
+each figure is one rank's: the weights' tier holds this rank's shard of every
+streamed weight, `ceil(numel / W)` elements each (the padding included), and the
+optimizer's host copies, states and gradients of streamed weights are shards of
+that size too. The device still holds whole weights (the all-gathers' outputs,
+where the graphs fetch them); `weight_shards` changes no device term.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ __all__ = [
     "predict_memory",
     "predict_step_memory",
     "size_hints",
+    "sharded_weight_bytes",
     "measured_peak_bytes",
 ]
 
@@ -171,6 +179,7 @@ def optimizer_memory(
     states: str = "host",
     max_grad_norm: float | None = None,
     host_is_device: bool = False,
+    weight_shards: int = 1,
 ) -> OptimizerMemory:
     """The memory an optimizer step of `optimizer_class` takes, per tier, as
     `slcompile.offload_optimizer` runs it: the resident parameters stepped on the
@@ -198,6 +207,8 @@ def optimizer_memory(
         max_grad_norm: the clip of `offload_optimizer`: every streamed gradient then
             waits in host memory for `step()`.
         host_is_device: host memory is the device's (a CPU-only machine).
+        weight_shards: the streamed weights are sharded over this many ranks
+            (`shard_weights`): the host steps this rank's shard of each.
     """
     per_element, scalar_bytes = _state_layout(optimizer_class, options)
 
@@ -206,7 +217,7 @@ def optimizer_memory(
 
     device_groups = [[_nbytes(p) for p in group if p.dtype not in _LOW_PRECISION] for group in resident]
     on_host = [p for group in resident for p in group if p.dtype in _LOW_PRECISION]
-    blocks = [[_master_bytes(p) for p in block] for block in streamed]
+    blocks = [[_master_bytes(p, weight_shards) for p in block] for block in streamed]
     if on_host:
         blocks.append([_master_bytes(p) for p in on_host])
     foreach = options.get("foreach")
@@ -243,8 +254,9 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return int(tensor.numel()) * tensor.element_size()
 
 
-def _master_bytes(param: torch.Tensor) -> int:
-    return int(param.numel()) * (4 if param.dtype in _LOW_PRECISION else param.element_size())
+def _master_bytes(param: torch.Tensor, shards: int = 1) -> int:
+    """Bytes of a parameter's host copy: this rank's zero-padded shard of it over `shards` ranks."""
+    return -(-int(param.numel()) // shards) * (4 if param.dtype in _LOW_PRECISION else param.element_size())
 
 
 @functools.lru_cache(maxsize=64)
@@ -443,6 +455,20 @@ def _prefetched(tables, graphs, live_blocks: int, granularity: int, overhead: in
     return extra
 
 
+def sharded_weight_bytes(graphs: Sequence[torch.fx.GraphModule], weight_shards: int) -> int:
+    """Bytes of one rank's shards of the weights `graphs` fetch, each weight once:
+    `ceil(numel / weight_shards)` elements of each (`ShardGroup.shard`)."""
+    from slcompile.vocabulary import WeightKey, is_fetch
+
+    shards: dict[str, int] = {}
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if is_fetch(node):
+                value = node.meta["val"]
+                shards[WeightKey.parse(node.args[1]).stored] = -(-value.numel() // weight_shards) * value.element_size()
+    return sum(shards.values())
+
+
 def _held_bytes(gm: torch.fx.GraphModule) -> sympy.Expr:
     """Bytes of the forward's tensor inputs, except parameters that are only fetched
     (their memory rests on another tier)."""
@@ -476,6 +502,7 @@ def predict_memory(
     load_overhead: int = 0,
     optimizer: OptimizerMemory | None = None,
     gradient_copies: bool = False,
+    weight_shards: int = 1,
 ) -> MemoryPrediction:
     """Predicts a step's memory per tier (the graphs are not changed).
 
@@ -495,6 +522,9 @@ def predict_memory(
         gradient_copies: each gradient stored by `slc::offload_grad` is copied on the
             device first, the copy held until the store's wait (the host tier of a
             CPU-only machine).
+        weight_shards: the streamed weights are sharded over this many ranks: their
+            tier holds this rank's shard of each (`sharded_weight_bytes`), not
+            `streamed_bytes`.
     """
     subs = dict(sizes if sizes is not None else size_hints(forward, *(g for g in (backward,) if g)))
     tables: list[LifetimeTable]
@@ -533,7 +563,8 @@ def predict_memory(
     device_expr = sympy.expand(held_expr + optimizer_state) + step_expr
     tier_exprs: dict[str, sympy.Expr] = {"device": device_expr, "host": sympy.Integer(0), "nvme": sympy.Integer(0)}
     if weights_tier != "device" and streamed_bytes:
-        tier_exprs[weights_tier] += streamed_bytes
+        tier_exprs[weights_tier] += (streamed_bytes if weight_shards == 1
+                                     else sharded_weight_bytes(graphs, weight_shards))
     if activations_tier != "device":
         tier_exprs[activations_tier] += offloaded_bytes
     evaluated = {tier: int(expr.subs(subs)) for tier, expr in tier_exprs.items()}

@@ -11,7 +11,10 @@ where a block's weights meet the device become collectives:
   offloaded optimizer receives, steps and writes back this rank's shard only.
 
 A weight is flattened and padded with zeros to a multiple of W; rank r keeps
-elements `[r * n, (r + 1) * n)` of it, `n = ceil(numel / W)` (`shard`).
+elements `[r * n, (r + 1) * n)` of it, `n = ceil(numel / W)` (`shard`). Less the
+padding, that is `torch.chunk`'s split of the flat weight and a DTensor's `Shard(0)`
+of its 1-D view: `slcompile.checkpoint` saves each rank's shards as such, one DCP
+chunk each.
 
 Every collective runs on the one communication thread of the process's
 `ShardGroup`, strictly in the order it was issued: the compiled graphs issue in
@@ -204,23 +207,29 @@ class ShardGroup:
             job = self._jobs.get()
             if job is None:
                 return
-            handle, run, numel, element_size = job
-            start = time.perf_counter()
-            RECORDER.lane_begin(COLLECTIVE_LANE, start)
-            try:
-                result = run()
-            except BaseException as error:  # every waiter must hear of it
-                RECORDER.lane_end(COLLECTIVE_LANE, time.perf_counter())
-                failure = OffloadError(f"{handle.kind.value} failed on rank {self.rank}: {error}", key=handle.key)
-                failure.__cause__ = error
-                log.error("%s", failure)
-                handle._finish(None, failure)
-                continue
-            end = time.perf_counter()
-            RECORDER.lane_end(COLLECTIVE_LANE, end)
-            if element_size is None:  # an all-gather: the element size of what it gathered
-                element_size = result.element_size()
-            handle.nbytes = self.received_bytes(handle.kind, numel, element_size)
-            RECORDER.transfer_finished((handle.kind, Tier.DEVICE, Tier.DEVICE), handle.nbytes, start, end,
-                                       COLLECTIVE_LANE, handle.label)
-            handle._finish(result, None)
+            self._run_one(*job)
+            # Nothing of the job outlives it here: the waiter holds the only
+            # reference to its result (a gathered weight is freed when used).
+            del job
+
+    def _run_one(self, handle: TransferHandle, run: Callable[[], object], numel: int,
+                 element_size: int | None) -> None:
+        start = time.perf_counter()
+        RECORDER.lane_begin(COLLECTIVE_LANE, start)
+        try:
+            result = run()
+        except BaseException as error:  # every waiter must hear of it
+            RECORDER.lane_end(COLLECTIVE_LANE, time.perf_counter())
+            failure = OffloadError(f"{handle.kind.value} failed on rank {self.rank}: {error}", key=handle.key)
+            failure.__cause__ = error
+            log.error("%s", failure)
+            handle._finish(None, failure)
+            return
+        end = time.perf_counter()
+        RECORDER.lane_end(COLLECTIVE_LANE, end)
+        if element_size is None:  # an all-gather: the element size of what it gathered
+            element_size = result.element_size()
+        handle.nbytes = self.received_bytes(handle.kind, numel, element_size)
+        RECORDER.transfer_finished((handle.kind, Tier.DEVICE, Tier.DEVICE), handle.nbytes, start, end,
+                                   COLLECTIVE_LANE, handle.label)
+        handle._finish(result, None)

@@ -21,7 +21,9 @@ Guarantees:
   returns their result (or loads right away when nothing was issued). A load issued
   after a store of the same (block, sub-batch) reads what that store wrote.
 - Stores run in the background; the stored tensors are kept alive until their
-  store is done, at most ``stores_in_flight`` of them at once.
+  store is done, at most ``stores_in_flight`` (block, sub-batch)s' at once. A store
+  of a cache's new positions copies them out first, so what stays alive is those
+  positions, not the whole cache they were computed in.
 """
 
 from __future__ import annotations
@@ -117,9 +119,16 @@ class KVStore:
         if new:
             number = next(self._numbers)
             for part, tensor in (("k", keys), ("v", values)):
-                piece = tensor if new == length else tensor.narrow(-2, length - new, new)
+                # The new positions alone, copied: a view would keep the layer's
+                # whole cache alive until the store is done.
+                piece = tensor if new == length else tensor.narrow(-2, length - new, new).clone(
+                    memory_format=torch.contiguous_format)
                 key = self._key(block, subbatch, number, part)
-                self._stores.append(self.engine.store(key, piece, self.tier, TransferKind.KV))
+                # The engine keeps a store's handle with the stored entry: one that
+                # kept its source would hold every segment in memory as long as it is
+                # stored on the tier.
+                self._stores.append(self.engine.store(key, piece, self.tier, TransferKind.KV,
+                                                      forget_source=self.appends))
             self._segments.setdefault(where, []).append((number, new))
         self._length[where] = length
         segments = self._segments.get(where, [])
