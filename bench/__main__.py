@@ -11,6 +11,7 @@ Usage:
     python -m bench optimizer ...             # bench/optimizer_bench.py
     python -m bench generate ...              # bench/generate_bench.py
     python -m bench distributed ...           # bench/distributed_bench.py
+    python -m bench compile ...               # bench/compile_bench.py
     python -m bench gpu [--small|--cpu-smoke] # bench/gpu_bench.py (CUDA)
     python -m bench all [--quick] [--only train,io]
 
@@ -72,6 +73,8 @@ SCENARIOS = (
     Scenario("distributed", "distributed_bench.py", ("--steps", "5"), ("--quick", "--steps", "2"),
              "block weights sharded over 2 gloo ranks vs one process vs FSDP2 with gradient accumulation "
              "(collective bytes per step)"),
+    Scenario("compile", "compile_bench.py", (), ("--quick",),
+             "compile seconds of a training step: speedloader + Inductor at K and depth vs plain Inductor"),
     Scenario("gpu", "gpu_bench.py", (), ("--cpu-smoke",),
              "HF Llama training step on a CUDA GPU: tiers and K vs resident Inductor (needs CUDA; not in `all` "
              "unless named in --only)"),

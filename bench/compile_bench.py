@@ -1,0 +1,128 @@
+"""Compile time of a training step: speedloader with Inductor against plain Inductor.
+
+Usage:
+    python bench/compile_bench.py [--quick] [--depths 2,4,8] [--ks 1,2,4] [--out FILE]
+
+Each configuration compiles the package's GPT (d_model 128) in its own process with an
+empty Inductor cache (a fresh `TORCHINDUCTOR_CACHE_DIR`, FX graph cache off), and
+reports the seconds of its first forward + backward, which compile both graphs, and
+of a second step, which does not. Configurations:
+- ``inductor``: `torch.compile(model)` (Inductor, everything resident).
+- ``speedloader``: `backend="speedloader"`, `lowering="inductor"`, K sub-batches,
+  everything resident (the compile cost of the layer-major rewrite alone).
+
+Compile seconds = first step - second step. The ratio speedloader / inductor at the
+same depth is the figure the goal (at most 1.5x at any K and depth) is about: today
+the rewritten graph holds K copies of every block, and Inductor lowers each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def run_one(spec: dict) -> dict:
+    """Compiles and runs one configuration in this process; returns its seconds."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    import slcompile
+    from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
+
+    inductor_config.fx_graph_cache = False
+    torch.manual_seed(0)
+    cfg = GPTConfig(d_model=spec["d_model"], seq_len=spec["seq_len"], n_layers=spec["depth"], vocab_size=256)
+    model = TinyGPT(cfg)
+    idx, targets = make_gpt_batch(cfg, spec["batch"])
+    if spec["config"] == "inductor":
+        compiled = torch.compile(model)
+    else:
+        compiled = torch.compile(model, backend="speedloader", options=slcompile.options(
+            num_subbatches=spec["k"], lowering="inductor"))
+
+    def step() -> float:
+        started = time.perf_counter()
+        compiled(idx, targets)[1].backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
+    first, second = step(), step()
+    reports = slcompile.compile_reports()
+    return {
+        **spec,
+        "first_step_seconds": first,
+        "second_step_seconds": second,
+        "compile_seconds": first - second,
+        "fallback": reports[-1].fallback_reason if spec["config"] == "speedloader" and reports else None,
+    }
+
+
+def _in_subprocess(spec: dict) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        done = subprocess.run(
+            [sys.executable, __file__, "--one", json.dumps(spec)],
+            env=env, capture_output=True, text=True, check=False,
+        )
+    if done.returncode != 0:
+        return {**spec, "error": done.stderr[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="compile time: speedloader + Inductor vs plain Inductor")
+    parser.add_argument("--quick", action="store_true", help="depth 2, K 2: checks that it runs")
+    parser.add_argument("--depths", default="2,4,8")
+    parser.add_argument("--ks", default="1,2,4")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "compile_bench.json"))
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_one(json.loads(args.one))))
+        return
+    depths = [2] if args.quick else [int(d) for d in args.depths.split(",")]
+    ks = [2] if args.quick else [int(k) for k in args.ks.split(",")]
+    base = {"d_model": 128, "seq_len": 64, "batch": 8}
+    from tqdm import tqdm
+
+    specs = []
+    for depth in depths:
+        specs.append({**base, "depth": depth, "config": "inductor", "k": 1})
+        specs += [{**base, "depth": depth, "config": "speedloader", "k": k} for k in ks]
+    runs = [_in_subprocess(spec) for spec in tqdm(specs, desc="compile bench", unit="config")]
+    plain = {r["depth"]: r.get("compile_seconds") for r in runs if r["config"] == "inductor"}
+    for r in runs:
+        if r["config"] == "speedloader" and r.get("compile_seconds") and plain.get(r["depth"]):
+            r["over_inductor"] = r["compile_seconds"] / plain[r["depth"]]
+    result = {
+        "command": "python bench/compile_bench.py" + (" --quick" if args.quick else ""),
+        "machine": {"platform": platform.platform(), "cores": os.cpu_count(),
+                    "load_average_before": os.getloadavg()},
+        "runs": runs,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"{'depth':>5} {'config':>12} {'K':>2} {'compile s':>10} {'step s':>8} {'x inductor':>10}")
+    for r in runs:
+        if "error" in r:
+            print(f"{r['depth']:>5} {r['config']:>12} {r['k']:>2} failed: {r['error'].splitlines()[-1]}")
+            continue
+        ratio = f"{r['over_inductor']:.2f}" if "over_inductor" in r else ""
+        print(f"{r['depth']:>5} {r['config']:>12} {r['k']:>2} {r['compile_seconds']:>10.1f} "
+              f"{r['second_step_seconds']:>8.3f} {ratio:>10}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
