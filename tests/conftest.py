@@ -64,6 +64,22 @@ def assert_matches_eager(model, call, options, *, dynamic_inputs=(), atol=1e-5, 
     return compiled
 
 
+def fetched_weights(graph) -> dict[str, int]:
+    """Stored key -> bytes of every weight a compiled graph fetches (read from the graph
+    itself; a weight fetched once per sub-batch counts once)."""
+    from slcompile.vocabulary import WeightKey, is_fetch
+
+    return {
+        WeightKey.parse(node.args[1]).stored: node.meta["val"].numel() * node.meta["val"].element_size()
+        for node in graph.graph.nodes if is_fetch(node)
+    }
+
+
+def fetched_weight_bytes(report) -> int:
+    """Bytes of the weights a compiled step's forward and backward fetch."""
+    return sum(sum(fetched_weights(report.graphs[kind]).values()) for kind in ("forward", "backward"))
+
+
 def check_layer_major(report, k):
     """Asserts that the report's forward and backward run layer-major over `k`
     sub-batches and that each block's weight gradients are complete before the

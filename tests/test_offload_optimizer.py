@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import slcompile
+from conftest import fetched_weight_bytes
 from models import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.runtime import OffloadError, Tier, TransferKind, mark_step, reset_runtime_stats
-from slcompile.vocabulary import WAIT, WeightKey, is_fetch, is_gradient_store
+from slcompile.vocabulary import WAIT, is_gradient_store
 
 CFG = GPTConfig(n_layers=2, d_model=32, vocab_size=64, seq_len=8)
 NVME = {"lowering": "aot_eager", "weights": "nvme"}
@@ -73,15 +74,6 @@ def test_every_step_matches_eager_torch_optim(optimizer_class, options, k, state
     opt.close()
 
 
-def _fetched_bytes(graph):
-    sizes = {}
-    for node in graph.graph.nodes:
-        if is_fetch(node):
-            value = node.meta["val"]
-            sizes[WeightKey.parse(node.args[1]).stored] = value.numel() * value.element_size()
-    return sum(sizes.values())
-
-
 @pytest.mark.parametrize("k", [1, 4])
 def test_gradients_leave_once_per_step_and_weights_move_as_without_optimizer(k):
     model = _model()
@@ -93,7 +85,7 @@ def test_gradients_leave_once_per_step_and_weights_move_as_without_optimizer(k):
     report = slcompile.compile_reports()[-1]
     streamed_bytes = report.streamed_bytes
     # What the graphs fetch is what a step loads without the optimizer (test_stream_weights).
-    loads = _fetched_bytes(report.graphs["forward"]) + _fetched_bytes(report.graphs["backward"])
+    loads = fetched_weight_bytes(report)
 
     backward = report.graphs["backward"]
     stores = [node for node in backward.graph.nodes if is_gradient_store(node)]
@@ -136,7 +128,7 @@ def test_prefetched_weights_are_loaded_after_their_update():
     eager_opt.step()
     eager_opt.zero_grad()
     report = slcompile.compile_reports()[-1]
-    cycle = _fetched_bytes(report.graphs["forward"]) + _fetched_bytes(report.graphs["backward"])
+    cycle = fetched_weight_bytes(report)
     with slcompile.gathered_weights(model):  # waits for (and drops) the first step's prefetches
         reset_runtime_stats()
     for _ in range(3):

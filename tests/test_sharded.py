@@ -28,10 +28,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import slcompile
+from conftest import fetched_weight_bytes
 from models import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.runtime import Tier, TransferKind, mark_step, reset_runtime_stats, runtime_stats
 from slcompile.runtime.collectives import shard_group
-from slcompile.vocabulary import WeightKey, is_fetch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench/
 from bench.distributed_bench import counted_collectives  # noqa: E402
@@ -60,15 +60,6 @@ def _batch(size, seed):
     mean of the ranks' mean losses (ignored targets would weigh the halves unequally)."""
     idx, targets = make_gpt_batch(CFG, size, seed=seed)
     return idx, targets.clamp(min=0)
-
-
-def _fetched_bytes(graph):
-    sizes = {}
-    for node in graph.graph.nodes:
-        if is_fetch(node):
-            value = node.meta["val"]
-            sizes[WeightKey.parse(node.args[1]).stored] = value.numel() * value.element_size()
-    return sum(sizes.values())
 
 
 def _train_sharded(rank, k, weights, offload_dir, checkpoint=None):
@@ -145,7 +136,7 @@ def _train_sharded(rank, k, weights, offload_dir, checkpoint=None):
             torch.testing.assert_close(saved[name][key], expected, atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"{name} {key}: {m}")
     report = slcompile.compile_reports()[-1]
-    fetched = _fetched_bytes(report.graphs["forward"]) + _fetched_bytes(report.graphs["backward"])
+    fetched = fetched_weight_bytes(report)
     # The memory model: the weights' tier holds this rank's padded shard of each
     # streamed weight, as the runtime measures it; the optimizer's host copies too.
     params = dict(eager.named_parameters())

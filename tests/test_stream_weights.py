@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import slcompile
-from conftest import assert_matches_eager
+from conftest import assert_matches_eager, fetched_weights
 from models import GPTConfig, TinyGPT, hf_gpt2, make_gpt_batch
 from slcompile.runtime import Tier, TransferKind, mark_step, reset_runtime_stats
 from slcompile.meta import SlcMeta, set_slc_meta
 from slcompile.passes.stream_weights import place_prefetches
 from slcompile.schedules import schedule_of
-from slcompile.vocabulary import FETCH_WEIGHT, WeightKey, is_fetch, is_slc_op
+from slcompile.vocabulary import FETCH_WEIGHT, WeightKey, is_slc_op
 
 CFG = GPTConfig()
 NVME = {"lowering": "aot_eager", "weights": "nvme"}
@@ -20,11 +20,8 @@ LOAD = (TransferKind.WEIGHT, Tier.NVME, Tier.DEVICE)
 
 
 def _fetched_bytes(graph, model):
-    """Bytes of the parameters a compiled graph fetches (read from the graph itself)."""
-    sizes = {}
-    for node in graph.graph.nodes:
-        if is_fetch(node):
-            sizes[WeightKey.parse(node.args[1]).stored] = node.meta["val"].numel() * node.meta["val"].element_size()
+    """Bytes and count of the parameters a compiled graph fetches."""
+    sizes = fetched_weights(graph)
     return sum(sizes.values()), len(sizes)
 
 
