@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.tensor import DTensor, Shard
 
 from slcompile.optim import OffloadedOptimizer
-from slcompile.runtime.collectives import process_group_ready
+from slcompile.runtime.collectives import process_group_ready, shard_range
 from slcompile.runtime.tiers import TransferKind
 from slcompile.runtime.weights import shard_group_of, weight_home
 
@@ -276,9 +276,7 @@ def _mesh(model: torch.nn.Module, required: bool = False):
 
 def _shard_range(numel: int, mesh) -> tuple[int, int]:
     """This rank's `[start, end)` of a flat tensor of `numel` elements (the padding cut off)."""
-    size = -(-numel // mesh.size())
-    rank = mesh.get_local_rank()
-    return min(rank * size, numel), min((rank + 1) * size, numel)
+    return shard_range(numel, mesh.get_local_rank(), mesh.size())
 
 
 def _as_dtensor(padded: torch.Tensor, numel: int, mesh) -> DTensor:

@@ -54,7 +54,7 @@ from .errors import OffloadError
 from .stats import RECORDER
 from .tiers import Tier, TransferKind
 
-__all__ = ["ShardGroup", "shard_group", "process_group_ready", "COLLECTIVE_LANE"]
+__all__ = ["ShardGroup", "shard_group", "shard_range", "process_group_ready", "COLLECTIVE_LANE"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,13 @@ _GROUP_LOCK = threading.Lock()
 # The newer names of the two collectives; the older ones warn where both exist.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+    """`[start, end)` of rank `rank`'s shard in a flat tensor of `numel` elements (the
+    padding past the end cut off: a rank may hold padding only, `start == end`)."""
+    size = -(-numel // world_size)
+    return min(rank * size, numel), min((rank + 1) * size, numel)
 
 
 def process_group_ready() -> bool:
@@ -116,10 +123,9 @@ class ShardGroup:
     def shard(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's shard of `tensor`: a new flat tensor of `shard_numel` elements
         (the padding past the end is zeros)."""
-        size = self.shard_numel(tensor.numel())
         flat = tensor.detach().reshape(-1)
-        start, end = min(self.rank * size, flat.numel()), min((self.rank + 1) * size, flat.numel())
-        out = torch.zeros(size, dtype=tensor.dtype, device=tensor.device)
+        start, end = shard_range(flat.numel(), self.rank, self.world_size)
+        out = torch.zeros(self.shard_numel(flat.numel()), dtype=tensor.dtype, device=tensor.device)
         out[: end - start].copy_(flat[start:end])
         return out
 
