@@ -63,7 +63,9 @@ shard of a block's gradients (reduce-scattered, averaged over the ranks), keeps
 host copies and state for that shard only, and writes the updated shard back;
 `step()` first averages the `.grad` of the replicated parameters over the ranks.
 Every rank calls `step()`, `model.state_dict()` (which all-gathers the weights)
-and `model.load_state_dict()` together; `max_grad_norm` is refused there.
+and `model.load_state_dict()` together. With `max_grad_norm` the total norm is the
+whole model's on every rank: the squared norms of each rank's shards are summed by
+one all-reduce of a scalar, and the replicated parameters' are counted once.
 `slcompile.save_sharded` / `load_sharded` checkpoint the shards with
 `torch.distributed.checkpoint`, no weight gathered (`slcompile.checkpoint`).
 
@@ -464,16 +466,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """With sharded weights (`shard_weights`): the `.grad` of the parameters every
         rank keeps whole, averaged over the ranks (an all-reduce each, in the same
         order on every rank) before they step."""
-        shards = next((g for g in map(shard_group_of, self.params) if g is not None), None)
+        shards = self._shard_group()
         if shards is None:
             return
-        if self.max_grad_norm is not None:
-            raise ValueError("offload_optimizer: max_grad_norm is not supported with shard_weights=True yet "
-                             "(the norm would need every rank's shards); clip inside the loss or drop it")
         handles = [shards.all_reduce(self._names[id(p)], p.grad) for p in self.params
                    if p.grad is not None and shard_group_of(p) is None]
         for handle in handles:
             shards.wait(handle)
+
+    def _shard_group(self):
+        """The `ShardGroup` of the sharded weights (`shard_weights`); None without."""
+        return next((g for g in map(shard_group_of, self.params) if g is not None), None)
 
     def _install_resident_state(self) -> None:
         for group in self._resident.param_groups:
@@ -605,7 +608,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         ordered = [norms[id(p)].float() for p in self.params if id(p) in norms]
         if not ordered:
             return
-        total = torch.linalg.vector_norm(torch.stack(ordered), 2.0)
+        shards = self._shard_group()
+        if shards is None:
+            total = torch.linalg.vector_norm(torch.stack(ordered), 2.0)
+        else:
+            total = self._sharded_norm(shards, norms)
         self.last_grad_norm = total
         scale = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
         for param in self.params:
@@ -616,6 +623,20 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         concurrent.futures.wait(futures)
         for future in futures:
             future.result()
+
+    def _sharded_norm(self, shards, norms: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The total norm over every rank's gradient shards (`shard_weights`): the
+        squared norms of this rank's shards (their padding is zeros) summed over the
+        ranks by one all-reduce, plus those of the replicated `.grad`, counted once
+        (every rank holds the same average)."""
+        sharded = [norms[id(p)].float() for p in self.params if id(p) in norms and shard_group_of(p) is not None]
+        replicated = [norms[id(p)].float() for p in self.params if id(p) in norms and shard_group_of(p) is None]
+        squares = torch.stack(sharded).square().sum() if sharded else torch.zeros(())
+        # The all-reduce averages; scaled back, every rank holds the same sum.
+        squares = shards.wait(shards.all_reduce("grad_norm", squares.reshape(1))) * shards.world_size
+        if replicated:
+            squares = squares + torch.stack(replicated).square().sum()
+        return squares.sqrt().reshape(())
 
     def _finish_block(self, sink, group: dict[str, tuple[torch.nn.Parameter, Any]],
                       params: list[torch.nn.Parameter], scale: torch.Tensor | None = None) -> None:

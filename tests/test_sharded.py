@@ -1,14 +1,16 @@
 """Block weights sharded across ranks: numerics against eager on the whole batch,
 exact collective byte counts, the predicted bytes of the weights' tier against the
 runtime's, and DCP checkpoints (`save_sharded` / `load_sharded`: a resumed run
-equals the uninterrupted one bit for bit, each rank writes its own shards), with
-two CPU processes over gloo; and the padded shard layout with four.
+equals the uninterrupted one bit for bit, each rank writes its own shards) and
+`max_grad_norm` (the whole model's norm, as `clip_grad_norm_`), with two CPU
+processes over gloo; training and the padded shard layout with four.
 
 The baseline, FSDP2 (`fully_shard`) with gradient accumulation over K micro-batches,
 is measured in the same processes: its collective bytes grow with K where the
 sharded schedule's do not.
 
-One spawn checks everything that needs the process group, to pay its start-up once.
+One spawn of each size checks everything that needs its process group, to pay its
+start-up once.
 """
 
 import copy
@@ -62,19 +64,21 @@ def _batch(size, seed):
     return idx, targets.clamp(min=0)
 
 
-def _train_sharded(rank, k, weights, offload_dir, checkpoint=None):
-    """Three AdamW steps on this rank's half of each batch, against eager AdamW on
+def _train_sharded(rank, k, weights, offload_dir, checkpoint=None, max_grad_norm=None):
+    """Three AdamW steps on this rank's 1/W of each batch, against eager AdamW on
     the whole batch; returns the figures of each step, the streamed bytes, the bytes
     the graphs fetch per step, the bytes of the replicated parameters and the last
     step's loss, parameters and optimizer state. With `checkpoint`, saves one there
-    after the second step."""
+    after the second step. With `max_grad_norm`, eager clips with `clip_grad_norm_`
+    over the whole model's gradients, and the norm must be small enough to clip."""
+    world = dist.get_world_size()
     eager = _model()
     eager_opt = torch.optim.AdamW(eager.parameters(), **ADAMW)
     model = copy.deepcopy(eager)
-    opt = slcompile.offload_optimizer(model, torch.optim.AdamW, **ADAMW)
+    opt = slcompile.offload_optimizer(model, torch.optim.AdamW, max_grad_norm=max_grad_norm, **ADAMW)
     options = {"lowering": "aot_eager", "num_subbatches": k, "weights": weights, "shard_weights": True,
                "offload_dir": offload_dir}
-    half = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    half = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     explained = None
     if checkpoint is not None:  # once: `explain` predicts what the compiled step below measures
         idx, targets = _batch(BATCH, 0)
@@ -90,11 +94,18 @@ def _train_sharded(rank, k, weights, offload_dir, checkpoint=None):
         with torch.no_grad():
             expected_local_loss = eager(idx[half], targets[half])[1]
         eager(idx, targets)[1].backward()
+        if max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(eager.parameters(), max_grad_norm)
         loss = compiled(idx[half], targets[half])[1]
         loss.backward()
         opt.step()
         steps.append(mark_step())
         torch.testing.assert_close(loss.detach(), expected_local_loss, atol=1e-5, rtol=1e-5)
+        if max_grad_norm is not None:
+            # Every rank's shards and the replicated parameters once: the whole model's norm.
+            torch.testing.assert_close(opt.last_grad_norm, norm, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"k={k} step {step}: grad norm: {m}")
+            assert max_grad_norm / (norm + 1e-6) < 0.9, norm  # it clips
         # Replicated parameters: their .grad is the ranks' average, the whole batch's.
         streamed = {name for name, _ in slcompile.offloaded_parameters(model)}
         assert streamed, "no weight is streamed"
@@ -300,20 +311,28 @@ def _train_fsdp2(rank, k):
     return steps, eager
 
 
-def _worker(rank, rendezvous, offload_dir, results):
+# The training runs of each spawn: (K, weights tier, max_grad_norm, save a checkpoint).
+# On this CPU machine "host" is the device's memory: it streams (no bytes) only to shard.
+RUNS = ((1, "nvme", None, False), (4, "nvme", None, True), (4, "host", None, False), (2, "nvme", 0.5, False))
+RUNS_OF_FOUR = ((2, "nvme", None, False),)
+
+
+def _worker(rank, world, runs, rendezvous, offload_dir, results):
+    """The training `runs` at world size `world`; at world size 2, also the resumed
+    checkpoint, the shard layout, the FSDP2 baseline and the refusals."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        _check_padding(rank)
-        _check_counted_collectives()
-        # On this CPU machine "host" is the device's memory: it streams (no bytes) only to shard.
+        if world == WORLD:
+            _check_padding(rank)
+            _check_counted_collectives()
         checkpoint = str(Path(offload_dir) / "checkpoint")
-        for k, weights in ((1, "nvme"), (4, "nvme"), (4, "host")):
+        for k, weights, max_grad_norm, save in runs:
             torch._dynamo.reset()
             steps, streamed_bytes, fetched, replicated, last = _train_sharded(
-                rank, k, weights, offload_dir, checkpoint if k == 4 and weights == "nvme" else None)
-            if k == 4 and weights == "nvme":
+                rank, k, weights, offload_dir, checkpoint if save else None, max_grad_norm)
+            if save:
                 streamed = _resume(rank, k, weights, offload_dir, checkpoint, last)
                 dist.barrier()
                 _check_checkpoint_files(checkpoint, streamed)
@@ -322,16 +341,26 @@ def _worker(rank, rendezvous, offload_dir, results):
                 moved = step.bytes_moved
                 # Each rank receives the (W-1)/W of every fetched weight it does not keep,
                 # once per pass, whatever K; and (W-1)/W of every streamed gradient per step.
-                assert moved[COLLECTIVE[TransferKind.ALL_GATHER]] == fetched * (WORLD - 1) // WORLD, (k, dict(moved))
-                assert moved[COLLECTIVE[TransferKind.REDUCE_SCATTER]] == streamed_bytes * (WORLD - 1) // WORLD
-                assert moved[COLLECTIVE[TransferKind.ALL_REDUCE]] == 2 * replicated * (WORLD - 1) // WORLD
+                assert moved[COLLECTIVE[TransferKind.ALL_GATHER]] == fetched * (world - 1) // world, (k, dict(moved))
+                assert moved[COLLECTIVE[TransferKind.REDUCE_SCATTER]] == streamed_bytes * (world - 1) // world
+                # The replicated gradients' average; with a clip, one fp32 scalar more (the
+                # squared norms of the shards), which the counters take as one element a rank.
+                norm_bytes = 2 * (world - 1) * 4 if max_grad_norm is not None else 0
+                assert moved[COLLECTIVE[TransferKind.ALL_REDUCE]] == 2 * replicated * (world - 1) // world + norm_bytes
                 # The tier holds this rank's shard only: each fetch loads it, each update
                 # writes it (from the second step: the first also offloads and loads on demand).
+                # With a clip the blocks update in step(), which then issues the next forward's
+                # first loads: they may end after the step's figures close, so only the
+                # writes are counted per step there.
                 if weights == "nvme" and index > 0:
-                    assert moved[(TransferKind.WEIGHT, Tier.NVME, Tier.DEVICE)] == fetched // WORLD
-                    assert moved[(TransferKind.WEIGHT, Tier.DEVICE, Tier.NVME)] == streamed_bytes // WORLD
-            results[(rank, k, weights)] = moved[COLLECTIVE[TransferKind.ALL_GATHER]]
-            results[("speedloader", rank, k, weights)] = {kind: moved[key] for kind, key in COLLECTIVE.items()}
+                    if max_grad_norm is None:
+                        assert moved[(TransferKind.WEIGHT, Tier.NVME, Tier.DEVICE)] == fetched // world
+                    assert moved[(TransferKind.WEIGHT, Tier.DEVICE, Tier.NVME)] == streamed_bytes // world
+            results[(rank, k, weights, max_grad_norm)] = moved[COLLECTIVE[TransferKind.ALL_GATHER]]
+            results[("speedloader", rank, k, weights, max_grad_norm)] = {
+                kind: moved[key] for kind, key in COLLECTIVE.items()}
+        if world != WORLD:
+            return
         # The baseline: FSDP2 with gradient accumulation. Each micro-batch all-gathers
         # every weight for its forward and the blocks' again for its backward (the
         # root's stay gathered in between), and reduce-scatters every gradient.
@@ -350,13 +379,6 @@ def _worker(rank, rendezvous, offload_dir, results):
                                           "offload_dir": offload_dir})
         idx, targets = _batch(BATCH // WORLD, 0)
         with pytest.raises(Exception, match="shard_weights.*offload_optimizer"):
-            compiled(idx, targets)
-        torch._dynamo.reset()
-        model = _model()
-        slcompile.offload_optimizer(model, torch.optim.AdamW, lr=1e-3, max_grad_norm=1.0)
-        compiled = torch.compile(model, backend="speedloader", options={
-            "lowering": "aot_eager", "weights": "nvme", "shard_weights": True, "offload_dir": offload_dir})
-        with pytest.raises(Exception, match="shard_weights.*max_grad_norm"):
             compiled(idx, targets)
         # FSDP2 shards the parameters itself: refused, pointing to shard_weights.
         torch._dynamo.reset()
@@ -396,12 +418,13 @@ def test_sharded_training_matches_eager_on_the_whole_batch(tmp_path):
     with mp.Manager() as manager:
         results = manager.dict()
         # A file rendezvous: no port that another test process could take first.
-        mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path), results), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(WORLD, RUNS, str(tmp_path / "rendezvous"), str(tmp_path), results),
+                 nprocs=WORLD, join=True)
         every = dict(results)
     _check_unsharded_load(tmp_path / "checkpoint", *every["checkpoint", 0])
     gathered = {key: n for key, n in every.items() if isinstance(key[0], int)}
-    # All-gathered bytes per step depend neither on K nor on the tier, and match across ranks.
-    assert len(set(gathered.values())) == 1 and len(gathered) == 3 * WORLD, gathered
+    # All-gathered bytes per step depend neither on K, the tier nor the clip, and match across ranks.
+    assert len(set(gathered.values())) == 1 and len(gathered) == len(RUNS) * WORLD, gathered
     assert next(iter(gathered.values())) > 0
     # FSDP2 with gradient accumulation moves K times its K=1 bytes, of each kind; the
     # sharded schedule moves the same bytes at K=1 and K=4, about FSDP2's at K=1.
@@ -409,9 +432,20 @@ def test_sharded_training_matches_eager_on_the_whole_batch(tmp_path):
         fsdp2 = {k: every[("fsdp2", rank, k)] for k in (1, 4)}
         for kind in (TransferKind.ALL_GATHER, TransferKind.REDUCE_SCATTER):
             assert fsdp2[4][kind] == 4 * fsdp2[1][kind] > 0, (kind, fsdp2)
-        ours = {k: sum(every[("speedloader", rank, k, "nvme")].values()) for k in (1, 4)}
+        ours = {k: sum(every[("speedloader", rank, k, "nvme", None)].values()) for k in (1, 4)}
         assert ours[1] == ours[4]
         assert sum(fsdp2[4].values()) > 3 * ours[4], (fsdp2, ours)
+
+
+@pytest.mark.slow
+def test_sharded_training_of_four_ranks_matches_eager_on_the_whole_batch(tmp_path):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_worker, args=(4, RUNS_OF_FOUR, str(tmp_path / "rendezvous"), str(tmp_path), results),
+                 nprocs=4, join=True)
+        gathered = {key: n for key, n in results.items() if isinstance(key[0], int)}
+    # Every rank all-gathers the same bytes (in the worker: 3/4 of the fetched weights).
+    assert len(set(gathered.values())) == 1 and len(gathered) == 4 * len(RUNS_OF_FOUR), gathered
 
 
 def _padding_worker(rank, world, rendezvous):

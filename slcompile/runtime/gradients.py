@@ -253,11 +253,6 @@ def gradient_sink_for(gradients: str, streamer, streamed, inputs) -> GradientSin
                 "offloaded optimizer, but none holds the model's parameters: create "
                 "slcompile.offload_optimizer(model, ...) before the compiled model's first call"
             )
-        if any(getattr(holder, "max_grad_norm", None) is not None for holder in holders):
-            raise OptionError(
-                "speedloader option 'shard_weights' does not support an offloaded optimizer with "
-                "max_grad_norm yet (the norm needs every rank's shards): make it without max_grad_norm"
-            )
         tier = gradients if gradients != "auto" else holders[0].gradient_tier
         return GradientSink(streamer.engine, tier, params, explicit=True, shards=streamer.shards)
     if gradients != "auto":
