@@ -153,9 +153,13 @@ def speedloader_trainer(spec: dict, model, optimizer):
     return step
 
 
-def deepspeed_config(spec: dict, model) -> dict:
+def deepspeed_config(spec: dict, model, world: int = 1) -> dict:
+    """ZeRO-3 over K micro-batches of `spec["batch"]`, which `world` data-parallel ranks
+    share; parameters and optimizer states offloaded unless `spec["offload"]` is false."""
     k, batch = spec["k"], spec["batch"]
-    zero = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+    zero = {"stage": 3}
+    if spec.get("offload", True):
+        zero.update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
     if spec["system"] == "deepspeed_nvme":
         # Each parameter swapped in takes one buffer of `buffer_size` elements (at
         # least the largest parameter; the default, 1e8 elements, would be 400 MB
@@ -177,7 +181,7 @@ def deepspeed_config(spec: dict, model) -> dict:
                     stage3_max_reuse_distance=0)
     return {
         "train_batch_size": batch,
-        "train_micro_batch_size_per_gpu": batch // k,
+        "train_micro_batch_size_per_gpu": batch // (k * world),
         "gradient_accumulation_steps": k,
         "zero_optimization": zero,
         # This DeepSpeed clips the gradient norm to 1.0 unless told otherwise; the

@@ -21,14 +21,23 @@ own spawned processes, ranks over gloo with a file rendezvous):
 - ``fsdp2_cpu_offload``: ``fsdp2_grad_accum`` with `CPUOffloadPolicy(pin_memory=False)`
   (pinned memory needs an accelerator); on a CPU-only machine the "device" already is
   host memory, so it measures FSDP2's offload path, not a transfer.
+- ``deepspeed_zero3``: `--world` processes, DeepSpeed ZeRO stage 3 on its CPU
+  accelerator (`deepspeed_bench.deepspeed_config`), `gradient_accumulation_steps=K`,
+  micro-batches of the rank's batch, `torch.optim.AdamW`; its collectives counted by
+  `counted_deepspeed_collectives`.
+- ``deepspeed_zero3_offload``: the same with `offload_param` and `offload_optimizer`
+  on `cpu` (again host memory on this machine: DeepSpeed's offload path).
 
 Reported per configuration (rank 0; memory of every rank): the median step time
 over `--steps` steps after two warm-up steps, the bytes per (kind, source tier,
-destination tier) of the last step, and each rank's peak RSS during the timed steps
-(`VmHWM` after a reset) and over the whole process (`getrusage` maxrss). Collective
+destination tier) of the last step, each rank's peak RSS during the timed steps
+(`VmHWM` after a reset) and over the whole process (`getrusage` maxrss), and the loss
+of every step: the mean cross-entropy over the labelled tokens of the whole global
+batch (every step trains on the same batch, so the losses fall step by step and
+configurations that train the same model give the same curve). Collective
 bytes are the bytes a rank receives from the others, as
-`slcompile.runtime.collectives` defines them; FSDP2's are counted by
-`counted_collectives`, which wraps the `torch.distributed` functions FSDP2 calls.
+`slcompile.runtime.collectives` defines them; FSDP2's and DeepSpeed's are counted by
+`counted_collectives`, which wraps the `torch.distributed` functions they call.
 `paper_model` scales each schedule's collective bytes per step to a stated model
 of 8 GPUs with 100 Gb/s links: a model, not a measurement. On a machine with fewer
 cores than ranks, the ranks share the cores and the step time says little.
@@ -54,13 +63,19 @@ from collections.abc import Iterator
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-CONFIGS = ("single", "sharded", "fsdp2_grad_accum", "fsdp2_grad_accum_no_sync", "fsdp2_cpu_offload")
+CONFIGS = ("single", "sharded", "fsdp2_grad_accum", "fsdp2_grad_accum_no_sync", "fsdp2_cpu_offload",
+           "deepspeed_zero3", "deepspeed_zero3_offload")
+# Configurations recorded as skipped, with the reason, when they fail: they depend on
+# what another library supports on a CPU-only machine.
+MAY_SKIP = ("fsdp2_cpu_offload", "deepspeed_zero3", "deepspeed_zero3_offload")
 LEARNING_RATE = 1e-4
 
 # The torch.distributed collectives whose bytes `counted_collectives` counts, with
 # the kind each is counted as and the argument whose size that count is based on.
 # FSDP2 (torch 2.13) calls `all_gather_single` and `reduce_scatter_single`, and
-# `all_reduce` when it replicates across a second mesh dimension (HSDP).
+# `all_reduce` when it replicates across a second mesh dimension (HSDP); DeepSpeed's
+# ZeRO-3 (0.19) `all_gather_into_tensor`, `reduce_scatter_tensor` and `all_reduce`
+# (see `counted_deepspeed_collectives`).
 _COUNTED = {
     "all_gather_single": ("all_gather", "input_tensor"),
     "all_gather_into_tensor": ("all_gather", "input_tensor"),
@@ -127,6 +142,34 @@ def counted_collectives() -> Iterator[Counter]:
             setattr(dist, name, original)
 
 
+@contextlib.contextmanager
+def counted_deepspeed_collectives() -> Iterator[Counter]:
+    """`counted_collectives` for DeepSpeed: `deepspeed.comm`'s torch backend calls
+    `torch.distributed.all_reduce` at run time, but binds
+    `torch.distributed.all_gather_into_tensor` and `reduce_scatter_tensor` when it is
+    created (its `all_gather_function` and `reduce_scatter_function`, which ZeRO-3's
+    parameter gathers and gradient reduce-scatters go through); those two are pointed
+    at the counting wrappers while the block runs."""
+    import torch.distributed as dist
+    from deepspeed import comm
+
+    backend = comm.comm.cdb
+    bound = {"all_gather_function": "all_gather_into_tensor", "reduce_scatter_function": "reduce_scatter_tensor"}
+    originals = {attribute: getattr(backend, attribute) for attribute in bound}
+    for attribute, name in bound.items():
+        if originals[attribute] is not getattr(dist, name):
+            raise RuntimeError(f"deepspeed.comm's {attribute} is {originals[attribute]!r}, not torch.distributed."
+                               f"{name}: this DeepSpeed's collectives would not be counted")
+    with counted_collectives() as counts:
+        for attribute, name in bound.items():
+            setattr(backend, attribute, getattr(dist, name))
+        try:
+            yield counts
+        finally:
+            for attribute, original in originals.items():
+                setattr(backend, attribute, original)
+
+
 def _spec(args) -> dict:
     if args.quick:
         return {"n_layers": 2, "d_model": 64, "vocab_size": 128, "seq_len": 16, "batch": 8}
@@ -152,6 +195,11 @@ def _model_and_batch(spec: dict, rank: int, world: int):
     return TinyGPT(config), idx[local], targets[local]
 
 
+def _labelled(targets) -> int:
+    """Tokens with a label (`make_gpt_batch` masks some with -100)."""
+    return int((targets != -100).sum())
+
+
 def _speedloader_step(spec: dict, rank: int, world: int, k: int, offload_dir: str):
     """One training step of the speedloader schedule, its bytes counted by the runtime."""
     import torch
@@ -165,11 +213,14 @@ def _speedloader_step(spec: dict, rank: int, world: int, k: int, offload_dir: st
     compiled = torch.compile(model, backend="speedloader", options=options)
     parameter_bytes = sum(p.nbytes for p in model.parameters())
 
-    def step() -> Counter:
-        compiled(idx, targets)[1].backward()
+    labelled = _labelled(targets)
+
+    def step() -> tuple[Counter, float, int]:
+        loss = compiled(idx, targets)[1]
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        return Counter()
+        return Counter(), loss.item() * labelled, labelled
 
     return step, parameter_bytes
 
@@ -192,15 +243,51 @@ def _fsdp2_step(spec: dict, rank: int, world: int, k: int, config: str):
     micro = list(zip(idx.chunk(k), targets.chunk(k)))
     no_sync = config == "fsdp2_grad_accum_no_sync"
 
-    def step() -> Counter:
+    def step() -> tuple[Counter, float, int]:
+        loss_sum = 0.0
         with counted_collectives() as moved:
             for index, (micro_idx, micro_targets) in enumerate(micro):
                 if no_sync:
                     model.set_requires_gradient_sync(index == len(micro) - 1)
-                (model(micro_idx, micro_targets)[1] / len(micro)).backward()
+                loss = model(micro_idx, micro_targets)[1]
+                (loss / len(micro)).backward()
+                loss_sum += loss.item() * _labelled(micro_targets)
             optimizer.step()
             optimizer.zero_grad()
-        return moved
+        return moved, loss_sum, _labelled(targets)
+
+    return step, parameter_bytes
+
+
+def _deepspeed_step(spec: dict, rank: int, world: int, k: int, config: str):
+    """One training step of DeepSpeed ZeRO-3 with K micro-batches (its gradient
+    accumulation), its collectives counted by `counted_deepspeed_collectives`."""
+    # The CPU accelerator, and the variables torch's launcher sets (DeepSpeed's engine
+    # reads LOCAL_RANK); the ranks here are spawned processes.
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    import deepspeed
+    import torch
+
+    from bench.deepspeed_bench import deepspeed_config
+
+    model, idx, targets = _model_and_batch(spec, rank, world)
+    parameter_bytes = sum(p.nbytes for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    deepspeed.init_distributed(dist_backend="gloo")  # takes the process group already made
+    ds_spec = {"k": k, "batch": spec["batch"], "system": config, "offload": config == "deepspeed_zero3_offload"}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                           config=deepspeed_config(ds_spec, model, world))
+    micro = list(zip(idx.chunk(k), targets.chunk(k)))
+
+    def step() -> tuple[Counter, float, int]:
+        loss_sum = 0.0
+        with counted_deepspeed_collectives() as moved:
+            for micro_idx, micro_targets in micro:
+                loss = engine(micro_idx, micro_targets)[1]
+                engine.backward(loss)  # scales by 1 / gradient_accumulation_steps
+                engine.step()  # steps the optimizer after the K-th micro-batch only
+                loss_sum += loss.item() * _labelled(micro_targets)
+        return moved, loss_sum, _labelled(targets)
 
     return step, parameter_bytes
 
@@ -211,23 +298,27 @@ def _run(config: str, rank: int, world: int, spec: dict, k: int, steps: int, off
 
     if config in ("single", "sharded"):
         step, parameter_bytes = _speedloader_step(spec, rank, world, k, offload_dir)
+    elif config.startswith("deepspeed"):
+        step, parameter_bytes = _deepspeed_step(spec, rank, world, k, config)
     else:
         step, parameter_bytes = _fsdp2_step(spec, rank, world, k, config)
-    times = []
+    times, loss_sums, labelled = [], [], []
     reset_runtime_stats()
     for index in range(steps + 2):
         if index == 2:
             reset_peak_rss()
         started = time.perf_counter()
-        counted = step()
+        counted, loss_sum, labels = step()
         elapsed = time.perf_counter() - started
+        loss_sums.append(loss_sum)
+        labelled.append(labels)
         last = Counter(mark_step().bytes_moved) + counted
         if index >= 2:
             times.append(elapsed)
     moved = {f"{kind.value} {source.value}->{destination.value}": n
              for (kind, source, destination), n in last.items() if n}
     return {"step_seconds": statistics.median(times), "bytes_per_step": moved,
-            "parameter_bytes": parameter_bytes,
+            "parameter_bytes": parameter_bytes, "loss_sums": loss_sums, "labelled_tokens": labelled,
             "steps_peak_rss_bytes": _proc_status_bytes("VmHWM"),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
@@ -243,21 +334,33 @@ def _rank_main(rank: int, world: int, rendezvous: str, config: str, spec: dict, 
                                 timeout=datetime.timedelta(minutes=10))
     try:
         try:
-            result = _run(config, rank, world, spec, k, steps, offload_dir)
+            # Rank processes print nothing of their own; DeepSpeed's log lines go to
+            # stderr, leaving stdout to the record.
+            with contextlib.redirect_stdout(sys.stderr):
+                result = _run(config, rank, world, spec, k, steps, offload_dir)
         except Exception as error:
-            if config != "fsdp2_cpu_offload":
+            if config not in MAY_SKIP:
                 raise
-            # Recorded as skipped, with the reason, where FSDP2's offload does not run.
-            result = {"skipped": f"{type(error).__name__}: {error}".splitlines()[0]}
+            # Recorded as skipped, with the reason, where the other library does not run.
+            result = {"skipped": _failure(error)}
     finally:
         if world > 1:
             dist.destroy_process_group()
     out[(config, rank)] = result
 
 
+def _failure(error: BaseException) -> str:
+    """The error's first line and the innermost frame that raised it."""
+    import traceback
+
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    where = frame.filename.split("site-packages" + os.sep)[-1]
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''} ({where}:{frame.lineno})"
+
+
 def _launch(config: str, world: int, spec: dict, k: int, steps: int, workdir: str) -> dict:
     """Runs one configuration on `world` spawned ranks; rank 0's result, with every
-    rank's peak RSS."""
+    rank's peak RSS and the global batch's loss per step."""
     import torch.multiprocessing as mp
 
     with mp.Manager() as manager:
@@ -268,9 +371,15 @@ def _launch(config: str, world: int, spec: dict, k: int, steps: int, workdir: st
                  nprocs=world, join=True)
         ranks = [out[(config, rank)] for rank in range(world)]
     result = {"world": world, **ranks[0]}
-    if "skipped" not in result:
-        result["steps_peak_rss_bytes_per_rank"] = [r["steps_peak_rss_bytes"] for r in ranks]
-        result["peak_rss_bytes_per_rank"] = [r["peak_rss_bytes"] for r in ranks]
+    skipped = [r["skipped"] for r in ranks if "skipped" in r]
+    if skipped:
+        return {"world": world, "skipped": skipped[0]}
+    result["steps_peak_rss_bytes_per_rank"] = [r["steps_peak_rss_bytes"] for r in ranks]
+    result["peak_rss_bytes_per_rank"] = [r["peak_rss_bytes"] for r in ranks]
+    # The loss of the global batch: the labelled tokens' mean over every rank.
+    del result["loss_sums"], result["labelled_tokens"]
+    result["losses"] = [sum(r["loss_sums"][i] for r in ranks) / sum(r["labelled_tokens"][i] for r in ranks)
+                        for i in range(len(ranks[0]["loss_sums"]))]
     return result
 
 
@@ -282,6 +391,20 @@ def _collective_bytes(result: dict) -> dict[str, int]:
 
 def _weight_bytes(result: dict) -> int:
     return sum(n for key, n in result["bytes_per_step"].items() if key.startswith("weight"))
+
+
+def loss_differences(configs: dict) -> dict:
+    """Each configuration's loss at the last step, and the largest difference of its
+    per-step losses from those of `single` (the whole batch in one process) and of
+    `fsdp2_grad_accum` (which, like DeepSpeed, averages K micro-batch means per rank)."""
+    trained = {name: result["losses"] for name, result in configs.items() if "losses" in result}
+    differences: dict = {"last_step_loss": {name: losses[-1] for name, losses in trained.items()}}
+    for reference in ("single", "fsdp2_grad_accum"):
+        if reference in trained:
+            differences[f"max_abs_difference_vs_{reference}"] = {
+                name: max(abs(a - b) for a, b in zip(losses, trained[reference]))
+                for name, losses in trained.items() if name != reference}
+    return differences
 
 
 # The stated model `paper_model` scales to (not measured here).
@@ -334,7 +457,8 @@ def paper_model(configs: dict, measured_world: int, k: int) -> dict:
 
 def plot(record: dict, path: str) -> None:
     """Collective bytes per step by kind, step time and peak RSS per rank of each
-    configuration; and the paper model's communication time against its compute."""
+    configuration; each one's loss per step against `fsdp2_grad_accum`'s; and the paper model's
+    communication time against its compute."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -342,7 +466,7 @@ def plot(record: dict, path: str) -> None:
 
     configs = record["configs"]
     names = [name for name in CONFIGS if "skipped" not in configs[name]]
-    fig, (bytes_ax, time_ax, rss_ax, paper_ax) = plt.subplots(1, 4, figsize=(20, 5))
+    fig, (bytes_ax, time_ax, rss_ax, loss_ax, paper_ax) = plt.subplots(1, 5, figsize=(25, 5))
     bottom = [0.0] * len(names)
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         values = [_collective_bytes(configs[name])[kind] / 2**20 for name in names]
@@ -358,6 +482,14 @@ def plot(record: dict, path: str) -> None:
     rss_ax.bar(names, [max(configs[name]["steps_peak_rss_bytes_per_rank"]) / 2**20 for name in names])
     rss_ax.set_ylabel("MiB")
     rss_ax.set_title("peak RSS of the steps, largest rank")
+    reference = configs["fsdp2_grad_accum"]["losses"]
+    for name in names:
+        if name != "fsdp2_grad_accum":
+            gaps = [max(abs(a - b), 1e-9) for a, b in zip(configs[name]["losses"], reference)]
+            loss_ax.plot(range(len(gaps)), gaps, marker="o", label=name)
+    loss_ax.set(xlabel="step (the first two are warm-up)", ylabel="|loss - fsdp2_grad_accum's loss|",
+                yscale="log", title="loss per step against fsdp2_grad_accum (1e-9 = equal)")
+    loss_ax.legend(fontsize=7)
     paper = record["paper_model"]
     modeled = list(paper["schedules"])
     seconds = [paper["schedules"][name]["communication_seconds"] for name in modeled]
@@ -408,6 +540,7 @@ def main(argv=None) -> dict:
         "collective_bytes_over_sharded": {
             name: sum(_collective_bytes(result).values()) / sum(_collective_bytes(sharded).values())
             for name, result in configs.items() if name != "single" and "skipped" not in result},
+        "losses": loss_differences(configs),
         "paper_model": paper_model(configs, args.world, args.k),
     }
     text = json.dumps(record, indent=2)
