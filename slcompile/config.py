@@ -38,6 +38,13 @@ class SpeedLoaderConfig:
             sub-batch (layer-major is then the plain order).
         lowering: what compiles the rewritten graph: "inductor" (default) or
             "aot_eager" (AOTAutograd without code generation; fast to compile).
+        compile_regions: with Inductor, compile each distinct (block, sub-batch)
+            region of the step once and call it wherever it runs, instead of
+            lowering the whole step, which holds K copies of every block
+            (`slcompile.backends.outline`): compile time then no longer grows with
+            K x depth. The transfers and the glue between regions (gradient sums
+            across sub-batches) run as Python in program order. False hands the
+            whole step to Inductor.
         schedule: the policy that orders compute and moves weights; the three share
             every pass and runtime op, so a comparison differs only in the schedule.
             "speedloader": layer-major over sub-batches: each block runs all K
@@ -134,6 +141,7 @@ class SpeedLoaderConfig:
 
     num_subbatches: int = 2
     lowering: str = "inductor"
+    compile_regions: bool = True
     schedule: str = "speedloader"
     batch_dim: int = 0
     on_refusal: str = "fallback"
@@ -152,6 +160,8 @@ class SpeedLoaderConfig:
         _check_int("num_subbatches", self.num_subbatches, minimum=1)
         _check_int("batch_dim", self.batch_dim, minimum=0)
         _check_choice("lowering", self.lowering, LOWERINGS)
+        if not isinstance(self.compile_regions, bool):
+            raise OptionError(f"speedloader option 'compile_regions' must be True or False, got {self.compile_regions!r}")
         if not callable(getattr(self.schedule, "build", None)):  # else a Policy object
             _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("on_refusal", self.on_refusal, ON_REFUSAL)

@@ -15,7 +15,7 @@ A graph Dynamo hands the backend goes through these stages (see
   step's memory and read its schedule back from the graphs.
 - `INFERENCE_PASSES` ("inference"): the same for an inference graph.
 - `COMPILED_PASSES` ("compiled"): each AOT graph as it is handed to its compiler
-  (compute-region markers).
+  (the stream of each transfer, compute-region markers).
 
 The lowering (`slcompile.backends.lowering`) runs the stages after Dynamo's from
 AOTAutograd's hooks, once per recompute choice it tries. To add a pass, write a
@@ -44,6 +44,7 @@ from slcompile.passes.find_blocks import BlockGraph, find_blocks
 from slcompile.passes.fuse_weight_grads import fuse_weight_grads
 from slcompile.passes.interleave import InterleaveReport, interleave
 from slcompile.passes.manager import Pass, PassLog, StepState, disabled_passes, run_passes
+from slcompile.passes.annotate_streams import annotate_streams, stream_key
 from slcompile.passes.mark_regions import mark_regions
 from slcompile.passes.offload_activations import (
     OffloadedActivations,
@@ -510,15 +511,32 @@ INFERENCE_PASSES: tuple[Pass, ...] = (
 )
 
 
+def _annotate_streams(step: StepState):
+    plan = step.plan
+    streamer = plan.streamer if plan is not None else None
+    gradients = plan.gradients if plan is not None else None
+    return annotate_streams(
+        step.graphs[step.kind], key=stream_key(step.lowering),
+        sharded_weights=getattr(streamer, "shards", None) is not None,
+        sharded_gradients=getattr(gradients, "shards", None) is not None,
+    )
+
+
 def _mark_regions(step: StepState):
-    # Inductor fuses kernels across markers (see `mark_regions`).
-    if step.lowering != "aot_eager":
+    # Inductor fuses kernels across markers (see `mark_regions`), unless each region
+    # is compiled alone (`compile_regions`): the markers then stay in the step graph.
+    if step.lowering != "aot_eager" and (step.plan is None or not step.plan.compile_regions):
         return None
     _, marks = mark_regions(step.graphs[step.kind], step.kind)
     return marks
 
 
 COMPILED_PASSES: tuple[Pass, ...] = (
+    # Names the stream each transfer runs on (Inductor never acts on it).
+    Pass(
+        "annotate_streams", "compiled", "rewrite", _annotate_streams, graphs=("compiled",),
+        code=(annotate_streams,),
+    ),
     Pass("mark_regions", "compiled", "rewrite", _mark_regions, graphs=("compiled",), code=(mark_regions,)),
 )
 

@@ -48,6 +48,9 @@ class CompileReport:
         memory: the predicted memory per tier (`MemoryPrediction`) of the plan
             compiled, for the example inputs.
         offloaded_activations: which saved activations rest off the device.
+        regions: per AOT graph kind, what `compile_regions` did to it
+            (`slcompile.backends.outline.RegionCompilation`); empty when the
+            graphs were compiled whole.
     """
 
     config: object
@@ -64,6 +67,7 @@ class CompileReport:
     fused_weight_grads: int = 0
     memory: object = None
     offloaded_activations: object = None
+    regions: dict[str, object] = dataclasses.field(default_factory=dict)
 
     @property
     def passes_run(self) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ every module a declared pass lives in (`partition_key`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ import torch.fx
 
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn, get_hash_for_files
 
+from slcompile.backends.outline import compile_regions
 from slcompile.errors import BudgetError
 from slcompile.passes.offload_activations import OffloadedActivations
 from slcompile.passes.manager import StepState, pass_modules, run_passes
@@ -39,6 +41,7 @@ from slcompile.pipeline import (
 )
 from slcompile.report import CompileReport
 from slcompile.schedules.planner import kept_bytes
+from slcompile.vocabulary import is_mark
 
 __all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES"]
 
@@ -71,6 +74,8 @@ class StepPlan:
             what the planner chooses under the budget (the last resort).
         optimizer: the optimizer step's share of the memory (`OptimizerMemory`), or
             None: the budget then covers the forward and backward only.
+        compile_regions: with Inductor, compile each distinct region once
+            (`slcompile.backends.outline`) instead of the whole graph.
     """
 
     block_positions: dict[int, int]
@@ -88,6 +93,7 @@ class StepPlan:
     gradients: Any = None
     stash_everything: bool = False
     optimizer: Any = None
+    compile_regions: bool = False
 
 
 def lower(
@@ -131,7 +137,8 @@ def lower(
     if lowering == "aot_eager":
         return _aot_eager(gm, example_inputs, prepare, partition_hook)
     if lowering == "inductor":
-        return _inductor(gm, example_inputs, prepare, partition_hook)
+        return _inductor(gm, example_inputs, prepare, partition_hook, report,
+                         by_region=plan is not None and plan.compile_regions)
     raise ValueError(f"unknown lowering {lowering!r}")
 
 
@@ -304,9 +311,30 @@ def _plan_key(plan: StepPlan):
     return dataclasses.replace(plan, streamer=None, stash=None, gradients=None, schedule=schedule)
 
 
-def _inductor(gm, example_inputs, prepare, partition_hook):
+def _compile_region(module: torch.fx.GraphModule, inputs, kind: str):
+    """One region, compiled by Inductor under a tracing context of its own (the
+    step's records the step graph's output strides, not a region's)."""
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    with tracing(TracingContext(detect_fake_mode(inputs))):
+        return compile_fx_inner(module, inputs, is_backward=kind == "backward", is_inference=kind == "inference")
+
+
+def _drop_marks(graph: torch.fx.GraphModule) -> None:
+    """Removes `mark_regions`' markers from a graph Inductor compiles whole (its
+    scheduler fuses kernels across them)."""
+    for node in [n for n in graph.graph.nodes if is_mark(n)]:
+        graph.graph.erase_node(node)
+    graph.recompile()
+
+
+def _inductor(gm, example_inputs, prepare, partition_hook, report: CompileReport, by_region: bool = False):
+    from torch._dynamo.backends.debugging import boxed_nop
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    regions: dict = {}  # one compiled callable per distinct region, across the step's graphs
 
     def inner(graph: torch.fx.GraphModule, inputs, **kwargs):
         if kwargs.get("is_backward"):
@@ -317,6 +345,12 @@ def _inductor(gm, example_inputs, prepare, partition_hook):
             kind = "forward"
         prepare(kind, graph)
         with inductor_config.patch(INDUCTOR_PATCHES):
+            if by_region:
+                cut = compile_regions(graph, functools.partial(_compile_region, kind=kind), regions)
+                if cut is not None:
+                    step, report.regions[kind] = cut
+                    return boxed_nop(step, inputs)
+                _drop_marks(graph)
             return compile_fx_inner(graph, inputs, **kwargs)
 
     patches = dict(INDUCTOR_PATCHES)

@@ -129,6 +129,7 @@ def step_plan(state) -> StepPlan:
         schedule=state.schedule,
         gradients=gradient_sink_for(config.gradients, state.streamer, state.streamed, state.inputs),
         optimizer=_optimizer_memory(state),
+        compile_regions=config.compile_regions,
     )
 
 

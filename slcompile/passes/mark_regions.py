@@ -18,12 +18,14 @@ Guarantees:
 - A marker costs a few microseconds (about 5 µs per call on this machine's CPU, two
   per region); `SLC_DISABLE=mark_regions` leaves graphs unmarked.
 
-The lowering marks only graphs it runs with `aot_eager`. Under Inductor (torch 2.13)
-the scheduler fuses kernels of neighbouring regions across a marker while it frees a
+The lowering marks graphs it runs with `aot_eager`, and graphs Inductor compiles
+region by region (`compile_regions`, `slcompile.backends.outline`: the markers stay
+in the step graph, between compiled regions). Handed a whole marked graph, Inductor
+(torch 2.13) fuses kernels of neighbouring regions across a marker while it frees a
 graph input where the unfused order last used it: the generated code deleted
 `primals_3` before the fused prefix kernel that reads it (UnboundLocalError at the
-first call). Inductor graphs therefore have no compute regions on the timeline;
-their transfers are still recorded.
+first call). The lowering therefore removes the markers from a graph it compiles
+whole; its transfers are still recorded.
 
 `slcompile.runtime.ops.set_region_listener(callback)` lets the visualizer sample
 other figures (resident bytes per tier) at every region boundary; with no listener, a

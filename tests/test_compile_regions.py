@@ -1,0 +1,108 @@
+"""With Inductor, each distinct (block, sub-batch) region compiles once
+(`slcompile.backends.outline`): the count of compiles does not grow with depth or K,
+the step computes what eager does, and its compute regions reach the timeline."""
+
+import collections
+
+import pytest
+import torch
+
+import slcompile
+from slcompile.backends import lowering
+from slcompile.runtime.stats import reset_runtime_stats, timeline
+from slcompile.vocabulary import MARK
+from conftest import assert_matches_eager, check_layer_major
+from models import GPTConfig, TinyGPT, make_gpt_batch
+
+
+class _EagerRegions:
+    """Stands in for Inductor's compile of one region: runs it eagerly, counting
+    the compiles and the calls of each."""
+
+    def __init__(self):
+        self.compiled = collections.Counter()
+        self.calls = collections.Counter()
+
+    def __call__(self, module, inputs, kind):
+        index = len(self.compiled)
+        self.compiled[kind] += 1
+
+        def run(args):
+            self.calls[index] += 1
+            return module(*args)
+
+        return run
+
+
+def _compile_counting(monkeypatch, n_layers, k):
+    counter = _EagerRegions()
+    monkeypatch.setattr(lowering, "_compile_region", counter)
+    cfg = GPTConfig(n_layers=n_layers)
+    idx, targets = make_gpt_batch(cfg, 8)
+    torch.manual_seed(0)
+    assert_matches_eager(TinyGPT(cfg), lambda m: m(idx, targets), {"num_subbatches": k, "lowering": "inductor"})
+    report = slcompile.compile_reports()[-1]
+    return counter, report
+
+
+@pytest.mark.slow
+def test_each_distinct_region_compiles_once_whatever_the_depth_and_k(monkeypatch):
+    counts = {}
+    for n_layers, k in ((2, 2), (4, 2), (2, 4)):
+        counter, report = _compile_counting(monkeypatch, n_layers, k)
+        assert set(report.regions) == {"forward", "backward"}
+        for kind, done in report.regions.items():
+            assert done.compiled == counter.compiled[kind]
+            # Every region ran once, the reused ones once per copy.
+            assert done.regions > done.compiled
+        assert sum(counter.calls.values()) == sum(done.regions for done in report.regions.values())
+        counts[n_layers, k] = {kind: done.compiled for kind, done in report.regions.items()}
+        # The forward's block copies share one region: 2 * K copies per block pair.
+        forward = report.regions["forward"]
+        assert forward.regions - forward.compiled >= n_layers * k - 1
+    # Deeper: the same regions. More sub-batches: the blocks' regions are shared, only
+    # the first and last sub-batch's prefix and loss may differ from the others.
+    assert counts[2, 2] == counts[4, 2]
+    assert sum(counts[2, 4].values()) <= sum(counts[2, 2].values()) + 2
+
+
+def test_compile_regions_false_hands_the_whole_step_to_inductor(monkeypatch):
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._inductor import compile_fx
+
+    counter = _EagerRegions()
+    monkeypatch.setattr(lowering, "_compile_region", counter)
+    whole = []
+
+    def compile_whole(graph, inputs, **kwargs):
+        whole.append(graph)
+        return boxed_nop(graph, inputs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", compile_whole)
+    cfg = GPTConfig(n_layers=2)
+    idx, targets = make_gpt_batch(cfg, 4)
+    assert_matches_eager(TinyGPT(cfg), lambda m: m(idx, targets),
+                         {"num_subbatches": 2, "lowering": "inductor", "compile_regions": False})
+    assert not counter.compiled and len(whole) == 2 and slcompile.compile_reports()[-1].regions == {}
+    # No region markers in a graph Inductor compiles whole (it fuses across them).
+    assert not any(node.target is MARK for graph in whole for node in graph.graph.nodes)
+    with pytest.raises(slcompile.OptionError, match="compile_regions"):
+        slcompile.options(compile_regions="yes")
+
+
+@pytest.mark.slow
+def test_inductor_regions_match_eager_and_reach_the_timeline():
+    cfg = GPTConfig(n_layers=2)
+    idx, targets = make_gpt_batch(cfg, 8)
+    reset_runtime_stats()
+    compiled = assert_matches_eager(TinyGPT(cfg), lambda m: m(idx, targets),
+                                    {"num_subbatches": 2, "lowering": "inductor"})
+    report = slcompile.compile_reports()[-1]
+    check_layer_major(report, 2)
+    assert report.regions["forward"].compiled < report.regions["forward"].regions
+    labels = {event.label for event in timeline() if event.lane == "compute"}
+    assert {f"blk{b}.sb{s} {phase}" for b in range(2) for s in range(2) for phase in ("fwd", "bwd")} <= labels
+    # A second step reuses the compiled regions.
+    before = len(slcompile.compile_reports())
+    compiled(idx, targets)[1].backward()
+    assert len(slcompile.compile_reports()) == before
