@@ -1,10 +1,14 @@
-"""Pictures: the DOT of the compiled graphs, the Chrome trace, the memory plot, markers.
+"""Pictures: the DOT of the compiled graphs, the Chrome trace, the memory plot, markers,
+and the stream each transfer node names (drawn in the DOT, its lanes in the trace).
 
 One tiny GPT (2 blocks, K=2, weights on nvme, aot_eager) is compiled and trained one
-step for the whole module; a second step is recorded.
+step for the whole module; a second step is recorded. The stream tests do the same
+with weights, activations and weight gradients off the device.
 """
 
+import copy
 import json
+import re
 import shutil
 
 import pydot
@@ -14,16 +18,26 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import slcompile
 from models import EXPECTED_SCHEDULE_K2, GPTConfig, TinyGPT, make_gpt_batch
+from slcompile.meta import SlcMeta, set_slc_meta
+from slcompile.passes.annotate_streams import (
+    COMM,
+    COPY,
+    INDUCTOR_STREAM_KEY,
+    STREAM_KEY,
+    annotate_streams,
+    stream_key,
+    transfer_stream,
+)
 from slcompile.passes.mark_regions import MARK, marked_regions
 from slcompile.viz import dot as viz_dot
-from slcompile.viz.dot import ROLE_COLORS, graph_to_dot, render
+from slcompile.viz.dot import ROLE_COLORS, STREAM_COLORS, graph_digraph, graph_to_dot, render
 from slcompile.units import format_bytes
 from slcompile.viz.memory import device_layers, predict_live_bytes
 from slcompile.viz.pictures import record_step, write_pictures
-from slcompile.viz.roles import classify_nodes, transfer_nodes
-from slcompile.vocabulary import is_fetch, is_fetch_issue
+from slcompile.viz.roles import classify_nodes, transfer_nodes, transfer_role
+from slcompile.vocabulary import is_fetch, is_fetch_issue, transfer_kind
 from slcompile.viz.summary import summarize_schedule
-from slcompile.viz.trace import chrome_trace, trace_lanes
+from slcompile.viz.trace import chrome_trace, lane_stream, trace_lanes
 
 CFG = GPTConfig(n_layers=2)
 OPTIONS = {"lowering": "aot_eager", "num_subbatches": 2, "weights": "nvme"}
@@ -242,3 +256,152 @@ def test_memory_plot_peaks_at_the_device_peak_explain_prints(compiled_step):
     explanation = slcompile.explain(TinyGPT(CFG), idx, targets, **OPTIONS)
     assert explanation.predicted_peak_bytes["device"] == layers.peak
     assert format_bytes(layers.peak) in str(explanation)
+
+
+# -- streams: each transfer names the stream it runs on ------------------------------
+
+OFFLOADED = {"lowering": "aot_eager", "num_subbatches": 2, "weights": "nvme", "activations": "nvme",
+             "min_offload_bytes": 0}
+
+
+@pytest.fixture(scope="module")
+def offloaded_step():
+    """Weights, saved activations and weight gradients all leave the device: every
+    kind of transfer is in the graphs; one step trained, a second one recorded."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    eager = copy.deepcopy(model)
+    opt = slcompile.offload_optimizer(model, torch.optim.SGD, states="host", gradients="nvme", lr=0.1)
+    idx, targets = make_gpt_batch(CFG, 4)
+    compiled = torch.compile(model, backend="speedloader", options=OFFLOADED)
+
+    def step():
+        loss = compiled(idx, targets)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    torch.testing.assert_close(step(), eager(idx, targets)[1].detach())
+    report = slcompile.compile_reports()[-1]
+    recorded = record_step(step)
+    opt.close()
+    return report, recorded
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_every_transfer_and_no_compute_node_names_a_stream(offloaded_step, kind):
+    report, _ = offloaded_step
+    gm = report.graphs[kind]
+    kinds = set()
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom") or {}
+        if transfer_kind(node) is None:
+            assert STREAM_KEY not in custom and transfer_stream(node) is None, node.format_node()
+            continue
+        kinds.add(transfer_kind(node))
+        assert custom[STREAM_KEY] == transfer_stream(node) == COPY, node.format_node()
+        if transfer_kind(node) == ("store_grad", "issue"):
+            assert transfer_role(node) == "store"  # drawn as the store it is
+    expected = {"forward": {"fetch", "stash"}, "backward": {"fetch", "unstash", "store_grad"}}[kind]
+    assert kinds == {(what, half) for what in expected for half in ("issue", "wait")}
+    # The slc tags AOTAutograd carried stay beside the stream.
+    assert any("slc" in n.meta["custom"] for n in gm.graph.nodes if transfer_kind(n) is not None)
+
+
+def test_streams_follow_sharding_and_keep_the_tag_under_inductor():
+    from slcompile.vocabulary import FETCH_ISSUE, FETCH_WEIGHT, OFFLOAD_GRAD, STASH, WAIT
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    issue = graph.call_function(FETCH_ISSUE, ("w0|w0:fc_weight",))
+    fetch = graph.call_function(FETCH_WEIGHT, (x, "w0|w0:fc_weight"))
+    y = graph.call_function(torch.ops.aten.mul.Tensor, (fetch, x))
+    stash = graph.call_function(STASH, (y, "a0|blk0.sb0.mul"))
+    stash_wait = graph.call_function(WAIT, (stash, [y]))
+    store = graph.call_function(OFFLOAD_GRAD, (y, "g0|w0:fc_weight"))
+    store_wait = graph.call_function(WAIT, (store, [y]))
+    graph.output(y)
+    for node in (fetch, y, stash):
+        set_slc_meta(node, SlcMeta("block", 0, 0))
+    counts = annotate_streams(graph, key=stream_key("inductor"), sharded_weights=True, sharded_gradients=True)
+    assert counts == {COMM: 4, COPY: 2}
+    streams = {node: transfer_stream(node) for node in graph.nodes}
+    assert [streams[n] for n in (issue, fetch, store, store_wait)] == [COMM] * 4
+    assert [streams[n] for n in (stash, stash_wait)] == [COPY] * 2
+    assert streams[y] is None and streams[x] is None
+    # Inductor acts on "stream" (see annotate_streams): its graphs carry slcompile's key.
+    assert not any(STREAM_KEY in (n.meta.get("custom") or {}) for n in graph.nodes)
+    assert fetch.meta["custom"] == {"slc": "blk0.sb0", INDUCTOR_STREAM_KEY: COMM}
+    assert y.meta["custom"] == {"slc": "blk0.sb0"}
+
+
+def _node_statements(digraph) -> dict[str, str]:
+    """Node name -> its DOT statement (one entry of the digraph's body each), quicker
+    than parsing a graph of a thousand nodes back."""
+    found = {}
+    for line in digraph.body:
+        match = re.match(r'\s*"?([\w.]+)"? \[', line)
+        if match and "->" not in line and match.group(1) not in ("graph", "node", "edge"):
+            found[match.group(1)] = line
+    return found
+
+
+@pytest.mark.parametrize("detail", ["ops", "summary"])
+def test_dot_outlines_transfers_in_their_stream_colour(offloaded_step, detail):
+    report, _ = offloaded_step
+    gm = report.graphs["backward"]
+    digraph = graph_digraph(gm, "backward", detail=detail)
+    outline = f' color="{STREAM_COLORS[COPY]}"'
+    statements = _node_statements(digraph)
+    outlined = {name for name, statement in statements.items() if outline in statement}
+    transfers = {n.name for n in gm.graph.nodes if transfer_kind(n) is not None}
+    if detail == "ops":
+        assert outlined == transfers
+    else:  # every box of transfers, and only those
+        members = {m for name in outlined for m in re.search(r'tooltip="([^"]*)"', statements[name]).group(1).split()}
+        assert members == transfers and len(outlined) < len(transfers) / 5
+    legend = digraph.graph_attr["label"]
+    assert f'<td border="2" color="{STREAM_COLORS[COPY]}"> {COPY}: ' in legend and "default: compute" in legend
+    assert STREAM_COLORS[COMM] not in digraph.source  # no transfer runs there
+
+
+def test_trace_puts_each_streams_lanes_in_its_process(offloaded_step):
+    report, recorded = offloaded_step
+    trace = chrome_trace(recorded.events, report.graphs)
+    events = trace["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert processes == {1: "slcompile default stream", 2: f"slcompile {COPY} stream"}
+    lanes = trace_lanes(trace)
+    pid_of = {e["tid"]: e["pid"] for e in events if e.get("name") == "thread_name"}
+    default_lanes = {lanes[tid] for tid, pid in pid_of.items() if pid == 1}
+    assert "compute" in default_lanes and all(lane.startswith("compute") for lane in default_lanes)
+    copy_lanes = {lanes[tid] for tid, pid in pid_of.items() if pid == 2}
+    assert {"load", "store"} <= copy_lanes and all(lane.startswith(("load", "store")) for lane in copy_lanes)
+    # The graphs' streams are the trace's: every transfer slice lies in its stream's process.
+    annotated = {transfer_stream(n) for gm in report.graphs.values() for n in gm.graph.nodes} - {None}
+    slices = [e for e in events if e["ph"] == "X"]
+    transfers = [e for e in slices if e["cat"] in ("load", "store")]
+    assert {e["cat"] for e in transfers} == {"load", "store"}
+    assert {e["args"]["stream"] for e in transfers} == annotated == {COPY}
+    assert all(pid_of[e["tid"]] == e["pid"] == 2 for e in transfers)
+    assert all(e["pid"] == 1 for e in slices if e["cat"] == "compute")
+    flows = [e for e in events if e["ph"] in ("s", "f")]
+    assert flows and all(e["pid"] == pid_of[e["tid"]] for e in flows)
+    assert trace["otherData"]["streams"] == {lane: lane_stream(lane) for lane in trace["otherData"]["lanes"]}
+
+
+def test_trace_puts_collectives_in_the_comm_streams_process():
+    from slcompile.runtime.stats import TimelineEvent
+
+    events = [TimelineEvent("compute", 0.0, 2e-3, 0, "blk0.sb0 fwd"),
+              TimelineEvent("load", 0.0, 1e-3, 4096, "weight w0:fc nvme->device"),
+              TimelineEvent("collective", 1e-3, 1.5e-3, 4096, "all_gather w0|w0:fc")]
+    trace = chrome_trace(events)
+    processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert processes == {1: "slcompile default stream", 2: "slcompile copy stream", 3: "slcompile comm stream"}
+    slices = {e["cat"]: e for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert [(slices[c]["pid"], slices[c]["args"].get("stream")) for c in ("compute", "load", "collective")] == [
+        (1, None), (2, COPY), (3, COMM)]
+    assert trace["otherData"]["streams"] == {"compute": "default", "load": COPY, "collective": COMM}

@@ -12,6 +12,10 @@ Guarantees:
   and suffix likewise. Clusters appear in program order.
 - Inserted nodes are filled by role (split, combine, load, store, wait, free); the
   legend under the title says which colour is which.
+- Transfer nodes are outlined in the colour of the stream they run on
+  (`passes.annotate_streams`: `STREAM_COLORS`, issue and wait alike; a summary box
+  takes its members' stream); an "ops" node names it in its tooltip. The legend
+  lists the streams drawn. Nodes without a stream run on the default (compute) stream.
 - Two levels of detail. "ops": one DOT node per graph node (top to bottom); graph
   inputs that belong to no block (parameters), the output and region markers are
   left out, they would draw an edge from or to everything. "summary" (left to
@@ -42,6 +46,7 @@ import torch
 import torch.fx
 
 from slcompile.meta import parse_tag
+from slcompile.passes.annotate_streams import COMM, COPY, STREAMS, transfer_stream
 from slcompile.viz.roles import (
     INSERTED_ROLES,
     NodeRole,
@@ -59,6 +64,7 @@ __all__ = [
     "render",
     "dot_available",
     "ROLE_COLORS",
+    "STREAM_COLORS",
     "AUTO_SUMMARY_NODES",
     "RENDER_TIMEOUT",
     "DETAILS",
@@ -78,6 +84,9 @@ ROLE_COLORS = {
     "wait": "#d9d9d9",
     "free": "#f0f0f0",
 }
+# The outline of a transfer node, by the stream it runs on.
+STREAM_COLORS = {COPY: "#c51b7d", COMM: "#01665e"}
+_STREAM_PEN = "2.5"
 # An invisible edge that ranks a node with no drawn inputs (a block's weight fetches)
 # after the work that runs before it, instead of at the top beside the first block.
 _ANCHOR = {"style": "invis"}
@@ -120,7 +129,7 @@ def graph_digraph(
     nodes = [n for n in gm.graph.nodes if roles[n.name].role != "marker"]
     if detail == "auto":
         detail = "summary" if len(nodes) > AUTO_SUMMARY_NODES else "ops"
-    builder = _Builder(title, roles, block_paths)
+    builder = _Builder(title, roles, block_paths, streams={transfer_stream(n) for n in nodes} - {None})
     if detail == "ops":
         builder.add_ops(nodes)
     else:
@@ -179,7 +188,7 @@ def render(
 class _Builder:
     """Collects nodes per cluster, then nests the clusters and writes the digraph."""
 
-    def __init__(self, title: str, roles: dict[str, NodeRole], block_paths: Sequence[str]):
+    def __init__(self, title: str, roles: dict[str, NodeRole], block_paths: Sequence[str], streams=frozenset()):
         self.title = title
         self.roles = roles
         self.block_paths = tuple(block_paths)
@@ -187,6 +196,7 @@ class _Builder:
         self.edges: list[tuple[str, str, dict]] = []
         self.cluster_order: list[str] = []
         self.saved_inputs: dict[str | None, int] = collections.Counter()
+        self.streams = streams  # the streams of the transfers drawn
 
     # -- nodes ---------------------------------------------------------------
     def _place(self, cluster: str | None, node_id: str, attrs: dict, orders: bool = True) -> None:
@@ -306,8 +316,12 @@ class _Builder:
             return {"label": label, "tooltip": names, "shape": "box", "style": "rounded"}
         total = sum(value_bytes(n) for n in members)
         label = f"{role} ×{len(members)}\n{op}" + (f"\n{format_bytes(total)}" if total else "")
-        return {"label": label, "tooltip": names, "shape": "box", "style": "filled,rounded",
-                "fillcolor": ROLE_COLORS[role]}
+        attrs = {"label": label, "tooltip": names, "shape": "box", "style": "filled,rounded",
+                 "fillcolor": ROLE_COLORS[role]}
+        streams = {transfer_stream(n) for n in members}
+        if len(streams) == 1:
+            attrs.update(_stream_attrs(streams.pop()))
+        return attrs
 
     # -- the digraph ---------------------------------------------------------
     def finish(self, detail: str, nodes: int) -> graphviz.Digraph:
@@ -381,6 +395,12 @@ class _Builder:
                 + (f", {roles_seen['marker']} region markers" if roles_seen["marker"] else "")
                 + (", saved inputs (counted per box)" if detail == "summary" and roles_seen["input"] > hidden else ""))
         legend = f'<tr><td border="0">inserted:</td>{cells}</tr>' if cells else ""
+        streams = "".join(
+            f'<td border="2" color="{STREAM_COLORS[stream]}"> {stream}: {html.escape(STREAMS[stream])} </td>'
+            for stream in STREAM_COLORS if stream in self.streams
+        )
+        if streams:
+            legend += f'<tr><td border="0">streams:</td>{streams}<td border="1"> default: compute </td></tr>'
         return (
             f'<<table border="0" cellspacing="3" cellpadding="3">'
             f'<tr><td border="0" colspan="8"><b>{html.escape(self.title)}</b></td></tr>'
@@ -403,7 +423,17 @@ def _op_attrs(node: torch.fx.Node, role: NodeRole) -> dict:
     attrs = {"label": label.strip()}
     if role.role in ROLE_COLORS:
         attrs.update(style="filled", fillcolor=ROLE_COLORS[role.role])
+    stream = transfer_stream(node)
+    if stream in STREAM_COLORS:
+        attrs.update(_stream_attrs(stream), tooltip=f"{node.name} on the {stream} stream")
     return attrs
+
+
+def _stream_attrs(stream: str | None) -> dict:
+    """The outline of a node on `stream` (none on the default stream)."""
+    if stream not in STREAM_COLORS:
+        return {}
+    return {"color": STREAM_COLORS[stream], "penwidth": _STREAM_PEN}
 
 
 def _shape(node: torch.fx.Node) -> str:

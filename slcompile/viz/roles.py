@@ -81,7 +81,7 @@ def transfer_role(node: torch.fx.Node) -> str | None:
         return "load"  # the fetch itself is the weight, drawn as its load
     if half == "wait":
         return "wait"
-    return "store" if what == "stash" else "load"
+    return "store" if what in ("stash", "store_grad") else "load"
 
 
 def transfer_nodes(gm: torch.fx.GraphModule) -> tuple[str, ...]:

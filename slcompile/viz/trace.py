@@ -8,11 +8,17 @@ Needs: `TimelineEvent`s from `slcompile.runtime.stats.timeline()`. Compute regio
 exist when the compiled graphs carry `slc::mark` markers (`passes.mark_regions`,
 aot_eager lowering); transfers are recorded by the transfer engine on its own.
 Guarantees:
-- One process, "slcompile"; lanes (threads) in this order: "compute" (one slice per
-  marked region, `blk3.sb1 fwd`; step boundaries as instant events), "compute waits"
-  (time compute was blocked on a transfer), then "load" and "store". Transfers that
-  overlap in time (several I/O threads) go to extra lanes "load 2", "load 3", ... so
-  no two slices of one lane overlap.
+- One process per stream (`passes.annotate_streams`, the stream the graphs annotate
+  each transfer with): "slcompile default stream" holds "compute" (one slice per
+  marked region, `blk3.sb1 fwd`; step boundaries as instant events) and "compute
+  waits" (time compute was blocked on a transfer); "slcompile copy stream" (the
+  transfer engine's) holds "load" and "store"; "slcompile comm stream" holds
+  "collective" (sharded weights' all-gathers and reduce-scatters). Lanes (threads)
+  are numbered in that order across processes, so a tid names one lane. Transfers
+  that overlap in time (several I/O threads) go to extra lanes "load 2", "load 3",
+  ... so no two slices of one lane overlap.
+- Every transfer and collective slice names its stream in `args["stream"]`;
+  `otherData["streams"]` maps each lane to its stream.
 - Exactly one complete ("X") slice per recorded transfer, with args: bytes, kind,
   key, from, to, tier (the slower end), and the bandwidth.
 - A flow arrow from each load to the compute region that consumed it: read from the
@@ -34,18 +40,22 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx
 
+from slcompile.passes.annotate_streams import STREAM_LANES
 from slcompile.viz.roles import format_bytes, short_key
 from slcompile.vocabulary import WeightKey, is_fetch
 
 if TYPE_CHECKING:  # the records only: reading a trace needs no runtime
     from slcompile.runtime.stats import TimelineEvent
 
-__all__ = ["chrome_trace", "write_chrome_trace", "trace_lanes", "TRANSFER_LANES"]
+__all__ = ["chrome_trace", "write_chrome_trace", "trace_lanes", "lane_stream", "TRANSFER_LANES", "DEFAULT_STREAM"]
 
 log = logging.getLogger(__name__)
 
 TRANSFER_LANES = ("load", "store")
-_PID = 1
+DEFAULT_STREAM = "default"
+"""The stream of the compute lanes (graph nodes without a stream annotation)."""
+_PID = 1  # the default stream's process
+_LANE_STREAMS = {lane: stream for stream, lanes in STREAM_LANES.items() for lane in lanes}
 _LANE_ORDER = ("compute", "stall", "load", "store")
 _LANE_NAMES = {"compute": "compute", "stall": "compute waits", "load": "load", "store": "store"}
 
@@ -71,23 +81,35 @@ def chrome_trace(
 
     lanes = _assign_lanes(events)
     # "compute" always exists: the flows end there, and an empty lane says "no regions".
-    tids = {name: tid for tid, name in enumerate(_ordered_lanes({"compute", *lanes.values()}), start=1)}
+    ordered = _ordered_lanes({"compute", *lanes.values()})
+    streams = list(dict.fromkeys([DEFAULT_STREAM, *(lane_stream(name) for name in ordered)]))
+    pids = {stream: pid for pid, stream in enumerate(streams, start=_PID)}
+    ordered.sort(key=lambda name: streams.index(lane_stream(name)))  # a process's lanes together
+    tids = {name: tid for tid, name in enumerate(ordered, start=1)}
+    pid_of = {name: pids[lane_stream(name)] for name in tids}
     position = {id(event): index for index, event in enumerate(events)}
-    trace: list[dict] = [{"ph": "M", "pid": _PID, "name": "process_name", "args": {"name": "slcompile"}}]
+    trace: list[dict] = []
+    for stream, pid in pids.items():
+        trace.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"slcompile {stream} stream"}})
+        trace.append({"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}})
     for name, tid in tids.items():
         base = name.split(" ")[0]
         title = _LANE_NAMES.get(base, base) + name[len(base):]
-        trace.append({"ph": "M", "pid": _PID, "tid": tid, "name": "thread_name", "args": {"name": title}})
-        trace.append({"ph": "M", "pid": _PID, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
+        pid = pid_of[name]
+        trace.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": title}})
+        trace.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
     for index, event in enumerate(events):
         if event.lane == "step":
             trace.append({"ph": "i", "s": "g", "pid": _PID, "tid": tids.get("compute", 1), "name": event.label,
                           "ts": micros(event.start), "cat": "step"})
             continue
-        slice_ = {"ph": "X", "pid": _PID, "tid": tids[lanes[index]], "ts": micros(event.start),
+        lane = lanes[index]
+        slice_ = {"ph": "X", "pid": pid_of[lane], "tid": tids[lane], "ts": micros(event.start),
                   "dur": round(max(event.end - event.start, 0.0) * 1e6, 3), "cat": event.lane}
         if event.lane in TRANSFER_LANES:
-            slice_.update(name=_transfer_name(event), args=_transfer_args(event))
+            slice_.update(name=_transfer_name(event), args={**_transfer_args(event), "stream": lane_stream(lane)})
+        elif event.lane in _LANE_STREAMS:
+            slice_.update(name=event.label, args={"stream": lane_stream(lane)})
         else:
             slice_.update(name=event.label, args={})
         trace.append(slice_)
@@ -95,13 +117,16 @@ def chrome_trace(
         # Both ends must lie inside their slices for the viewer to bind them.
         start = micros(load.start + (load.end - load.start) * 0.5)
         finish = micros(min(max(load.end, consumer.start), consumer.end))
-        common = {"pid": _PID, "cat": "consumes", "name": "load -> compute", "id": number}
-        trace.append({**common, "ph": "s", "tid": tids[lanes[position[id(load)]]], "ts": start})
-        trace.append({**common, "ph": "f", "bp": "e", "tid": tids["compute"], "ts": finish})
+        common = {"cat": "consumes", "name": "load -> compute", "id": number}
+        lane = lanes[position[id(load)]]
+        trace.append({**common, "ph": "s", "pid": pid_of[lane], "tid": tids[lane], "ts": start})
+        trace.append({**common, "ph": "f", "bp": "e", "pid": pid_of["compute"], "tid": tids["compute"], "ts": finish})
     return {
         "traceEvents": trace,
         "displayTimeUnit": "ms",
-        "otherData": {"producer": "slcompile", "lanes": list(tids)},
+        "otherData": {
+            "producer": "slcompile", "lanes": list(tids), "streams": {name: lane_stream(name) for name in tids},
+        },
     }
 
 
@@ -120,6 +145,11 @@ def write_chrome_trace(
 def trace_lanes(trace: dict) -> dict[int, str]:
     """tid -> lane name of a trace made by `chrome_trace`."""
     return {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+
+
+def lane_stream(lane: str) -> str:
+    """The stream whose work a timeline lane (`"load 2"`) shows."""
+    return _LANE_STREAMS.get(lane.split(" ")[0], DEFAULT_STREAM)
 
 
 def _ordered_lanes(names: set[str]) -> list[str]:

@@ -59,7 +59,9 @@ partitioned/place_prefetches
 partitioned/offload_gradients
 partitioned/derive_schedule
 partitioned/predict_memory
+compiled[forward]/annotate_streams
 compiled[forward]/mark_regions
+compiled[backward]/annotate_streams
 compiled[backward]/mark_regions""")
 
 
@@ -105,8 +107,10 @@ def test_dumps_are_numbered_across_stages(mlp, monkeypatch, tmp_path):
 015_offload_gradients.txt
 016_derive_schedule.txt
 017_predict_memory.txt
-018_mark_regions.txt
-019_mark_regions.txt""")
+018_annotate_streams.txt
+019_mark_regions.txt
+020_annotate_streams.txt
+021_mark_regions.txt""")
     backward = (tmp_path / [t for t in texts if t.endswith("_fuse_weight_grads.txt")][0]).read_text()
     assert backward.startswith("# after partitioned/fuse_weight_grads (")
     assert "def forward(self" in backward
@@ -189,5 +193,5 @@ def test_pass_declarations_are_checked_and_hashed():
         Pass("x", "lowering", "rewrite", lambda step: None)
     files = pass_modules(all_passes())
     for module in ("fuse_weight_grads", "order_layer_major", "offload_activations", "stream_weights",
-                   "mark_regions", "find_blocks", "interleave", "memory", "derive"):
+                   "annotate_streams", "mark_regions", "find_blocks", "interleave", "memory", "derive"):
         assert any(f.endswith(f"/{module}.py") for f in files), module
