@@ -53,8 +53,6 @@ def test_each_distinct_region_compiles_once_whatever_the_depth_and_k(monkeypatch
         assert set(report.regions) == {"forward", "backward"}
         for kind, done in report.regions.items():
             assert done.compiled == counter.compiled[kind]
-            # Every region ran once, the reused ones once per copy.
-            assert done.regions > done.compiled
         assert sum(counter.calls.values()) == sum(done.regions for done in report.regions.values())
         counts[n_layers, k] = {kind: done.compiled for kind, done in report.regions.items()}
         # The forward's block copies share one region: 2 * K copies per block pair.

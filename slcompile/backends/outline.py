@@ -116,6 +116,11 @@ def find_regions(graph: torch.fx.Graph) -> list[Region]:
             continue
         meta = get_slc_meta(node)
         tag = "" if meta is None or meta.subbatch is None else meta.tag
+        if not tag and open_run is not None:
+            # Untagged compute inside an open run (the weight gradients of all K
+            # sub-batches in one matmul, placed amid the last sub-batch's backward)
+            # joins it, as markers bracket it: one region per (block, sub-batch).
+            tag = open_run.tag
         if is_bookkeeping(node):
             if not any(owner.get(source) is open_run for source in node.all_input_nodes) or open_run is None:
                 # A view of values from outside (a weight's transpose that the first
