@@ -433,6 +433,7 @@ def _predict_memory(step: StepState):
             step.graphs["inference"], graph_kind="inference", live_blocks=plan.live_blocks,
             weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes,
             load_granularity=load_granularity(), weight_shards=_weight_shards(plan),
+            zero_copy_shards=_zero_copy_shards(plan),
         )
     offloaded = step.results.get("offload_activations") or OffloadedActivations()
     return predict_memory(
@@ -442,6 +443,7 @@ def _predict_memory(step: StepState):
         activations_tier=plan.activations_tier, offloaded_bytes=offloaded.bytes,
         recompute=step.recompute, load_granularity=load_granularity(),
         optimizer=plan.optimizer, gradient_copies=_gradients_copied(plan), weight_shards=_weight_shards(plan),
+        zero_copy_shards=_zero_copy_shards(plan),
     )
 
 
@@ -449,6 +451,15 @@ def _weight_shards(plan) -> int:
     """Over how many ranks the streamed weights are sharded (`shard_weights`)."""
     shards = plan.streamer.shards if plan.streamer is not None else None
     return shards.world_size if shards is not None else 1
+
+
+def _zero_copy_shards(plan) -> bool:
+    """Whether a sharded weight's shard is loaded without a copy (its tier is the
+    device's own memory: the host of a CPU-only machine)."""
+    from slcompile.runtime.tiers import Tier
+
+    streamer = plan.streamer
+    return streamer is not None and streamer.engine.copies_nothing(streamer.tier, Tier.DEVICE)
 
 
 def _gradients_copied(plan) -> bool:

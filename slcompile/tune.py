@@ -12,7 +12,11 @@ plan that fits is the answer.
 The budget covers the whole step: with an optimizer (the offloaded optimizer
 attached to the model, or `optimizer=`, as in `slcompile.explain`), a plan whose
 forward and backward fit but whose `optimizer.step()` would not (the resident
-parameters' state, their gradients and the step's temporaries) is refused.
+parameters' state, their gradients and the step's temporaries) is refused. With
+`shard_weights=True` a plan's peak holds each fetch's loaded shard and padded
+all-gather buffer, `live_blocks - 1` blocks ahead (`slcompile.analysis.memory`): a
+window that whole weights would fit but the all-gathers' would not is passed over
+for the next candidate, and `BudgetError.smallest` counts them too.
 
 `slcompile.tune_generation(model, input_shape, max_new_tokens, memory_budget=...)`
 does the same for `slcompile.generate`, from `explain_generation`'s device peaks of

@@ -40,8 +40,12 @@ With the streamed weights sharded over W ranks (`shard_weights`, `weight_shards=
 each figure is one rank's: the weights' tier holds this rank's shard of every
 streamed weight, `ceil(numel / W)` elements each (the padding included), and the
 optimizer's host copies, states and gradients of streamed weights are shards of
-that size too. The device still holds whole weights (the all-gathers' outputs,
-where the graphs fetch them); `weight_shards` changes no device term.
+that size too. On the device (`slcompile.runtime.weights`) a fetch of a weight
+takes its loaded shard (page-rounded like any load; nothing where the tier is the
+device's own memory, `zero_copy_shards`) and the all-gather's buffer, the padded
+weight, `ceil(numel / W) * W` elements: both from the issue `live_blocks - 1`
+visits ahead (with the prefetched weights) to the fetch, or for a fetch issued by
+itself both at its node; the buffer then is the fetched weight, to its last use.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ __all__ = [
 
 # What the caller holds for the step; the other kinds are values the graphs make.
 _STEP_KINDS = ("prefetched", "outputs_held")
+# The memory of weights: fetched ones, and shards loaded for an all-gather.
+_WEIGHT_KINDS = ("weight", "shard")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +93,10 @@ class GraphMemory:
         nodes: the node names, in program order.
         live: per kind, the bytes live at each node: the lifetime kinds ("weight":
             fetched weights, "activation", "saved", "gradient", "input": inputs the
-            graph frees) and "prefetched" (weights loaded ahead, not yet fetched) and
-            "outputs_held" (in the backward, the forward's outputs the caller holds),
+            graph frees) and "prefetched" (weights loaded ahead, not yet fetched;
+            sharded, their all-gathers' buffers) and "outputs_held" (in the
+            backward, the forward's outputs the caller holds), with sharded
+            weights "shard" (shards loaded and not yet fetched, ahead or in a fetch),
             and in a backward with `gradient_copies`, "gradient_copy" (copies of
             stored gradients until their store's wait).
             Inputs the caller holds through the step are not per node
@@ -105,14 +113,15 @@ class GraphMemory:
 
     @property
     def weights(self) -> tuple[int, ...]:
-        """Fetched weights live at each node."""
-        return self.live.get("weight", (0,) * len(self.nodes))
+        """Fetched weights (and loaded shards) live at each node."""
+        series = [self.live[k] for k in _WEIGHT_KINDS if k in self.live]
+        return tuple(sum(values) for values in zip(*series)) if series else (0,) * len(self.nodes)
 
     @property
     def other(self) -> tuple[int, ...]:
         """Every other value the graph makes (activations, saved values, gradients,
         freed inputs), live at each node."""
-        kinds = [k for k in self.live if k != "weight" and k not in _STEP_KINDS]
+        kinds = [k for k in self.live if k not in _WEIGHT_KINDS and k not in _STEP_KINDS]
         return tuple(sum(self.live[k][i] for k in kinds) for i in range(len(self.nodes)))
 
     @property
@@ -346,6 +355,11 @@ class MemoryPrediction:
         optimizer_gradient_bytes: of those, the gradients the backward returned.
         gradient_copy_bytes: the most bytes of gradient copies on their way to the
             optimizer's tier at once (`gradient_copies`), part of the backward.
+        weight_shards: the ranks the streamed weights are sharded over (1: not sharded).
+        shard_bytes: sharded, the most device bytes of loaded shards at once
+            (waiting for their all-gather and fetch).
+        gather_bytes: sharded, the most device bytes of all-gather buffers (padded
+            whole weights, prefetched or fetched) at once.
     """
 
     peak_bytes: dict[str, int]
@@ -360,6 +374,9 @@ class MemoryPrediction:
     optimizer_step_bytes: int = 0
     optimizer_gradient_bytes: int = 0
     gradient_copy_bytes: int = 0
+    weight_shards: int = 1
+    shard_bytes: int = 0
+    gather_bytes: int = 0
 
     def __str__(self) -> str:
         tiers = ", ".join(f"{tier} {_mib(b)}" for tier, b in self.peak_bytes.items() if b)
@@ -368,6 +385,9 @@ class MemoryPrediction:
             f"{_mib(self.held_bytes)}, prefetched weights {_mib(self.prefetch_bytes)}, offloaded "
             f"activations {_mib(self.offloaded_activation_bytes)}; recompute={self.recompute})"
         )
+        if self.weight_shards > 1:
+            line += (f"\nweights sharded over {self.weight_shards} ranks, device: loaded shards "
+                     f"{_mib(self.shard_bytes)}, all-gathered weights {_mib(self.gather_bytes)} at most at once")
         return "\n".join((line, *self.optimizer_lines()))
 
     def optimizer_lines(self) -> tuple[str, ...]:
@@ -416,9 +436,41 @@ def _fetch_op():
     return FETCH_WEIGHT
 
 
-def _visits(gm: torch.fx.GraphModule, granularity: int, overhead: int) -> tuple[list[int], list[int]]:
-    """(first node index, weight bytes) of each block visit: a run of fetches of
-    one block."""
+@dataclasses.dataclass(frozen=True)
+class _FetchLayout:
+    """Device bytes of one fetch of a streamed weight (see the module docstring).
+
+    Attributes:
+        shards: the ranks the weights are sharded over (1: whole weights).
+        granularity, overhead: loads take their size rounded up to `granularity`,
+            plus `overhead` bytes.
+        zero_copy_shards: a shard's load is the stored tensor itself.
+    """
+
+    shards: int = 1
+    granularity: int = 1
+    overhead: int = 0
+    zero_copy_shards: bool = False
+
+    def loaded(self, nbytes: int) -> int:
+        return -(-nbytes // self.granularity) * self.granularity + self.overhead
+
+    def weight(self, value: torch.Tensor) -> int:
+        """The fetched weight: the loaded tensor, or sharded the all-gather's buffer."""
+        if self.shards == 1:
+            return self.loaded(int(tensor_bytes(value)))
+        return -(-int(value.numel()) // self.shards) * self.shards * value.element_size()
+
+    def shard(self, value: torch.Tensor) -> int:
+        """The loaded shard of a sharded weight (0 when not sharded)."""
+        if self.shards == 1 or self.zero_copy_shards:
+            return 0
+        return self.loaded(-(-int(value.numel()) // self.shards) * value.element_size())
+
+
+def _visits(gm: torch.fx.GraphModule, size) -> tuple[list[int], list[int]]:
+    """(first node index, bytes) of each block visit: a run of fetches of one
+    block; `size(value)` is what one fetch of the weight `value` takes."""
     fetch = _fetch_op()
     starts, sizes, last_block = [], [], object()
     for i, node in enumerate(gm.graph.nodes):
@@ -426,7 +478,7 @@ def _visits(gm: torch.fx.GraphModule, granularity: int, overhead: int) -> tuple[
             continue
         meta = get_slc_meta(node)
         block = meta.block if meta is not None else None
-        nbytes = -(-int(tensor_bytes(node.meta["val"])) // granularity) * granularity + overhead
+        nbytes = size(node.meta["val"])
         if block != last_block:
             starts.append(i)
             sizes.append(0)
@@ -435,9 +487,13 @@ def _visits(gm: torch.fx.GraphModule, granularity: int, overhead: int) -> tuple[
     return starts, sizes
 
 
-def _prefetched(tables, graphs, live_blocks: int, granularity: int, overhead: int) -> list[list[int]]:
-    """Per graph, per node: weight bytes prefetched and not yet fetched."""
-    visits = [_visits(gm, granularity, overhead) for gm in graphs]
+def _prefetched(tables, graphs, live_blocks: int, size) -> list[list[int]]:
+    """Per graph, per node: bytes prefetched and not yet fetched, `size(value)` per
+    fetch of the weight `value`: the `live_blocks - 1` visits after the current one,
+    and from its `slc::fetch_issue` on, the visit those issue (`place_prefetches`
+    puts them just before the first fetch of the visit that many earlier)."""
+    issued = _issued(graphs, size)
+    visits = [_visits(gm, size) for gm in graphs]
     sizes = [size for _, graph_sizes in visits for size in graph_sizes]
     total = len(sizes)
     ahead = min(live_blocks - 1, max(total - 1, 0))
@@ -450,9 +506,63 @@ def _prefetched(tables, graphs, live_blocks: int, granularity: int, overhead: in
             while current + 1 - offset < len(starts) and starts[current + 1 - offset] <= i:
                 current += 1
             per_node.append(sum(sizes[(current + j) % total] for j in range(1, ahead + 1)) if total else 0)
-        extra.append(per_node)
+        extra.append([a + b for a, b in zip(per_node, issued[len(extra)])])
         offset += len(starts)
     return extra
+
+
+def _issued(graphs, size) -> list[list[int]]:
+    """Per graph, per node: bytes of the loads issued since the graph's last fetch
+    (`size(value)` per issue of the weight `value`)."""
+    from slcompile.vocabulary import is_fetch, is_fetch_issue
+
+    sizes = {node.args[1]: size(node.meta["val"]) for gm in graphs for node in gm.graph.nodes if is_fetch(node)}
+    per_graph = []
+    for gm in graphs:
+        running, series = 0, []
+        for node in gm.graph.nodes:
+            if is_fetch(node):
+                running = 0
+            elif is_fetch_issue(node):
+                running += sizes.get(node.args[0], 0)
+            series.append(running)
+        per_graph.append(series)
+    return per_graph
+
+
+def _loaded_shards(tables, graphs, live_blocks: int, layout: _FetchLayout) -> list[list[int]]:
+    """Per graph, per node: bytes of sharded weights' loaded shards: prefetched
+    ones, from their issue to their fetch; without prefetch, each fetch's own
+    while it all-gathers (at the fetch's node only)."""
+    ahead = _prefetched(tables, graphs, live_blocks, layout.shard)
+    if any(map(any, ahead)):
+        return ahead
+    fetch = _fetch_op()
+    return [[layout.shard(node.meta["val"]) if node.op == "call_function" and node.target is fetch else 0
+             for node in gm.graph.nodes] for gm in graphs]
+
+
+def _gathered_weights(tables, graphs, layout: _FetchLayout) -> list[list[int]]:
+    """Per graph, per node: bytes the fetched weights take beyond the lifetime
+    table's (a loaded tensor each): sharded, each is its all-gather's padded buffer."""
+    fetch = _fetch_op()
+    per_graph = []
+    for gm, table in zip(graphs, tables):
+        values = {v.name: v for v in table.values}
+        change = [0] * (len(table.resident) + 1)
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or node.target is not fetch or node.name not in values:
+                continue
+            value = values[node.name]
+            delta = layout.weight(node.meta["val"]) - int(value.bytes)
+            change[value.first_use] += delta
+            change[value.last_use + 1] -= delta
+        running, series = 0, []
+        for delta in change[:-1]:
+            running += delta
+            series.append(running)
+        per_graph.append(series)
+    return per_graph
 
 
 def sharded_weight_bytes(graphs: Sequence[torch.fx.GraphModule], weight_shards: int) -> int:
@@ -503,6 +613,7 @@ def predict_memory(
     optimizer: OptimizerMemory | None = None,
     gradient_copies: bool = False,
     weight_shards: int = 1,
+    zero_copy_shards: bool = False,
 ) -> MemoryPrediction:
     """Predicts a step's memory per tier (the graphs are not changed).
 
@@ -524,7 +635,10 @@ def predict_memory(
             CPU-only machine).
         weight_shards: the streamed weights are sharded over this many ranks: their
             tier holds this rank's shard of each (`sharded_weight_bytes`), not
-            `streamed_bytes`.
+            `streamed_bytes`, and the device each fetch's loaded shard and padded
+            all-gather buffer (see the module docstring).
+        zero_copy_shards: sharded, a shard's load takes no device memory of its own
+            (the weights' tier is the device's memory: the host of a CPU-only machine).
     """
     subs = dict(sizes if sizes is not None else size_hints(forward, *(g for g in (backward,) if g)))
     tables: list[LifetimeTable]
@@ -539,13 +653,19 @@ def predict_memory(
             forward, graph_kind, load_granularity=load_granularity, load_overhead=load_overhead
         )], [forward]
         before = [sympy.Integer(0)]
-    extra = _prefetched(tables, graphs, live_blocks, load_granularity, load_overhead)
+    layout = _FetchLayout(weight_shards, load_granularity, load_overhead, zero_copy_shards)
+    extra = _prefetched(tables, graphs, live_blocks, layout.weight)
+    # Sharded weights' terms (zeros without): the loaded shards, and what the
+    # fetched weights' padded buffers take beyond a loaded weight.
+    shards = _loaded_shards(tables, graphs, live_blocks, layout)
+    gathered = _gathered_weights(tables, graphs, layout)
     copies = [_gradient_copies(gm) if gradient_copies and kind == 1 else [sympy.Integer(0)] * len(table.resident)
               for kind, (gm, table) in enumerate(zip(graphs, tables))]
     resident = [
-        sympy.expand(held_before + expr + ahead + copied)
-        for table, per_node, held_before, copied in zip(tables, extra, before, copies)
-        for expr, ahead, copied in zip(table.resident, per_node, copied)
+        sympy.expand(held_before + expr + ahead + copied + shard + padded)
+        for table, per_node, held_before, copied, graph_shards, graph_gathered
+        in zip(tables, extra, before, copies, shards, gathered)
+        for expr, ahead, copied, shard, padded in zip(table.resident, per_node, copied, graph_shards, graph_gathered)
     ]
     # The optimizer's step: the caller holds the outputs, the resident parameters
     # their .grad (what the backward returned), and the next forward's first blocks
@@ -555,7 +675,7 @@ def predict_memory(
     if stepped:
         optimizer_state = sympy.Integer(optimizer.device_state_bytes)
         optimizer_gradients = _returned_gradients(tables[1])
-        ahead = extra[1][-1] if extra[1] else 0
+        ahead = (extra[1][-1] + shards[1][-1]) if extra[1] else 0
         optimizer_step = sympy.expand(before[1] + optimizer_gradients + ahead + optimizer.device_step_bytes)
         resident.append(optimizer_step)
     step_expr = max_of(resident)
@@ -570,8 +690,10 @@ def predict_memory(
     evaluated = {tier: int(expr.subs(subs)) for tier, expr in tier_exprs.items()}
     kinds = ["forward", "backward"] if backward is not None else [graph_kind]
     per_node = tuple(
-        _graph_memory(kind, gm, table, ahead, int(sympy.sympify(held_before).subs(subs)), subs, copied)
-        for kind, gm, table, ahead, held_before, copied in zip(kinds, graphs, tables, extra, before, copies)
+        _graph_memory(kind, gm, table, ahead, int(sympy.sympify(held_before).subs(subs)), subs, copied,
+                      graph_shards, graph_gathered)
+        for kind, gm, table, ahead, held_before, copied, graph_shards, graph_gathered
+        in zip(kinds, graphs, tables, extra, before, copies, shards, gathered)
     )
     return MemoryPrediction(
         peak_bytes=evaluated,
@@ -586,7 +708,19 @@ def predict_memory(
         optimizer_step_bytes=int(sympy.sympify(optimizer_step).subs(subs)),
         optimizer_gradient_bytes=int(sympy.sympify(optimizer_gradients).subs(subs)),
         gradient_copy_bytes=max((int(sympy.sympify(c).subs(subs)) for c in copies[-1]), default=0),
+        weight_shards=weight_shards,
+        shard_bytes=_most(per_node, ("shard",)),
+        gather_bytes=_most(per_node, ("prefetched", "weight")) if weight_shards > 1 else 0,
     )
+
+
+def _most(graphs: Sequence[GraphMemory], kinds: Sequence[str]) -> int:
+    """The most bytes of the `kinds` together at any node of the graphs."""
+    most = 0
+    for graph in graphs:
+        series = [graph.live[kind] for kind in kinds if kind in graph.live]
+        most = max(most, max((sum(values) for values in zip(*series)), default=0))
+    return most
 
 
 def _gradient_copies(backward: torch.fx.GraphModule) -> list[sympy.Expr]:
@@ -619,8 +753,9 @@ def _returned_gradients(table: LifetimeTable) -> sympy.Expr:
 
 
 def _graph_memory(kind, gm, table: LifetimeTable, prefetched: list[int], outputs_held: int, subs,
-                  copied=()) -> GraphMemory:
-    """The lifetime table swept over the nodes, one series per value kind."""
+                  copied=(), shards=(), gathered=()) -> GraphMemory:
+    """The lifetime table swept over the nodes, one series per value kind
+    (`shards`, `gathered`: the sharded weights' terms of `predict_memory`)."""
     nodes = tuple(node.name for node in gm.graph.nodes)
     deltas: dict[str, list[int]] = {}
     for value in table.values:
@@ -637,6 +772,10 @@ def _graph_memory(kind, gm, table: LifetimeTable, prefetched: list[int], outputs
         live[value_kind] = tuple(series)
     if any(copied):
         live["gradient_copy"] = tuple(int(sympy.sympify(c).subs(subs)) for c in copied)
+    if any(gathered):
+        live["weight"] = tuple(w + g for w, g in zip(live["weight"], gathered))
+    if any(shards):
+        live["shard"] = tuple(shards)
     live["prefetched"] = tuple(prefetched)
     live["outputs_held"] = (outputs_held,) * len(nodes)
     return GraphMemory(kind, nodes, live)

@@ -33,6 +33,13 @@ bytes this rank *receives from the other ranks*:
 So a step all-gathers the same bytes at every K, and reduce-scatters
 `P * (W - 1) / W` for P bytes of streamed weights (when W divides every weight).
 
+The memory a collective's caller hands it stays the caller's: an all-gather writes
+into an output buffer the issuing thread allocated (`gathered_buffer`), and the
+communication thread drops every reference to what a collective read or wrote
+before `wait` returns, so the last reference, and the free, is the waiting
+thread's (the graph's, which the memory model and torch.profiler follow; the
+memory a thread allocates or frees is invisible to a profile of another).
+
 A collective that fails on one rank (a shard's load from a full disk, say) raises
 there; the other ranks wait in theirs until the process group's timeout.
 """
@@ -112,6 +119,10 @@ class ShardGroup:
         self.rank = dist.get_rank(group)
         self.closed = False
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # The id of the last job whose references the communication thread dropped
+        # (jobs run in the order of their ids).
+        self._released = threading.Condition()
+        self._released_id = 0
         self._thread = threading.Thread(target=self._run, name="slc-collectives", daemon=True)
         self._thread.start()
 
@@ -129,21 +140,31 @@ class ShardGroup:
         out[: end - start].copy_(flat[start:end])
         return out
 
+    def gathered_buffer(self, shape: torch.Size, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """An uninitialized flat buffer for the all-gather of a tensor of `shape`: every
+        rank's shard, `shard_numel(numel) * world_size` elements (the padding included)."""
+        return torch.empty(self.shard_numel(shape.numel()) * self.world_size, dtype=dtype, device=device)
+
     # -- collectives ------------------------------------------------------
-    def all_gather(self, key: str, local: Callable[[], torch.Tensor], shape: torch.Size) -> TransferHandle:
-        """Issues the all-gather of a weight; `wait` returns it, full, in `shape`.
+    def all_gather(self, key: str, local: Callable[[], torch.Tensor], shape: torch.Size,
+                   out: torch.Tensor | None = None) -> TransferHandle:
+        """Issues the all-gather of a weight; `wait` returns it, full, in `shape` (a view
+        of the gathered buffer).
 
         Args:
             key: names the weight (for the timeline and errors).
             local: returns this rank's shard; called on the communication thread
                 (it may wait for the shard's load from the tier).
             shape: the full weight's shape.
+            out: the buffer to gather into (`gathered_buffer`), allocated by the
+                caller so its memory is the caller's thread's; default: one the
+                communication thread allocates.
         """
         numel = shape.numel()
 
         def run() -> torch.Tensor:
             shard = local().reshape(-1)
-            full = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
+            full = out if out is not None else self.gathered_buffer(shape, shard.dtype, shard.device)
             _all_gather(full, shard.contiguous(), group=self.group)
             return full[:numel].view(shape)
 
@@ -178,10 +199,12 @@ class ShardGroup:
         return self._submit(TransferKind.ALL_REDUCE, key, tensor.numel(), run, element_size=tensor.element_size())
 
     def wait(self, handle: TransferHandle) -> object:
-        """Blocks until a collective is done; returns its result (stalls are counted)."""
-        if not handle.done():
+        """Blocks until a collective is done and the communication thread holds
+        nothing of it; returns its result (stalls are counted)."""
+        if not self._released_past(handle):
             start = time.perf_counter()
-            handle._done.wait()
+            with self._released:
+                self._released.wait_for(lambda: self._released_past(handle))
             RECORDER.stalled(start, time.perf_counter(), f"wait {handle.label}")
         if handle._error is not None:
             raise handle._error
@@ -204,33 +227,45 @@ class ShardGroup:
                 element_size: int | None = None) -> TransferHandle:
         if self.closed:
             raise OffloadError(f"{kind.value} issued after the shard group was closed", key=key)
-        handle = TransferHandle(next(_IDS), key, kind, Tier.DEVICE, Tier.DEVICE, 0, COLLECTIVE_LANE)
-        self._jobs.put((handle, run, numel, element_size))
+        with self._released:  # ids in issue order, as `wait` counts them
+            handle = TransferHandle(next(_IDS), key, kind, Tier.DEVICE, Tier.DEVICE, 0, COLLECTIVE_LANE)
+            self._jobs.put([handle, run, numel, element_size])
         return handle
+
+    def _released_past(self, handle: TransferHandle) -> bool:
+        return handle.done() and self._released_id >= handle.id
 
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            self._run_one(*job)
-            # Nothing of the job outlives it here: the waiter holds the only
-            # reference to its result (a gathered weight is freed when used).
-            del job
+            number = job[0].id
+            self._run_one(job)
+            # The job's references are gone with `_run_one`'s frame: the waiter's
+            # are the last (see the module docstring).
+            with self._released:
+                self._released_id = number
+                self._released.notify_all()
 
-    def _run_one(self, handle: TransferHandle, run: Callable[[], object], numel: int,
-                 element_size: int | None) -> None:
+    def _run_one(self, job: list) -> None:
+        handle, run, numel, element_size = job
+        job.clear()
         start = time.perf_counter()
         RECORDER.lane_begin(COLLECTIVE_LANE, start)
         try:
             result = run()
         except BaseException as error:  # every waiter must hear of it
+            del run  # what it read goes before a waiter wakes
             RECORDER.lane_end(COLLECTIVE_LANE, time.perf_counter())
             failure = OffloadError(f"{handle.kind.value} failed on rank {self.rank}: {error}", key=handle.key)
             failure.__cause__ = error
             log.error("%s", failure)
             handle._finish(None, failure)
             return
+        # The closure holds what the collective read (a gradient, a shard's load):
+        # dropped before a waiter wakes, the waiter's reference is its last.
+        del run
         end = time.perf_counter()
         RECORDER.lane_end(COLLECTIVE_LANE, end)
         if element_size is None:  # an all-gather: the element size of what it gathered

@@ -27,7 +27,11 @@ module keeps the weights and implements both ops.
   `gathered_weights` all-gathers too (every rank must call it). Only the graphs
   issue all-gathers, so every rank issues them in the same order: the loads the
   optimizer issues after a block's update load the shard only, and the all-gather
-  waits for the fetch.
+  waits for the fetch. The thread that issues an all-gather allocates its output
+  buffer (`ShardGroup.gathered_buffer`: the padded full weight) and keeps the
+  shard's load until the fetch: the device holds both from the issue to the fetch,
+  and the gathered buffer, as the fetched weight, after it; each is freed on the
+  graph's thread (`slcompile.analysis.memory` predicts them so).
 
 Graph keys are `WeightKey`s, `w3|w0:layers_0_fc_weight#sb1@bwd`: the streamer of the
 compiled graph, the stored tensor's key, the sub-batch of a per-sub-batch fetch and
@@ -88,7 +92,11 @@ class WeightStreamer:
         self.live_blocks = live_blocks
         self.name = f"w{next(_NUMBERS)}"
         self.pending: dict[str, TransferHandle] = {}  # graph key -> issued load (or all-gather)
+        # Sharded: graph key -> the load of the shard a pending all-gather reads,
+        # held until the fetch so the shard is freed there, on the graph's thread.
+        self.shard_loads: dict[str, TransferHandle] = {}
         self.shapes: dict[str, torch.Size] = {}  # stored key -> the weight's shape, when sharded
+        self.dtypes: dict[str, torch.dtype] = {}  # stored key -> the weight's dtype, when sharded
         self.lock = threading.Lock()
         with _REGISTRY_LOCK:
             _STREAMERS[self.name] = self
@@ -115,6 +123,7 @@ class WeightStreamer:
         """Stores `param`'s values (this rank's shard when sharded) and releases its
         storage; a parameter already offloaded (a graph compiled again) is left as it is."""
         self.shapes[stored_key] = param.shape
+        self.dtypes[stored_key] = param.dtype
         with _REGISTRY_LOCK:
             if param in _OWNERS:
                 return
@@ -136,31 +145,42 @@ class WeightStreamer:
             engine = _engine_of(key.stored, self.engine)
             self.pending[graph_key] = engine.load(key.stored, TransferKind.WEIGHT)
             if self.shards is not None and gather:
+                self.shard_loads[graph_key] = self.pending[graph_key]
                 self.pending[graph_key] = self._gather(key, self.pending[graph_key])
 
     def fetch(self, key: WeightKey) -> torch.Tensor:
         """The weight `key` names: its pending load's result, or a load now."""
         with self.lock:
             handle = self.pending.pop(key.format(), None)
+            load = self.shard_loads.pop(key.format(), None)
         engine = _engine_of(key.stored, self.engine)
         if handle is None:
             handle = engine.load(key.stored, TransferKind.WEIGHT)
         if self.shards is None:
             return engine.wait(handle)
         if handle.kind is not TransferKind.ALL_GATHER:
-            handle = self._gather(key, handle)
-        return self.shards.wait(handle)
+            load, handle = handle, self._gather(key, handle)
+        weight = self.shards.wait(handle)
+        _release_shard(engine, load)
+        return weight
 
     def _gather(self, key: WeightKey, load: TransferHandle) -> TransferHandle:
-        """The all-gather of the weight whose shard `load` brings."""
+        """The all-gather of the weight whose shard `load` brings, into a buffer
+        allocated here (the caller keeps `load` until the gather's wait)."""
         engine = _engine_of(key.stored, self.engine)
         shape = self.shapes[key.stored]
-        return self.shards.all_gather(key.format(), lambda: engine.wait(load), shape)
+        out = self.shards.gathered_buffer(shape, self.dtypes[key.stored], engine.device)
+        return self.shards.all_gather(key.format(), lambda: engine.wait(load), shape, out=out)
 
     def _drop_pending(self) -> None:
         pending, self.pending = self.pending, {}
-        for handle in pending.values():
-            self.engine.wait(handle)  # an all-gather too: every rank issued it, so it ends
+        shard_loads, self.shard_loads = self.shard_loads, {}
+        for graph_key, handle in pending.items():
+            if handle.kind is TransferKind.ALL_GATHER:
+                self.shards.wait(handle)  # every rank issued it, so it ends
+                _release_shard(_engine_of(WeightKey.parse(graph_key).stored, self.engine), shard_loads[graph_key])
+            else:
+                self.engine.wait(handle)
 
     def drain(self) -> None:
         """Waits for and drops prefetched loads: before the weights change (an
@@ -186,6 +206,21 @@ class WeightStreamer:
                 engine.wait(self.pending.pop(graph_key))
                 self.pending[graph_key] = engine.load(stored_key, TransferKind.WEIGHT)
         return len(stale)
+
+
+def _release_shard(engine: TransferEngine, load: TransferHandle) -> None:
+    """Frees a gathered shard's load now, on this thread (the graph's): the I/O
+    thread that loaded it may hold the last reference a little longer, and the
+    memory must not follow that thread's timing. Only a CPU tensor of its own
+    memory from torch's allocator (on the GPU, the collective's stream may still
+    read it until the caching allocator sees it unused; a zero-copy load is the
+    stored shard itself; a page buffer returns to its cache when unused)."""
+    if load.zero_copy:
+        return
+    shard = engine.wait(load)
+    storage = shard.untyped_storage()
+    if shard.device.type == "cpu" and storage.resizable():
+        storage.resize_(0)
 
 
 def _engine_of(stored_key: str, default: TransferEngine) -> TransferEngine:
