@@ -9,8 +9,9 @@ Usage:
   `weights="nvme"` and K sub-batches (``--prefill-k``: another K for the prefill):
   each decoder layer's weights are read from the O_DIRECT tier once per step for all
   K; the KV cache rests on the host (the device's own memory on a CPU machine:
-  nothing moves) or on the nvme tier, where a decode step stores the one position
-  it adds and loads the positions the cache holds.
+  nothing moves) or on the nvme tier, where a decode step stores the position it
+  adds (merged with the last stored segments, as a binary counter carries) and
+  loads the positions the cache holds.
 - ``accelerate``: `accelerate.disk_offload(model, dir)` (weights in files, loaded by
   per-module hooks for each forward), `model.generate` on K micro-batches one after
   another, as a user bounding memory would: every weight is read once per token per

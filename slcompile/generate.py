@@ -161,7 +161,9 @@ def generate(
             (read them inside `slcompile.gathered_weights(model)`).
         kv_cache: where each (layer, decode sub-batch)'s keys and values rest
             between decode steps: "device", "host" or "nvme". Off the device, a step
-            stores only the positions it adds and loads those the cache keeps.
+            loads the positions the cache keeps and stores the one it adds, merged
+            with the last stored segments as a binary counter carries (a cache is
+            at most log2 of its decoded positions + 2 segments, each one read).
         do_sample: sample the next token (else greedy).
         temperature, top_k, top_p: Hugging Face's warpers, applied in that order
             when sampling (defaults: those of `GenerationConfig`).
@@ -420,6 +422,9 @@ def _prefill_layer(template, tensors, window, kwargs):
 def _decode_layer(template, tensors, past_keys, past_values, window, kwargs):
     return _layer_step(template, tensors, past_keys, past_values, window, kwargs)
 
+
+# How many (layer, sub-batch)s ahead of the one computing a decode pass loads caches.
+KV_AHEAD = 2
 
 _COMPILED: dict[tuple[str, str], Callable] = {}
 # One weight streamer per (engine, tier), shared by every call: streamers register
@@ -769,11 +774,10 @@ class _Generation:
             self._issue_weights(index + 1)
             for position, (sb, _, _) in enumerate(parts):
                 if phase == "decode":
-                    # The next (layer, sub-batch)'s cache loads while this one runs.
-                    if position + 1 < len(parts):
-                        self._issue_kv(index, parts[position + 1][0])
-                    elif index + 1 < len(self.layers):
-                        self._issue_kv(index + 1, parts[0][0])
+                    # The caches of the next KV_AHEAD (layer, sub-batch)s load while this one runs.
+                    for later in range(position + 1, position + 1 + KV_AHEAD):
+                        if index + later // len(parts) < len(self.layers):
+                            self._issue_kv(index + later // len(parts), parts[later % len(parts)][0])
                 kwargs = dict(arguments[position][index])
                 kwargs[self.hidden_name] = hidden[position]
                 kwargs.pop("past_key_values")
@@ -1070,7 +1074,7 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
     depend on the tiers)."""
     from slcompile.pipeline import engine_for
     from slcompile.pipeline import load_granularity as default_granularity
-    from slcompile.runtime.kv import forgettable_segments
+    from slcompile.runtime.kv import forgettable_segments, merged_segments
     from slcompile.runtime.weights import weight_home
 
     if load_granularity is None:
@@ -1118,14 +1122,16 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
         return " | ".join(order)
 
     def decode_order(stores: bool) -> str:
-        # Each (layer, sub-batch)'s cache loads while the one before it runs.
+        # Each (layer, sub-batch)'s cache loads while the KV_AHEAD before it run.
         order = weight_loads_of(0) + (["load blk0.kv.sb0"] if kv_moves else [])
         for index in range(n):
             order += weight_loads_of(index + 1)
             for sb in range(kd):
-                following = (index, sb + 1) if sb + 1 < kd else (index + 1, 0)
-                if kv_moves and following[0] < n:
-                    order.append(f"load blk{following[0]}.kv.sb{following[1]}")
+                step = index * kd + sb
+                if kv_moves:
+                    first = step + KV_AHEAD if step else 1  # the loads not issued before
+                    order += [f"load blk{later // kd}.kv.sb{later % kd}"
+                              for later in range(first, min(step + 1 + KV_AHEAD, n * kd))]
                 order.append(f"blk{index}.sb{sb}")
                 if stores:
                     order.append(f"store blk{index}.kv.sb{sb}")
@@ -1140,17 +1146,22 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
     last = max_new_tokens == 1
     steps = [GenerationStep("prefill", tuple(range(kp)), prefill_order(kv_moves and not last),
                             moved(0 if last else sum(b * s[0] for b, s in zip(position_bytes, segments)), 0))]
-    # A decode step: each (layer, sub-batch) loads the segments it keeps and stores one position.
+    # A decode step: each (layer, sub-batch) loads the segments it keeps and stores
+    # its one new position merged with the last segments (`merged_segments`).
     loaded_segments = {}
     for step in range(1, max_new_tokens):
         last = step == max_new_tokens - 1
         loaded_segments[step] = [tuple(s) for s in segments]
         loaded = sum(b * sum(s) for b, s in zip(position_bytes, segments))
+        stored = 0
         for layer, cap in enumerate(caps):
-            segments[layer].append(1)
-            del segments[layer][:forgettable_segments(segments[layer], min(length + step, cap))]
+            kept = min(length + step, cap)
+            replaced, written = merged_segments(segments[layer], 1, kept)
+            segments[layer][len(segments[layer]) - replaced:] = [written]
+            del segments[layer][:forgettable_segments(segments[layer], kept)]
+            stored += position_bytes[layer] * written
         steps.append(GenerationStep("decode", tuple(range(kd)), decode_order(kv_moves and not last),
-                                    moved(0 if last else sum(position_bytes), loaded)))
+                                    moved(0 if last else stored, loaded)))
     try:
         memory = _MemoryModel(model, plan, engine, batch, length, streamed, load_granularity, load_overhead, memo)
         prefill_memory = memory.pass_memory("prefill", 0, kv_moves and max_new_tokens > 1)
@@ -1230,7 +1241,8 @@ class _MemoryModel:
     - the KV cache (`kv`): on a tier that copies nothing, every cache (the caches
       already computed by this pass at their new length); on one that copies, the
       cache of the (layer, sub-batch) computing and the loaded segments of the next
-      one, and the stores still in flight (their new positions);
+      `KV_AHEAD` (each segment its own tensor, or one buffer for all where
+      `reads_in_place`), and the stores still in flight (the positions they write);
     - the temporaries of the compiled layer step (`step`): the peak of the values
       its graph makes (new cache included), from the lifetimes of the step's ATen
       graph traced on fake tensors, as `aot_eager` runs it (Inductor's fused
@@ -1294,8 +1306,17 @@ class _MemoryModel:
     def _cache_bytes(self, index: int, sequences: int, positions: int) -> int:
         return 2 * sequences * positions * self.key_bytes[index]
 
+    def _in_place(self, index: int, sequences: int) -> bool:
+        """Whether a (layer, sub-batch)'s segments are read into one buffer."""
+        from slcompile.runtime.kv import reads_in_place
+
+        return reads_in_place(self._cache_bytes(index, sequences, 1), self.granularity)
+
     def _loaded_bytes(self, index: int, sequences: int, segments: Sequence[int]) -> int:
-        return sum(2 * self._padded(sequences * size * self.key_bytes[index]) for size in segments)
+        # One tensor per segment (its positions' keys and values), or one buffer for all.
+        if len(segments) > 1 and self._in_place(index, sequences):
+            return self._padded(self._cache_bytes(index, sequences, sum(segments)))
+        return sum(self._padded(self._cache_bytes(index, sequences, size)) for size in segments)
 
     def _layout(self, index: int) -> tuple[int, int, torch.dtype]:
         config = self.model.config
@@ -1428,6 +1449,8 @@ class _MemoryModel:
             traced_past: the past the capture and the layer steps are traced with
                 (default: `past`).
         """
+        from slcompile.runtime.kv import merged_segments
+
         plan, batch, n = self.plan, self.batch, len(self.layers)
         parts = plan.prefill_subbatches if phase == "prefill" else plan.num_subbatches
         size, decode_size = batch // parts, batch // plan.num_subbatches
@@ -1445,7 +1468,8 @@ class _MemoryModel:
                 if not (stores and self.kv_moves):
                     continue
                 if phase == "decode":
-                    issued.append(self._cache_bytes(index, size, 1))
+                    written = merged_segments(segments[index], 1, self._kept(index, past + 1))[1]
+                    issued.append(self._cache_bytes(index, size, written))
                 else:
                     issued += [self._cache_bytes(index, decode_size, self._kept(index, self.length))
                                for d in range(plan.num_subbatches)
@@ -1476,11 +1500,12 @@ class _MemoryModel:
                         if size < decode_size else 0
                     moments.append((f"blk{index}.sb{part}", {**common, "kv": stored + pending, "step": steps[index]}))
                     continue
-                following = (index, part + 1) if part + 1 < parts else (index + 1, 0)
-                ahead = self._loaded_bytes(following[0], size, segments[following[0]]) if following[0] < n else 0
+                step = index * parts + part
+                ahead = sum(self._loaded_bytes(later // parts, size, segments[later // parts])
+                            for later in range(step + 1, min(step + 1 + KV_AHEAD, n * parts)))
                 own = segments[index]
-                if len(own) > 1:
-                    joined = self._cache_bytes(index, size, sum(own))
+                if len(own) > 1 and not self._in_place(index, size):
+                    joined = self._padded(self._cache_bytes(index, size, sum(own)))
                     moments.append((f"take blk{index}.sb{part}", {
                         **common, "kv": stored + ahead + self._loaded_bytes(index, size, own) + joined}))
                 else:

@@ -118,12 +118,16 @@ WEIGHT_LOADED = (TransferKind.WEIGHT, Tier.NVME, Tier.DEVICE)
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_nvme_kv_cache_stores_only_new_positions_and_loads_what_it_uses_and_weights_load_once_per_step(tmp_path, k):
+def test_nvme_kv_cache_stores_new_positions_in_merged_segments_loads_what_it_uses_and_weights_once_per_step(
+        tmp_path, k):
     model = FAMILIES["llama"]().eval()
     input_ids, mask = left_padded_batch(batch=4, length=6)
     new_tokens = 8
     expected = eager_generate(model, input_ids, mask, new_tokens, eos=[])
     block_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    # Decode step t writes its new position with the segments it merges: the
+    # prefill's 6, then 1, 2, 1, 4 (1 + 1 + 2), 1, 2 positions (a binary counter's carries).
+    written = [6, 1, 2, 1, 4, 1, 2, 0]
     slcompile.reset_runtime_stats()
     out = run_generate(model, input_ids, mask, new_tokens, [], num_subbatches=k, weights="nvme", kv_cache="nvme",
                        offload_dir=str(tmp_path), return_dict_in_generate=True)
@@ -135,13 +139,12 @@ def test_nvme_kv_cache_stores_only_new_positions_and_loads_what_it_uses_and_weig
         if t == 0:
             assert step.bytes_of(*KV_STORED) == kv_bytes(model, 4, 6) and step.bytes_of(*KV_LOADED) == 0
         else:
-            # A decode step stores the one position it adds to each (layer, sub-batch)
-            # and loads the 6 + t - 1 positions the cache holds, whatever K is; the
-            # last one stores nothing (no step reads it).
-            assert step.bytes_of(*KV_STORED) == (kv_bytes(model, 4, 1) if t < new_tokens - 1 else 0)
+            # A decode step loads the 6 + t - 1 positions the cache holds, whatever
+            # K is; the last one stores nothing (no step reads it).
+            assert step.bytes_of(*KV_STORED) == kv_bytes(model, 4, written[t])
             assert step.bytes_of(*KV_LOADED) == kv_bytes(model, 4, 6 + t - 1)
     moved = slcompile.runtime_stats().cumulative.bytes_moved
-    assert moved[KV_STORED] == kv_bytes(model, 4, 6 + new_tokens - 2)
+    assert moved[KV_STORED] == kv_bytes(model, 4, sum(written))
     assert moved[KV_LOADED] == sum(kv_bytes(model, 4, 6 + t) for t in range(new_tokens - 1))
     assert moved[WEIGHT_LOADED] == new_tokens * block_bytes
     # The weights stay on the tier; a later call on device weights fetches them.
@@ -229,9 +232,10 @@ def test_explain_generation_predicts_the_measured_schedules_and_bytes_of_every_p
     assert explained.prefill_schedule == (
         "load blk0.w | load blk1.w | blk0.sb0 | blk0.sb1 | store blk0.kv.sb0 | blk0.sb2 | blk0.sb3 | "
         "store blk0.kv.sb1 | blk1.sb0 | blk1.sb1 | store blk1.kv.sb0 | blk1.sb2 | blk1.sb3 | store blk1.kv.sb1")
+    # Each (layer, sub-batch)'s cache loads while the two before it run.
     assert explained.decode_schedule == (
-        "load blk0.w | load blk0.kv.sb0 | load blk1.w | load blk0.kv.sb1 | blk0.sb0 | store blk0.kv.sb0 | "
-        "load blk1.kv.sb0 | blk0.sb1 | store blk0.kv.sb1 | load blk1.kv.sb1 | blk1.sb0 | store blk1.kv.sb0 | "
+        "load blk0.w | load blk0.kv.sb0 | load blk1.w | load blk0.kv.sb1 | load blk1.kv.sb0 | blk0.sb0 | "
+        "store blk0.kv.sb0 | load blk1.kv.sb1 | blk0.sb1 | store blk0.kv.sb1 | blk1.sb0 | store blk1.kv.sb0 | "
         "blk1.sb1 | store blk1.kv.sb1")
     assert "store" not in explained.steps[-1].schedule and not explained.steps[-1].bytes_of(*KV_STORED)
     text = str(explained)
@@ -282,7 +286,7 @@ def test_bad_input_gets_a_clear_error():
         run_generate(Stack(lambda width: torch.nn.Linear(width, width)), torch.zeros(2, 3, dtype=torch.long), None, 4, [])
 
 
-def test_kv_store_appends_new_positions_and_reads_back_the_positions_the_cache_keeps(tmp_path):
+def test_kv_store_merges_new_positions_into_segments_and_reads_back_the_positions_the_cache_keeps(tmp_path):
     from slcompile.runtime.engine import TransferEngine
     from slcompile.runtime.kv import KVStore
 
@@ -291,20 +295,41 @@ def test_kv_store_appends_new_positions_and_reads_back_the_positions_the_cache_k
     full = torch.randn(2, 2, 9, 4)  # (batch, heads, positions, head_dim)
     row_bytes = 2 * 2 * 4 * 4  # one position of keys (as many for values)
     slcompile.reset_runtime_stats()
-    # A window that keeps 3 positions: the prefill stores its last 3, each step adds one.
+    # A window that keeps 3 positions: the prefill stores its last 3, each step adds
+    # one, written with the last segments not longer than the run of new positions.
     store.store(0, 0, full[:, :, 3:6], -full[:, :, 3:6], new=6)
+    segments = []
     for end in (7, 8, 9):
         keys, values = store.take(0, 0)
         assert torch.equal(keys, full[:, :, end - 4:end - 1]) and torch.equal(values, -keys)
         store.store(0, 0, full[:, :, end - 3:end], -full[:, :, end - 3:end], new=1)
+        segments.append(store.segments(0, 0))
     store.flush()
     # The prefill's segment is freed once no kept position is in it.
-    assert store.segments(0, 0) == (1, 1, 1)
+    assert segments == [(3, 1), (3, 2), (2, 1)]
     moved = slcompile.runtime_stats().cumulative.bytes_moved
-    assert moved[KV_STORED] == 2 * row_bytes * (3 + 3)
+    assert moved[KV_STORED] == 2 * row_bytes * (3 + 1 + 2 + 1)
     assert moved[KV_LOADED] == 2 * row_bytes * (3 + 4 + 5)
+    # Keys and values of other shapes and types (heads of another size) share a row.
+    store.store(1, 0, full[:, :, :5], full[:, :, :5, :3].half(), new=5)
+    store.store(1, 0, full[:, :, :6], full[:, :, :6, :3].half(), new=1)
+    keys, values = store.take(1, 0)
+    assert torch.equal(keys, full[:, :, :6]) and torch.equal(values, full[:, :, :6, :3].half())
+    # Where a row (one position's keys and values) fills whole pages, the segments
+    # are read straight into their rows of one buffer.
+    into = []
+    load = engine.load
+    engine.load = lambda *args, **kwargs: into.append(kwargs.get("into") is not None) or load(*args, **kwargs)
+    wide = torch.randn(2, 2, 8, 256)  # rows of 2 * 4096 bytes
+    store.store(2, 0, wide[:, :, :5], -wide[:, :, :5], new=5)
+    for end in (6, 7, 8):
+        store.store(2, 0, wide[:, :, :end], -wide[:, :, :end], new=1)
+        keys, values = store.take(2, 0)
+        assert torch.equal(keys, wide[:, :, :end]) and torch.equal(values, -keys)
+    assert store.segments(2, 0) == (5, 2, 1) and into == [True] * (2 + 2 + 3)
     store.close()
     assert engine.keys() == []
+    moved = dict(slcompile.runtime_stats().cumulative.bytes_moved)
     # The device tier keeps the layer's cache itself: no copy, no bytes.
     device = KVStore(engine, "device")
     device.store(0, 0, full, -full, new=1)
@@ -328,24 +353,26 @@ def measured_generate_peak(model, input_ids, new_tokens, **options) -> int:
         return measured_peak_bytes(run)
 
 
-# (prefill K, decode K, weights, kv_cache, prompt length, new tokens): the prefill
-# the peak on each tier, then generations whose last decode pass is the peak (on
-# nvme, the segments of the cache are loaded and joined: none is kept in memory
-# once stored).
+# (prefill K, decode K, weights, kv_cache, prompt length, new tokens, hidden size):
+# the prefill the peak on each tier, then generations whose last decode pass is the
+# peak (on nvme, the segments of the cache are loaded and joined, or read into one
+# buffer where a position's keys and values of a sub-batch fill a page: none is
+# kept in memory once stored).
 MEMORY_CASES = [
-    (2, 2, "device", "device", 32, 2),
-    (4, 2, "nvme", "nvme", 32, 2),
-    (1, 4, "device", "device", 4, 40),
-    (2, 2, "device", "nvme", 16, 8),
+    (2, 2, "device", "device", 32, 2, 64),
+    (4, 2, "nvme", "nvme", 32, 2, 64),
+    (1, 4, "device", "device", 4, 40, 64),
+    (2, 2, "device", "nvme", 4, 12, 64),
+    (1, 1, "device", "nvme", 4, 12, 128),
 ]
 
 
-@pytest.mark.parametrize("prefill_k,k,weights,kv_cache,length,new_tokens", MEMORY_CASES)
+@pytest.mark.parametrize("prefill_k,k,weights,kv_cache,length,new_tokens,hidden", MEMORY_CASES)
 def test_explained_device_peak_of_prefill_and_decode_within_five_percent_of_measured(
-        tmp_path, prefill_k, k, weights, kv_cache, length, new_tokens):
+        tmp_path, prefill_k, k, weights, kv_cache, length, new_tokens, hidden):
     from slcompile.runtime.tiers import PAGE_BYTES
 
-    model = hf_llama(num_hidden_layers=2, hidden_size=64, vocab_size=VOCAB).eval()
+    model = hf_llama(num_hidden_layers=2, hidden_size=hidden, vocab_size=VOCAB).eval()
     input_ids = torch.randint(3, VOCAB, (8, length), generator=torch.Generator().manual_seed(0))
     options = dict(num_subbatches=k, prefill_subbatches=prefill_k, weights=weights, kv_cache=kv_cache,
                    offload_dir=str(tmp_path))

@@ -63,7 +63,16 @@ from .errors import (
 )
 from .nvme import IoOutcome, NvmeArena, NvmeSlot, PageBufferCache
 from .stats import RECORDER, Recorder
-from .tiers import DEFAULT_CHUNK_BYTES, HostBlock, HostPool, HostPoolGrowth, Tier, TransferKind, compute_device
+from .tiers import (
+    DEFAULT_CHUNK_BYTES,
+    PAGE_BYTES,
+    HostBlock,
+    HostPool,
+    HostPoolGrowth,
+    Tier,
+    TransferKind,
+    compute_device,
+)
 
 __all__ = [
     "TransferEngine",
@@ -411,13 +420,19 @@ class TransferEngine:
             self._store_device_cuda(handle, entry, source)
         return handle
 
-    def load(self, key: str | int, kind: TransferKind | str | None = None) -> TransferHandle:
+    def load(self, key: str | int, kind: TransferKind | str | None = None,
+             into: torch.Tensor | None = None) -> TransferHandle:
         """Issues a load of ``key`` onto the device.
 
         Args:
             key: A key previously stored.
             kind: What the tensor is, for the byte counters (default: the kind it
                 was stored as).
+            into: A contiguous device tensor of the stored tensor's dtype and shape
+                to load into (not counted as delivered: its memory is the caller's);
+                on a CPU machine its memory starts on a page and the stored size
+                rounded up to pages is writable from there. Where nothing is copied
+                the stored tensor is returned instead.
 
         Returns:
             The handle; ``wait`` on it returns the tensor on the device. For
@@ -445,16 +460,20 @@ class TransferEngine:
                 handle.zero_copy = True
                 handle._finish(entry.tensor, None)
                 return handle
+            if into is not None and not self._cuda and into.data_ptr() % PAGE_BYTES:
+                raise ValueError(f"load of {key!r} into a tensor that does not start on a page: on a CPU machine "
+                                 "O_DIRECT reads need page-aligned memory; pass a view of a page-aligned buffer "
+                                 "(PageBufferCache.tensor) or leave into=None")
             entry.readers += 1
             pending_store = entry.store_handle
         if entry.tier is Tier.NVME:
             if pending_store is not None:
                 # Read only what the store wrote: start after its last chunk landed.
-                pending_store._when_done(lambda: self._load_nvme(handle, entry))
+                pending_store._when_done(lambda: self._load_nvme(handle, entry, into))
             else:
-                self._load_nvme(handle, entry)
+                self._load_nvme(handle, entry, into)
         else:
-            self._load_host_cuda(handle, entry)
+            self._load_host_cuda(handle, entry, into)
         return handle
 
     def wait(self, handle: TransferHandle) -> torch.Tensor:
@@ -690,7 +709,7 @@ class TransferEngine:
             handle._finish(None if handle.forget_source else handle._keep, None)
         self._release_if_unused(entry)
 
-    def _load_nvme(self, handle: TransferHandle, entry: _Entry) -> None:
+    def _load_nvme(self, handle: TransferHandle, entry: _Entry, into: torch.Tensor | None = None) -> None:
         # May run on an I/O thread (chained after a store): report errors, never raise.
         try:
             if entry.error is not None:
@@ -708,18 +727,23 @@ class TransferEngine:
                 return
             slot = entry.slot
             if self._cuda:
-                result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
-                self._track_delivered(result, Tier.DEVICE, entry.nbytes)
+                result = into
+                if result is None:
+                    result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+                    self._track_delivered(result, Tier.DEVICE, entry.nbytes)
                 block = self._pool().allocate(slot.byte_range.size, handle.key)
                 address, writable = block.buffer.data_ptr(), block.byte_range.size
             else:
                 block = None
-                # Residency lasts as long as the memory does, not as long as the handle.
-                self._recorder.resident_change(Tier.DEVICE, entry.nbytes)
-                result = self._buffers.tensor(
-                    entry.nbytes, entry.dtype, entry.shape,
-                    on_release=lambda: self._recorder.resident_change(Tier.DEVICE, -entry.nbytes),
-                )
+                if into is not None:
+                    result = into
+                else:
+                    # Residency lasts as long as the memory does, not as long as the handle.
+                    self._recorder.resident_change(Tier.DEVICE, entry.nbytes)
+                    result = self._buffers.tensor(
+                        entry.nbytes, entry.dtype, entry.shape,
+                        on_release=lambda: self._recorder.resident_change(Tier.DEVICE, -entry.nbytes),
+                    )
                 storage = result.untyped_storage()
                 address = result.data_ptr()
                 writable = storage.nbytes() - (address - storage.data_ptr())
@@ -810,11 +834,13 @@ class TransferEngine:
         )
         handle._finish(result, None)
 
-    def _load_host_cuda(self, handle, entry) -> None:
+    def _load_host_cuda(self, handle, entry, into=None) -> None:
         try:
-            # Allocated on the compute stream, which is where it will be used and freed.
-            result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
-            self._track_delivered(result, Tier.DEVICE, entry.nbytes)
+            result = into
+            if result is None:
+                # Allocated on the compute stream, which is where it will be used and freed.
+                result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+                self._track_delivered(result, Tier.DEVICE, entry.nbytes)
             stream = self._copy_stream
             stream.wait_stream(torch.cuda.current_stream(self.device))
             if entry.host_block is not None:
