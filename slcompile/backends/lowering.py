@@ -346,7 +346,12 @@ def _inductor(gm, example_inputs, prepare, partition_hook, report: CompileReport
         prepare(kind, graph)
         with inductor_config.patch(INDUCTOR_PATCHES):
             if by_region:
-                cut = compile_regions(graph, functools.partial(_compile_region, kind=kind), regions)
+                try:
+                    cut = compile_regions(graph, functools.partial(_compile_region, kind=kind), regions)
+                except Exception as error:  # noqa: BLE001  (any failure: the whole graph still compiles)
+                    log.warning("speedloader: compiling the %s graph region by region failed (%s: %s); "
+                                "compiling it whole", kind, type(error).__name__, error)
+                    cut = None
                 if cut is not None:
                     step, report.regions[kind] = cut
                     return boxed_nop(step, inputs)

@@ -6,16 +6,19 @@ whole, the graph is lowered, scheduled and fused copy by copy, and the scheduler
 fuses copies of different sub-batches horizontally (they read the same weights), so
 every combination becomes a kernel of its own: compile time grows with K x depth.
 
-`compile_regions` cuts a partitioned graph into its regions instead: each run of
-nodes of one (block, sub-batch) tag (bookkeeping nodes join the open run, as in
-`slcompile.passes.mark_regions`) becomes a graph of its own, and runs of untagged
-compute with at least `MIN_UNTAGGED_NODES` compute nodes become regions too (a run
-of one op stays in the step graph). Regions
-that are the same graph on inputs of the same size, stride and dtype (the same block
-at another sub-batch or layer) share one compiled callable; everything else (the
-`slc::` transfer ops, markers, small glue such as gradient sums across sub-batches)
-stays in the step graph, which runs as Python code in program order, calling the
-compiled regions where their nodes were.
+`compile_regions` cuts a partitioned graph into its block regions instead: each run
+of nodes of one block's (block, sub-batch) tag becomes a graph of its own
+(bookkeeping nodes join the open run, as in `slcompile.passes.mark_regions`, and so
+does untagged compute inside it: the weight gradients of all K sub-batches, summed in
+one matmul amid the last sub-batch's backward). Regions that are the same graph on
+inputs of the same size, stride, dtype and alignment (the same block at another
+sub-batch or layer) share one compiled callable. Everything else stays in the step
+graph, which runs as Python code in program order, calling the compiled regions
+where their nodes were: the `slc::` transfer ops, markers, the glue between regions
+(gradient sums across sub-batches) and the parts outside the blocks (embeddings, the
+head, the loss). Those are K small copies that differ from each other (a sub-batch's
+offset into the targets, the first sub-batch's extra outputs): compiling each would
+cost a compile per copy, so they run eagerly.
 
 Needs: a graph whose values all carry static `meta["val"]` (the partitioned graphs
 carry fake tensors); tags from `SlcMeta`.
@@ -43,19 +46,17 @@ from typing import Any
 import torch
 import torch.fx
 
-from slcompile.meta import get_slc_meta
+from slcompile.meta import get_slc_meta, parse_tag
 from slcompile.passes.mark_regions import is_bookkeeping
 from slcompile.vocabulary import is_slc_op
 
-__all__ = ["Region", "RegionCompilation", "compile_regions", "find_regions", "MIN_REGION_NODES", "MIN_UNTAGGED_NODES"]
+__all__ = ["Region", "RegionCompilation", "compile_regions", "find_regions", "MIN_REGION_NODES"]
 
 log = logging.getLogger(__name__)
 
-# Runs with fewer compute nodes than this run eagerly in the step graph: a single op
-# gains nothing from compiling, and untagged runs (gradient sums, a residual add)
-# rarely repeat, so compiling each would cost more than it saves.
+# Block runs with fewer compute nodes than this run eagerly in the step graph: a
+# single op gains nothing from compiling.
 MIN_REGION_NODES = 2
-MIN_UNTAGGED_NODES = 4
 _ALIGNMENT = 16  # bytes; torch._inductor.utils.ALIGNMENT
 
 
@@ -64,7 +65,7 @@ class Region:
     """One region cut out of a graph.
 
     Attributes:
-        tag: the (block, sub-batch) tag, or "" for untagged compute.
+        tag: the (block, sub-batch) tag.
         nodes: the graph's nodes in the region, in program order.
         inputs: nodes outside the region that it reads, in order of first use.
         outputs: nodes of the region read after it (or returned by the graph).
@@ -83,7 +84,7 @@ class RegionCompilation:
     Attributes:
         regions: regions cut out of the graph.
         compiled: distinct regions compiled (the rest reuse one of them).
-        eager_nodes: compute nodes left in the step graph.
+        eager_nodes: compute nodes left in the step graph (outside the blocks, glue).
     """
 
     regions: int
@@ -134,7 +135,7 @@ def find_regions(graph: torch.fx.Graph) -> list[Region]:
         open_run.nodes.append(node)
         owner[node] = open_run
 
-    regions = [run for run in runs if _compute_count(run) >= (MIN_REGION_NODES if run.tag else MIN_UNTAGGED_NODES)]
+    regions = [run for run in runs if _is_block(run.tag) and _compute_count(run) >= MIN_REGION_NODES]
     for region in regions:
         members = set(region.nodes)
         for node in region.nodes:
@@ -143,6 +144,10 @@ def find_regions(graph: torch.fx.Graph) -> list[Region]:
                     region.inputs.append(source)
         region.outputs = [node for node in region.nodes if any(user not in members for user in node.users)]
     return regions
+
+
+def _is_block(tag: str) -> bool:
+    return bool(tag) and parse_tag(tag)[0] == "block"
 
 
 def _compute_count(run: Region) -> int:
@@ -231,7 +236,7 @@ def compile_regions(
         if key not in cache:
             cache[key] = compile_region(module, [source.meta["val"] for source in region.inputs])
             compiled_now += 1
-        name = f"region_{region.tag.replace('.', '_') or 'untagged'}_{index}"
+        name = f"region_{region.tag.replace('.', '_')}_{index}"
         calls[region.nodes[0]] = (region, _callable(cache[key], name))
 
     step = torch.fx.Graph()
