@@ -42,9 +42,11 @@ class SpeedLoaderConfig:
             region of the step once and call it wherever it runs, instead of
             lowering the whole step, which holds K copies of every block
             (`slcompile.backends.outline`): compile time then no longer grows with
-            K x depth. The transfers and the glue between regions (gradient sums
-            across sub-batches) run as Python in program order. False hands the
-            whole step to Inductor.
+            K x depth. The transfers, the glue between regions (gradient sums
+            across sub-batches) and the parts outside the blocks (embeddings, the
+            head, the loss) run as Python in program order, eagerly. False hands
+            the whole step to Inductor (a faster steady step on small models; see
+            bench/README.md).
         schedule: the policy that orders compute and moves weights; the three share
             every pass and runtime op, so a comparison differs only in the schedule.
             "speedloader": layer-major over sub-batches: each block runs all K
