@@ -71,8 +71,8 @@ SCENARIOS = (
     Scenario("generate", "generate_bench.py", ("--repeats", "1"), ("--quick",),
              "generation, weights and KV cache on nvme: slcompile.generate vs accelerate disk_offload vs resident"),
     Scenario("distributed", "distributed_bench.py", ("--steps", "5"), ("--quick", "--steps", "2"),
-             "block weights sharded over 2 gloo ranks vs one process vs FSDP2 with gradient accumulation "
-             "(collective bytes per step)"),
+             "block weights sharded over 2 gloo ranks vs one process vs FSDP2 and DeepSpeed ZeRO-3 "
+             "with gradient accumulation (collective bytes per step)"),
     Scenario("compile", "compile_bench.py", (), ("--quick",),
              "compile seconds of a training step: speedloader + Inductor at K and depth vs plain Inductor"),
     Scenario("gpu", "gpu_bench.py", (), ("--cpu-smoke",),
