@@ -59,6 +59,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -133,13 +134,8 @@ def counted_collectives() -> Iterator[Counter]:
 
         return wrapper
 
-    for name, original in originals.items():
-        setattr(dist, name, counting(name, original))
-    try:
+    with mock.patch.multiple(dist, **{name: counting(name, original) for name, original in originals.items()}):
         yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 @contextlib.contextmanager
@@ -160,14 +156,9 @@ def counted_deepspeed_collectives() -> Iterator[Counter]:
         if originals[attribute] is not getattr(dist, name):
             raise RuntimeError(f"deepspeed.comm's {attribute} is {originals[attribute]!r}, not torch.distributed."
                                f"{name}: this DeepSpeed's collectives would not be counted")
-    with counted_collectives() as counts:
-        for attribute, name in bound.items():
-            setattr(backend, attribute, getattr(dist, name))
-        try:
-            yield counts
-        finally:
-            for attribute, original in originals.items():
-                setattr(backend, attribute, original)
+    with counted_collectives() as counts, \
+            mock.patch.multiple(backend, **{attribute: getattr(dist, name) for attribute, name in bound.items()}):
+        yield counts
 
 
 def _spec(args) -> dict:

@@ -123,7 +123,7 @@ def find_regions(graph: torch.fx.Graph) -> list[Region]:
             # joins it, as markers bracket it: one region per (block, sub-batch).
             tag = open_run.tag
         if is_bookkeeping(node):
-            if not any(owner.get(source) is open_run for source in node.all_input_nodes) or open_run is None:
+            if open_run is None or not any(owner.get(source) is open_run for source in node.all_input_nodes):
                 # A view of values from outside (a weight's transpose that the first
                 # sub-batch would otherwise compute for all): it stays in the step graph,
                 # so each copy of a block reads the same inputs.
@@ -203,7 +203,7 @@ def compile_regions(
     compile_region: Callable[[torch.fx.GraphModule, Sequence[torch.Tensor]], Callable],
     cache: dict | None = None,
 ) -> tuple[torch.fx.GraphModule, RegionCompilation] | None:
-    """Compiles each distinct region of `gm` once; returns the step as a boxed callable.
+    """Compiles each distinct region of `gm` once; returns the step graph calling them.
 
     Args:
         gm: a partitioned forward, backward or inference graph (not changed).
@@ -214,11 +214,11 @@ def compile_regions(
 
     Returns:
         (the step graph, calling the compiled regions, what was done), or None
-        when the graph is not cut (no tagged region, symbolic sizes, non-tensor
-        values crossing a region's edge).
+        when the graph is not cut (no block region, symbolic sizes, non-tensor
+        values crossing a region's edge, a region input computed after it starts).
     """
     regions = find_regions(gm.graph)
-    if not any(region.tag for region in regions):
+    if not regions:
         return None
     for region in regions:
         edge = (*region.inputs, *region.outputs)
@@ -269,6 +269,4 @@ def compile_regions(
     eager = sum(1 for node in gm.graph.nodes if _is_compute(node) and node not in inside and not is_bookkeeping(node))
     done = RegionCompilation(len(regions), compiled_now, eager)
     log.info("speedloader: %d regions, %d compiled, %d compute nodes left eager", *dataclasses.astuple(done))
-    for region in regions:
-        log.debug("region %s: %d nodes, %d inputs, %d outputs", region.tag, len(region.nodes), len(region.inputs), len(region.outputs))
     return module, done
