@@ -90,6 +90,13 @@ def _options(args: argparse.Namespace, **defaults) -> dict:
     return options
 
 
+def _note_whole_graphs(config, report) -> None:
+    """Says why the timeline has no compute regions: Inductor compiled the graphs whole."""
+    if config.lowering != "aot_eager" and not report.regions:
+        print("note: Inductor compiled the graphs whole (compile_regions=False, or symbolic sizes), so the "
+              "timeline has no compute regions; --lowering aot_eager or compile_regions=True records them")
+
+
 def _print_written(out: pathlib.Path, written: dict) -> None:
     from slcompile.viz.dot import dot_available
 
@@ -187,8 +194,7 @@ def _demo(args: argparse.Namespace) -> int:
             _explain_weight_loads(passes.bytes_moved, report.streamed_bytes, fetches)
     written = write_pictures(out, report, recorded, detail=args.detail)
     _print_written(out, written)
-    if config.lowering != "aot_eager":
-        print("note: compute regions are recorded on the timeline with --lowering aot_eager only")
+    _note_whole_graphs(config, report)
     return 0
 
 
@@ -295,8 +301,8 @@ def _explain_pictures(model, call_args, call_kwargs, options, pictures, args) ->
     out = pathlib.Path(args.out)
     written = write_pictures(out, report, recorded, pictures, detail=args.detail)
     _print_written(out, written)
-    if recorded is not None and config.lowering != "aot_eager":
-        print("note: compute regions are recorded on the timeline with --lowering aot_eager only")
+    if recorded is not None:
+        _note_whole_graphs(config, report)
 
 
 def _tune(args: argparse.Namespace) -> int:
