@@ -22,6 +22,13 @@ How a pass runs, with no per-family code:
    for all sub-batches at once: final norm and head give the logits of the last
    position.
 
+A prefill of three or more sub-batches whose KV cache rests on a tier that copies
+keeps its hidden states between layers on that tier too (`offloads_hidden`): each
+sub-batch is captured alone just before its first layer, its output of every layer
+but the last is stored and loaded back while the step before its next layer runs,
+and its tail runs just after its last layer. The device then holds one sub-batch's
+hidden states at a time (and the next one's, loading), never the whole batch's.
+
 The compiled step is `torch.func.functional_call` of one template layer per layer
 class, with the layer's weights and the past keys and values as inputs: every layer
 of a class shares one graph, and decode steps share one graph (the cache length is a
@@ -425,6 +432,53 @@ def _decode_layer(template, tensors, past_keys, past_values, window, kwargs):
 
 # How many (layer, sub-batch)s ahead of the one computing a decode pass loads caches.
 KV_AHEAD = 2
+# Stores of the prefill's hidden states whose sources may be alive at once.
+HIDDEN_STORES_IN_FLIGHT = 2
+
+
+def offloads_hidden(kv_moves: bool, parts: int, layers: int) -> bool:
+    """Whether a prefill of `parts` sub-batches keeps its hidden states between
+    layers on the KV cache's tier: where that tier copies, and with at least 3
+    sub-batches (with 2, one computes while the other's is loaded: nothing is saved)."""
+    return kv_moves and parts >= 3 and layers >= 2
+
+
+class _HiddenStash:
+    """The prefill's hidden states between layers, on the KV cache's tier: the
+    output of (layer, sub-batch) is stored when the layer makes it and loaded, one
+    (layer, sub-batch) ahead, as the input of the next layer's step of that
+    sub-batch. At most `HIDDEN_STORES_IN_FLIGHT` stores keep their sources alive."""
+
+    def __init__(self, engine, tier: Tier, name: str):
+        import collections
+
+        self.engine, self.tier, self.name = engine, tier, name
+        self._stores: collections.deque = collections.deque()
+        self._loads: dict[tuple[int, int], Any] = {}
+
+    def _key(self, block: int, sb: int) -> str:
+        return f"{self.name}:blk{block}.h.sb{sb}"
+
+    def store(self, block: int, sb: int, hidden: torch.Tensor) -> None:
+        self._stores.append(self.engine.store(self._key(block, sb), hidden, self.tier, TransferKind.ACTIVATION,
+                                              forget_source=True))
+        while len(self._stores) > HIDDEN_STORES_IN_FLIGHT:
+            self.engine.wait(self._stores.popleft())
+
+    def issue(self, block: int, sb: int) -> None:
+        self._loads[block, sb] = self.engine.load(self._key(block, sb), TransferKind.ACTIVATION)
+
+    def take(self, block: int, sb: int) -> torch.Tensor:
+        hidden = self.engine.wait(self._loads.pop((block, sb)))
+        self.engine.free(self._key(block, sb))
+        return hidden
+
+    def close(self) -> None:
+        """Waits for the transfers in flight and frees what is still stored."""
+        while self._stores:
+            self.engine.wait(self._stores.popleft())
+        for block, sb in list(self._loads):
+            self.take(block, sb)
 
 _COMPILED: dict[tuple[str, str], Callable] = {}
 # One weight streamer per (engine, tier), shared by every call: streamers register
@@ -668,6 +722,7 @@ class _Generation:
         self.shared_capture: dict[str, bool] = {}
         self.steps: list[GenerationStep] = []
         self.trace: list[str] = []
+        self.stash: _HiddenStash | None = None  # the prefill's hidden states, while it runs
 
     def _stream_weights(self, offload: bool) -> None:
         """Offloads the parameters that only one layer uses (when `offload`), and
@@ -763,16 +818,40 @@ class _Generation:
         from slcompile.runtime.stats import compute_region
 
         self.trace = []
-        arguments, shared = self._arguments(phase, inputs, parts, batch)
-        hidden = [calls[0][self.hidden_name] for calls in arguments]
-        outputs: list[Any] = [None] * len(parts)
+        n, nparts = len(self.layers), len(parts)
+        stash = None
+        if phase == "prefill" and offloads_hidden(self.kv.appends, nparts, n):
+            # Each sub-batch is captured just before its first layer and its logits
+            # computed just after its last: nothing of the whole batch is held at once.
+            stash = self.stash = _HiddenStash(self.engine, self.kv.tier, f"{self.kv.name}.prefill")
+            arguments: list[Any] = [None] * nparts
+            hidden: list[Any] = [None] * nparts
+            logits: list[torch.Tensor] = []
+            shared = False
+        else:
+            arguments, shared = self._arguments(phase, inputs, parts, batch)
+            hidden = [calls[0][self.hidden_name] for calls in arguments]
+        outputs: list[Any] = [None] * nparts
         self._issue_weights(0)
         if phase == "decode":
             self._issue_kv(0, parts[0][0])
-        for index in range(len(self.layers)):
+        for index in range(n):
             tensors = self._weights(index)
             self._issue_weights(index + 1)
-            for position, (sb, _, _) in enumerate(parts):
+            for position, (sb, start, rows) in enumerate(parts):
+                if stash is not None:
+                    # The next step's input loads while this one runs.
+                    later, after = divmod(index * nparts + position + 1, nparts)
+                    if 1 <= later < n:
+                        stash.issue(later - 1, parts[after][0])
+                        self.trace.append(f"load blk{later - 1}.h.sb{parts[after][0]}")
+                    if index == 0:
+                        arguments[position] = self._capture(_rows(inputs, start, rows, batch))
+                        hidden[position] = arguments[position][0][self.hidden_name]
+                        for call in arguments[position]:
+                            del call[self.hidden_name]
+                    else:
+                        hidden[position] = stash.take(index - 1, sb)
                 if phase == "decode":
                     # The caches of the next KV_AHEAD (layer, sub-batch)s load while this one runs.
                     for later in range(position + 1, position + 1 + KV_AHEAD):
@@ -795,17 +874,30 @@ class _Generation:
                 self.trace.append(f"blk{index}.sb{sb}")
                 outputs[position] = output
                 hidden[position] = output if isinstance(output, torch.Tensor) else output[0]
-                store(index, position, keys, values, hidden[position].shape[-2])
+                added = hidden[position].shape[-2]
+                store(index, position, keys, values, added)
                 kv_layout = (keys.shape[1], keys.shape[-1], keys.dtype)
                 # The layer's input, past and new cache are dropped now, not when the
                 # next sub-batch overwrites them (the memory model counts one of each).
-                del kwargs, output, keys, values
+                del kwargs, keys, values
+                if stash is not None:
+                    if index < n - 1:
+                        stash.store(index, sb, hidden[position])
+                        self.trace.append(f"store blk{index}.h.sb{sb}")
+                    else:
+                        logits.append(self._tail(_rows(inputs, start, rows, batch), output))
+                    hidden[position] = outputs[position] = None
+                del output
             # The model's cache object learns the new shapes (values stay on the tier).
             heads, head_dim, dtype = kv_layout
-            meta = torch.empty((self.batch, heads, hidden[0].shape[-2], head_dim), dtype=dtype, device="meta")
+            meta = torch.empty((self.batch, heads, added, head_dim), dtype=dtype, device="meta")
             cache.layers[index].update(meta, meta)
             del tensors
         self.kv.flush()
+        if stash is not None:
+            stash.close()
+            self.stash = None
+            return torch.cat(logits)
         if shared:
             first = outputs[0]
             whole = torch.cat([output if isinstance(output, torch.Tensor) else output[0] for output in outputs])
@@ -899,6 +991,8 @@ class _Generation:
                             self.kv.drop(index, sb)
         finally:
             bar.close()
+            if self.stash is not None:
+                self.stash.close()
             self.kv.close()
         return sequences
 
@@ -1105,20 +1199,28 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
     store_key, load_key = (TransferKind.KV, Tier.DEVICE, Tier(kv_cache)), (TransferKind.KV, Tier(kv_cache), Tier.DEVICE)
     n, kp, kd = len(layers), plan.prefill_subbatches, plan.num_subbatches
     size_p, size_d = batch // kp, batch // kd
+    offloads = offloads_hidden(kv_moves, kp, n)
 
     def weight_loads_of(index):
         return [f"load blk{index}.w"] if weights_move and index < n and streamed[index] else []
 
     def prefill_order(stores: bool) -> str:
         # Decode sub-batch d is stored after the prefill part that holds its last row.
+        # Offloaded hidden states: stored after each layer but the last, the next
+        # step's loaded while a step runs.
         order = weight_loads_of(0)
         for index in range(n):
             order += weight_loads_of(index + 1)
             for part in range(kp):
+                later, after = divmod(index * kp + part + 1, kp)
+                if offloads and 1 <= later < n:
+                    order.append(f"load blk{later - 1}.h.sb{after}")
                 order.append(f"blk{index}.sb{part}")
                 if stores:
                     order += [f"store blk{index}.kv.sb{d}" for d in range(kd)
                               if part * size_p < (d + 1) * size_d <= (part + 1) * size_p]
+                if offloads and index < n - 1:
+                    order.append(f"store blk{index}.h.sb{part}")
         return " | ".join(order)
 
     def decode_order(stores: bool) -> str:
@@ -1137,15 +1239,19 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
                     order.append(f"store blk{index}.kv.sb{sb}")
         return " | ".join(order)
 
-    def moved(stored: int, loaded: int) -> dict[TransferKey, int]:
+    def moved(stored: int, loaded: int, hidden: int = 0) -> dict[TransferKey, int]:
         kv = {store_key: stored, load_key: loaded} if kv_moves else {}
-        return {key: v for key, v in {**weight_loads, **kv}.items() if v}
+        stashed = {(TransferKind.ACTIVATION, Tier.DEVICE, Tier(kv_cache)): hidden,
+                   (TransferKind.ACTIVATION, Tier(kv_cache), Tier.DEVICE): hidden}
+        return {key: v for key, v in {**weight_loads, **kv, **stashed}.items() if v}
 
     # The last pass stores no cache: no pass reads it.
     segments = [[min(length, cap)] for cap in caps]
     last = max_new_tokens == 1
+    hidden = (n - 1) * batch * length * _hidden_row_bytes(model, layers) if offloads else 0
     steps = [GenerationStep("prefill", tuple(range(kp)), prefill_order(kv_moves and not last),
-                            moved(0 if last else sum(b * s[0] for b, s in zip(position_bytes, segments)), 0))]
+                            moved(0 if last else sum(b * s[0] for b, s in zip(position_bytes, segments)), 0,
+                                  hidden))]
     # A decode step: each (layer, sub-batch) loads the segments it keeps and stores
     # its one new position merged with the last segments (`merged_segments`).
     loaded_segments = {}
@@ -1194,6 +1300,13 @@ def _kv_row_bytes(model: nn.Module, layers: Sequence[nn.Module]) -> list[int]:
     return rows
 
 
+def _hidden_row_bytes(model: nn.Module, layers: Sequence[nn.Module]) -> int:
+    """The bytes of one position of one sequence's hidden states between layers:
+    the model's hidden size in the layers' floating-point type."""
+    dtype = next((p.dtype for p in layers[0].parameters() if p.is_floating_point()), torch.get_default_dtype())
+    return model.config.hidden_size * dtype.itemsize
+
+
 # -- device memory -----------------------------------------------------------------
 
 
@@ -1208,8 +1321,10 @@ class PassMemory:
             generation (all but the streamed layer weights): the part of the peak
             that exists before `generate` is called.
         moment: where the peak is: ``blk1.sb0`` (the layer step of one
-            (layer, sub-batch)), ``take blk1.sb0`` (its cache's segments joined) or
-            ``tail`` (final norm and head).
+            (layer, sub-batch)), ``take blk1.sb0`` (its cache's segments joined),
+            ``store after blk1.sb0`` (the prefill's caches it completes, stored),
+            ``tail`` (final norm and head) or ``tail sb0`` (those of one sub-batch,
+            in a prefill whose hidden states rest on the KV cache's tier).
         terms: the peak's parts, by name (they add up to `peak_bytes`).
     """
 
@@ -1235,7 +1350,9 @@ class _MemoryModel:
     - the parameters and buffers that are not streamed (`resident`);
     - what the capture made for all sub-batches (embeddings, rotary tables, masks),
       until the pass ends (`captured`), and each sub-batch's hidden states between
-      layers (`hidden`);
+      layers (`hidden`); in a prefill that offloads them, what the captures so far
+      made but their hidden states, the computing sub-batch's, the next one's
+      loading and the sources of the stores in flight;
     - the streamed weights of `live_blocks` = 2 layers: the one computing and the
       next, prefetched (`weights`), each tensor padded as loads pad it;
     - the KV cache (`kv`): on a tier that copies nothing, every cache (the caches
@@ -1249,7 +1366,12 @@ class _MemoryModel:
       kernels hold less: an upper bound there);
     - at the tail, the last layer's outputs, their concatenation, and the forward
       run again (what it computes before the layers, held through it as the
-      capture is, then the final norm and the logits, traced likewise: `tail`).
+      capture is, then the final norm and the logits, traced likewise: `tail`);
+      in a prefill that offloads hidden states, one sub-batch's, after its last
+      layer step;
+    - when the prefill stores the caches a sub-batch completes: its output and new
+      cache, the pieces of a decode sub-batch and their join, the rows copied out
+      for the store, and the stores in flight.
 
     The pass's peak is the largest such sum over its layer steps and its tail.
     Not counted: the growing sequences and masks (a few bytes a token), the
@@ -1401,40 +1523,46 @@ class _MemoryModel:
             self.peaks[key] = self._traced_peak(tail, (tensors, self._fake_like(hidden), others))
         return self.peaks[key]
 
-    def _traced(self, phase: str, past: int, size: int) -> tuple[int, int, list[int], int]:
-        """The traced parts of a pass after `past` positions with sub-batches of
-        `size`: the bytes the capture makes, the hidden states of the batch, each
-        layer step's peak and the tail's."""
+    def _captured(self, phase: str, past: int, rows: int) -> tuple[dict, list[dict], int, int]:
+        """The capture of `rows` sequences after `past` positions, on fake tensors:
+        its inputs, the layers' arguments, the bytes of the tensors it makes (held
+        by those arguments through the pass), and those bytes but the hidden states'."""
         from torch._subclasses.fake_tensor import FakeTensor
         from torch.multiprocessing.reductions import StorageWeakRef
         from transformers import DynamicCache
 
-        batch, n = self.batch, len(self.layers)
-        query = self.length if phase == "prefill" else 1
-        if (phase, past) not in self.captures:
-            # The capture, on fake tensors: the tensors it makes, held by the
-            # layers' arguments through the pass.
+        if (phase, past, rows) not in self.captures:
+            query = self.length if phase == "prefill" else 1
             cache = DynamicCache(config=self.model.config)
             if past:
-                self._grow(cache, batch, past)
-            sequences = torch.zeros((batch, past + query), dtype=torch.long, device=self.device)
+                self._grow(cache, rows, past)
+            sequences = torch.zeros((rows, past + query), dtype=torch.long, device=self.device)
             inputs = _pass_inputs(self.model, sequences, cache, None, _position_ids(self.model, sequences, None),
                                   phase == "prefill")
             with self.mode:
                 calls = _capture(self.model, self.layers, self.plan.layers_name, inputs)
-            storages = {}
+            storages, hidden = {}, StorageWeakRef(calls[0][self.hidden_name].untyped_storage())
             for call in calls:
                 for name, value in call.items():
                     for leaf in (value if isinstance(value, (tuple, list)) else (value,)):
                         if name != "past_key_values" and isinstance(leaf, FakeTensor):
                             storages[StorageWeakRef(leaf.untyped_storage())] = leaf.untyped_storage().nbytes()
-            self._grow(cache, batch, query)  # the tail sees the pass's new positions
-            self.captures[phase, past] = (inputs, calls, sum(storages.values()))
-        inputs, calls, captured = self.captures[phase, past]
+            self._grow(cache, rows, query)  # the tail sees the pass's new positions
+            captured = sum(storages.values())
+            self.captures[phase, past, rows] = (inputs, calls, captured, captured - storages.get(hidden, 0))
+        return self.captures[phase, past, rows]
+
+    def _traced(self, phase: str, past: int, size: int, rows: int) -> tuple[int, int, int, list[int], int]:
+        """The traced parts of a pass after `past` positions with sub-batches of
+        `size`, captured `rows` sequences at a time: the bytes a capture makes, those
+        but its hidden states, its hidden states, each layer step's peak and the
+        tail's (of `rows` sequences)."""
+        inputs, calls, captured, other = self._captured(phase, past, rows)
         hidden = calls[0][self.hidden_name]
-        steps = [self._step_peak(index, size, self._kept(index, past), calls[index]) for index in range(n)]
+        steps = [self._step_peak(index, size, self._kept(index, past), calls[index])
+                 for index in range(len(self.layers))]
         tail = self._tail_peak(inputs, hidden)
-        return captured, hidden.numel() * hidden.element_size(), steps, tail
+        return captured, other, hidden.numel() * hidden.element_size(), steps, tail
 
     def pass_memory(self, phase: str, past: int, stores: bool, segments: Sequence[Sequence[int]] = (),
                     traced_past: int | None = None) -> PassMemory:
@@ -1455,8 +1583,11 @@ class _MemoryModel:
         parts = plan.prefill_subbatches if phase == "prefill" else plan.num_subbatches
         size, decode_size = batch // parts, batch // plan.num_subbatches
         query = self.length if phase == "prefill" else 1
-        captured, hidden_bytes, steps, tail = self._traced(phase, past if traced_past is None else traced_past, size)
-        part_hidden = hidden_bytes // parts
+        # An offloading prefill captures, and computes the logits of, one sub-batch at a time.
+        offloads = phase == "prefill" and offloads_hidden(self.kv_moves, parts, n)
+        captured, other, hidden_bytes, steps, tail = self._traced(
+            phase, past if traced_past is None else traced_past, size, size if offloads else batch)
+        part_hidden = hidden_bytes if offloads else hidden_bytes // parts
 
         # 2. The stores' sources in the order they are issued (the last
         # `stores_in_flight` (layer, sub-batch)s' are alive), and how many precede
@@ -1478,6 +1609,17 @@ class _MemoryModel:
         def in_flight(count: int) -> int:
             return sum(issued[max(0, count - 4):count])
 
+        def hidden_held(index: int, part: int) -> int:
+            """The hidden states an offloading prefill holds at a layer step: what the
+            captures so far keep but their hidden states, the step's input, the next
+            step's input loading, and the sources of the stores in flight."""
+            step = index * parts + part
+            loaded = self._padded(part_hidden)  # a load pads what it reads
+            loading = 1 <= (step + 1) // parts < n
+            storing = min(HIDDEN_STORES_IN_FLIGHT, step, (n - 1) * parts)
+            return (other * (part + 1 if index == 0 else parts) + (part_hidden if index == 0 else loaded)
+                    + loading * loaded + storing * part_hidden)
+
         # 3. Every moment of the pass.
         held = 0 if self.kv_moves else sum(self._cache_bytes(i, batch, self._kept(i, past)) for i in range(n))
         growth = [self._cache_bytes(i, size, self._kept(i, past + query)) - self._cache_bytes(
@@ -1488,7 +1630,8 @@ class _MemoryModel:
             weights = self.weights[index] + (self.weights[index + 1] if index + 1 < n else 0)
             for part in range(parts):
                 common = {"parameters": self.resident, "weights": weights,
-                          "hidden": captured + (parts if index else part) * part_hidden}
+                          "hidden": hidden_held(index, part) if offloads
+                          else captured + (parts if index else part) * part_hidden}
                 if not self.kv_moves:
                     # Prefill parts smaller than a decode sub-batch wait as pieces: the same bytes.
                     moments.append((f"blk{index}.sb{part}", {**common, "kv": held + grown, "step": steps[index]}))
@@ -1496,9 +1639,30 @@ class _MemoryModel:
                     continue
                 stored = in_flight(before[index, part])
                 if phase == "prefill":
-                    pending = self._cache_bytes(index, (part * size) % decode_size, self._kept(index, self.length)) \
-                        if size < decode_size else 0
-                    moments.append((f"blk{index}.sb{part}", {**common, "kv": stored + pending, "step": steps[index]}))
+                    def pending(part: int) -> int:
+                        return self._cache_bytes(index, (part * size) % decode_size,
+                                                 self._kept(index, self.length)) if size < decode_size else 0
+
+                    moments.append((f"blk{index}.sb{part}", {**common, "kv": stored + pending(part),
+                                                             "step": steps[index]}))
+                    # Its stores, one per decode sub-batch it completes: the step's
+                    # output and new cache (with the pieces of earlier sub-batches
+                    # and their join), the stores in flight, and the rows copied out.
+                    first, last = before[index, part], (before[index, part + 1] if part + 1 < parts
+                                                        else len(issued))
+                    whole = self._cache_bytes(index, decode_size, self._kept(index, self.length))
+                    made = self._cache_bytes(index, size, self._kept(index, self.length)) + (
+                        pending(part) + whole if size < decode_size else 0)
+                    moments += [(f"store after blk{index}.sb{part}", {
+                        **common, "hidden": common["hidden"] + part_hidden,
+                        "kv": in_flight(count) + made + issued[count]}) for count in range(first, last)]
+                    if offloads and index == n - 1:
+                        # The sub-batch's tail, once its caches are stored: its last
+                        # output instead of the step, and the forward again.
+                        after = before[index, part + 1] if part + 1 < parts else len(issued)
+                        moments.append((f"tail sb{part}", {
+                            **common, "hidden": common["hidden"] + captured,
+                            "kv": in_flight(after) + pending(part + 1), "tail": tail}))
                     continue
                 step = index * parts + part
                 ahead = sum(self._loaded_bytes(later // parts, size, segments[later // parts])
@@ -1514,8 +1678,9 @@ class _MemoryModel:
                                                          "step": steps[index]}))
         # The tail: every sub-batch's last output, their concatenation, and the
         # forward again, holding what it computes before the layers as the capture does.
-        moments.append(("tail", {"parameters": self.resident, "hidden": 2 * captured + 2 * hidden_bytes,
-                                 "kv": 0 if self.kv_moves else held + grown, "tail": tail}))
+        if not offloads:
+            moments.append(("tail", {"parameters": self.resident, "hidden": 2 * captured + 2 * hidden_bytes,
+                                     "kv": 0 if self.kv_moves else held + grown, "tail": tail}))
         moment, terms = max(moments, key=lambda item: sum(item[1].values()))
         return PassMemory(phase, sum(terms.values()), self.resident, moment, terms)
 

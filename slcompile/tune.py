@@ -231,12 +231,16 @@ def tune_generation(
         return peaks[key]
 
     def choose(w: str, kv: str, limit: int) -> tuple[int, int] | None:
-        """(prefill K, decode K): the fewest sub-batches that fit, decode first."""
-        decode_k = next((k for k in divisors if max_new_tokens == 1 or peak(w, kv, "decode", k, k) <= limit), None)
-        if decode_k is None:
-            return None
-        prefill_k = next((k for k in divisors if peak(w, kv, "prefill", k, decode_k) <= limit), None)
-        return None if prefill_k is None else (prefill_k, decode_k)
+        """(prefill K, decode K): the fewest sub-batches that fit, decode first (the
+        prefill joins each decode sub-batch's cache of a layer before storing it, so
+        a decode K that fits may leave no prefill that does)."""
+        for decode_k in divisors:
+            if max_new_tokens > 1 and peak(w, kv, "decode", decode_k, decode_k) > limit:
+                continue
+            prefill_k = next((k for k in divisors if peak(w, kv, "prefill", k, decode_k) <= limit), None)
+            if prefill_k is not None:
+                return prefill_k, decode_k
+        return None
 
     combinations = [(w, kv) for w in tiers(weights) for kv in tiers(kv_cache)]
     for w, kv in combinations:

@@ -229,9 +229,17 @@ def test_explain_generation_predicts_the_measured_schedules_and_bytes_of_every_p
     # until the window has left it.
     loaded = [step.bytes_of(*KV_LOADED) for step in explained.steps]
     assert loaded == [kv_bytes(model, 4, n) for n in (0, 3, 4, 5, 3, 3)]
+    # Four prefill sub-batches: each one's hidden states go to the KV tier between
+    # the layers, and the next step's come back while a step runs.
     assert explained.prefill_schedule == (
-        "load blk0.w | load blk1.w | blk0.sb0 | blk0.sb1 | store blk0.kv.sb0 | blk0.sb2 | blk0.sb3 | "
-        "store blk0.kv.sb1 | blk1.sb0 | blk1.sb1 | store blk1.kv.sb0 | blk1.sb2 | blk1.sb3 | store blk1.kv.sb1")
+        "load blk0.w | load blk1.w | blk0.sb0 | store blk0.h.sb0 | blk0.sb1 | store blk0.kv.sb0 | "
+        "store blk0.h.sb1 | blk0.sb2 | store blk0.h.sb2 | load blk0.h.sb0 | blk0.sb3 | store blk0.kv.sb1 | "
+        "store blk0.h.sb3 | load blk0.h.sb1 | blk1.sb0 | load blk0.h.sb2 | blk1.sb1 | store blk1.kv.sb0 | "
+        "load blk0.h.sb3 | blk1.sb2 | blk1.sb3 | store blk1.kv.sb1")
+    hidden = 4 * 6 * model.config.hidden_size * 4  # one layer's output, every sequence, float32
+    assert explained.steps[0].bytes_of(TransferKind.ACTIVATION, Tier.DEVICE, Tier.NVME) == hidden
+    assert explained.steps[0].bytes_of(TransferKind.ACTIVATION, Tier.NVME, Tier.DEVICE) == hidden
+    assert not any(step.bytes_of(TransferKind.ACTIVATION, Tier.DEVICE, Tier.NVME) for step in explained.steps[1:])
     # Each (layer, sub-batch)'s cache loads while the two before it run.
     assert explained.decode_schedule == (
         "load blk0.w | load blk0.kv.sb0 | load blk1.w | load blk0.kv.sb1 | load blk1.kv.sb0 | blk0.sb0 | "
@@ -354,13 +362,16 @@ def measured_generate_peak(model, input_ids, new_tokens, **options) -> int:
 
 
 # (prefill K, decode K, weights, kv_cache, prompt length, new tokens, hidden size):
-# the prefill the peak on each tier, then generations whose last decode pass is the
-# peak (on nvme, the segments of the cache are loaded and joined, or read into one
-# buffer where a position's keys and values of a sub-batch fill a page: none is
-# kept in memory once stored).
+# the prefill the peak on each tier (with 4 and 8 sub-batches and the cache on nvme,
+# hidden states rest there between layers; with 8, storing the caches that the
+# prefill's sub-batches of one sequence complete is the peak), then generations
+# whose last decode pass is the peak (on nvme, the segments of the cache are loaded
+# and joined, or read into one buffer where a position's keys and values of a
+# sub-batch fill a page: none is kept in memory once stored).
 MEMORY_CASES = [
     (2, 2, "device", "device", 32, 2, 64),
     (4, 2, "nvme", "nvme", 32, 2, 64),
+    (8, 2, "device", "nvme", 32, 2, 64),
     (1, 4, "device", "device", 4, 40, 64),
     (2, 2, "device", "nvme", 4, 12, 64),
     (1, 1, "device", "nvme", 4, 12, 128),
@@ -389,6 +400,58 @@ def test_explained_device_peak_of_prefill_and_decode_within_five_percent_of_meas
     measured = measured_generate_peak(model, input_ids, new_tokens, **options)
     predicted = explained.peak_bytes - prefill.resident_bytes
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured, str(explained))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_prefill_with_hidden_states_on_the_kv_tier_gives_the_tokens_of_eager(tmp_path, family):
+    """Four prefill sub-batches, each captured alone before the first layer and its
+    logits computed after the last, its hidden states on nvme in between; left
+    padding, early EOS. (GPT-2 runs this way in the first test's cases.)"""
+    model = FAMILIES[family]().eval()
+    input_ids, mask = left_padded_batch(batch=8, length=7)
+    eos = early_eos(model, input_ids, mask, 5)
+    expected = eager_generate(model, input_ids, mask, 5, eos=[eos])
+    out = run_generate(model, input_ids, mask, 5, [eos], num_subbatches=2, prefill_subbatches=4, kv_cache="nvme",
+                       offload_dir=str(tmp_path), return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert out.steps[0].bytes_of(TransferKind.ACTIVATION, Tier.NVME, Tier.DEVICE) == 8 * 7 * 32 * 4
+
+
+def test_prefill_with_hidden_states_on_the_kv_tier_fits_a_budget_a_device_cache_cannot(tmp_path):
+    """Held on the device, a prefill keeps every sequence's hidden states between
+    layers and its tail sees the whole batch, whatever K: batch 32 needs 2.4 MB.
+    With the cache on nvme, and the hidden states with it, more sub-batches fit less."""
+    from slcompile.tune import GenerationBudgetError
+
+    model = hf_llama(num_hidden_layers=2, hidden_size=64, vocab_size=VOCAB).eval()
+    shape, new_tokens = (32, 32), 2
+    resident = explain_generation(model, shape, new_tokens).prefill_memory.resident_bytes
+    budget = resident + 800_000
+    with pytest.raises(GenerationBudgetError):
+        slcompile.tune_generation(model, shape, new_tokens, memory_budget=budget, weights="device",
+                                  kv_cache="device", offload_dir=str(tmp_path))
+    result = slcompile.tune_generation(model, shape, new_tokens, memory_budget=budget, weights="device",
+                                       kv_cache="nvme", offload_dir=str(tmp_path))
+    options = result.options
+    assert result.memory.peak_bytes <= budget
+
+    def prefill_peak(k, prefill_k):
+        return explain_generation(model, shape, new_tokens, k, prefill_subbatches=prefill_k, weights="device",
+                                  kv_cache="nvme").prefill_memory.peak_bytes
+
+    # The fewest that fit: half the prefill's sub-batches would not, nor would any
+    # prefill with half the decode's (it joins each decode sub-batch's cache of a
+    # layer before storing it).
+    k, prefill_k = options["num_subbatches"], options["prefill_subbatches"]
+    assert prefill_k > 1 and prefill_peak(k, prefill_k // 2) > budget
+    assert k > 1 and all(prefill_peak(k // 2, p) > budget for p in (1, 2, 4, 8, 16, 32))
+    input_ids = torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(2))
+    expected = eager_generate(model, input_ids, None, new_tokens, eos=[])
+    options["offload_dir"] = str(tmp_path)
+    assert torch.equal(run_generate(model, input_ids, None, new_tokens, [], **options), expected)
+    measured = measured_generate_peak(model, input_ids, new_tokens, **options)
+    assert measured + resident <= budget
+    assert abs(result.memory.peak_bytes - resident - measured) <= 0.05 * measured
 
 
 def test_tune_generation_picks_the_fewest_subbatches_that_fit_and_refuses_a_budget_nothing_fits(tmp_path):
