@@ -777,6 +777,11 @@ class _Generation:
         if self.kv.appends:
             self.trace.append(f"store blk{index}.kv.sb{sb}")
 
+    def _store_filled(self, index: int, sb: int, filled) -> None:
+        self.kv.store_rows(index, sb, filled)
+        if self.kv.appends:
+            self.trace.append(f"store blk{index}.kv.sb{sb}")
+
     # -- one forward pass -------------------------------------------------------
     def _capture(self, inputs: dict) -> list[dict[str, Any]]:
         return _capture(self.model, self.layers, self.plan.layers_name, inputs)
@@ -928,7 +933,8 @@ class _Generation:
                 processors.append(TopPLogitsWarper(top_p=plan.top_p, min_tokens_to_keep=1))
         size = batch // k
         cache = self.cache_factory()
-        prefill_store = _PrefillStore(self._store_kv, batch // plan.prefill_subbatches, size)
+        prefill_store = _PrefillStore(self.kv, self._store_kv, self._store_filled, batch // plan.prefill_subbatches,
+                                      size)
         sequences = input_ids
         unfinished = torch.ones(batch, dtype=torch.long, device=device)
         active = list(range(k))  # the decode sub-batches still generating
@@ -1003,12 +1009,14 @@ def _no_store(*args) -> None:
 
 class _PrefillStore:
     """Stores the prefill's caches by decode sub-batch: each prefill part's rows go
-    to the decode sub-batches that hold them, stored once a decode sub-batch's rows
-    are all there (at once when both split the batch alike)."""
+    to the decode sub-batches that hold them, stored at once when a part holds a
+    whole decode sub-batch, else copied into that sub-batch's rows
+    (`KVStore.empty_rows`) and stored once they are all there."""
 
-    def __init__(self, store: Callable, prefill_size: int, decode_size: int):
-        self.store, self.prefill_size, self.decode_size = store, prefill_size, decode_size
-        self.pieces: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    def __init__(self, kv, store: Callable, store_rows: Callable, prefill_size: int, decode_size: int):
+        self.kv, self.store, self.store_rows = kv, store, store_rows
+        self.prefill_size, self.decode_size = prefill_size, decode_size
+        self.filling: dict[tuple[int, int], Any] = {}
 
     def __call__(self, index: int, position: int, keys, values, new: int) -> None:
         first = position * self.prefill_size
@@ -1016,16 +1024,16 @@ class _PrefillStore:
         while row < first + self.prefill_size:
             sb = row // self.decode_size
             end = min((sb + 1) * self.decode_size, first + self.prefill_size)
-            piece = (keys, values) if end - row == keys.shape[0] else (
-                keys.narrow(0, row - first, end - row), values.narrow(0, row - first, end - row))
-            pieces = self.pieces.setdefault((index, sb), [])
-            pieces.append(piece)
-            if end == (sb + 1) * self.decode_size:
-                del self.pieces[index, sb]
-                if len(pieces) == 1:
-                    self.store(index, sb, *pieces[0], new)
-                else:
-                    self.store(index, sb, torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces]), new)
+            if end - row == self.decode_size:
+                whole = end - row == keys.shape[0]
+                self.store(index, sb, keys if whole else keys.narrow(0, row - first, end - row),
+                           values if whole else values.narrow(0, row - first, end - row), new)
+            else:
+                if (index, sb) not in self.filling:
+                    self.filling[index, sb] = self.kv.empty_rows(keys, values, self.decode_size)
+                if self.filling[index, sb].add(keys.narrow(0, row - first, end - row),
+                                               values.narrow(0, row - first, end - row)):
+                    self.store_rows(index, sb, self.filling.pop((index, sb)))
             row = end
 
 
@@ -1369,9 +1377,9 @@ class _MemoryModel:
       capture is, then the final norm and the logits, traced likewise: `tail`);
       in a prefill that offloads hidden states, one sub-batch's, after its last
       layer step;
-    - when the prefill stores the caches a sub-batch completes: its output and new
-      cache, the pieces of a decode sub-batch and their join, the rows copied out
-      for the store, and the stores in flight.
+    - when the prefill stores its caches: a sub-batch's output and new cache, the
+      stores in flight, and the rows copied out for the store (those of a decode
+      sub-batch that several prefill sub-batches fill, from the first one on).
 
     The pass's peak is the largest such sum over its layer steps and its tail.
     Not counted: the growing sequences and masks (a few bytes a token), the
@@ -1639,30 +1647,35 @@ class _MemoryModel:
                     continue
                 stored = in_flight(before[index, part])
                 if phase == "prefill":
-                    def pending(part: int) -> int:
-                        return self._cache_bytes(index, (part * size) % decode_size,
-                                                 self._kept(index, self.length)) if size < decode_size else 0
+                    whole = self._cache_bytes(index, decode_size, self._kept(index, self.length))
 
-                    moments.append((f"blk{index}.sb{part}", {**common, "kv": stored + pending(part),
+                    def filling(part: int) -> int:
+                        # The rows of a decode sub-batch that earlier parts began to fill.
+                        return whole if size < decode_size and (part * size) % decode_size else 0
+
+                    moments.append((f"blk{index}.sb{part}", {**common, "kv": stored + filling(part),
                                                              "step": steps[index]}))
-                    # Its stores, one per decode sub-batch it completes: the step's
-                    # output and new cache (with the pieces of earlier sub-batches
-                    # and their join), the stores in flight, and the rows copied out.
+                    # Its stores: the step's output and new cache, the stores in
+                    # flight, and the rows of the decode sub-batch it fills (one per
+                    # store where it holds whole decode sub-batches, copied out).
                     first, last = before[index, part], (before[index, part + 1] if part + 1 < parts
                                                         else len(issued))
-                    whole = self._cache_bytes(index, decode_size, self._kept(index, self.length))
-                    made = self._cache_bytes(index, size, self._kept(index, self.length)) + (
-                        pending(part) + whole if size < decode_size else 0)
-                    moments += [(f"store after blk{index}.sb{part}", {
-                        **common, "hidden": common["hidden"] + part_hidden,
-                        "kv": in_flight(count) + made + issued[count]}) for count in range(first, last)]
+                    made = self._cache_bytes(index, size, self._kept(index, self.length))
+                    hidden = common["hidden"] + part_hidden
+                    if size < decode_size:
+                        moments.append((f"store after blk{index}.sb{part}", {
+                            **common, "hidden": hidden, "kv": in_flight(first) + made + whole}))
+                    else:
+                        moments += [(f"store after blk{index}.sb{part}", {
+                            **common, "hidden": hidden, "kv": in_flight(count) + made + issued[count]})
+                            for count in range(first, last)]
                     if offloads and index == n - 1:
                         # The sub-batch's tail, once its caches are stored: its last
                         # output instead of the step, and the forward again.
                         after = before[index, part + 1] if part + 1 < parts else len(issued)
                         moments.append((f"tail sb{part}", {
                             **common, "hidden": common["hidden"] + captured,
-                            "kv": in_flight(after) + pending(part + 1), "tail": tail}))
+                            "kv": in_flight(after) + filling(part + 1), "tail": tail}))
                     continue
                 step = index * parts + part
                 ahead = sum(self._loaded_bytes(later // parts, size, segments[later // parts])

@@ -232,8 +232,8 @@ def tune_generation(
 
     def choose(w: str, kv: str, limit: int) -> tuple[int, int] | None:
         """(prefill K, decode K): the fewest sub-batches that fit, decode first (the
-        prefill joins each decode sub-batch's cache of a layer before storing it, so
-        a decode K that fits may leave no prefill that does)."""
+        prefill fills the rows of each decode sub-batch's cache of a layer before
+        storing them, so a decode K that fits may leave no prefill that does)."""
         for decode_k in divisors:
             if max_new_tokens > 1 and peak(w, kv, "decode", decode_k, decode_k) > limit:
                 continue

@@ -52,7 +52,7 @@ from .engine import TransferEngine, TransferHandle
 from .nvme import PageBufferCache
 from .tiers import PAGE_BYTES, Tier, TransferKind
 
-__all__ = ["KVStore", "forgettable_segments", "merged_segments", "reads_in_place"]
+__all__ = ["KVStore", "PartRows", "forgettable_segments", "merged_segments", "reads_in_place"]
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,34 @@ def reads_in_place(row_bytes: int, granularity: int) -> bool:
     segment starts and ends on the loads' `granularity` (the page on a CPU machine,
     whose loads read whole pages; 1 on a GPU)."""
     return row_bytes % granularity == 0
+
+
+class PartRows:
+    """The rows of one cache filled by parts of its sequences (`KVStore.empty_rows`)."""
+
+    def __init__(self, store: KVStore, keys: torch.Tensor, values: torch.Tensor, sequences: int):
+        self.sequences, self.filled = sequences, 0
+        if not store.appends:
+            self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+            return
+        whole_keys = keys.new_empty((sequences, *keys.shape[1:]), device="meta")
+        whole_values = values.new_empty((sequences, *values.shape[1:]), device="meta")
+        self.layout = _Rows.of(whole_keys, whole_values)
+        self.rows = torch.empty((keys.shape[-2], self.layout.row_bytes), dtype=torch.uint8, device=keys.device)
+
+    def add(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Copies in the next sequences' keys and values; True once all are there."""
+        count = keys.shape[0]
+        if hasattr(self, "rows"):
+            self.layout.keys(self.rows).narrow(0, self.filled, count).copy_(keys)
+            self.layout.values(self.rows).narrow(0, self.filled, count).copy_(values)
+        else:
+            self.parts.append((keys, values))
+        self.filled += count
+        return self.filled == self.sequences
+
+    def joined(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat([k for k, _ in self.parts]), torch.cat([v for _, v in self.parts])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +248,7 @@ class KVStore:
         segments = self._segments.setdefault(where, [])
         replaced, count = merged_segments([size for _, size in segments], min(new, length), length) \
             if segments else (0, length)
+        rows = None
         if count:
             layout = self._rows.setdefault(where, _Rows.of(keys, values))
             # The positions written, copied out as rows: a view would keep the
@@ -227,6 +256,35 @@ class KVStore:
             rows = torch.empty((count, layout.row_bytes), dtype=torch.uint8, device=keys.device)
             layout.keys(rows).copy_(keys.narrow(-2, length - count, count))
             layout.values(rows).copy_(values.narrow(-2, length - count, count))
+        self._store_rows(where, rows, replaced, length)
+
+    def empty_rows(self, keys: torch.Tensor, values: torch.Tensor, sequences: int) -> PartRows:
+        """Rows for the cache of `sequences` sequences, to be filled part by part
+        (the keys and values of some of them: `(part, ..., positions, head_dim)`) and
+        stored whole by `store_rows`; where the tier copies nothing, the parts are
+        kept and joined."""
+        return PartRows(self, keys, values, sequences)
+
+    def store_rows(self, block: int, subbatch: int, filled: PartRows) -> None:
+        """Issues the first store of one (block, sub-batch)'s cache from filled rows."""
+        where = (block, subbatch)
+        if not self.appends:
+            keys, values = filled.joined()
+            self.store(block, subbatch, keys, values, keys.shape[-2])
+            return
+        if where in self._segments:
+            raise ValueError(f"store_rows: blk{block}.sb{subbatch} already has a stored cache")
+        self._segments[where] = []
+        self._rows[where] = filled.layout
+        self._store_rows(where, filled.rows, 0, filled.rows.shape[0])
+
+    def _store_rows(self, where: tuple[int, int], rows: torch.Tensor | None, replaced: int, length: int) -> None:
+        """Stores `rows` (None: nothing new) as the newest segment of a cache of
+        `length` positions, replacing its last `replaced` segments."""
+        block, subbatch = where
+        segments = self._segments[where]
+        if rows is not None:
+            count = rows.shape[0]
             number = next(self._numbers)
             # The engine keeps a store's handle with the stored entry: one that
             # kept its source would hold every segment in memory as long as it is
