@@ -1094,6 +1094,7 @@ class GenerationExplanation:
 
         kv = (TransferKind.KV, Tier.DEVICE, Tier(self.kv_cache))
         kv_back = (TransferKind.KV, Tier(self.kv_cache), Tier.DEVICE)
+        hidden = (TransferKind.ACTIVATION, Tier.DEVICE, Tier(self.kv_cache))
 
         def weight_bytes(step):
             return sum(n for (kind, _, destination), n in step.bytes_moved.items()
@@ -1113,6 +1114,9 @@ class GenerationExplanation:
         for memory in (self.prefill_memory, self.decode_memory):
             if memory is not None:
                 lines.append(f"  {memory}")
+        if self.steps[0].bytes_of(*hidden):
+            lines.append(f"  prefill hidden states between layers on {self.kv_cache}: "
+                         f"{format_bytes(self.steps[0].bytes_of(*hidden))} stored and loaded")
         lines.append(f"  {'pass':<10} {'weights loaded':>15} {'kv stored':>12} {'kv loaded':>12}")
         names = ["prefill"] + [f"decode {t}" for t in range(1, len(self.steps))]
         shown = range(len(self.steps)) if len(self.steps) <= 8 else [0, 1, 2, len(self.steps) - 1]

@@ -213,6 +213,7 @@ def test_embeddings_masks_and_rotary_are_computed_once_per_pass(monkeypatch):
 
 def test_explain_generation_predicts_the_measured_schedules_and_bytes_of_every_pass(tmp_path):
     from slcompile.generate import explain_generation
+    from slcompile.units import format_bytes
 
     for family, prefill_k, k in (("llama", 2, 1), ("mistral", 4, 2)):
         model = FAMILIES[family]().eval()
@@ -248,6 +249,7 @@ def test_explain_generation_predicts_the_measured_schedules_and_bytes_of_every_p
     assert "store" not in explained.steps[-1].schedule and not explained.steps[-1].bytes_of(*KV_STORED)
     text = str(explained)
     assert "prefill: 4 sub-batches of 1; decode: 2 sub-batches of 2" in text
+    assert f"prefill hidden states between layers on nvme: {format_bytes(hidden)} stored and loaded" in text
     assert f"prefill schedule: {explained.prefill_schedule}" in text
 
 
