@@ -1144,6 +1144,7 @@ def explain_generation(
     offload_dir: str | None = None,
     load_granularity: int | None = None,
     load_overhead: int = 0,
+    padded: bool = False,
 ) -> GenerationExplanation:
     """The schedules, bytes and device memory per pass of `generate(model,
     input_ids, ...)` with these options, without running the model (the memory of
@@ -1159,22 +1160,27 @@ def explain_generation(
             files straight into page-padded memory; 1 on a GPU).
         load_overhead: bytes each loaded tensor takes beyond that (one page inside
             `slcompile.runtime.nvme.buffers_seen_by_profiler`).
+        padded: predict the memory for left-padded prompts, every sequence padded
+            (the masks the model then builds for each sub-batch are counted); the
+            bound for any `attention_mask`.
 
     Returns:
         The prediction; its `steps` equal those `generate(...,
         return_dict_in_generate=True)` measures when no sequence stops early, and
         `prefill_memory`/`decode_memory` give the device peak of the prefill and of
-        the largest decode pass, for greedy decoding of prompts without padding.
+        the largest decode pass, for greedy decoding of prompts without padding
+        (with `padded`: every prompt padded).
 
     Raises:
         OptionError, RefusedError: as `generate` raises them.
     """
     return _explain_generation(model, input_shape, max_new_tokens, num_subbatches, prefill_subbatches, weights,
-                               kv_cache, offload_dir, load_granularity, load_overhead, {})
+                               kv_cache, offload_dir, load_granularity, load_overhead, {}, padded)
 
 
 def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
-                        offload_dir, load_granularity, load_overhead, memo: dict) -> GenerationExplanation:
+                        offload_dir, load_granularity, load_overhead, memo: dict,
+                        padded: bool = False) -> GenerationExplanation:
     """`explain_generation`; `memo` keeps the traced memory of the capture, the layer
     steps and the tail between calls for one model and input shape (they do not
     depend on the tiers)."""
@@ -1281,7 +1287,8 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
         steps.append(GenerationStep("decode", tuple(range(kd)), decode_order(kv_moves and not last),
                                     moved(0 if last else stored, loaded)))
     try:
-        memory = _MemoryModel(model, plan, engine, batch, length, streamed, load_granularity, load_overhead, memo)
+        memory = _MemoryModel(model, plan, engine, batch, length, streamed, load_granularity, load_overhead,
+                              memo.setdefault("padded", {}) if padded else memo, padded)
         prefill_memory = memory.pass_memory("prefill", 0, kv_moves and max_new_tokens > 1)
         # Every decode pass's layer steps are traced with the last one's cache length:
         # the longest, so no step's temporaries are underestimated.
@@ -1391,12 +1398,12 @@ class _MemoryModel:
     """
 
     def __init__(self, model, plan: _Plan, engine, batch: int, length: int, streamed, load_granularity: int,
-                 load_overhead: int, memo: dict):
+                 load_overhead: int, memo: dict, padded: bool = False):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from slcompile.runtime.weights import weight_home
 
-        self.model, self.plan, self.batch, self.length = model, plan, batch, length
+        self.model, self.plan, self.batch, self.length, self.padded = model, plan, batch, length, padded
         self.layers = plan.layers
         self.granularity, self.overhead = max(1, load_granularity), load_overhead
         self.kv_moves = not engine.copies_nothing(Tier(plan.kv_cache), Tier.DEVICE)
@@ -1549,7 +1556,11 @@ class _MemoryModel:
             if past:
                 self._grow(cache, rows, past)
             sequences = torch.zeros((rows, past + query), dtype=torch.long, device=self.device)
-            inputs = _pass_inputs(self.model, sequences, cache, None, _position_ids(self.model, sequences, None),
+            mask = None
+            if self.padded:  # every sequence padded, by its first position
+                mask = torch.ones_like(sequences)
+                mask[:, 0] = 0
+            inputs = _pass_inputs(self.model, sequences, cache, mask, _position_ids(self.model, sequences, mask),
                                   phase == "prefill")
             with self.mode:
                 calls = _capture(self.model, self.layers, self.plan.layers_name, inputs)

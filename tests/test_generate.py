@@ -348,7 +348,7 @@ def test_kv_store_merges_new_positions_into_segments_and_reads_back_the_position
     engine.close()
 
 
-def measured_generate_peak(model, input_ids, new_tokens, **options) -> int:
+def measured_generate_peak(model, input_ids, new_tokens, mask=None, **options) -> int:
     """Bytes the allocator handed out at the peak of a `generate` call, over what
     it held before (the resident parameters), in steady state: compiled, weights
     already on their tier. Loads land in torch's allocator, one page of slack each."""
@@ -356,7 +356,7 @@ def measured_generate_peak(model, input_ids, new_tokens, **options) -> int:
     from slcompile.runtime.nvme import buffers_seen_by_profiler
 
     def run():
-        run_generate(model, input_ids, None, new_tokens, [], **options)
+        run_generate(model, input_ids, mask, new_tokens, [], **options)
 
     with buffers_seen_by_profiler():
         run()
@@ -402,6 +402,24 @@ def test_explained_device_peak_of_prefill_and_decode_within_five_percent_of_meas
     measured = measured_generate_peak(model, input_ids, new_tokens, **options)
     predicted = explained.peak_bytes - prefill.resident_bytes
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured, str(explained))
+
+
+def test_explained_device_peak_of_left_padded_prompts_within_five_percent_of_measured(tmp_path):
+    """Padded prompts make the model build a mask per sub-batch, which an offloading
+    prefill holds for every sub-batch through the pass: `padded=True` counts them."""
+    from slcompile.runtime.tiers import PAGE_BYTES
+
+    model = hf_llama(num_hidden_layers=2, hidden_size=64, vocab_size=VOCAB).eval()
+    input_ids, mask = left_padded_batch(batch=16, length=60)
+    input_ids[:, 0], mask[:, 0] = PAD, 0  # every sequence padded
+    options = dict(num_subbatches=2, prefill_subbatches=8, weights="device", kv_cache="nvme",
+                   offload_dir=str(tmp_path))
+    measured = measured_generate_peak(model, input_ids, 2, mask=mask, **options)
+    padded, unpadded = (explain_generation(model, input_ids.shape, 2, load_overhead=PAGE_BYTES, padded=p, **options)
+                        for p in (True, False))
+    predicted = padded.peak_bytes - padded.prefill_memory.resident_bytes
+    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured, str(padded))
+    assert padded.prefill_memory.terms["hidden"] > unpadded.prefill_memory.terms["hidden"]
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
