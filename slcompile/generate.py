@@ -24,10 +24,11 @@ How a pass runs, with no per-family code:
 
 A prefill of three or more sub-batches whose KV cache rests on a tier that copies
 keeps its hidden states between layers on that tier too (`offloads_hidden`): each
-sub-batch is captured alone just before its first layer, its output of every layer
-but the last is stored and loaded back while the step before its next layer runs,
-and its tail runs just after its last layer. The device then holds one sub-batch's
-hidden states at a time (and the next one's, loading), never the whole batch's.
+sub-batch is captured alone just before each of its layer steps, its output of
+every layer but the last is stored and loaded back while the step before its next
+layer runs, and its tail runs just after its last layer, into the logits of every
+sequence. The device then holds one sub-batch's hidden states and capture at a time
+(and the next one's hidden states, loading), never the whole batch's.
 
 The compiled step is `torch.func.functional_call` of one template layer per layer
 class, with the layer's weights and the past keys and values as inputs: every layer
@@ -826,17 +827,20 @@ class _Generation:
         n, nparts = len(self.layers), len(parts)
         stash = None
         if phase == "prefill" and offloads_hidden(self.kv.appends, nparts, n):
-            # Each sub-batch is captured just before its first layer and its logits
-            # computed just after its last: nothing of the whole batch is held at once.
+            # Each sub-batch is captured just before each layer step (what a capture
+            # makes, such as masks, is not held for every sub-batch through the
+            # pass) and its logits computed just after its last: nothing of the
+            # whole batch is held at once.
             stash = self.stash = _HiddenStash(self.engine, self.kv.tier, f"{self.kv.name}.prefill")
-            arguments: list[Any] = [None] * nparts
+            arguments: list[Any] = []
             hidden: list[Any] = [None] * nparts
-            logits: list[torch.Tensor] = []
+            logits = None  # every sequence's, filled sub-batch by sub-batch
             shared = False
         else:
             arguments, shared = self._arguments(phase, inputs, parts, batch)
             hidden = [calls[0][self.hidden_name] for calls in arguments]
         outputs: list[Any] = [None] * nparts
+        layouts: list[tuple[int, int, torch.dtype]] = []
         self._issue_weights(0)
         if phase == "decode":
             self._issue_kv(0, parts[0][0])
@@ -850,19 +854,18 @@ class _Generation:
                     if 1 <= later < n:
                         stash.issue(later - 1, parts[after][0])
                         self.trace.append(f"load blk{later - 1}.h.sb{parts[after][0]}")
-                    if index == 0:
-                        arguments[position] = self._capture(_rows(inputs, start, rows, batch))
-                        hidden[position] = arguments[position][0][self.hidden_name]
-                        for call in arguments[position]:
-                            del call[self.hidden_name]
-                    else:
-                        hidden[position] = stash.take(index - 1, sb)
+                    call = self._capture(_rows(inputs, start, rows, batch))[index]
+                    embedded = call.pop(self.hidden_name)  # the layer's input past the first: loaded
+                    hidden[position] = embedded if index == 0 else stash.take(index - 1, sb)
+                    del embedded
+                else:
+                    call = arguments[position][index]
                 if phase == "decode":
                     # The caches of the next KV_AHEAD (layer, sub-batch)s load while this one runs.
                     for later in range(position + 1, position + 1 + KV_AHEAD):
                         if index + later // len(parts) < len(self.layers):
                             self._issue_kv(index + later // len(parts), parts[later % len(parts)][0])
-                kwargs = dict(arguments[position][index])
+                kwargs = dict(call)
                 kwargs[self.hidden_name] = hidden[position]
                 kwargs.pop("past_key_values")
                 window = self.windows[index]
@@ -884,25 +887,31 @@ class _Generation:
                 kv_layout = (keys.shape[1], keys.shape[-1], keys.dtype)
                 # The layer's input, past and new cache are dropped now, not when the
                 # next sub-batch overwrites them (the memory model counts one of each).
-                del kwargs, keys, values
+                del kwargs, call, keys, values
                 if stash is not None:
                     if index < n - 1:
                         stash.store(index, sb, hidden[position])
                         self.trace.append(f"store blk{index}.h.sb{sb}")
                     else:
-                        logits.append(self._tail(_rows(inputs, start, rows, batch), output))
+                        part = self._tail(_rows(inputs, start, rows, batch), output)
+                        if logits is None:
+                            logits = part.new_empty((batch, part.shape[-1]))
+                        logits[start:start + rows] = part
+                        del part
                     hidden[position] = outputs[position] = None
                 del output
-            # The model's cache object learns the new shapes (values stay on the tier).
-            heads, head_dim, dtype = kv_layout
-            meta = torch.empty((self.batch, heads, added, head_dim), dtype=dtype, device="meta")
-            cache.layers[index].update(meta, meta)
+            layouts.append(kv_layout)
             del tensors
+        # The model's cache object learns the new shapes (values stay on the tier),
+        # after the pass: captures during it see the cache as it was before.
+        for layer, (heads, head_dim, dtype) in zip(cache.layers, layouts):
+            meta = torch.empty((self.batch, heads, added, head_dim), dtype=dtype, device="meta")
+            layer.update(meta, meta)
         self.kv.flush()
         if stash is not None:
             stash.close()
             self.stash = None
-            return torch.cat(logits)
+            return logits
         if shared:
             first = outputs[0]
             whole = torch.cat([output if isinstance(output, torch.Tensor) else output[0] for output in outputs])
@@ -1369,9 +1378,9 @@ class _MemoryModel:
     - the parameters and buffers that are not streamed (`resident`);
     - what the capture made for all sub-batches (embeddings, rotary tables, masks),
       until the pass ends (`captured`), and each sub-batch's hidden states between
-      layers (`hidden`); in a prefill that offloads them, what the captures so far
-      made but their hidden states, the computing sub-batch's, the next one's
-      loading and the sources of the stores in flight;
+      layers (`hidden`); in a prefill that offloads them, what the computing
+      sub-batch's capture made but its hidden states, its hidden states, the next
+      one's loading and the sources of the stores in flight;
     - the streamed weights of `live_blocks` = 2 layers: the one computing and the
       next, prefetched (`weights`), each tensor padded as loads pad it;
     - the KV cache (`kv`): on a tier that copies nothing, every cache (the caches
@@ -1439,6 +1448,11 @@ class _MemoryModel:
 
     def _padded(self, nbytes: int) -> int:
         return -(-nbytes // self.granularity) * self.granularity + self.overhead
+
+    def _vocab(self) -> int:
+        """The logits of one sequence: the output embeddings' rows."""
+        head = self.model.get_output_embeddings()
+        return head.weight.shape[0] if head is not None else self.model.config.vocab_size
 
     def _kept(self, index: int, positions: int) -> int:
         cap = self.caps[index]
@@ -1575,6 +1589,28 @@ class _MemoryModel:
             self.captures[phase, past, rows] = (inputs, calls, captured, captured - storages.get(hidden, 0))
         return self.captures[phase, past, rows]
 
+    def _input_bytes(self, phase: str, past: int) -> int:
+        """The bytes of the tensors `model.prepare_inputs_for_generation` makes for
+        a pass over the whole batch (position ids made contiguous, ...), held
+        through the pass."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from transformers import DynamicCache
+
+        key = ("inputs", phase, past)
+        if key not in self.peaks:
+            query = self.length if phase == "prefill" else 1
+            cache = DynamicCache(config=self.model.config)
+            if past:
+                self._grow(cache, self.batch, past)
+            sequences = torch.zeros((self.batch, past + query), dtype=torch.long, device=self.device)
+            position_ids = _position_ids(self.model, sequences, None)
+            inputs = _pass_inputs(self.model, sequences, cache, None, position_ids, phase == "prefill")
+            given = {StorageWeakRef(t.untyped_storage()) for t in (sequences, position_ids) if t is not None}
+            made = {StorageWeakRef(v.untyped_storage()): v.untyped_storage().nbytes() for v in inputs.values()
+                    if isinstance(v, torch.Tensor)}
+            self.peaks[key] = sum(n for ref, n in made.items() if ref not in given)
+        return self.peaks[key]
+
     def _traced(self, phase: str, past: int, size: int, rows: int) -> tuple[int, int, int, list[int], int]:
         """The traced parts of a pass after `past` positions with sub-batches of
         `size`, captured `rows` sequences at a time: the bytes a capture makes, those
@@ -1632,16 +1668,21 @@ class _MemoryModel:
         def in_flight(count: int) -> int:
             return sum(issued[max(0, count - 4):count])
 
+        # An offloading prefill fills every sequence's logits from its first tail on,
+        # and holds the inputs made for the whole batch.
+        logits = batch * self._vocab() * 4 if offloads else 0
+        inputs = self._input_bytes(phase, past) if offloads else 0
+
         def hidden_held(index: int, part: int) -> int:
             """The hidden states an offloading prefill holds at a layer step: what the
-            captures so far keep but their hidden states, the step's input, the next
+            step's capture keeps but its hidden states, the step's input, the next
             step's input loading, and the sources of the stores in flight."""
             step = index * parts + part
             loaded = self._padded(part_hidden)  # a load pads what it reads
             loading = 1 <= (step + 1) // parts < n
             storing = min(HIDDEN_STORES_IN_FLIGHT, step, (n - 1) * parts)
-            return (other * (part + 1 if index == 0 else parts) + (part_hidden if index == 0 else loaded)
-                    + loading * loaded + storing * part_hidden)
+            return (inputs + other + (part_hidden if index == 0 else loaded) + loading * loaded
+                    + storing * part_hidden)
 
         # 3. Every moment of the pass.
         held = 0 if self.kv_moves else sum(self._cache_bytes(i, batch, self._kept(i, past)) for i in range(n))
@@ -1668,6 +1709,8 @@ class _MemoryModel:
                         # The rows of a decode sub-batch that earlier parts began to fill.
                         return whole if size < decode_size and (part * size) % decode_size else 0
 
+                    if offloads and index == n - 1 and part:
+                        common["logits"] = logits
                     moments.append((f"blk{index}.sb{part}", {**common, "kv": stored + filling(part),
                                                              "step": steps[index]}))
                     # Its stores: the step's output and new cache, the stores in
@@ -1689,7 +1732,7 @@ class _MemoryModel:
                         # output instead of the step, and the forward again.
                         after = before[index, part + 1] if part + 1 < parts else len(issued)
                         moments.append((f"tail sb{part}", {
-                            **common, "hidden": common["hidden"] + captured,
+                            **common, "hidden": common["hidden"] + captured, "logits": logits,
                             "kv": in_flight(after) + filling(part + 1), "tail": tail}))
                     continue
                 step = index * parts + part

@@ -437,6 +437,27 @@ def test_prefill_with_hidden_states_on_the_kv_tier_gives_the_tokens_of_eager(tmp
     assert out.steps[0].bytes_of(TransferKind.ACTIVATION, Tier.NVME, Tier.DEVICE) == 8 * 7 * 32 * 4
 
 
+def test_offloading_prefill_device_memory_grows_with_the_batch_by_logits_and_positions_alone(tmp_path):
+    """Sub-batches of one sequence: from batch 32 to 96 the prefill's predicted peak
+    grows by the last-position logits the pass returns for each sequence added and
+    the position ids the model's inputs hold for it, nothing else (no hidden state,
+    embedding, mask or cache of the whole batch); measured within 5% at both."""
+    from slcompile.runtime.tiers import PAGE_BYTES
+
+    model = hf_llama(num_hidden_layers=2, hidden_size=64, vocab_size=VOCAB).eval()
+    peaks = {}
+    for batch in (32, 96):
+        options = dict(num_subbatches=batch // 4, prefill_subbatches=batch, weights="device", kv_cache="nvme",
+                       offload_dir=str(tmp_path))
+        explained = explain_generation(model, (batch, 32), 2, load_overhead=PAGE_BYTES, **options)
+        peaks[batch] = explained.prefill_memory.peak_bytes - explained.prefill_memory.resident_bytes
+        input_ids = torch.randint(3, VOCAB, (batch, 32), generator=torch.Generator().manual_seed(batch))
+        measured = measured_generate_peak(model, input_ids, 2, **options)
+        assert explained.peak_bytes == explained.prefill_memory.peak_bytes
+        assert abs(peaks[batch] - measured) <= 0.05 * measured, (peaks[batch], measured, str(explained))
+    assert peaks[96] - peaks[32] == (96 - 32) * (VOCAB * 4 + 32 * 8)
+
+
 def test_prefill_with_hidden_states_on_the_kv_tier_fits_a_budget_a_device_cache_cannot(tmp_path):
     """Held on the device, a prefill keeps every sequence's hidden states between
     layers and its tail sees the whole batch, whatever K: batch 32 needs 2.4 MB.
