@@ -422,11 +422,11 @@ def test_explained_device_peak_of_left_padded_prompts_within_five_percent_of_mea
     assert padded.prefill_memory.terms["hidden"] > unpadded.prefill_memory.terms["hidden"]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt2"])
 def test_prefill_with_hidden_states_on_the_kv_tier_gives_the_tokens_of_eager(tmp_path, family):
-    """Four prefill sub-batches, each captured alone before the first layer and its
+    """Four prefill sub-batches, each captured alone before each layer step and its
     logits computed after the last, its hidden states on nvme in between; left
-    padding, early EOS. (GPT-2 runs this way in the first test's cases.)"""
+    padding, early EOS."""
     model = FAMILIES[family]().eval()
     input_ids, mask = left_padded_batch(batch=8, length=7)
     eos = early_eos(model, input_ids, mask, 5)
