@@ -143,3 +143,57 @@ def test_predicted_device_peak_of_sharded_weights_within_five_percent(tmp_path):
     refused, smallest, message = every["tune", 1]
     assert refused is None and smallest == every[1, 2]["device"], every["tune", 1]
     assert f"needs at least {smallest} bytes" in message and f"memory_budget={every[1, 2]['whole_device']}" in message
+
+
+def _one_rank_worker(rank, rendezvous, offload_dir, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        for live_blocks in (1, 2):
+            report, measured = _measured_step(0, live_blocks, offload_dir)
+            graphs = report.graphs["forward"], report.graphs["backward"]
+            results[live_blocks] = (measured, predict_memory(*graphs, live_blocks=live_blocks, **PAGES).step_peak_bytes)
+        # The same losses and parameters as eager over two SGD steps.
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, eager = TinyGPT(CFG), TinyGPT(CFG)
+        eager.load_state_dict(model.state_dict())
+        opt = slcompile.offload_optimizer(model, torch.optim.SGD, lr=0.1)
+        eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+        compiled = torch.compile(model, backend="speedloader", options={
+            **OPTIONS, "num_subbatches": K, "offload_dir": offload_dir})
+        idx, targets = make_gpt_batch(CFG, BATCH, seed=0)
+        losses = []
+        for _ in range(2):
+            loss = compiled(idx, targets)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            expected = eager(idx, targets)[1]
+            expected.backward()
+            eager_opt.step()
+            eager_opt.zero_grad()
+            losses.append((loss.item(), expected.item()))
+        results["losses"] = losses
+        with slcompile.gathered_weights(model):
+            results["params"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), eager.parameters()))
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_one_rank_loads_whole_weights_as_predicted_and_computes_as_eager(tmp_path):
+    """With one rank a weight's shard is the weight: it is used as loaded, with no
+    buffer to gather into, so the unsharded model predicts the step (within the
+    page of slack per load)."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_one_rank_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path), results), nprocs=1, join=True)
+        every = dict(results)
+    for live_blocks in (1, 2):
+        measured, predicted = every[live_blocks]
+        assert abs(predicted - measured) <= 0.01 * measured, (live_blocks, measured, predicted)
+    assert all(abs(loss - expected) <= 1e-5 for loss, expected in every["losses"]), every
+    assert every["params"] <= 1e-5, every

@@ -164,6 +164,8 @@ class ShardGroup:
 
         def run() -> torch.Tensor:
             shard = local().reshape(-1)
+            if self.world_size == 1:  # the shard is the whole weight (no padding): nothing to gather
+                return shard.view(shape)
             full = out if out is not None else self.gathered_buffer(shape, shard.dtype, shard.device)
             _all_gather(full, shard.contiguous(), group=self.group)
             return full[:numel].view(shape)

@@ -161,7 +161,8 @@ class WeightStreamer:
         if handle.kind is not TransferKind.ALL_GATHER:
             load, handle = handle, self._gather(key, handle)
         weight = self.shards.wait(handle)
-        _release_shard(engine, load)
+        if self.shards.world_size > 1:  # one rank's weight is its shard's memory
+            _release_shard(engine, load)
         return weight
 
     def _gather(self, key: WeightKey, load: TransferHandle) -> TransferHandle:
@@ -169,7 +170,9 @@ class WeightStreamer:
         allocated here (the caller keeps `load` until the gather's wait)."""
         engine = _engine_of(key.stored, self.engine)
         shape = self.shapes[key.stored]
-        out = self.shards.gathered_buffer(shape, self.dtypes[key.stored], engine.device)
+        # One rank: the shard is the weight; no buffer to gather into.
+        out = self.shards.gathered_buffer(shape, self.dtypes[key.stored], engine.device) \
+            if self.shards.world_size > 1 else None
         return self.shards.all_gather(key.format(), lambda: engine.wait(load), shape, out=out)
 
     def _drop_pending(self) -> None:
@@ -178,7 +181,9 @@ class WeightStreamer:
         for graph_key, handle in pending.items():
             if handle.kind is TransferKind.ALL_GATHER:
                 self.shards.wait(handle)  # every rank issued it, so it ends
-                _release_shard(_engine_of(WeightKey.parse(graph_key).stored, self.engine), shard_loads[graph_key])
+                if self.shards.world_size > 1:
+                    _release_shard(_engine_of(WeightKey.parse(graph_key).stored, self.engine),
+                                   shard_loads[graph_key])
             else:
                 self.engine.wait(handle)
 
