@@ -12,6 +12,9 @@ Usage:
   nothing moves) or on the nvme tier, where a decode step stores the position it
   adds (merged with the last stored segments, as a binary counter carries) and
   loads the positions the cache holds.
+- ``speedloader_resident``: the same sub-batches with every weight resident and the
+  KV cache on the host (`weights="device"`): the compute of the sub-batched
+  generation alone, the ceiling of the two above on this machine.
 - ``accelerate``: `accelerate.disk_offload(model, dir)` (weights in files, loaded by
   per-module hooks for each forward), `model.generate` on K micro-batches one after
   another, as a user bounding memory would: every weight is read once per token per
@@ -49,7 +52,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from bench.prefill_bench import evict_page_cache  # noqa: E402
 
-SYSTEMS = ("speedloader_kv_host", "speedloader_kv_nvme", "accelerate", "accelerate_cold", "eager")
+SYSTEMS = ("speedloader_resident", "speedloader_kv_host", "speedloader_kv_nvme", "accelerate", "accelerate_cold",
+           "eager")
 
 
 def build_model(spec: dict):
@@ -82,9 +86,12 @@ def run_one(spec: dict) -> dict:
 
         def generate(new_tokens):
             nonlocal passes
-            out = slcompile.generate(model, ids, max_new_tokens=new_tokens, num_subbatches=k, weights="nvme",
+            resident = system == "speedloader_resident"
+            out = slcompile.generate(model, ids, max_new_tokens=new_tokens, num_subbatches=k,
+                                     weights="device" if resident else "nvme",
                                      prefill_subbatches=spec.get("prefill_k") or k,
-                                     kv_cache=system.rsplit("_", 1)[1], offload_dir=spec["dir"],
+                                     kv_cache="host" if resident else system.rsplit("_", 1)[1],
+                                     offload_dir=spec["dir"],
                                      backend=spec["backend"], progress=False, return_dict_in_generate=True,
                                      **common)
             passes = out.steps
