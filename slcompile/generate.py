@@ -832,7 +832,6 @@ class _Generation:
             # pass) and its logits computed just after its last: nothing of the
             # whole batch is held at once.
             stash = self.stash = _HiddenStash(self.engine, self.kv.tier, f"{self.kv.name}.prefill")
-            arguments: list[Any] = []
             hidden: list[Any] = [None] * nparts
             logits = None  # every sequence's, filled sub-batch by sub-batch
             shared = False
@@ -863,8 +862,8 @@ class _Generation:
                 if phase == "decode":
                     # The caches of the next KV_AHEAD (layer, sub-batch)s load while this one runs.
                     for later in range(position + 1, position + 1 + KV_AHEAD):
-                        if index + later // len(parts) < len(self.layers):
-                            self._issue_kv(index + later // len(parts), parts[later % len(parts)][0])
+                        if index + later // nparts < n:
+                            self._issue_kv(index + later // nparts, parts[later % nparts][0])
                 kwargs = dict(call)
                 kwargs[self.hidden_name] = hidden[position]
                 kwargs.pop("past_key_values")
@@ -1562,20 +1561,10 @@ class _MemoryModel:
         by those arguments through the pass), and those bytes but the hidden states'."""
         from torch._subclasses.fake_tensor import FakeTensor
         from torch.multiprocessing.reductions import StorageWeakRef
-        from transformers import DynamicCache
 
         if (phase, past, rows) not in self.captures:
             query = self.length if phase == "prefill" else 1
-            cache = DynamicCache(config=self.model.config)
-            if past:
-                self._grow(cache, rows, past)
-            sequences = torch.zeros((rows, past + query), dtype=torch.long, device=self.device)
-            mask = None
-            if self.padded:  # every sequence padded, by its first position
-                mask = torch.ones_like(sequences)
-                mask[:, 0] = 0
-            inputs = _pass_inputs(self.model, sequences, cache, mask, _position_ids(self.model, sequences, mask),
-                                  phase == "prefill")
+            inputs, cache, _ = self._inputs(phase, past, rows, self.padded)
             with self.mode:
                 calls = _capture(self.model, self.layers, self.plan.layers_name, inputs)
             storages, hidden = {}, StorageWeakRef(calls[0][self.hidden_name].untyped_storage())
@@ -1589,23 +1578,37 @@ class _MemoryModel:
             self.captures[phase, past, rows] = (inputs, calls, captured, captured - storages.get(hidden, 0))
         return self.captures[phase, past, rows]
 
+    def _inputs(self, phase: str, past: int, rows: int, padded: bool) -> tuple[dict, Any, set]:
+        """The model's inputs for a pass of `rows` sequences after `past` positions
+        (every sequence padded by its first position when `padded`), their cache
+        object, and the storages of what the generation itself holds among them
+        (sequences, mask, position ids)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from transformers import DynamicCache
+
+        query = self.length if phase == "prefill" else 1
+        cache = DynamicCache(config=self.model.config)
+        if past:
+            self._grow(cache, rows, past)
+        sequences = torch.zeros((rows, past + query), dtype=torch.long, device=self.device)
+        mask = None
+        if padded:
+            mask = torch.ones_like(sequences)
+            mask[:, 0] = 0
+        position_ids = _position_ids(self.model, sequences, mask)
+        inputs = _pass_inputs(self.model, sequences, cache, mask, position_ids, phase == "prefill")
+        given = {StorageWeakRef(t.untyped_storage()) for t in (sequences, mask, position_ids) if t is not None}
+        return inputs, cache, given
+
     def _input_bytes(self, phase: str, past: int) -> int:
         """The bytes of the tensors `model.prepare_inputs_for_generation` makes for
         a pass over the whole batch (position ids made contiguous, ...), held
         through the pass."""
         from torch.multiprocessing.reductions import StorageWeakRef
-        from transformers import DynamicCache
 
         key = ("inputs", phase, past)
         if key not in self.peaks:
-            query = self.length if phase == "prefill" else 1
-            cache = DynamicCache(config=self.model.config)
-            if past:
-                self._grow(cache, self.batch, past)
-            sequences = torch.zeros((self.batch, past + query), dtype=torch.long, device=self.device)
-            position_ids = _position_ids(self.model, sequences, None)
-            inputs = _pass_inputs(self.model, sequences, cache, None, position_ids, phase == "prefill")
-            given = {StorageWeakRef(t.untyped_storage()) for t in (sequences, position_ids) if t is not None}
+            inputs, _, given = self._inputs(phase, past, self.batch, False)
             made = {StorageWeakRef(v.untyped_storage()): v.untyped_storage().nbytes() for v in inputs.values()
                     if isinstance(v, torch.Tensor)}
             self.peaks[key] = sum(n for ref, n in made.items() if ref not in given)

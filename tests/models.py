@@ -13,7 +13,7 @@ from torch import nn
 from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
 
 __all__ = ["GPTConfig", "TinyGPT", "make_gpt_batch", "hf_gpt2", "hf_llama", "Stack", "BatchNormBlock",
-           "EXPECTED_SCHEDULE_K2"]
+           "EXPECTED_SCHEDULE_K2", "step_beside_eager"]
 
 # The schedule of any 2-block model at K=2 (speedloader's order), as explain() prints it.
 EXPECTED_SCHEDULE_K2 = """\
@@ -96,3 +96,16 @@ def hf_llama(num_hidden_layers: int = 4, hidden_size: int = 32, vocab_size: int 
         max_position_embeddings=64,
     )
     return LlamaForCausalLM(config)
+
+
+def step_beside_eager(compiled, opt, eager, eager_opt, *inputs):
+    """One training step of a compiled model and its optimizer, then the same step of
+    the eager copy and its own; returns (loss, eager loss), detached."""
+    losses = []
+    for model, optimizer in ((compiled, opt), (eager, eager_opt)):
+        loss = model(*inputs)[1]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return tuple(losses)

@@ -10,7 +10,7 @@ import torch
 
 import slcompile
 from conftest import fetched_weight_bytes
-from models import GPTConfig, TinyGPT, make_gpt_batch
+from models import GPTConfig, TinyGPT, make_gpt_batch, step_beside_eager
 from slcompile.runtime import OffloadError, Tier, TransferKind, mark_step, reset_runtime_stats
 from slcompile.vocabulary import WAIT, is_gradient_store
 
@@ -132,15 +132,8 @@ def test_prefetched_weights_are_loaded_after_their_update():
     with slcompile.gathered_weights(model):  # waits for (and drops) the first step's prefetches
         reset_runtime_stats()
     for _ in range(3):
-        loss = compiled(idx, targets)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        expected = eager(idx, targets)[1]
-        expected.backward()
-        eager_opt.step()
-        eager_opt.zero_grad()
-        torch.testing.assert_close(loss.detach(), expected.detach(), atol=1e-5, rtol=1e-5)
+        loss, expected = step_beside_eager(compiled, opt, eager, eager_opt, idx, targets)
+        torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
     with slcompile.gathered_weights(model):  # waits for (and drops) the last prefetches
         loaded = slcompile.runtime_stats().bytes_moved[WEIGHT_LOAD]
     # Every fetch was served by exactly one load, issued after the update of its

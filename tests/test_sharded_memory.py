@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import slcompile
-from models import GPTConfig, TinyGPT, make_gpt_batch
+from models import GPTConfig, TinyGPT, make_gpt_batch, step_beside_eager
 from slcompile.analysis.memory import measured_peak_bytes, predict_memory
 from slcompile.errors import BudgetError
 from slcompile.runtime.nvme import buffers_seen_by_profiler
@@ -164,18 +164,9 @@ def _one_rank_worker(rank, rendezvous, offload_dir, results):
         compiled = torch.compile(model, backend="speedloader", options={
             **OPTIONS, "num_subbatches": K, "offload_dir": offload_dir})
         idx, targets = make_gpt_batch(CFG, BATCH, seed=0)
-        losses = []
-        for _ in range(2):
-            loss = compiled(idx, targets)[1]
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            expected = eager(idx, targets)[1]
-            expected.backward()
-            eager_opt.step()
-            eager_opt.zero_grad()
-            losses.append((loss.item(), expected.item()))
-        results["losses"] = losses
+        results["losses"] = [tuple(loss.item() for loss in step_beside_eager(compiled, opt, eager, eager_opt,
+                                                                               idx, targets))
+                             for _ in range(2)]
         with slcompile.gathered_weights(model):
             results["params"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), eager.parameters()))
         opt.close()

@@ -114,8 +114,10 @@ class PartRows:
 
     def __init__(self, store: KVStore, keys: torch.Tensor, values: torch.Tensor, sequences: int):
         self.sequences, self.filled = sequences, 0
+        # Where the tier copies nothing, the parts themselves (no rows).
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.rows: torch.Tensor | None = None
         if not store.appends:
-            self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
             return
         whole_keys = keys.new_empty((sequences, *keys.shape[1:]), device="meta")
         whole_values = values.new_empty((sequences, *values.shape[1:]), device="meta")
@@ -125,7 +127,7 @@ class PartRows:
     def add(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
         """Copies in the next sequences' keys and values; True once all are there."""
         count = keys.shape[0]
-        if hasattr(self, "rows"):
+        if self.rows is not None:
             self.layout.keys(self.rows).narrow(0, self.filled, count).copy_(keys)
             self.layout.values(self.rows).narrow(0, self.filled, count).copy_(values)
         else:
