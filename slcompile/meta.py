@@ -13,10 +13,14 @@ import re
 
 import torch.fx
 
-__all__ = ["SlcMeta", "set_slc_meta", "get_slc_meta", "format_tag", "parse_tag"]
+__all__ = ["SlcMeta", "set_slc_meta", "get_slc_meta", "format_tag", "parse_tag", "module_path"]
 
 _KEY = "slc"
 _TAG = re.compile(r"^(prefix|suffix|blk(\d+))(?:\.sb(\d+))?$")
+# The Dynamo source of the compiled module that starts an `nn_module_stack` path:
+# `L['self']`, or `L['args'][0]` when the module's forward is wrapped by a decorator
+# taking `*args` (transformers' `deprecate_kwarg`).
+_DYNAMO_ROOT = re.compile(r"^L\['[^']*'\](?:\[\d+\])*\.?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +61,12 @@ def parse_tag(tag: str) -> tuple[str, int | None, int | None]:
     block = int(match.group(2)) if match.group(2) is not None else None
     subbatch = int(match.group(3)) if match.group(3) is not None else None
     return region, block, subbatch
+
+
+def module_path(dynamo_path: str) -> str:
+    """The module path as the user names it: `L['self'].model.layers.3` and
+    `L['args'][0].model.layers.3` -> `model.layers.3`; the root itself -> ``."""
+    return _DYNAMO_ROOT.sub("", dynamo_path, count=1)
 
 
 def set_slc_meta(node: torch.fx.Node, meta: SlcMeta) -> None:

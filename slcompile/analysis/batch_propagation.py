@@ -51,6 +51,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from slcompile.analysis.inputs import GraphInput
+from slcompile.meta import module_path
 
 __all__ = ["NodeSplit", "BatchPlan", "propagate_batch", "BATCHED_INT", "is_barrier"]
 
@@ -1004,13 +1005,10 @@ def _target_name(node: torch.fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
-_DYNAMO_SELF = "L['self']"
-
-
 def _describe(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     where = ""
     if stack:
         path = list(stack.values())[-1][0]
-        where = " in " + path.replace(_DYNAMO_SELF, "model")
+        where = " in " + (f"model.{module_path(path)}" if module_path(path) else "model")
     return f"node {node.name} ({_target_name(node)}){where}"

@@ -36,6 +36,7 @@ import torch.fx
 
 from slcompile.analysis.inputs import GraphInput
 from slcompile.errors import NoBlocksError, RefusedError
+from slcompile.meta import module_path
 
 __all__ = ["Block", "BlockGraph", "find_blocks"]
 
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 
 _INDEXED = re.compile(r"^(.*?)(?:\.(\d+)|\[(\d+)\])$")
 _CHILD = re.compile(r"\.\d+|\[\d+\]")
-_DYNAMO_SELF = "L['self']"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +192,7 @@ def find_blocks(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> BlockGrap
 
 
 def _pretty(container: str) -> str:
-    return container.replace(_DYNAMO_SELF + ".", "").replace(_DYNAMO_SELF, "")
+    return module_path(container)
 
 
 def _stacks(calls: list[torch.fx.Node], owners: dict[str, Counter], main: str, params: set[str]) -> list[str]:
