@@ -61,6 +61,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -294,6 +295,28 @@ class _Plan:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     offload_dir: str | None
+    # The keywords through which the model's forward and its layers take the KV
+    # cache (`cache` from transformers 5.24 on, `past_key_values` before).
+    cache_argument: str
+    layer_cache_argument: str
+
+
+# What a parameter that takes a KV cache was called before it was annotated with
+# transformers' `Cache` (and still is in code without annotations).
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
+def cache_parameter(function: Callable) -> str | None:
+    """The keyword through which `function` takes a Hugging Face KV cache: the
+    parameter annotated with a `Cache`, else one named as releases name it; None
+    when it takes none."""
+    parameters = inspect.signature(function).parameters
+    for name, parameter in parameters.items():
+        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY) and re.search(
+                r"\bCache\b", str(parameter.annotation)):
+            return name
+    return next((name for name in _CACHE_NAMES if name in parameters), None)
+
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The model's decoder layers: the `ModuleList` of modules of one class holding
@@ -354,16 +377,17 @@ def _plan(model, input_ids, attention_mask, max_new_tokens, num_subbatches, pref
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise OptionError(f"generate: max_new_tokens={max_new_tokens!r} must be a positive int")
     config = getattr(model, "config", None)
-    forward_params = inspect.signature(model.forward).parameters
+    cache_argument = cache_parameter(model.forward)
     if (config is None or getattr(config, "is_encoder_decoder", False)
-            or not hasattr(model, "prepare_inputs_for_generation") or "past_key_values" not in forward_params):
+            or not hasattr(model, "prepare_inputs_for_generation") or cache_argument is None):
         raise RefusedError(
             f"{type(model).__name__} has no KV cache to generate with (slcompile.generate needs a Hugging "
-            "Face decoder-only causal LM whose forward takes past_key_values); use model.generate, "
+            "Face decoder-only causal LM whose forward takes a Cache); use model.generate, "
             "or a model class ending in ForCausalLM", "generate")
     layers_name, layers = find_decoder_layers(model)
-    if "past_key_values" not in inspect.signature(layers[0].forward).parameters:
-        raise RefusedError(f"the layers {layers_name} of {type(model).__name__} take no past_key_values: the "
+    layer_cache_argument = cache_parameter(layers[0].forward)
+    if layer_cache_argument is None:
+        raise RefusedError(f"the layers {layers_name} of {type(model).__name__} take no KV cache: the "
                            "model has no KV cache per layer; use model.generate", "generate")
     limit = next((getattr(config, name) for name in ("max_position_embeddings", "n_positions", "max_seq_len")
                   if isinstance(getattr(config, name, None), int)), None)
@@ -390,7 +414,8 @@ def _plan(model, input_ids, attention_mask, max_new_tokens, num_subbatches, pref
         raise OptionError(f"generate: temperature={temperature!r} must be > 0 when sampling; "
                           "use do_sample=False for greedy decoding")
     return _Plan(tuple(layers), layers_name, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
-                 do_sample, float(temperature), top_k, float(top_p), eos, pad_token_id, offload_dir)
+                 do_sample, float(temperature), top_k, float(top_p), eos, pad_token_id, offload_dir,
+                 cache_argument, layer_cache_argument)
 
 
 # -- the compiled layer step -----------------------------------------------------
@@ -417,18 +442,18 @@ class _KVSlot:
         return key_states, value_states
 
 
-def _layer_step(template, tensors, past_keys, past_values, window, kwargs):
+def _layer_step(template, tensors, past_keys, past_values, window, kwargs, cache_argument):
     slot = _KVSlot(past_keys, past_values, window)
-    output = torch.func.functional_call(template, tensors, (), {**kwargs, "past_key_values": slot})
+    output = torch.func.functional_call(template, tensors, (), {**kwargs, cache_argument: slot})
     return output, slot.keys, slot.values
 
 
-def _prefill_layer(template, tensors, window, kwargs):
-    return _layer_step(template, tensors, None, None, window, kwargs)
+def _prefill_layer(template, tensors, window, kwargs, cache_argument):
+    return _layer_step(template, tensors, None, None, window, kwargs, cache_argument)
 
 
-def _decode_layer(template, tensors, past_keys, past_values, window, kwargs):
-    return _layer_step(template, tensors, past_keys, past_values, window, kwargs)
+def _decode_layer(template, tensors, past_keys, past_values, window, kwargs, cache_argument):
+    return _layer_step(template, tensors, past_keys, past_values, window, kwargs, cache_argument)
 
 
 # How many (layer, sub-batch)s ahead of the one computing a decode pass loads caches.
@@ -627,9 +652,9 @@ def _position_ids(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
     return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
 
 
-def _pass_inputs(model: nn.Module, sequences, cache, attention_mask, position_ids, first: bool) -> dict:
+def _pass_inputs(model: nn.Module, plan: _Plan, sequences, cache, attention_mask, position_ids, first: bool) -> dict:
     """The model's inputs for one pass over `sequences`, as `model.generate` builds them."""
-    kwargs = {"past_key_values": cache, "use_cache": True}
+    kwargs = {plan.cache_argument: cache, "use_cache": True}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     if position_ids is not None:
@@ -803,8 +828,9 @@ class _Generation:
             if phase not in self.shared_capture and len(parts) > 1:
                 part, first = parts[0], alone(parts[0])
                 shared = [_rows(call, part[1], part[2], batch) for call in calls]
-                same = all(_same_arguments({k: v for k, v in a.items() if k != "past_key_values"},
-                                           {k: v for k, v in s.items() if k != "past_key_values"})
+                cache_argument = self.plan.layer_cache_argument
+                same = all(_same_arguments({k: v for k, v in a.items() if k != cache_argument},
+                                           {k: v for k, v in s.items() if k != cache_argument})
                            for a, s in zip(first, shared))  # one dict of arguments per layer
                 if not same:
                     log.info("%s: the layers' arguments of one sub-batch captured alone differ from its rows of "
@@ -866,17 +892,18 @@ class _Generation:
                             self._issue_kv(index + later // nparts, parts[later % nparts][0])
                 kwargs = dict(call)
                 kwargs[self.hidden_name] = hidden[position]
-                kwargs.pop("past_key_values")
+                kwargs.pop(self.plan.layer_cache_argument)
                 window = self.windows[index]
                 if phase == "prefill":
                     with compute_region(f"blk{index}.sb{sb} prefill"):
-                        output, keys, values = self.prefill_step(self.templates[index], tensors, window, kwargs)
+                        output, keys, values = self.prefill_step(self.templates[index], tensors, window, kwargs,
+                                                                 self.plan.layer_cache_argument)
                 else:
                     past = self.kv.take(index, sb)
                     _mark_length_dynamic(past, kwargs)
                     with compute_region(f"blk{index}.sb{sb} decode"):
                         output, keys, values = self.decode_step(self.templates[index], tensors, *past, window,
-                                                                kwargs)
+                                                                kwargs, self.plan.layer_cache_argument)
                     del past
                 self.trace.append(f"blk{index}.sb{sb}")
                 outputs[position] = output
@@ -966,7 +993,7 @@ class _Generation:
                 def of_active(tensor):
                     return tensor if rows is None or tensor is None else tensor[rows]
 
-                inputs = _pass_inputs(model, of_active(sequences), cache, of_active(attention_mask),
+                inputs = _pass_inputs(model, plan, of_active(sequences), cache, of_active(attention_mask),
                                       of_active(position_ids), step == 0)
                 before = dict(runtime_stats().cumulative.bytes_moved)
                 computed = self._forward(phase, inputs, parts, len(parts) * parts[0][2], cache, store)
@@ -1519,7 +1546,8 @@ class _MemoryModel:
         key = (group, sequences, query, past)
         if key not in self.peaks:
             template, window = self.layers[group], self.windows[group]
-            kwargs = _rows({k: v for k, v in call.items() if k != "past_key_values"}, 0, sequences, self.batch)
+            cache_argument = self.plan.layer_cache_argument
+            kwargs = _rows({k: v for k, v in call.items() if k != cache_argument}, 0, sequences, self.batch)
             tensors = {name: self._fake_like(t) for name, t in (*template.named_parameters(),
                                                                  *template.named_buffers())}
             heads, head_dim, dtype = self._layout(group)
@@ -1528,7 +1556,7 @@ class _MemoryModel:
                          if past else None for _ in range(2)]
 
             def step(tensors, past_keys, past_values, kwargs):
-                result = _layer_step(template, tensors, past_keys, past_values, window, kwargs)
+                result = _layer_step(template, tensors, past_keys, past_values, window, kwargs, cache_argument)
                 self.outputs["step"] = result[0]
                 return result
 
@@ -1541,15 +1569,16 @@ class _MemoryModel:
             tensors, fakes = {}, {}
             for name, t in (*self.model.named_parameters(remove_duplicate=False), *self.model.named_buffers()):
                 tensors[name] = fakes.setdefault(id(t), self._fake_like(t))
-            cache = inputs["past_key_values"]
-            others = {k: v for k, v in inputs.items() if k != "past_key_values"}
+            cache_argument = self.plan.cache_argument
+            cache = inputs[cache_argument]
+            others = {k: v for k, v in inputs.items() if k != cache_argument}
             first = self.outputs["step"]
 
             def tail(tensors, whole, others):
                 output = whole if isinstance(first, torch.Tensor) else (whole, *first[1:])
                 with _layers_replaced(self.layers, lambda index: (lambda *args, **kwargs: output)):
                     logits = torch.func.functional_call(
-                        self.model, tensors, (), {**others, "past_key_values": cache, "return_dict": True}).logits
+                        self.model, tensors, (), {**others, cache_argument: cache, "return_dict": True}).logits
                 return logits[:, -1].to(copy=True, dtype=torch.float32)
 
             self.peaks[key] = self._traced_peak(tail, (tensors, self._fake_like(hidden), others))
@@ -1571,7 +1600,7 @@ class _MemoryModel:
             for call in calls:
                 for name, value in call.items():
                     for leaf in (value if isinstance(value, (tuple, list)) else (value,)):
-                        if name != "past_key_values" and isinstance(leaf, FakeTensor):
+                        if name != self.plan.layer_cache_argument and isinstance(leaf, FakeTensor):
                             storages[StorageWeakRef(leaf.untyped_storage())] = leaf.untyped_storage().nbytes()
             self._grow(cache, rows, query)  # the tail sees the pass's new positions
             captured = sum(storages.values())
@@ -1596,7 +1625,7 @@ class _MemoryModel:
             mask = torch.ones_like(sequences)
             mask[:, 0] = 0
         position_ids = _position_ids(self.model, sequences, mask)
-        inputs = _pass_inputs(self.model, sequences, cache, mask, position_ids, phase == "prefill")
+        inputs = _pass_inputs(self.model, self.plan, sequences, cache, mask, position_ids, phase == "prefill")
         given = {StorageWeakRef(t.untyped_storage()) for t in (sequences, mask, position_ids) if t is not None}
         return inputs, cache, given
 
