@@ -405,3 +405,9 @@ def test_trace_puts_collectives_in_the_comm_streams_process():
     assert [(slices[c]["pid"], slices[c]["args"].get("stream")) for c in ("compute", "load", "collective")] == [
         (1, None), (2, COPY), (3, COMM)]
     assert trace["otherData"]["streams"] == {"compute": "default", "load": COPY, "collective": COMM}
+
+
+def test_summary_writes_alternating_subbatches_as_one_interleaved_run():
+    schedule = "\n".join(f"bwd suffix.sb{sb}" for sb in (3, 0, 3, 0, 3, 2, 1, 0)) + "\nbwd blk1.sb3\nbwd blk1.sb2"
+    assert summarize_schedule(schedule) == "bwd suffix.sb0-3 interleaved (8 steps) blk1.sb3-2"
+    assert summarize_schedule("fwd blk0.sb0\nfwd blk0.sb2") == "fwd blk0.sb0,2"

@@ -4,7 +4,10 @@ Where it sits: the CLI prints these; the full schedule text (one line per step,
 `fwd blk3.sb1`) stays the reference form, written next to the pictures.
 
 Guarantees: `summarize_schedule` is a pure function of the schedule text, and
-expanding its ranges gives back the steps in their order.
+expanding its ranges gives back the steps in their order, except in a run whose
+sub-batches alternate (the ops of a region that runs outside the compiled blocks,
+such as the loss's backward, mixed across sub-batches by the partitioner): that run
+is written with the sub-batches it covers and its step count.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ def summarize_schedule(schedule: str) -> str:
 
     Returns:
         one line per phase; runs of one region over consecutive sub-batches are
-        written as a range (`blk0.sb0-3`, in the order they run).
+        written as a range (`blk0.sb0-3`, in the order they run); a run whose
+        sub-batches alternate as `suffix.sb0-3 interleaved (8 steps)`.
     """
     runs: dict[str, list[tuple[str, list[int | None]]]] = collections.OrderedDict()
     for line in schedule.splitlines():
@@ -55,7 +59,12 @@ def _run_text(head: str, subbatches: list[int | None]) -> str:
     consecutive = step in (1, -1) and all(b - a == step for a, b in zip(subbatches, subbatches[1:]))
     if consecutive:
         return f"{head}.sb{subbatches[0]}-{subbatches[-1]}"
-    return f"{head}.sb" + ",".join(str(s) for s in subbatches)
+    covered = sorted(set(subbatches))
+    if len(covered) == len(subbatches):
+        return f"{head}.sb" + ",".join(str(s) for s in subbatches)
+    span = (f"sb{covered[0]}-{covered[-1]}" if covered == list(range(covered[0], covered[-1] + 1))
+            else "sb" + ",".join(map(str, covered)))
+    return f"{head}.{span} interleaved ({len(subbatches)} steps)"
 
 
 def summarize_bytes(bytes_moved: Mapping, transfers: Mapping) -> str:
