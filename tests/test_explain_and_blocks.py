@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from torch import nn
 
@@ -34,6 +35,7 @@ def test_explain_reports_the_fallback_reason():
     assert explanation.schedule == ""
 
 
+@pytest.mark.oldest
 def test_explain_llama_keyword_inputs():
     idx, labels = make_gpt_batch(CFG, 4)
     explanation = slcompile.explain(hf_llama(num_hidden_layers=3), idx, kwargs={"labels": labels}, num_subbatches=4)

@@ -85,6 +85,7 @@ CASES = [
 ]
 
 
+@pytest.mark.oldest
 @pytest.mark.parametrize("family,k,kv_cache,weights", CASES)
 def test_greedy_tokens_equal_eager_generate_with_left_padding_and_early_eos(tmp_path, family, k, kv_cache, weights):
     model = FAMILIES[family]().eval()
@@ -211,6 +212,7 @@ def test_embeddings_masks_and_rotary_are_computed_once_per_pass(monkeypatch):
     assert len(calls) == 2 * 4 * 5 + 2
 
 
+@pytest.mark.oldest
 def test_explain_generation_predicts_the_measured_schedules_and_bytes_of_every_pass(tmp_path):
     from slcompile.generate import explain_generation
     from slcompile.units import format_bytes
@@ -531,6 +533,7 @@ def test_tune_generation_picks_the_fewest_subbatches_that_fit_and_refuses_a_budg
                                      offload_dir=str(tmp_path)).memory.peak_bytes <= error.value.smallest
 
 
+@pytest.mark.oldest
 def test_model_generate_inside_generation_runs_layer_major_with_the_tokens_of_eager(tmp_path):
     model = FAMILIES["llama"]().eval()
     input_ids, mask = left_padded_batch()
