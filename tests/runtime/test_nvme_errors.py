@@ -212,3 +212,49 @@ def test_weight_update_that_fails_part_way_leaves_every_weight_as_it_was(engine,
     assert sorted(engine.keys()) == ["w0", "w1", "w2"]
     for i in range(3):
         assert same_bits(engine.wait(engine.load(f"w{i}")), torch.full((1024,), 10.0 + i))
+
+
+def test_an_empty_offload_dir_is_refused_not_taken_for_the_temp_dir():
+    with pytest.raises(OffloadDirError, match="empty path"):
+        NvmeArena("")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing a directory to another user needs root")
+def test_a_private_dir_swapped_for_another_users_is_refused_and_left_alone(tmp_path, monkeypatch):
+    make_dir = os.mkdir
+    swapped = []
+
+    def mkdir_then_swap(path, mode=0o777, **kwargs):
+        make_dir(path, mode, **kwargs)
+        if os.path.basename(path).startswith("slc-offload-"):
+            os.chown(path, 12345, 12345)  # what a racing user's own directory looks like
+            swapped.append(path)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_swap)
+    with pytest.raises(OffloadDirError, match="belongs to uid 12345, not to this user"):
+        NvmeArena(str(tmp_path))
+    monkeypatch.undo()
+    assert len(swapped) == 1
+    info = os.lstat(swapped[0])
+    assert info.st_uid == 12345 and stat.S_IMODE(info.st_mode) == 0o700  # neither chmod-ed nor removed
+    assert os.listdir(swapped[0]) == []
+
+
+def test_a_private_dir_swapped_for_a_link_is_refused(tmp_path, monkeypatch):
+    decoy = tmp_path / "decoy"
+    decoy.mkdir(mode=0o755)
+    base = tmp_path / "base"
+    base.mkdir()
+    make_dir = os.mkdir
+
+    def mkdir_then_link(path, mode=0o777, **kwargs):
+        if os.path.basename(path).startswith("slc-offload-"):
+            os.symlink(decoy, path)
+        else:
+            make_dir(path, mode, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_link)
+    with pytest.raises(OffloadDirError, match="replaced, perhaps by a link"):
+        NvmeArena(str(base))
+    monkeypatch.undo()
+    assert os.listdir(decoy) == [] and stat.S_IMODE(os.lstat(decoy).st_mode) == 0o755
