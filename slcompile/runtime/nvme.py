@@ -31,7 +31,12 @@ Guarantees:
 - Thousands of small tensors do not become thousands of files: slots are ranges
   of one file, handed out first-fit from a free list and reused after release.
   The file grows by ``posix_fallocate`` (so a full disk is found when space is
-  reserved, not halfway through a write) and never beyond ``capacity_bytes``.
+  reserved, not halfway through a write) and never beyond ``capacity_bytes``:
+  by what is needed or by its own size (geometric, at most ``grow_bytes`` a
+  time), whichever is more, bounded by the filesystem's free space; when the
+  larger growth fails it falls back to exactly what is needed, and only that
+  failing raises ``DiskFullError`` (naming the directory, the bytes needed and
+  the bytes free).
 - I/O runs on a small pool of threads using ``os.preadv``/``os.pwritev``, which
   release the GIL; a tensor larger than ``chunk_bytes`` is split into chunks so
   several I/Os are in flight at once.
@@ -556,7 +561,8 @@ class NvmeArena:
         chunk_bytes: Largest single I/O; bigger tensors are split so several I/Os
             run at once. A multiple of the page size.
         num_threads: I/O threads.
-        grow_bytes: How much the file grows at a time when no free slot fits.
+        grow_bytes: The most the file grows at once beyond what a slot needs (it
+            grows by its own size up to this, so a small arena stays small).
 
     Raises:
         OffloadDirError: the directory is missing, not a directory, unwritable,
@@ -662,22 +668,52 @@ class NvmeArena:
         return NvmeSlot(key, byte_range, nbytes)
 
     def _grow(self, needed: int, key: str) -> None:
+        """Grows the file by at least ``needed`` bytes (a multiple of the page size)."""
         old = self._allocator.capacity
-        new = old + max(needed, self.grow_bytes)
-        if self.capacity_bytes is not None and new > self.capacity_bytes:
-            new = old + needed
-            if new > self.capacity_bytes:
-                raise DiskFullError(
-                    f"arena capacity of {self.capacity_bytes} bytes reached: {needed} more "
-                    f"bytes needed with {self._allocator.used_bytes} in use",
-                    key=key,
-                    path=self.file_path,
-                )
+        if self.capacity_bytes is not None and old + needed > self.capacity_bytes:
+            raise DiskFullError(
+                f"arena capacity of {self.capacity_bytes} bytes reached: {needed} more "
+                f"bytes needed with {self._allocator.used_bytes} in use",
+                key=key,
+                path=self.file_path,
+            )
+        # Geometric growth keeps the number of fallocate calls logarithmic while a
+        # small arena stays small; the free space and the cap bound it.
+        wanted = max(needed, min(old, self.grow_bytes))
+        if self.capacity_bytes is not None:
+            wanted = min(wanted, self.capacity_bytes - old)
+        free = self._free_bytes()
+        if free is not None:
+            wanted = min(wanted, max(needed, free // PAGE_BYTES * PAGE_BYTES))
+        for grow in dict.fromkeys((wanted, needed)):
+            try:
+                os.posix_fallocate(self._fd, old, grow)
+            except OSError as error:
+                try:
+                    os.ftruncate(self._fd, old)  # what a failed fallocate may have left
+                except OSError:
+                    pass
+                if error.errno in _DISK_FULL_ERRNOS and grow > needed:
+                    continue  # fall back to exactly what is needed
+                if error.errno in _DISK_FULL_ERRNOS:
+                    free = self._free_bytes()
+                    raise DiskFullError(
+                        f"disk full: no room to grow the arena file in {self.path}: {needed} bytes needed, "
+                        f"{'an unknown number of' if free is None else free} bytes free "
+                        f"({error.strerror})",
+                        key=key, path=self.file_path,
+                    ) from error
+                raise self._os_error(error, "cannot grow the arena file", key) from error
+            self._allocator.grow(old + grow)
+            return
+
+    def _free_bytes(self) -> int | None:
+        """Bytes this user may still allocate on the arena's filesystem, if known."""
         try:
-            os.posix_fallocate(self._fd, old, new - old)
-        except OSError as error:
-            raise self._os_error(error, "cannot grow the arena file", key) from error
-        self._allocator.grow(new)
+            info = os.fstatvfs(self._fd)
+        except OSError:
+            return None
+        return info.f_bavail * info.f_frsize
 
     def release(self, slot: NvmeSlot) -> None:
         """Returns a slot's range to the free list (idempotent)."""

@@ -219,6 +219,68 @@ def test_an_empty_offload_dir_is_refused_not_taken_for_the_temp_dir():
         NvmeArena("")
 
 
+def test_the_file_grows_by_what_is_needed_then_geometrically(tmp_path):
+    arena = NvmeArena(str(tmp_path))
+    try:
+        sizes = []
+        for index in range(5):
+            arena.allocate(100, f"page{index}")  # one page each
+            sizes.append((arena.file_bytes, os.fstat(arena._fd).st_size))
+        assert sizes == [(4096, 4096), (8192, 8192), (16384, 16384), (16384, 16384), (32768, 32768)]
+        arena.allocate(3 << 20, "big")  # needs more than the file's size: exactly that
+        assert arena.file_bytes == 32768 + (3 << 20) - 3 * 4096
+    finally:
+        arena.close()
+
+
+@pytest.fixture
+def small_volume(tmp_path):
+    """A 64 MiB tmpfs (needs root and O_DIRECT on tmpfs, Linux 6.6+)."""
+    import subprocess
+
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small volume needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(volume)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield str(volume)
+    finally:
+        subprocess.run(["umount", str(volume)], check=True)
+
+
+def test_a_small_volume_is_filled_before_disk_full_is_raised(small_volume, monkeypatch):
+    try:
+        arena = NvmeArena(small_volume)
+    except OffloadDirError as error:
+        pytest.skip(f"no O_DIRECT on tmpfs here: {error}")
+    engine = TransferEngine(offload_dir=small_volume)
+    try:
+        tensor = torch.arange(int(4.3 * (1 << 20)) // 4, dtype=torch.float32)  # 4.3 MiB
+        engine.wait(engine.store("step", tensor, NVME, WEIGHT))
+        assert same_bits(engine.wait(engine.load("step")), tensor)
+        assert engine.arena.file_bytes == 4509696  # 4.3 MiB in whole pages, not a 256 MiB step
+        engine.close()
+        # With the free space unknown, the arena tries to double, fails, and falls
+        # back to exactly what it needs, until the volume is full.
+        monkeypatch.setattr(arena, "_free_bytes", lambda: None)
+        slots = 0
+        with pytest.raises(DiskFullError) as caught:
+            while True:
+                arena.allocate(1 << 20, f"slot{slots}")
+                slots += 1
+        assert slots >= 60  # of the 64 MiB volume's 1 MiB slots
+        message = str(caught.value)
+        assert f"in {arena.path}: 1048576 bytes needed" in message and "bytes free" in message
+        assert_names(caught.value, f"slot{slots}", arena.file_path)
+    finally:
+        engine.close()
+        arena.close()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="handing a directory to another user needs root")
 def test_a_private_dir_swapped_for_another_users_is_refused_and_left_alone(tmp_path, monkeypatch):
     make_dir = os.mkdir
