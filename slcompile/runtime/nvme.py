@@ -247,7 +247,7 @@ def _memory_at(address: int, nbytes: int) -> memoryview:
 # This process's live private directories, path -> the pid that made them. Read by
 # the SIGTERM handler, so a plain dict (no lock a handler could wait on).
 _LIVE_DIRS: dict[str, int] = {}
-_SIGTERM = {"installed": False, "previous": None}
+_SIGTERM = {"installed": False}
 
 
 def _try_lock(dir_fd: int) -> int | None:
@@ -363,12 +363,14 @@ def _make_private_dir(base: str) -> tuple[str, int, int]:
             os.close(lock_fd)
             os.close(dir_fd)
             continue
+        except OffloadError:
+            os.close(lock_fd)  # a directory swapped in is not ours to remove
+            os.close(dir_fd)
+            raise
         except OSError as error:
             shutil.rmtree(unfinished, ignore_errors=True)
             os.close(lock_fd)
             os.close(dir_fd)
-            if isinstance(error, OffloadError):
-                raise
             raise OffloadDirError(f"cannot name the private directory ({error.strerror})", path=path) from error
         return path, dir_fd, lock_fd
     raise OffloadDirError("could not find a free private directory name", path=base)
