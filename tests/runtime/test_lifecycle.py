@@ -14,15 +14,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 CHILD = textwrap.dedent(
     """
-    import sys, time, torch
+    import os, signal, sys, time, torch
     from slcompile.runtime import TransferEngine
+    if sys.argv[2] == "handler":  # the program's own SIGTERM handler, for a graceful stop
+        stopping = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
     engine = TransferEngine(offload_dir=sys.argv[1])
     engine.wait(engine.store("w", torch.ones(1000), "nvme", "weight"))
     print(engine.arena.path, flush=True)
     if sys.argv[2] == "hang":
         time.sleep(600)
+    elif sys.argv[2] == "handler":
+        while not stopping:
+            time.sleep(0.01)
+        engine.wait(engine.load("w"))  # the arena still works while the program stops
+        print(os.path.isdir(engine.arena.path), flush=True)
     elif sys.argv[2] == "fork":
-        import os
         child = os.fork()
         if child == 0:
             sys.exit(0)  # a forked child exits normally: its exit handlers run
@@ -110,3 +117,12 @@ def test_a_forked_child_leaves_its_parents_dir_when_it_exits(tmp_path):
     assert child.stdout.readline().strip() == "True"  # still there after the fork's exit
     assert child.wait(timeout=120) == 0
     assert not os.path.exists(path)  # removed by its maker
+
+
+def test_a_programs_own_sigterm_handler_stays_in_charge_and_exit_removes_the_dir(tmp_path):
+    child = run_child(tmp_path, "handler")
+    path = child.stdout.readline().strip()
+    child.send_signal(signal.SIGTERM)
+    assert child.stdout.readline().strip() == "True"  # kept while the program's handler stops it
+    assert child.wait(timeout=120) == 0
+    assert not os.path.exists(path)
