@@ -320,3 +320,25 @@ def test_a_private_dir_swapped_for_a_link_is_refused(tmp_path, monkeypatch):
         NvmeArena(str(base))
     monkeypatch.undo()
     assert os.listdir(decoy) == [] and stat.S_IMODE(os.lstat(decoy).st_mode) == 0o755
+
+
+def test_unfinished_private_dirs_are_removed_only_when_old_and_unlocked(tmp_path):
+    import time
+
+    from slcompile.runtime import clean_stale_dirs
+
+    old, fresh, live, foreign = (tmp_path / name for name in (
+        "slc-offload-11-0123abcd.new", "slc-offload-12-0123abcd.new", "slc-offload-13-0123abcd", "other"))
+    for directory in (old, fresh, live, foreign):
+        directory.mkdir(mode=0o700)
+        (directory / "lock").write_text("")
+    hour_ago = time.time() - 3600
+    os.utime(old, (hour_ago, hour_ago))  # killed between making its directory and naming it
+    held = os.open(live / "lock", os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # a live arena (of any process, any namespace)
+    try:
+        assert clean_stale_dirs(str(tmp_path)) == [str(old)]
+    finally:
+        os.close(held)
+    assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in (fresh, live, foreign))
+    assert clean_stale_dirs(str(tmp_path)) == [str(live)]  # its lock is free now
