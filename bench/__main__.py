@@ -12,6 +12,7 @@ Usage:
     python -m bench generate ...              # bench/generate_bench.py
     python -m bench distributed ...           # bench/distributed_bench.py
     python -m bench compile ...               # bench/compile_bench.py
+    python -m bench soak [--steps 1000]       # bench/soak_bench.py
     python -m bench gpu [--small|--cpu-smoke] # bench/gpu_bench.py (CUDA)
     python -m bench all [--quick] [--only train,io]
 
@@ -75,6 +76,9 @@ SCENARIOS = (
              "with gradient accumulation (collective bytes per step)"),
     Scenario("compile", "compile_bench.py", (), ("--quick",),
              "compile seconds of a training step: speedloader + Inductor at K and depth vs plain Inductor"),
+    Scenario("soak", "soak_bench.py", ("--steps", "300"), ("--steps", "20", "--warmup", "5"),
+             "many training steps with weights, activations and AdamW states on nvme: resident memory, open "
+             "files and arena disk bytes per step (growth after warm-up)"),
     Scenario("gpu", "gpu_bench.py", (), ("--cpu-smoke",),
              "HF Llama training step on a CUDA GPU: tiers and K vs resident Inductor (needs CUDA; not in `all` "
              "unless named in --only)"),

@@ -246,6 +246,10 @@ def _check_offload_dir(path: Any) -> None:
 
     if not isinstance(path, (str, os.PathLike)):
         raise OptionError(f"speedloader option 'offload_dir' must be a path string, got {path!r}")
+    if not os.fspath(path):
+        # abspath("") is the current directory, but the nvme tier would not go there.
+        raise OptionError("speedloader option 'offload_dir': the empty path names no directory; leave it "
+                          "unset for the temp dir, or name one ('.' for the current directory)")
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path):
         if not os.path.isdir(path):

@@ -357,6 +357,48 @@ def test_full_disk_for_nvme_states_is_a_named_error_and_leaves_no_partial_state(
     opt.close()
 
 
+def test_nvme_states_keep_no_earlier_step_in_memory(tmp_path):
+    """Each step loads a block's states, updates them and stores them under fresh keys;
+    what the engine holds (its entries, transfer handles, delivered bytes) must be the
+    same after 20 steps as after 3, not grow by one generation of states a step."""
+    import gc
+
+    from slcompile.pipeline import engine_for
+    from slcompile.runtime import runtime_stats
+    from slcompile.runtime.engine import TransferHandle, _Entry
+
+    model = _model()
+    opt = slcompile.offload_optimizer(model, torch.optim.AdamW, lr=1e-3, states="nvme", gradients="nvme")
+    options = {**NVME, "num_subbatches": 2, "offload_dir": str(tmp_path)}
+    compiled = torch.compile(model, backend="speedloader", options=options)
+    idx, targets = make_gpt_batch(CFG, 4)
+    engine = engine_for(str(tmp_path))
+
+    def held():
+        gc.collect()
+        objects = gc.get_objects()
+        return {
+            "handles": sum(1 for obj in objects if type(obj) is TransferHandle),
+            "entries": sum(1 for obj in objects if type(obj) is _Entry),
+            "keys": len(engine.keys()),
+            "device bytes": runtime_stats().resident_bytes[Tier.DEVICE],
+            "nvme bytes": runtime_stats().resident_bytes[Tier.NVME],
+        }
+
+    counts = {}
+    for step in range(1, 21):
+        compiled(idx, targets)[1].backward()
+        opt.step()
+        opt.zero_grad()
+        if step in (3, 20):
+            counts[step] = held()
+    assert counts[20] == counts[3]
+    # Two AdamW states per streamed weight rest in the file, each under one key.
+    state_keys = [key for key in engine.keys() if "exp_avg" in key]
+    assert len(state_keys) == 2 * len(slcompile.offloaded_parameters(model))
+    opt.close()
+
+
 def _bytes(state):
     """Bytes of the tensors of one parameter's optimizer state (not the step count)."""
     return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)

@@ -184,6 +184,11 @@ def test_unusable_offload_dir_names_the_cause_when_options_are_set(tmp_path, whe
         slcompile.options(weights="nvme", offload_dir=str(tmp_path / where))
 
 
+def test_empty_offload_dir_is_refused_not_taken_for_the_temp_dir():
+    with pytest.raises(ValueError, match="^speedloader option 'offload_dir': the empty path names no directory"):
+        slcompile.options(weights="nvme", offload_dir="")
+
+
 def test_offload_dir_on_a_filesystem_without_new_files_names_the_cause():
     model = torch.compile(TinyGPT(CFG), backend="speedloader",
                           options={**AOT, "weights": "nvme", "offload_dir": "/proc"})

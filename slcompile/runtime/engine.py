@@ -707,6 +707,11 @@ class TransferEngine:
                 outcome.start, outcome.end, "store", handle.label,
             )
             handle._finish(None if handle.forget_source else handle._keep, None)
+        with self._lock:
+            # A finished store's handle holds its source: the entry keeps only the slot,
+            # or an entry resting on nvme would hold its tensor in memory as well.
+            if entry.store_handle is handle:
+                entry.store_handle = None
         self._release_if_unused(entry)
 
     def _load_nvme(self, handle: TransferHandle, entry: _Entry, into: torch.Tensor | None = None) -> None:
@@ -739,10 +744,14 @@ class TransferEngine:
                     result = into
                 else:
                     # Residency lasts as long as the memory does, not as long as the handle.
-                    self._recorder.resident_change(Tier.DEVICE, entry.nbytes)
+                    # The release callback lives as long as the memory and must not reach
+                    # the entry: a state loaded here and stored again would keep, through
+                    # it, every earlier generation of that state alive.
+                    nbytes = entry.nbytes
+                    self._recorder.resident_change(Tier.DEVICE, nbytes)
                     result = self._buffers.tensor(
-                        entry.nbytes, entry.dtype, entry.shape,
-                        on_release=lambda: self._recorder.resident_change(Tier.DEVICE, -entry.nbytes),
+                        nbytes, entry.dtype, entry.shape,
+                        on_release=lambda: self._recorder.resident_change(Tier.DEVICE, -nbytes),
                     )
                 storage = result.untyped_storage()
                 address = result.data_ptr()

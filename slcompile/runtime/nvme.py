@@ -3,24 +3,40 @@
 Where it sits: below ``TransferEngine``; the engine allocates a slot per stored
 tensor and asks the arena to write or read it asynchronously.
 
-Needs: a directory on a filesystem that supports O_DIRECT (ext4, xfs, ...; not
-tmpfs). ``offload_dir`` names the parent; the default is the system temp dir.
+Needs: a directory on a filesystem that supports O_DIRECT (ext4, xfs, tmpfs
+from Linux 6.6, ...). ``offload_dir`` names the parent; the default is the system
+temp dir.
 
 Guarantees:
 - Privacy: the arena lives in ``<offload_dir>/slc-offload-<pid>-<random>``,
   created with mode 0700; the directory and the file are opened with O_NOFOLLOW
   and the file relative to the directory's descriptor, so a symlink planted by
-  someone else cannot redirect the data. The directory is removed when the arena
-  is closed or collected and at interpreter exit; a directory left behind by a
-  process that died (its pid no longer exists) is removed by the next arena
-  created under the same ``offload_dir``.
+  someone else cannot redirect the data. A private directory that turns out not
+  to be this user's (swapped in by a race) is refused, never chmod-ed or removed.
+- Liveness is a lock, not a pid: the directory holds a ``lock`` file on which
+  the arena holds an exclusive ``flock`` for its whole life, taken before the
+  directory gets its final name. The kernel drops the lock when the process
+  dies, however it dies; pids are not consulted, so processes in other pid
+  namespaces (containers sharing a host directory) and on other hosts (a shared
+  filesystem whose server arbitrates locks, as NFS does) are seen alive.
+- Cleanup: the directory is removed when the arena is closed or collected, at
+  interpreter exit and on SIGTERM (when SIGTERM had its default action; the
+  process then dies by the signal as it would have), only by the process that
+  created it (not by a forked child). A directory whose lock can be taken (its
+  process was killed) is removed by the next arena created under the same
+  ``offload_dir``; one without a lock file is left alone.
 - The page cache is bypassed: the file is opened with O_DIRECT, so measured
   bandwidth is the disk's. Every I/O uses page-aligned memory, offsets and
   lengths; a tensor occupies a slot rounded up to whole pages.
 - Thousands of small tensors do not become thousands of files: slots are ranges
   of one file, handed out first-fit from a free list and reused after release.
   The file grows by ``posix_fallocate`` (so a full disk is found when space is
-  reserved, not halfway through a write) and never beyond ``capacity_bytes``.
+  reserved, not halfway through a write) and never beyond ``capacity_bytes``:
+  by what is needed or by its own size (geometric, at most ``grow_bytes`` a
+  time), whichever is more, bounded by the filesystem's free space; when the
+  larger growth fails it falls back to exactly what is needed, and only that
+  failing raises ``DiskFullError`` (naming the directory, the bytes needed and
+  the bytes free).
 - I/O runs on a small pool of threads using ``os.preadv``/``os.pwritev``, which
   release the GIL; a tensor larger than ``chunk_bytes`` is split into chunks so
   several I/Os are in flight at once.
@@ -38,12 +54,14 @@ import concurrent.futures
 import contextlib
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import re
 import secrets
 import shutil
+import signal
 import stat
 import tempfile
 import threading
@@ -78,7 +96,12 @@ log = logging.getLogger(__name__)
 
 PRIVATE_DIR_PREFIX = "slc-offload-"
 _PRIVATE_DIR_PATTERN = re.compile(r"^slc-offload-(\d+)-[0-9a-f]{8}$")
+# A private directory is made under this name and renamed to its final one once
+# its lock is held, so that no cleaner ever sees a live directory unlocked.
+_UNFINISHED_PATTERN = re.compile(r"^slc-offload-(\d+)-[0-9a-f]{8}\.new$")
+_UNFINISHED_GRACE_SECONDS = 600.0
 _ARENA_FILE = "arena.bin"
+_LOCK_FILE = "lock"
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -221,22 +244,35 @@ def _memory_at(address: int, nbytes: int) -> memoryview:
     return _memory_view_from_memory(address, nbytes, _PYBUF_WRITE)
 
 
-def _pid_alive(pid: int) -> bool:
+# This process's live private directories, path -> the pid that made them. Read by
+# the SIGTERM handler, so a plain dict (no lock a handler could wait on).
+_LIVE_DIRS: dict[str, int] = {}
+_SIGTERM = {"installed": False}
+
+
+def _try_lock(dir_fd: int) -> int | None:
+    """The descriptor of a directory's lock file, locked; None if another process
+    holds the lock or there is no lock file."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        fd = os.open(_LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def clean_stale_dirs(base: str) -> list[str]:
-    """Removes private arena directories under ``base`` left by dead processes.
+    """Removes private arena directories under ``base`` whose arena is gone.
 
-    Only directories named like ours, owned by this user, whose pid no longer
-    exists are removed; a pid that is alive (possibly reused by another process)
-    keeps its directory, erring on the side of not deleting.
+    A directory is removed only if it is named like ours, owned by this user, and
+    its lock file's lock can be taken: the process that held it died (or closed
+    the arena without removing it). Pids are not consulted: a pid names a process
+    only in its own pid namespace and on its own host. A directory without a lock
+    file is kept, as is one of this process's own live arenas.
 
     Args:
         base: The parent directory (an ``offload_dir``).
@@ -250,26 +286,45 @@ def clean_stale_dirs(base: str) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        match = _PRIVATE_DIR_PATTERN.match(name)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        if pid == os.getpid() or _pid_alive(pid):
+        unfinished = _UNFINISHED_PATTERN.match(name)
+        if _PRIVATE_DIR_PATTERN.match(name) is None and unfinished is None:
             continue
         path = os.path.join(base, name)
+        if path in _LIVE_DIRS:
+            continue
         try:
-            info = os.lstat(path)
+            dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             continue
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        log.info("removed offload directory %s left by dead process %d", path, pid)
+        lock_fd = None
+        try:
+            info = os.fstat(dir_fd)
+            if info.st_uid != os.getuid():
+                continue
+            # An unfinished directory is locked only a moment after it is made:
+            # left alone while it may still be on its way.
+            if unfinished is not None and time.time() - info.st_mtime < _UNFINISHED_GRACE_SECONDS:
+                continue
+            lock_fd = _try_lock(dir_fd)
+            if lock_fd is None:
+                continue
+            # Removed while holding the lock: a second cleaner finds it taken.
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)
+            os.close(dir_fd)
+        log.info("removed offload directory %s left by a process that is gone", path)
         removed.append(path)
     return removed
 
 
-def _make_private_dir(base: str) -> str:
+def _make_private_dir(base: str) -> tuple[str, int, int]:
+    """Creates this arena's private directory under ``base``, locked.
+
+    Returns:
+        Its path, a descriptor of it and the descriptor of its locked lock file.
+    """
     if not os.path.exists(base):
         parent = os.path.dirname(base)
         if not os.path.isdir(parent):
@@ -286,8 +341,9 @@ def _make_private_dir(base: str) -> str:
         raise OffloadDirError("offload directory is not a directory", path=base)
     for _ in range(8):
         path = os.path.join(base, f"{PRIVATE_DIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+        unfinished = path + ".new"
         try:
-            os.mkdir(path, 0o700)
+            os.mkdir(unfinished, 0o700)
         except FileExistsError:
             continue
         except OSError as error:
@@ -295,8 +351,99 @@ def _make_private_dir(base: str) -> str:
                 f"cannot create a private directory in the offload directory: {_why_not_writable(error)}",
                 path=base,
             ) from error
-        return path
+        dir_fd, lock_fd = _open_private_dir(unfinished)
+        try:
+            if os.path.lexists(path):
+                raise FileExistsError(path)
+            os.rename(unfinished, path)
+            if os.lstat(path).st_ino != os.fstat(dir_fd).st_ino:
+                raise OffloadDirError("the private directory was replaced while it was being made", path=path)
+        except FileExistsError:
+            shutil.rmtree(unfinished, ignore_errors=True)
+            os.close(lock_fd)
+            os.close(dir_fd)
+            continue
+        except OffloadError:
+            os.close(lock_fd)  # a directory swapped in is not ours to remove
+            os.close(dir_fd)
+            raise
+        except OSError as error:
+            shutil.rmtree(unfinished, ignore_errors=True)
+            os.close(lock_fd)
+            os.close(dir_fd)
+            raise OffloadDirError(f"cannot name the private directory ({error.strerror})", path=path) from error
+        return path, dir_fd, lock_fd
     raise OffloadDirError("could not find a free private directory name", path=base)
+
+
+def _open_private_dir(path: str) -> tuple[int, int]:
+    """Opens a just-made private directory without following links, checks it is
+    this user's (a directory swapped in by a race is refused, not chmod-ed) and
+    takes its lock. Returns the directory's descriptor and the lock file's."""
+    try:
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as error:
+        raise OffloadDirError(
+            f"cannot open the private directory just made ({error.strerror}): it was replaced, "
+            "perhaps by a link", path=path,
+        ) from error
+    try:
+        info = os.fstat(dir_fd)
+        if info.st_uid != os.getuid():
+            raise OffloadDirError(
+                f"the private directory just made belongs to uid {info.st_uid}, not to this user "
+                f"({os.getuid()}): it was replaced by someone else; refusing to use it", path=path,
+            )
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            os.fchmod(dir_fd, 0o700)  # this user's own, made wider by a umask or an ACL default
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        lock_fd = os.open(_LOCK_FILE, flags, 0o600, dir_fd=dir_fd)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(lock_fd)
+            raise
+    except OffloadError:
+        os.close(dir_fd)
+        raise
+    except OSError as error:
+        os.close(dir_fd)
+        shutil.rmtree(path, ignore_errors=True)
+        raise OffloadDirError(f"cannot lock the private directory ({error.strerror})", path=path) from error
+    return dir_fd, lock_fd
+
+
+def _install_sigterm_cleanup() -> None:
+    """On SIGTERM with its default action, removes this process's private
+    directories, then dies by the signal as it would have. A handler someone else
+    installed is left in charge (it may shut down gracefully and still read the
+    arena); interpreter exit removes the directories then. Only the main thread may
+    install handlers: from another thread this does nothing."""
+    if _SIGTERM["installed"] or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is not signal.SIG_DFL:
+            return
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # not the main interpreter
+        return
+    _SIGTERM["installed"] = True
+
+
+def _on_sigterm(signum, frame) -> None:
+    _remove_live_dirs()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _remove_live_dirs() -> None:
+    """Removes the private directories this process made; without waiting for I/O
+    (a signal handler may run while an I/O thread waits for this thread)."""
+    pid = os.getpid()
+    for path, owner in list(_LIVE_DIRS.items()):
+        if owner == pid:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _why_not_writable(error: OSError) -> str:
@@ -312,16 +459,21 @@ def _why_not_writable(error: OSError) -> str:
 
 
 def _remove_private_dir(
-    executor: concurrent.futures.ThreadPoolExecutor, fds: list[int], path: str
+    executor: concurrent.futures.ThreadPoolExecutor, fds: list[int], path: str, owner: int
 ) -> None:
     # Runs from close(), garbage collection or interpreter exit; must not use the arena.
-    executor.shutdown(wait=True)
+    # A forked child inherits the arena but not the directory: only its maker removes it.
+    mine = os.getpid() == owner
+    if mine:
+        executor.shutdown(wait=True)
+        shutil.rmtree(path, ignore_errors=True)
+        _LIVE_DIRS.pop(path, None)
+    # The lock file's descriptor is the last of `fds`: closed after the removal.
     for fd in fds:
         try:
             os.close(fd)
         except OSError:
             pass
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class NvmeSlot:
@@ -404,14 +556,15 @@ class NvmeArena:
     """An O_DIRECT slab file in a private directory, read and written by I/O threads.
 
     Args:
-        offload_dir: Parent of the private directory (default: the temp dir). It
-            must exist.
+        offload_dir: Parent of the private directory (None: the temp dir). It
+            must exist, or at least its parent (the last folder is created).
         capacity_bytes: Cap on the arena file size; reaching it raises
             ``DiskFullError`` just like a full disk. None means no cap.
         chunk_bytes: Largest single I/O; bigger tensors are split so several I/Os
             run at once. A multiple of the page size.
         num_threads: I/O threads.
-        grow_bytes: How much the file grows at a time when no free slot fits.
+        grow_bytes: The most the file grows at once beyond what a slot needs (it
+            grows by its own size up to this, so a small arena stays small).
 
     Raises:
         OffloadDirError: the directory is missing, not a directory, unwritable,
@@ -427,7 +580,12 @@ class NvmeArena:
         num_threads: int = 4,
         grow_bytes: int = 256 << 20,
     ):
-        base = os.path.abspath(os.fspath(offload_dir) if offload_dir else tempfile.gettempdir())
+        if offload_dir is None:
+            offload_dir = tempfile.gettempdir()
+        if not os.fspath(offload_dir):
+            raise OffloadDirError("offload directory is an empty path; leave it unset (None) for the "
+                                  "temp dir or name a directory", path="")
+        base = os.path.abspath(os.fspath(offload_dir))
         if chunk_bytes <= 0 or chunk_bytes % PAGE_BYTES:
             raise ValueError(f"chunk_bytes must be a positive multiple of {PAGE_BYTES}")
         self.base_dir = base
@@ -436,19 +594,18 @@ class NvmeArena:
         self.grow_bytes = round_up(grow_bytes, PAGE_BYTES)
         if os.path.isdir(base):
             clean_stale_dirs(base)
-        self.path = _make_private_dir(base)
+        self.path, self._dir_fd, lock_fd = _make_private_dir(base)
+        _LIVE_DIRS[self.path] = os.getpid()
+        _install_sigterm_cleanup()
         self.file_path = os.path.join(self.path, _ARENA_FILE)
-        fds: list[int] = []
+        fds: list[int] = [self._dir_fd]
         executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=num_threads, thread_name_prefix="slc-nvme"
         )
-        self._finalizer = weakref.finalize(self, _remove_private_dir, executor, fds, self.path)
+        self._finalizer = weakref.finalize(
+            self, _remove_private_dir, executor, fds, self.path, os.getpid()
+        )
         try:
-            self._dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            fds.append(self._dir_fd)
-            info = os.fstat(self._dir_fd)
-            if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
-                os.fchmod(self._dir_fd, 0o700)
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             try:
                 self._fd = os.open(_ARENA_FILE, flags | os.O_DIRECT, 0o600, dir_fd=self._dir_fd)
@@ -460,10 +617,13 @@ class NvmeArena:
                     ) from error
                 raise
             fds.append(self._fd)
+            fds.append(lock_fd)  # last: the lock goes once the directory is gone
         except OffloadError:
+            os.close(lock_fd)
             self._finalizer()
             raise
         except OSError as error:
+            os.close(lock_fd)
             self._finalizer()
             raise OffloadDirError(
                 f"cannot open the arena file ({error.strerror})", path=self.file_path
@@ -510,22 +670,52 @@ class NvmeArena:
         return NvmeSlot(key, byte_range, nbytes)
 
     def _grow(self, needed: int, key: str) -> None:
+        """Grows the file by at least ``needed`` bytes (a multiple of the page size)."""
         old = self._allocator.capacity
-        new = old + max(needed, self.grow_bytes)
-        if self.capacity_bytes is not None and new > self.capacity_bytes:
-            new = old + needed
-            if new > self.capacity_bytes:
-                raise DiskFullError(
-                    f"arena capacity of {self.capacity_bytes} bytes reached: {needed} more "
-                    f"bytes needed with {self._allocator.used_bytes} in use",
-                    key=key,
-                    path=self.file_path,
-                )
+        if self.capacity_bytes is not None and old + needed > self.capacity_bytes:
+            raise DiskFullError(
+                f"arena capacity of {self.capacity_bytes} bytes reached: {needed} more "
+                f"bytes needed with {self._allocator.used_bytes} in use",
+                key=key,
+                path=self.file_path,
+            )
+        # Geometric growth keeps the number of fallocate calls logarithmic while a
+        # small arena stays small; the free space and the cap bound it.
+        wanted = max(needed, min(old, self.grow_bytes))
+        if self.capacity_bytes is not None:
+            wanted = min(wanted, self.capacity_bytes - old)
+        free = self._free_bytes()
+        if free is not None:
+            wanted = min(wanted, max(needed, free // PAGE_BYTES * PAGE_BYTES))
+        for grow in dict.fromkeys((wanted, needed)):
+            try:
+                os.posix_fallocate(self._fd, old, grow)
+            except OSError as error:
+                try:
+                    os.ftruncate(self._fd, old)  # what a failed fallocate may have left
+                except OSError:
+                    pass
+                if error.errno in _DISK_FULL_ERRNOS and grow > needed:
+                    continue  # fall back to exactly what is needed
+                if error.errno in _DISK_FULL_ERRNOS:
+                    free = self._free_bytes()
+                    raise DiskFullError(
+                        f"disk full: no room to grow the arena file in {self.path}: {needed} bytes needed, "
+                        f"{'an unknown number of' if free is None else free} bytes free "
+                        f"({error.strerror})",
+                        key=key, path=self.file_path,
+                    ) from error
+                raise self._os_error(error, "cannot grow the arena file", key) from error
+            self._allocator.grow(old + grow)
+            return
+
+    def _free_bytes(self) -> int | None:
+        """Bytes this user may still allocate on the arena's filesystem, if known."""
         try:
-            os.posix_fallocate(self._fd, old, new - old)
-        except OSError as error:
-            raise self._os_error(error, "cannot grow the arena file", key) from error
-        self._allocator.grow(new)
+            info = os.fstatvfs(self._fd)
+        except OSError:
+            return None
+        return info.f_bavail * info.f_frsize
 
     def release(self, slot: NvmeSlot) -> None:
         """Returns a slot's range to the free list (idempotent)."""

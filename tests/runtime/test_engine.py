@@ -232,7 +232,7 @@ def test_thousands_of_small_tensors_share_one_file_and_reuse_space(engine):
     for handle in handles:
         engine.wait(handle)
     arena = engine.arena
-    assert os.listdir(arena.path) == ["arena.bin"]
+    assert sorted(os.listdir(arena.path)) == ["arena.bin", "lock"]
     assert same_bits(engine.wait(engine.load("s1234")), torch.full((10,), 1234.0, device=DEV))
     file_bytes = arena.file_bytes
     for index in range(2000):
@@ -309,3 +309,51 @@ def test_no_idle_buffers_kept_without_a_cache(tmp_path):
         assert engine._buffers.idle_bytes == 0
     finally:
         engine.close()
+
+
+def _live(kind) -> int:
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if type(obj) is kind)
+
+
+@pytest.mark.skipif(on_cuda(), reason="the memory of a CPU tensor, watched through numpy")
+def test_a_stored_source_is_not_kept_once_it_is_written(engine):
+    import weakref
+
+    import numpy
+
+    memory = numpy.ones(5000, dtype=numpy.float32)
+    alive = weakref.ref(memory)  # dies with the last storage using this memory
+    source = torch.from_numpy(memory)
+    del memory
+    engine.wait(engine.store("a", source, NVME, WEIGHT))
+    del source
+    gc.collect()
+    assert alive() is None  # the key rests in the file, not in memory as well
+    assert same_bits(engine.wait(engine.load("a")), torch.ones(5000))
+
+
+def test_loaded_tensors_stored_again_keep_no_earlier_generation(engine):
+    """The offloaded optimizer's pattern: load a state, update it in place, store it
+    under a fresh key, free the old one. Nothing of an earlier generation may stay."""
+    import weakref
+
+    from slcompile.runtime.engine import TransferHandle, _Entry
+
+    engine.wait(engine.store("state#0", torch.zeros(5000, device=DEV), NVME, TransferKind.OPTIMIZER_STATE))
+    generations = []
+    for generation in range(1, 9):
+        state = engine.wait(engine.load(f"state#{generation - 1}"))
+        state.add_(1)
+        engine.wait(engine.store(f"state#{generation}", state, NVME, TransferKind.OPTIMIZER_STATE))
+        engine.free(f"state#{generation - 1}")
+        generations.append(weakref.ref(state))
+        if generation == 4:
+            kept = state  # a caller may hold a loaded tensor after its key is freed
+        del state
+    gc.collect()
+    assert [ref() is not None for ref in generations] == [False] * 3 + [True] + [False] * 4
+    assert engine.keys() == ["state#8"]
+    assert _live(_Entry) == 1 and _live(TransferHandle) == 0
+    assert same_bits(engine.wait(engine.load("state#8")), torch.full((5000,), 8.0, device=DEV))
+    assert same_bits(kept, torch.full((5000,), 4.0, device=DEV))

@@ -212,3 +212,133 @@ def test_weight_update_that_fails_part_way_leaves_every_weight_as_it_was(engine,
     assert sorted(engine.keys()) == ["w0", "w1", "w2"]
     for i in range(3):
         assert same_bits(engine.wait(engine.load(f"w{i}")), torch.full((1024,), 10.0 + i))
+
+
+def test_an_empty_offload_dir_is_refused_not_taken_for_the_temp_dir():
+    with pytest.raises(OffloadDirError, match="empty path"):
+        NvmeArena("")
+
+
+def test_the_file_grows_by_what_is_needed_then_geometrically(tmp_path):
+    arena = NvmeArena(str(tmp_path))
+    try:
+        sizes = []
+        for index in range(5):
+            arena.allocate(100, f"page{index}")  # one page each
+            sizes.append((arena.file_bytes, os.fstat(arena._fd).st_size))
+        assert sizes == [(4096, 4096), (8192, 8192), (16384, 16384), (16384, 16384), (32768, 32768)]
+        arena.allocate(3 << 20, "big")  # needs more than the file's size: exactly that
+        assert arena.file_bytes == 32768 + (3 << 20) - 3 * 4096
+    finally:
+        arena.close()
+
+
+@pytest.fixture
+def small_volume(tmp_path):
+    """A 64 MiB tmpfs (needs root and O_DIRECT on tmpfs, Linux 6.6+)."""
+    import subprocess
+
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small volume needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(volume)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield str(volume)
+    finally:
+        subprocess.run(["umount", str(volume)], check=True)
+
+
+def test_a_small_volume_is_filled_before_disk_full_is_raised(small_volume, monkeypatch):
+    try:
+        arena = NvmeArena(small_volume)
+    except OffloadDirError as error:
+        pytest.skip(f"no O_DIRECT on tmpfs here: {error}")
+    engine = TransferEngine(offload_dir=small_volume)
+    try:
+        tensor = torch.arange(int(4.3 * (1 << 20)) // 4, dtype=torch.float32)  # 4.3 MiB
+        engine.wait(engine.store("step", tensor, NVME, WEIGHT))
+        assert same_bits(engine.wait(engine.load("step")), tensor)
+        assert engine.arena.file_bytes == 4509696  # 4.3 MiB in whole pages, not a 256 MiB step
+        engine.close()
+        # With the free space unknown, the arena tries to double, fails, and falls
+        # back to exactly what it needs, until the volume is full.
+        monkeypatch.setattr(arena, "_free_bytes", lambda: None)
+        slots = 0
+        with pytest.raises(DiskFullError) as caught:
+            while True:
+                arena.allocate(1 << 20, f"slot{slots}")
+                slots += 1
+        assert slots >= 60  # of the 64 MiB volume's 1 MiB slots
+        message = str(caught.value)
+        assert f"in {arena.path}: 1048576 bytes needed" in message and "bytes free" in message
+        assert_names(caught.value, f"slot{slots}", arena.file_path)
+    finally:
+        engine.close()
+        arena.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing a directory to another user needs root")
+def test_a_private_dir_swapped_for_another_users_is_refused_and_left_alone(tmp_path, monkeypatch):
+    make_dir = os.mkdir
+    swapped = []
+
+    def mkdir_then_swap(path, mode=0o777, **kwargs):
+        make_dir(path, mode, **kwargs)
+        if os.path.basename(path).startswith("slc-offload-"):
+            os.chown(path, 12345, 12345)  # what a racing user's own directory looks like
+            swapped.append(path)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_swap)
+    with pytest.raises(OffloadDirError, match="belongs to uid 12345, not to this user"):
+        NvmeArena(str(tmp_path))
+    monkeypatch.undo()
+    assert len(swapped) == 1
+    info = os.lstat(swapped[0])
+    assert info.st_uid == 12345 and stat.S_IMODE(info.st_mode) == 0o700  # neither chmod-ed nor removed
+    assert os.listdir(swapped[0]) == []
+
+
+def test_a_private_dir_swapped_for_a_link_is_refused(tmp_path, monkeypatch):
+    decoy = tmp_path / "decoy"
+    decoy.mkdir(mode=0o755)
+    base = tmp_path / "base"
+    base.mkdir()
+    make_dir = os.mkdir
+
+    def mkdir_then_link(path, mode=0o777, **kwargs):
+        if os.path.basename(path).startswith("slc-offload-"):
+            os.symlink(decoy, path)
+        else:
+            make_dir(path, mode, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_link)
+    with pytest.raises(OffloadDirError, match="replaced, perhaps by a link"):
+        NvmeArena(str(base))
+    monkeypatch.undo()
+    assert os.listdir(decoy) == [] and stat.S_IMODE(os.lstat(decoy).st_mode) == 0o755
+
+
+def test_unfinished_private_dirs_are_removed_only_when_old_and_unlocked(tmp_path):
+    import time
+
+    from slcompile.runtime import clean_stale_dirs
+
+    old, fresh, live, foreign = (tmp_path / name for name in (
+        "slc-offload-11-0123abcd.new", "slc-offload-12-0123abcd.new", "slc-offload-13-0123abcd", "other"))
+    for directory in (old, fresh, live, foreign):
+        directory.mkdir(mode=0o700)
+        (directory / "lock").write_text("")
+    hour_ago = time.time() - 3600
+    os.utime(old, (hour_ago, hour_ago))  # killed between making its directory and naming it
+    held = os.open(live / "lock", os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # a live arena (of any process, any namespace)
+    try:
+        assert clean_stale_dirs(str(tmp_path)) == [str(old)]
+    finally:
+        os.close(held)
+    assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in (fresh, live, foreign))
+    assert clean_stale_dirs(str(tmp_path)) == [str(live)]  # its lock is free now
