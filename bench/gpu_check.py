@@ -253,18 +253,19 @@ def run_rows(args, base: dict, clock: Clock) -> list[dict]:
         spec = {**base, **spec}
         if spec.get("regime") == "io_bound":
             spec["shape"] = {**spec["shape"], "seq": IO_SEQ}
+        label = f"row {spec['row']} K={spec['k']}" + (f" ({spec['regime']})" if "regime" in spec else "")
         left = clock.left()
         if left < args.min_row_s:
             rows.append({"spec": spec, "skipped": f"{max(left, 0):.0f} s left of the budget"})
-            log(f"row {spec['row']} K={spec['k']}: skipped ({left:.0f} s left)")
+            log(f"{label}: skipped ({left:.0f} s left)")
             continue
         timeout = min(args.row_budget_s, left)
-        log(f"row {spec['row']} K={spec['k']} {spec.get('regime', '')}: at most {timeout:.0f} s")
+        log(f"{label}: at most {timeout:.0f} s")
         row = run_row(spec, timeout)
         rows.append(row)
         status = row.get("error") or row.get("unavailable") or (
             f"{row['step_seconds']:.4f} s/step, first step {row['first_step_seconds']:.1f} s")
-        log(f"row {spec['row']} K={spec['k']}: {status} ({row['wall_seconds']:.0f} s)")
+        log(f"{label}: {status} ({row['wall_seconds']:.0f} s)")
     return rows
 
 
@@ -433,7 +434,7 @@ def print_goals(record: dict) -> None:
     for g in record["goals"]:
         figures = ", ".join(f"{key} {value:.3g}" if isinstance(value, float) else f"{key} {value}"
                             for key, value in g.items()
-                            if key in ("k", "ratio", "target", "bound_ratio", "bound_is", "reason"))
+                            if key in ("k", "regime", "ratio", "target", "bound_ratio", "bound_is", "reason"))
         print(f"{g['status']:>14}  {g['goal']}: {figures}")
 
 
