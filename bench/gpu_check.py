@@ -16,8 +16,9 @@ out of time is recorded as such, and the next one runs):
 2. the pinned host<->device copy bandwidth (gpu_bench.copy_bandwidth, 1 GiB).
 3. bench rows of gpu_bench.py (``--small`` model: 4 layers, hidden 1024, batch 8 x 256,
    bf16, Inductor), each in its own process with a fresh Inductor/Triton cache (so
-   every first step pays its whole compile), in the order of ROW_ORDER: what the
-   goals need first; rows that no longer fit the budget are recorded as skipped.
+   every first step pays its whole compile), in the order of row_order(): what the
+   goals need first; rows that no longer fit the budget are recorded as skipped. The
+   grad_accumulation goal's pair also runs at IO_SHAPE, where the link bounds the step.
 4. goals (ratios within the run), each with the rows it read and what the bound
    allows:
    - weights on pinned host: tokens/s >= 95% of resident Inductor, at each K;
@@ -82,23 +83,26 @@ GOAL_COMPILE = 1.5  # x plain Inductor's first step
 GOAL_GRAD_ACC = 0.9  # x K
 
 
-# The link-bound regime of the grad_accumulation goal: the same model with 8 x 32 tokens,
-# so that moving the block weights (2 P = 202 MB per step for --small, about 4 ms at
-# 50 GB/s) takes longer than the resident step's compute, and grad_accumulation's K
-# passes over the weights (K x 2 P) are what its step waits for.
-IO_SEQ = 32
+# The link-bound regime of the grad_accumulation goal: 2 layers of the full model's width
+# (101 MB of bf16 weights each; 2 P = 405 MB per step, about 8 ms at 50 GB/s) and 8 x 32
+# tokens, so that moving the block weights takes longer than a step's compute (at K = 8
+# a sub-batch is one sample: the kernels' launches, not their arithmetic, set the
+# compute), and grad_accumulation's K passes over the weights (K x 2 P) are what its
+# step waits for.
+IO_SHAPE = {**gpu_bench.MODELS["full"], "layers": 2, "batch": 8, "seq": 32}
 
 
 def row_order(ks: list[int]) -> list[dict]:
-    """The rows to run, most needed first: the baseline, weights on host at every K, the
-    link-bound pair at the largest K (with its own resident baseline), activations on
-    host (recompute first), then the rest: grad_accumulation of the main shape and the
-    other K."""
-    rows = [{"row": "resident_inductor", "k": 1}]
-    rows += [{"row": "weights_host", "k": k} for k in ks]
+    """The rows to run, most needed first (each goal's first row early): the baseline,
+    weights on host and activations on host with recompute at the smallest K, weights on
+    host at the other K, the link-bound pair at the largest K (with its own resident
+    baseline), then the rest: every saved activation moved, grad_accumulation of the
+    main shape, recompute at the other K."""
+    rows = [{"row": "resident_inductor", "k": 1}, {"row": "weights_host", "k": min(ks)},
+            {"row": "weights_activations_host_recompute", "k": min(ks)}]
+    rows += [{"row": "weights_host", "k": k} for k in ks if k != min(ks)]
     rows += [{"row": name, "k": k, "regime": "io_bound"}
              for name, k in (("resident_inductor", 1), ("weights_host", max(ks)), ("grad_accumulation", max(ks)))]
-    rows.append({"row": "weights_activations_host_recompute", "k": min(ks)})
     rows.append({"row": "weights_activations_host", "k": min(ks)})
     rows.append({"row": "grad_accumulation", "k": max(ks)})
     for k in ks:
@@ -108,7 +112,7 @@ def row_order(ks: list[int]) -> list[dict]:
 
 
 def regime(row: dict) -> str:
-    """"compute" (the main shape) or "io_bound" (IO_SEQ tokens per sample)."""
+    """"compute" (the main shape) or "io_bound" (IO_SHAPE)."""
     return row["spec"].get("regime", "compute")
 
 
@@ -252,7 +256,7 @@ def run_rows(args, base: dict, clock: Clock) -> list[dict]:
     for spec in args.rows:
         spec = {**base, **spec}
         if spec.get("regime") == "io_bound":
-            spec["shape"] = {**spec["shape"], "seq": IO_SEQ}
+            spec["shape"] = dict(IO_SHAPE)
         label = f"row {spec['row']} K={spec['k']}" + (f" ({spec['regime']})" if "regime" in spec else "")
         left = clock.left()
         if left < args.min_row_s:
@@ -456,7 +460,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, choices=sorted(gpu_bench.MODELS),
                         help="gpu_bench model (default small; cpu_smoke for --cpu-smoke)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per row (default 5; 1 for --cpu-smoke)")
-    parser.add_argument("--only", default=None, help="comma-separated row names (default: ROW_ORDER's)")
+    parser.add_argument("--only", default=None, help="comma-separated row names (default: every row of row_order())")
     parser.add_argument("--skip-tests", action="store_true", help="leave out step 1")
     parser.add_argument("--pytest-k", default=None, help="a -k expression narrowing the tests")
     args = parser.parse_args(argv)
