@@ -250,9 +250,10 @@ def run_row(spec: dict, timeout_s: float) -> dict:
     return row
 
 
-def run_rows(args, base: dict, clock: Clock) -> list[dict]:
-    """Step 3: the bench rows in order, each within what is left."""
-    rows = []
+def run_rows(args, base: dict, clock: Clock, rows: list[dict] | None = None, after_row=None) -> list[dict]:
+    """Step 3: the bench rows in order, each within what is left, appended to `rows`;
+    `after_row()` runs after each."""
+    rows = [] if rows is None else rows
     for spec in args.rows:
         spec = {**base, **spec}
         if spec.get("regime") == "io_bound":
@@ -270,6 +271,8 @@ def run_rows(args, base: dict, clock: Clock) -> list[dict]:
         status = row.get("error") or row.get("unavailable") or (
             f"{row['step_seconds']:.4f} s/step, first step {row['first_step_seconds']:.1f} s")
         log(f"{label}: {status} ({row['wall_seconds']:.0f} s)")
+        if after_row is not None:
+            after_row()
     return rows
 
 
@@ -289,6 +292,12 @@ def describe_bounds(rows: list[dict], bandwidth: dict | None) -> None:
         row["bound_percent_of_resident"] = 100.0 * compute / row["bound_seconds"]
         if resident.get("peak_bytes") and row.get("peak_bytes") is not None:
             row["peak_fraction_of_resident"] = row["peak_bytes"] / resident["peak_bytes"]
+
+
+def bound_ratio(row: dict) -> float | None:
+    """The share of resident tokens/s the row's bound allows (None without a bound)."""
+    percent = row.get("bound_percent_of_resident")
+    return None if percent is None else percent / 100
 
 
 def find(rows: list[dict], name: str, k: int, in_regime: str = "compute") -> dict | None:
@@ -329,8 +338,7 @@ def evaluate_goals(rows: list[dict], ks: list[int]) -> list[dict]:
             continue
         ratio = row["tokens_per_second"] / resident["tokens_per_second"]
         goals.append(goal("weights_host_throughput", text, "met" if ratio >= GOAL_WEIGHTS_HOST else "missed", k=k,
-                          ratio=ratio, target=GOAL_WEIGHTS_HOST, bound_ratio=row.get("bound_percent_of_resident",
-                                                                                     float("nan")) / 100,
+                          ratio=ratio, target=GOAL_WEIGHTS_HOST, bound_ratio=bound_ratio(row),
                           bound_is=row.get("bound_is"), over_bound=row.get("over_bound")))
 
     candidates = [r for r in rows if r["spec"]["row"] in ("weights_activations_host_recompute",
@@ -347,7 +355,7 @@ def evaluate_goals(rows: list[dict], ks: list[int]) -> list[dict]:
             peak = r["peak_bytes"] / resident["peak_bytes"]
             speed = r["tokens_per_second"] / resident["tokens_per_second"]
             figures.append({"row": r["spec"]["row"], "k": r["spec"]["k"], "peak_fraction": peak, "ratio": speed,
-                            "bound_ratio": r.get("bound_percent_of_resident", float("nan")) / 100,
+                            "bound_ratio": bound_ratio(r),
                             "bound_is": r.get("bound_is"),
                             "met": peak <= GOAL_ACTIVATIONS_PEAK and speed >= GOAL_ACTIVATIONS_SPEED})
         goals.append(goal("activations_host_memory_and_throughput", text,
@@ -418,10 +426,16 @@ def environment(device) -> dict:
     return record
 
 
+def write_json(record: dict, out: str) -> None:
+    """The record so far (after every step, so that a run killed from outside still
+    leaves what it measured)."""
+    with open(os.path.join(out, "gpu_check.json"), "w") as f:
+        json.dump(record, f, indent=1, default=str)
+
+
 def write(record: dict, out: str) -> None:
     path = os.path.join(out, "gpu_check.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1, default=str)
+    write_json(record, out)
     if any("step_seconds" in r for r in record["rows"]):
         try:
             shown = [{**r, "spec": {**r["spec"], "row": r["spec"]["row"] + (
@@ -523,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
             record["tests"] = run_tests(args, args.out, clock, "cpu" if args.cpu_smoke else "cuda")
         except Exception as error:  # recorded; the rows still run
             record["tests"] = {"status": "error", "error": f"{type(error).__name__}: {error}"}
+    write_json({**record, "status": "running: tests done"}, args.out)
     # 2. bandwidth
     try:
         record["bandwidth"] = gpu_bench.copy_bandwidth(device, (16 << 20) if args.cpu_smoke else (1 << 30))
@@ -541,7 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         "lowering": "aot_eager" if args.cpu_smoke else "inductor",
         **({"resident_backend": "aot_eager"} if args.cpu_smoke else {}),
     }
-    record["rows"] = run_rows(args, base, clock)
+    record["rows"] = []
+    run_rows(args, base, clock, record["rows"],
+             after_row=lambda: write_json({**record, "status": "running: rows"}, args.out))
     # 4. bounds and goals
     try:
         describe_bounds(record["rows"], record["bandwidth"])
