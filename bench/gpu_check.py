@@ -76,6 +76,8 @@ SMOKE_TESTS = (
     "tests/runtime/test_tiers.py::test_engine_reserve_pins_plan_bytes_and_counts_them",
 )
 
+LOG_LIMIT = 8 << 20  # characters of pytest's log kept (its end)
+
 GOAL_WEIGHTS_HOST = 0.95  # of resident Inductor's tokens/s
 GOAL_ACTIVATIONS_PEAK = 0.50  # of resident Inductor's peak
 GOAL_ACTIVATIONS_SPEED = 0.75  # of resident Inductor's tokens/s
@@ -166,6 +168,8 @@ def junit_summary(path: str) -> dict:
     counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
     cases = []
     for case in suite.iter("testcase"):
+        if case.get("name") is None:  # the test a timeout interrupted: no outcome
+            continue
         outcome, message = "passed", None
         for tag in ("failure", "error", "skipped"):
             found = case.find(tag)
@@ -210,8 +214,13 @@ def run_tests(args, out: str, clock: Clock, device: str) -> dict:
             step["summary"] = junit_summary(junit)
         except ET.ParseError as error:
             step["summary_error"] = str(error)
-    with open(os.path.join(out, "pytest.log")) as log_file:
-        step["log_tail"] = log_file.read()[-3000:]
+    log_path = os.path.join(out, "pytest.log")
+    with open(log_path, errors="replace") as log_file:
+        text = log_file.read()
+    step["log_tail"] = text[-3000:]
+    if len(text) > LOG_LIMIT:  # what comes back from a device machine is capped per file
+        with open(log_path, "w") as log_file:
+            log_file.write(f"[first {len(text) - LOG_LIMIT} characters left out]\n" + text[-LOG_LIMIT:])
     # pytest: 0 all passed, 5 nothing collected (all deselected): both are not failures.
     step["status"] = "timed out" if timed_out else ("passed" if code in (0, 5) else "failed")
     summary = step.get("summary", {})

@@ -93,6 +93,22 @@ def test_a_step_out_of_time_is_killed_and_rows_past_the_budget_are_skipped(tmp_p
     assert all("skipped" in r for r in rows)
 
 
+def test_junit_summary_counts_outcomes_and_leaves_out_a_test_a_timeout_interrupted(tmp_path):
+    path = tmp_path / "junit.xml"
+    path.write_text(
+        '<testsuites><testsuite errors="0" failures="1" skipped="1" tests="3" time="2.5">'
+        '<testcase classname="tests.a" name="test_ok" time="1.0" />'
+        '<testcase classname="tests.a" name="test_bad" time="1.0"><failure message="assert 1 == 2">tb</failure>'
+        '</testcase><testcase classname="tests.b" name="test_cuda" time="0"><skipped message="no CUDA" />'
+        '</testcase><testcase time="0.015" /></testsuite></testsuites>')
+    summary = gpu_check.junit_summary(str(path))
+    assert {key: summary[key] for key in ("tests", "passed", "failures", "skipped")} == {
+        "tests": 3, "passed": 1, "failures": 1, "skipped": 1}
+    assert [(c["test"], c["outcome"]) for c in summary["cases"]] == [
+        ("tests.a::test_ok", "passed"), ("tests.a::test_bad", "failed"), ("tests.b::test_cuda", "skipped")]
+    assert summary["cases"][1]["message"] == "assert 1 == 2"
+
+
 def test_rows_needed_by_the_goals_come_first():
     order = [(r["row"], r["k"]) for r in gpu_check.row_order([4, 8])]
     assert order[:4] == [("resident_inductor", 1), ("weights_host", 4), ("weights_activations_host_recompute", 4),
