@@ -285,9 +285,46 @@ def run_rows(args, base: dict, clock: Clock, rows: list[dict] | None = None, aft
     return rows
 
 
+def block_weight_bytes(shape: dict, dtype: str) -> int:
+    """P: the bytes of a Llama's decoder layers (q, k, v, o with as many key/value heads
+    as heads, gate, up and down, two RMSNorm weights), the weights that stream."""
+    hidden, intermediate = shape["hidden"], shape["intermediate"]
+    per_layer = 4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden
+    return shape["layers"] * per_layer * (2 if dtype in ("bfloat16", "float16") else 4)
+
+
+def expected_weight_bytes(spec: dict) -> int | None:
+    """Host->device weight bytes of one step, before it runs: 2 P (each block loaded for
+    the forward and for the backward, shared by the K sub-batches), K x 2 P for
+    grad_accumulation, None for rows that stream nothing."""
+    if gpu_bench.speedloader_options(spec["row"], spec["k"], "inductor") is None:
+        return None
+    if spec["device"].startswith("cpu"):
+        return 0  # the host tier is the device's memory: nothing is copied
+    passes = spec["k"] if spec["row"] == "grad_accumulation" else 1
+    return passes * 2 * block_weight_bytes(spec["shape"], spec["dtype"])
+
+
 def describe_bounds(rows: list[dict], bandwidth: dict | None) -> None:
     """gpu_bench.add_bounds, then per row what bounds it and the tokens/s share of
-    resident Inductor the bound allows."""
+    resident Inductor the bound allows; beside them the weight bytes expected before the
+    run (and their time over the link) against those measured."""
+    link = None if bandwidth is None else min(bandwidth["host_to_device_bytes_per_second"],
+                                              bandwidth["device_to_host_bytes_per_second"])
+    for row in rows:
+        expected = expected_weight_bytes(row["spec"]) if "shape" in row["spec"] else None
+        if expected is None:
+            continue
+        row["expected_weight_bytes_per_step"] = expected
+        if link:
+            row["expected_weight_seconds_at_bandwidth"] = expected / link
+        if "bytes_moved_per_step" in row:
+            loaded = sum(n for key, n in row["bytes_moved_per_step"].items() if key.startswith("weight/")
+                         and key.endswith("/device"))
+            row["weight_bytes_per_step"] = loaded
+            # A prefetch still in flight when a step's window closes lands in the next
+            # window: a step can show a block more or less than this.
+            row["weight_bytes_minus_expected"] = loaded - expected
     for name in ("compute", "io_bound"):
         measured = [r for r in rows if "step_seconds" in r and regime(r) == name]
         if bandwidth is not None and measured:

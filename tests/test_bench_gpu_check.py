@@ -64,6 +64,17 @@ def test_goals_are_ratios_to_resident_inductor_in_the_same_run():
     assert io["bound_ratio"] == pytest.approx(8.0) and io["ratio"] == pytest.approx(3.3 / 0.42)
 
 
+def test_expected_weight_bytes_are_two_passes_over_the_blocks_and_k_times_that_for_grad_accumulation():
+    # The 2026-11-23 H100 run moved 2.429 GB per step for the full model (2 P of its blocks).
+    full = {"device": "cuda:0", "dtype": "bfloat16", "shape": gpu_check.gpu_bench.MODELS["full"]}
+    assert gpu_check.expected_weight_bytes({**full, "row": "weights_host", "k": 4}) == 2_428_698_624
+    assert gpu_check.expected_weight_bytes({**full, "row": "grad_accumulation", "k": 8}) == 8 * 2_428_698_624
+    assert gpu_check.expected_weight_bytes({**full, "row": "resident_inductor", "k": 1}) is None
+    small = {**full, "shape": gpu_check.gpu_bench.MODELS["small"], "row": "weights_activations_host", "k": 4}
+    assert gpu_check.expected_weight_bytes(small) == 202_407_936
+    assert gpu_check.expected_weight_bytes({**small, "device": "cpu"}) == 0
+
+
 def test_goals_without_their_rows_say_why():
     rows = [_row("resident_inductor", 1, 1.0), _row("weights_host", 8, 1.0, transfer=0.1),
             {"spec": {"row": "weights_host", "k": 4}, "error": "ran out of its 150 s", "timed_out": True}]
