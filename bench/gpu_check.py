@@ -202,7 +202,8 @@ def run_tests(args, out: str, clock: Clock, device: str) -> dict:
     if budget < 10:
         return {**step, "status": "skipped", "reason": f"{budget:.0f} s left of the budget"}
     log(f"tests on {device}, at most {budget:.0f} s: {' '.join(selection)}")
-    env = {**os.environ, "SLC_TEST_DEVICE": device, "PYTHONUNBUFFERED": "1"}
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}  # not a worker's
+    env.update(SLC_TEST_DEVICE=device, PYTHONUNBUFFERED="1")
     if args.cpu_smoke:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the engine computes on the CPU too
     with open(os.path.join(out, "pytest.log"), "w") as log_file:

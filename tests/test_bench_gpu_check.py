@@ -134,8 +134,9 @@ def test_rows_needed_by_the_goals_come_first():
 @pytest.mark.slow
 def test_cpu_smoke_runs_every_step_and_writes_one_json_and_one_plot(tmp_path):
     out = tmp_path / "out"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}  # no xdist worker
     proc = subprocess.run([sys.executable, "-m", "bench", "gpu", "--check", "--cpu-smoke", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = sorted(os.listdir(out))
     assert files == ["gpu_check.json", "gpu_check.png", "pytest.log", "pytest_junit.xml"]
