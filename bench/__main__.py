@@ -14,6 +14,7 @@ Usage:
     python -m bench compile ...               # bench/compile_bench.py
     python -m bench soak [--steps 1000]       # bench/soak_bench.py
     python -m bench gpu [--small|--cpu-smoke] # bench/gpu_bench.py (CUDA)
+    python -m bench gpu --check [--out DIR]   # bench/gpu_check.py: the CUDA validation in one command
     python -m bench all [--quick] [--only train,io]
 
 A single scenario runs its script with the arguments given after its name, as
@@ -49,6 +50,7 @@ class Scenario:
     full_args: tuple[str, ...]
     quick_args: tuple[str, ...]
     summary: str
+    out_is_dir: bool = False  # its --out names a folder (several files), not a JSON path
 
 
 SCENARIOS = (
@@ -82,9 +84,12 @@ SCENARIOS = (
     Scenario("gpu", "gpu_bench.py", (), ("--cpu-smoke",),
              "HF Llama training step on a CUDA GPU: tiers and K vs resident Inductor (needs CUDA; not in `all` "
              "unless named in --only)"),
+    Scenario("gpu_check", "gpu_check.py", (), ("--cpu-smoke",),
+             "the CUDA validation in one command (also `gpu --check`): cuda_check tests, then the gpu rows that "
+             "decide the goals, one JSON and plot, within --budget-s (needs CUDA)", out_is_dir=True),
 )
 # Scenarios `all` runs unless --only names them: they need hardware this machine may lack.
-NEEDS_CUDA = ("gpu",)
+NEEDS_CUDA = ("gpu", "gpu_check")
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
 
 
@@ -156,7 +161,8 @@ def run_all(names: list[str], quick: bool, results_dir: str | None) -> int:
         scenario = BY_NAME[name]
         args = [*(scenario.quick_args if quick else scenario.full_args)]
         if results_dir != os.path.join(HERE, "results"):
-            args += ["--out", os.path.join(results_dir, scenario.script.replace(".py", ".json"))]
+            name = scenario.script.replace(".py", "" if scenario.out_is_dir else ".json")
+            args += ["--out", os.path.join(results_dir, name)]
         bar.set_postfix_str(name)
         log_path = os.path.join(log_dir, f"{name}.log")
         started = time.perf_counter()
@@ -186,6 +192,9 @@ def run_all(names: list[str], quick: bool, results_dir: str | None) -> int:
 def main() -> None:
     names = [scenario.name for scenario in SCENARIOS]
     argv = sys.argv[1:]
+    if argv[:1] == ["gpu"] and "--check" in argv[1:]:
+        # `gpu --check`: the whole CUDA validation (bench/gpu_check.py), not the full table.
+        argv = ["gpu_check", *(arg for arg in argv[1:] if arg != "--check")]
     if argv and argv[0] in BY_NAME:
         # Everything after the scenario's name belongs to its script.
         scenario = BY_NAME[argv[0]]

@@ -86,6 +86,7 @@ CASES = [
 
 
 @pytest.mark.oldest
+@pytest.mark.cuda_check
 @pytest.mark.parametrize("family,k,kv_cache,weights", CASES)
 def test_greedy_tokens_equal_eager_generate_with_left_padding_and_early_eos(tmp_path, family, k, kv_cache, weights):
     model = FAMILIES[family]().eval()
@@ -424,6 +425,7 @@ def test_explained_device_peak_of_left_padded_prompts_within_five_percent_of_mea
     assert padded.prefill_memory.terms["hidden"] > unpadded.prefill_memory.terms["hidden"]
 
 
+@pytest.mark.cuda_check
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt2"])
 def test_prefill_with_hidden_states_on_the_kv_tier_gives_the_tokens_of_eager(tmp_path, family):
     """Four prefill sub-batches, each captured alone before each layer step and its

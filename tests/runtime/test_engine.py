@@ -27,6 +27,7 @@ DEVICE = Tier.DEVICE
 HOST = Tier.HOST
 WEIGHT = TransferKind.WEIGHT
 DEV = device_under_test()
+pytestmark = pytest.mark.cuda_check  # round trips on the device under test: real copies on CUDA
 
 
 def sample(dtype: torch.dtype, numel: int, seed: int = 0) -> torch.Tensor:

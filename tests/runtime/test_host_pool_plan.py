@@ -13,7 +13,7 @@ from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.runtime import configure_engine, runtime_stats
 from slcompile.runtime.tiers import PAGE_BYTES
 
-pytestmark = pytest.mark.skipif(not on_cuda(), reason="pins host memory: CUDA machines only")
+pytestmark = [pytest.mark.skipif(not on_cuda(), reason="pins host memory: CUDA machines only"), pytest.mark.cuda_check]
 
 CFG = GPTConfig(n_layers=2, d_model=64)
 

@@ -135,6 +135,7 @@ def test_engine_pins_nothing_where_host_is_device(engine):
     assert engine.host_pool is None and runtime_stats().pinned_host_bytes == 0
 
 
+@pytest.mark.cuda_check
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pins host memory: CUDA machines only")
 def test_engine_reserve_pins_plan_bytes_and_counts_them(tmp_path):
     engine = TransferEngine(offload_dir=str(tmp_path), host_chunk_bytes=1 << 20)

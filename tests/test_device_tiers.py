@@ -1,0 +1,105 @@
+"""A training step on the device the tests run on (``SLC_TEST_DEVICE``): model, inputs
+and eager reference all live there, so on a CUDA machine every tier really copies
+across the link. Each tier combination equals eager, moves exactly the bytes the
+compiled graphs fetch and store, and (CUDA only) peaks where the memory model says.
+
+These tests are the numerics half of ``python -m bench gpu --check`` (marker
+``cuda_check``); on a CPU machine they run as any other test (the host tier is the
+device's memory there and moves nothing)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from conftest import assert_matches_eager, fetched_weight_bytes
+from devices import device_under_test, on_cuda
+from models import GPTConfig, TinyGPT, make_gpt_batch
+
+import slcompile
+from slcompile.runtime import Tier, TransferKind, reset_runtime_stats, runtime_stats
+
+pytestmark = pytest.mark.cuda_check
+
+CFG = GPTConfig(n_layers=2)
+
+
+def _moved(kind: TransferKind, destination: Tier) -> int:
+    """Bytes of `kind` that arrived at `destination` (from any tier) since the reset."""
+    return sum(n for (k, _, dst), n in runtime_stats().bytes_moved.items() if k is kind and dst is destination)
+
+
+def _copies(tier: str) -> bool:
+    """Whether a tensor resting on `tier` crosses a link: the host tier is the device's
+    own memory on a CPU machine."""
+    return tier == "nvme" or (tier == "host" and on_cuda())
+
+
+@pytest.mark.parametrize("weights,activations,live_blocks", [("host", "device", 1), ("host", "host", 2),
+                                                             ("nvme", "nvme", 1)])
+def test_every_tier_combination_equals_eager_and_moves_the_bytes_of_its_graphs(weights, activations, live_blocks):
+    device = device_under_test()
+    idx, targets = (t.to(device) for t in make_gpt_batch(CFG, 4))
+    gc.collect()  # what earlier tests left on a tier goes now, not during the step
+    reset_runtime_stats()
+    options = {"lowering": "aot_eager", "num_subbatches": 2, "weights": weights, "activations": activations,
+               "live_blocks": live_blocks, "min_offload_bytes": 0}
+    assert_matches_eager(TinyGPT(CFG).to(device), lambda m: m(idx, targets), options)
+    report = slcompile.compile_reports()[-1]
+    assert report.fallback_reason is None
+    # Each block's weights are fetched once per forward and once per backward,
+    # shared by both sub-batches: the fetches of the graphs, byte for byte. With a
+    # prefetch window (live_blocks=2) the backward also loads the next forward's
+    # first block, which may still be in flight when the step returns.
+    weight_loads = _moved(TransferKind.WEIGHT, Tier.DEVICE)
+    fetched = fetched_weight_bytes(report) if _copies(weights) else 0
+    if live_blocks == 1:
+        assert weight_loads == fetched
+    else:
+        assert fetched <= weight_loads <= fetched + (report.streamed_bytes if fetched else 0)
+    # Every offloaded activation goes out once and comes back once.
+    stored = sum(n for (k, src, _), n in runtime_stats().bytes_moved.items()
+                 if k is TransferKind.ACTIVATION and src is Tier.DEVICE)
+    loaded = _moved(TransferKind.ACTIVATION, Tier.DEVICE)
+    expected = int(report.offloaded_activations.bytes) if _copies(activations) else 0
+    assert (stored, loaded) == (expected, expected)
+
+
+@pytest.mark.skipif(not on_cuda(), reason="the CUDA caching allocator's peak (the CPU one: test_offload_activations)")
+@pytest.mark.parametrize("activations,recompute", [("device", "none"), ("host", "none"), ("host", "blocks")])
+def test_predicted_step_peak_within_ten_percent_of_the_cuda_allocators(activations, recompute):
+    """The plan's step peak (bytes above what was allocated before the step) against
+    `torch.cuda.max_memory_allocated` above the same baseline, weights on pinned host
+    memory; the CUDA allocator rounds each block to 512 bytes, which the prediction is
+    told about."""
+    from slcompile.analysis.memory import predict_memory
+
+    device = device_under_test()
+    cfg = GPTConfig(n_layers=4, d_model=256, seq_len=64, vocab_size=512)
+    model = TinyGPT(cfg).to(device)
+    idx, targets = (t.to(device) for t in make_gpt_batch(cfg, 8))
+    compiled = torch.compile(model, backend="speedloader", options={
+        "lowering": "aot_eager", "num_subbatches": 4, "weights": "host", "activations": activations,
+        "recompute": recompute, "live_blocks": 2, "min_offload_bytes": 4096})
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        with slcompile.gathered_weights(model):  # where an optimizer step goes: drops prefetched loads
+            pass
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        logits, loss = compiled(idx, targets)
+        loss.backward()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+
+    for _ in range(2):  # steady state: the prefetch plan has gone round once
+        step()
+    measured = min(step(), step())
+    report = slcompile.compile_reports()[-1]
+    predicted = predict_memory(report.graphs["forward"], report.graphs["backward"], live_blocks=2,
+                               load_granularity=512).step_peak_bytes
+    assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured, report.memory.step_peak_bytes)
