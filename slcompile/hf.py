@@ -51,7 +51,8 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from slcompile.config import SpeedLoaderConfig
+from slcompile import defaults
+from slcompile.config import SpeedLoaderConfig, check_names
 from slcompile.optim import OffloadedOptimizer, offload_optimizer
 from slcompile.pipeline import moves_off_device
 
@@ -67,7 +68,7 @@ class SpeedLoaderTrainer(Trainer):
         *args: `Trainer`'s arguments.
         speedloader: the backend's options (`slcompile.options(...)`); those not
             given come from `slcompile.defaults` (and its `SLC_*` environment
-            variables).
+            variables) as they are when the trainer is made.
         offloaded_optimizer: options of `slcompile.offload_optimizer` besides the
             optimizer class and its hyperparameters (`states`, `gradients`; both
             "host" by default); used when the block weights are off the device.
@@ -89,10 +90,19 @@ class SpeedLoaderTrainer(Trainer):
                     f"TrainingArguments(torch_compile_backend={training_args.torch_compile_backend!r}) would "
                     "compile it a second time: leave torch_compile off"
                 )
+            if training_args.torch_compile_mode is not None:
+                raise ValueError(
+                    f"the speedloader backend takes no mode (torch_compile_mode="
+                    f"{training_args.torch_compile_mode!r}): pass SpeedLoaderTrainer(speedloader="
+                    "slcompile.options(...)) or set slcompile.defaults"
+                )
             # accelerate's DynamoBackend has no "speedloader": the compile is ours.
             training_args.torch_compile = False
             training_args.torch_compile_backend = None
-        options = dict(speedloader or {})
+        # The defaults as they are now: the optimizer chosen here and the graphs
+        # compiled later see the same options.
+        values, sources = defaults.resolve(check_names(dict(speedloader or {})))
+        options = {name: values[name] for name in sources}
         config = SpeedLoaderConfig.from_options(options)  # checked before the Trainer starts
         super().__init__(*args, **kwargs)
         if self.model_init is not None:

@@ -134,9 +134,18 @@ def test_trainer_takes_torch_compile_backend_speedloader(tmp_path):
                            train_dataset=_data(4))
 
 
-def test_trainer_refuses_an_optimizer_that_reads_streamed_weights(tmp_path):
+def test_trainer_takes_the_defaults_and_refuses_an_optimizer_that_reads_streamed_weights(tmp_path):
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="SGD would read"):
-        SpeedLoaderTrainer(model=model, args=_args(tmp_path), train_dataset=_data(4),
-                           optimizers=(optimizer, None), speedloader={**SPEEDLOADER, "weights": "nvme"})
+    with slcompile.defaults.patch(weights="nvme"), pytest.raises(ValueError, match="weights='nvme' .* SGD would read"):
+        SpeedLoaderTrainer(model=model, args=_args(tmp_path), train_dataset=_data(4), optimizers=(optimizer, None))
+    with slcompile.defaults.patch(weights="nvme", num_subbatches=4):
+        trainer = SpeedLoaderTrainer(model=_model(), args=_args(tmp_path), train_dataset=_data(4))
+    assert trainer.speedloader_options == {"num_subbatches": 4, "weights": "nvme"}
+    assert isinstance(trainer.create_optimizer(), slcompile.OffloadedOptimizer)
+
+
+def test_trainer_refuses_a_mode(tmp_path):
+    with pytest.raises(ValueError, match="takes no mode .*torch_compile_mode='max-autotune'"):
+        SpeedLoaderTrainer(model=_model(), train_dataset=_data(4),
+                           args=_args(tmp_path, torch_compile_backend="speedloader", torch_compile_mode="max-autotune"))
