@@ -36,14 +36,20 @@ What the subclass changes, and why:
    `state_dict()` is keyed by parameter name, so the Trainer's save and resume
    work unchanged; a checkpoint resumes in a fresh `SpeedLoaderTrainer` and model.
 
-Not supported: `model_init` (hyperparameter search), DeepSpeed/FSDP, and with
-streamed weights an optimizer passed in `optimizers=` that is not an
-`OffloadedOptimizer` (it would read the released parameters) or an optimizer
-factory: each raises a `ValueError` naming it.
+A batch that K does not divide (a last batch of 3 at K=2, say) runs the plain graph
+(the backend's fallback); with streamed weights that step runs inside
+`gathered_weights`, since the plain graph reads every weight where it lives.
+
+Refused with a `ValueError` naming it: `model_init` (hyperparameter search), and
+with streamed weights an optimizer passed in `optimizers=` that is not an
+`OffloadedOptimizer` (it would read the released parameters) or an `optim` whose
+optimizer is a factory. DeepSpeed and FSDP wrap the model themselves; they are
+not meant to run with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -55,6 +61,7 @@ from slcompile import defaults
 from slcompile.config import SpeedLoaderConfig, check_names
 from slcompile.optim import OffloadedOptimizer, offload_optimizer
 from slcompile.pipeline import moves_off_device
+from slcompile.runtime.weights import gathered_weights
 
 __all__ = ["SpeedLoaderTrainer"]
 
@@ -127,6 +134,7 @@ class SpeedLoaderTrainer(Trainer):
             options["gradients"] = "device"
         self.speedloader_options = options
         self.batch_dim = config.batch_dim
+        self.num_subbatches = config.num_subbatches
         self.model.compile(backend="speedloader", options=options)
 
     def _prepare_input(self, data):
@@ -137,6 +145,26 @@ class SpeedLoaderTrainer(Trainer):
         if isinstance(data, torch.Tensor) and data.dim() > self.batch_dim:
             torch._dynamo.mark_static(data, self.batch_dim)
         return data
+
+    def training_step(self, model, inputs, *args: Any, **kwargs: Any):
+        with self._weights_for(inputs):
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    def prediction_step(self, model, inputs, *args: Any, **kwargs: Any):
+        with self._weights_for(inputs):
+            return super().prediction_step(model, inputs, *args, **kwargs)
+
+    def _weights_for(self, inputs):
+        """A batch that K does not divide (the last one, say) runs the plain graph,
+        which reads every weight where it lives: with streamed weights, that step
+        runs inside `gathered_weights` (the whole model on the device for it)."""
+        batch = next((value.shape[self.batch_dim] for value in inputs.values()
+                      if isinstance(value, torch.Tensor) and value.dim() > self.batch_dim), None)
+        if not self.streams_weights or batch is None or batch % self.num_subbatches == 0:
+            return contextlib.nullcontext()
+        log.info("speedloader: batch size %d is not divisible by num_subbatches=%d: this step gathers the "
+                 "streamed weights", batch, self.num_subbatches)
+        return gathered_weights(self.model)
 
     @property
     def _offloads_optimizer(self) -> bool:
