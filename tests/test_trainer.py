@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
+from safetensors.torch import load_file
 from transformers import Trainer, TrainingArguments
 
 import slcompile
@@ -130,8 +130,13 @@ def test_trainer_resumes_from_its_checkpoint(tmp_path):
     # The log history comes back with the checkpoint; steps 3 and 4 are the resumed ones.
     torch.testing.assert_close(_logged(resumed, "loss"), _logged(whole, "loss"))
     actual = _parameters(resumed.model)
+    # The weights the Trainer saved last are the final ones, read from their tier.
+    saved = load_file(tmp_path / "whole" / "checkpoint-4" / "model.safetensors")
     for name in final:
         torch.testing.assert_close(actual[name], final[name], msg=name)
+        if name in saved:
+            torch.testing.assert_close(saved[name], final[name], msg=name)
+    assert saved.keys() >= {name for name in final if ".layers." in name}
 
 
 def test_trainer_takes_torch_compile_backend_speedloader(tmp_path):
