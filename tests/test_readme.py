@@ -39,7 +39,9 @@ def test_python_blocks_run_as_written_with_aot_eager(tmp_path):
     # As written but for the lowering: Inductor's code generation of these graphs takes
     # minutes on 2 cores, and tests/test_inductor.py checks it on the same passes.
     quick = code.replace("slcompile.options(", 'slcompile.options(lowering="aot_eager", ')
-    assert quick.count('lowering="aot_eager"') == code.count("slcompile.options(") == code.count("torch.compile(")
+    # Every compile takes its options from slcompile.options (SpeedLoaderTrainer compiles too).
+    compiles = code.count("torch.compile(") + code.count("SpeedLoaderTrainer(")
+    assert quick.count('lowering="aot_eager"') == code.count("slcompile.options(") == compiles
     result = _run([sys.executable, "-c", quick], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     _check_python_output(result.stdout)
@@ -71,5 +73,5 @@ def test_readme_set_up_commands_are_the_ones_ci_runs():
     assert tests in ci
     # The example's import is installed by both set-up commands.
     extras = (README.parent / "pyproject.toml").read_text()
-    assert re.search(r'^hf = \["transformers"\]', extras, flags=re.M)
+    assert re.search(r'^hf = \["transformers"', extras, flags=re.M)
     assert re.search(r'^test = \[.*"transformers"', extras, flags=re.M)
