@@ -83,8 +83,9 @@ class SpeedLoaderTrainer(Trainer):
 
     Raises:
         ValueError: a bad speedloader option, `model_init`, `torch_compile` with
-            another backend, or with streamed weights an optimizer that is not
-            offloaded.
+            another backend or a mode, with streamed weights an optimizer that is
+            not offloaded, or an offloaded optimizer whose `max_grad_norm` is not
+            the arguments'.
     """
 
     def __init__(self, *args: Any, speedloader: Mapping[str, Any] | None = None,
@@ -122,6 +123,14 @@ class SpeedLoaderTrainer(Trainer):
                 f"speedloader weights={config.weights!r} releases the block weights between uses, which "
                 f"{type(self.optimizer).__name__} would read: pass no optimizer (the trainer makes "
                 "slcompile.offload_optimizer from TrainingArguments.optim) or an slcompile.offload_optimizer"
+            )
+        clip = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
+        if isinstance(self.optimizer, OffloadedOptimizer) and self.optimizer.max_grad_norm != clip:
+            raise ValueError(
+                f"TrainingArguments(max_grad_norm={self.args.max_grad_norm}) is the offloaded optimizer's to clip "
+                f"(the Trainer's clip_grad_norm_ would not see the streamed gradients), but it was made with "
+                f"max_grad_norm={self.optimizer.max_grad_norm}: make it with "
+                f"slcompile.offload_optimizer(..., max_grad_norm={clip})"
             )
         if self.streams_weights and self.args.gradient_accumulation_steps > 1:
             if options.get("gradients", config.gradients) not in ("auto", "device"):

@@ -161,6 +161,14 @@ def test_trainer_takes_the_defaults_and_refuses_an_optimizer_that_reads_streamed
     assert isinstance(trainer.create_optimizer(), slcompile.OffloadedOptimizer)
 
 
+def test_trainer_refuses_an_offloaded_optimizer_that_would_not_clip(tmp_path):
+    model = _model()
+    optimizer = slcompile.offload_optimizer(model, torch.optim.AdamW, lr=1e-2)
+    with pytest.raises(ValueError, match=r"max_grad_norm=0.5\) is the offloaded optimizer's to clip"):
+        SpeedLoaderTrainer(model=model, args=_args(tmp_path), train_dataset=_data(4), optimizers=(optimizer, None),
+                           speedloader={**SPEEDLOADER, "weights": "nvme"})
+
+
 def test_trainer_refuses_a_mode(tmp_path):
     with pytest.raises(ValueError, match="takes no mode .*torch_compile_mode='max-autotune'"):
         SpeedLoaderTrainer(model=_model(), train_dataset=_data(4),
