@@ -6,6 +6,7 @@ the next block, forward and backward, with the results of eager PyTorch.
 """
 
 from slcompile.config import SpeedLoaderConfig, options
+from slcompile import defaults
 from slcompile.errors import BudgetError, CompileError, OptionError, RefusedError
 from slcompile.explain import Explanation, GraphExplanation, explain
 from slcompile.generate import GenerationOutput, explain_generation, generate, generation
@@ -19,6 +20,7 @@ from slcompile.tune import GenerationTuneResult, TuneResult, tune, tune_generati
 __all__ = [
     "SpeedLoaderConfig",
     "options",
+    "defaults",
     "RefusedError",
     "BudgetError",
     "CompileError",

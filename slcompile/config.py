@@ -15,7 +15,7 @@ from typing import Any
 
 from slcompile.errors import OptionError
 
-__all__ = ["SpeedLoaderConfig", "options", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "GRADIENTS", "parse_bytes"]
+__all__ = ["SpeedLoaderConfig", "options", "check_names", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "GRADIENTS", "parse_bytes"]
 
 LOWERINGS = ("inductor", "aot_eager")
 TIERS = ("device", "host", "nvme")
@@ -192,33 +192,43 @@ class SpeedLoaderConfig:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> SpeedLoaderConfig:
-        """Builds the config from `torch.compile(..., options=...)`.
+        """Builds the config from `torch.compile(..., options=...)`; the options not
+        given take their defaults from `slcompile.defaults` (set in code or by `SLC_*`
+        environment variables), else this class's.
 
         Raises:
             ValueError: an unknown key (with the closest known one) or a bad value.
         """
-        if options is None:
-            return cls()
         if isinstance(options, cls):
             return options
-        if not isinstance(options, Mapping):
-            raise OptionError(
-                f"speedloader options must be a dict, got {type(options).__name__}"
-            )
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in options:
-            if key not in known:
-                close = difflib.get_close_matches(str(key), sorted(known), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise OptionError(
-                    f"unknown speedloader option {key!r}{hint} "
-                    f"(known options: {', '.join(sorted(known))})"
-                )
-        return cls(**dict(options))
+        from slcompile import defaults
+
+        values, _ = defaults.resolve(check_names(options or {}))
+        return cls(**values)
 
     def cache_key(self) -> str:
         """A stable string of every option, for compile caches."""
         return repr(sorted(dataclasses.asdict(self).items()))
+
+
+def check_names(options: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Returns `options` once every key is known to be an option.
+
+    Raises:
+        OptionError: not a dict, or an unknown key (with the closest known one).
+    """
+    if not isinstance(options, Mapping):
+        raise OptionError(f"speedloader options must be a dict, got {type(options).__name__}")
+    known = {f.name for f in dataclasses.fields(SpeedLoaderConfig)}
+    for key in options:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise OptionError(
+                f"unknown speedloader option {key!r}{hint} "
+                f"(known options: {', '.join(sorted(known))})"
+            )
+    return options
 
 
 def options(**values: Any) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from slcompile import defaults
 from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import BudgetError, RefusedError
 from slcompile.pipeline import run_pipeline
@@ -100,6 +101,9 @@ class Explanation:
     """
 
     graphs: tuple[GraphExplanation, ...]
+    # Every option not at its default: (name, value, where it came from: "options",
+    # "slcompile.defaults" or an SLC_* environment variable).
+    options: tuple[tuple[str, Any, str], ...] = ()
 
     def _first(self) -> GraphExplanation:
         if not self.graphs:
@@ -135,7 +139,8 @@ class Explanation:
         return self._first().memory_expressions
 
     def __str__(self) -> str:
-        parts = []
+        parts = ["options: " + (", ".join(f"{name}={value!r} ({source})" for name, value, source in self.options)
+                                or "the defaults")]
         for i, graph in enumerate(self.graphs):
             parts.append(f"graph {i}:\n" + "\n".join("  " + l for l in str(graph).splitlines()))
         return "\n".join(parts)
@@ -162,12 +167,15 @@ def explain(
         optimizer_options: with a class, the keyword options of
             `slcompile.offload_optimizer` (`states=`, `gradients=`, `max_grad_norm=`,
             and the class's own: `lr=`, `weight_decay=`, `foreach=`, ...).
-        **options: backend options, as in `torch.compile(..., options=...)`.
+        **options: backend options, as in `torch.compile(..., options=...)`; those
+            not given take their defaults from `slcompile.defaults`.
 
     Returns:
-        the Explanation, one entry per captured graph.
+        the Explanation, one entry per captured graph, and the options that are not
+        at their defaults with where each came from (printed first).
     """
     config = SpeedLoaderConfig.from_options(options)
+    _, sources = defaults.resolve(options)
     check_optimizer(optimizer, optimizer_options, "explain")
     graphs: list[GraphExplanation] = []
 
@@ -177,7 +185,7 @@ def explain(
 
     compiled = torch.compile(model, backend=capture, fullgraph=False)
     compiled(*args, **dict(kwargs or {}))
-    return Explanation(tuple(graphs))
+    return Explanation(tuple(graphs), tuple((name, getattr(config, name), source) for name, source in sources.items()))
 
 
 def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None,

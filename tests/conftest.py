@@ -14,6 +14,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import slcompile  # noqa: E402
 
+# An option's default set in the environment (SLC_WEIGHTS=nvme, ...) would change what
+# every test compiles; the tests that read one set it themselves.
+for _option in slcompile.SpeedLoaderConfig.__dataclass_fields__:
+    os.environ.pop(slcompile.defaults.environment_variable(_option), None)
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One intra-op thread per worker: `-n 2` on two cores runs two tests at once
     # instead of four threads fighting over them.

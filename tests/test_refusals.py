@@ -164,6 +164,16 @@ def test_bad_option_is_a_value_error_whose_first_line_is_ours():
     assert isinstance(info.value, torch._dynamo.exc.BackendCompilerFailed)
 
 
+def test_mode_gets_a_message_that_says_what_to_write():
+    model = torch.compile(TinyGPT(CFG), backend="speedloader", mode="max-autotune")
+    idx, targets = make_gpt_batch(CFG, 4)
+    with pytest.raises(slcompile.CompileError) as info:
+        model(idx, targets)
+    assert str(info.value).splitlines()[0].startswith(
+        "the speedloader backend takes no mode= (got 'max-autotune'): torch.compile passes either mode or options"
+    )
+
+
 def test_offload_dir_is_created_private_when_its_parent_exists(tmp_path):
     offload_dir = tmp_path / "offload"
     model = torch.compile(TinyGPT(CFG), backend="speedloader",

@@ -38,9 +38,12 @@ log = logging.getLogger("slcompile")
 
 
 def speedloader_backend(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, mode: str | None = None
 ) -> Callable:
     """The backend: `torch.compile(model, backend="speedloader", options=options)`.
+    Options not given take their defaults from `slcompile.defaults`. `mode=` (which
+    torch hands to a custom backend, and allows only without options) is refused
+    with a `CompileError` saying what to write instead.
 
     Raises:
         CompileError: what the user can fix, its message first: an unknown option
@@ -50,6 +53,13 @@ def speedloader_backend(
             be split (`RefusedError`).
     """
     try:
+        if mode is not None:
+            raise OptionError(
+                f"the speedloader backend takes no mode= (got {mode!r}): torch.compile passes either mode or "
+                "options to a backend, and the speedloader's are options: torch.compile(model, "
+                "backend='speedloader', options=slcompile.options(lowering='inductor', ...)), or defaults set "
+                "with slcompile.defaults or SLC_* environment variables"
+            )
         return _compile_graph(gm, example_inputs, options)
     except (ValueError, BudgetError, RefusedError, OffloadDirError) as err:
         if isinstance(err, ValueError) and not isinstance(err, OptionError):
