@@ -87,6 +87,7 @@ def test_trainer_matches_eager_with_weights_on_nvme(tmp_path):
     _assert_same_training(trainer, eager)
 
 
+@pytest.mark.oldest
 def test_trainer_keeps_its_optimizer_with_weights_on_the_device(tmp_path):
     data = _data(8)
     eager = Trainer(model=_model(), args=_args(tmp_path / "eager", max_steps=2), train_dataset=data, eval_dataset=data)
