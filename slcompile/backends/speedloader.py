@@ -30,6 +30,7 @@ from slcompile.pipeline import run_pipeline
 from slcompile.report import CompileReport, add_report
 from slcompile.runtime.errors import OffloadDirError
 from slcompile.runtime.gradients import gradient_sink_for
+from slcompile.runtime.weights import parameter_name
 from slcompile.units import format_bytes
 
 __all__ = ["speedloader_backend"]
@@ -186,9 +187,10 @@ def _offload_weights(state) -> None:
     to their tier and release the parameters' memory."""
     streamer = state.streamer
     values = {i.name: i.value for i in state.inputs}
+    sources = {i.name: parameter_name(i.source) for i in state.inputs}
     for block in state.streamed.blocks:
         for name, key in block:
-            streamer.offload(key, values[name])
+            streamer.offload(key, values[name], sources[name] or name)
     log.info(
         "speedloader: %d bytes of block weights now rest on %s", state.streamed.streamed_bytes, streamer.tier.value
     )
