@@ -292,3 +292,41 @@ def test_state_dict_saved_inside_gathered_weights_round_trips_and_the_model_stil
     reference.step()
     torch.testing.assert_close(compiled(idx, targets)[1], eager(idx, targets)[1])
 
+
+def test_a_batch_not_divisible_by_k_after_weights_moved_to_nvme_runs_plainly_with_them_loaded():
+    model = TinyGPT(CFG)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": 2})
+    for batch, seed in ((8, 0), (5, 1)):  # the second compiles plainly: 5 is not divisible by 2
+        idx, targets = make_gpt_batch(CFG, batch, seed=seed)
+        logits, loss = compiled(idx, targets)
+        expected_logits, expected_loss = eager(idx, targets)
+        torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-5)
+        loss.backward()
+        expected_loss.backward()
+    assert "not divisible by num_subbatches=2" in slcompile.compile_reports()[-1].fallback_reason
+    assert len(slcompile.offloaded_parameters(model)) > 0
+    expected = dict(eager.named_parameters())
+    for name, param in model.named_parameters():  # both steps' gradients, summed
+        torch.testing.assert_close(param.grad, expected[name].grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_dynamic_batch_not_divisible_by_k_at_run_time_runs_plainly_with_the_weights_loaded(caplog):
+    model = TinyGPT(CFG)
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": 2})
+    idx, targets = make_gpt_batch(CFG, 8)
+    torch._dynamo.mark_dynamic(idx, 0)
+    torch._dynamo.mark_dynamic(targets, 0)
+    with torch.no_grad():  # the backward's fused weight gradients would specialize the batch
+        compiled(idx, targets)
+        for batch in (5, 7):
+            odd_idx, odd_targets = make_gpt_batch(CFG, batch, seed=batch)
+            with caplog.at_level("WARNING", logger="slcompile"):
+                logits, loss = compiled(odd_idx, odd_targets)
+            with slcompile.gathered_weights(model):
+                expected_logits, expected_loss = model(odd_idx, odd_targets)
+            torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-5)
+    assert f"batch size 7 is not divisible by num_subbatches=2; running this call with plain" in caplog.text
+    assert len(slcompile.compile_reports()) == 1  # no recompile: the guard ran the plain graph

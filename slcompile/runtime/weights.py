@@ -57,7 +57,7 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
@@ -73,6 +73,7 @@ from slcompile.vocabulary import WeightKey
 __all__ = [
     "WeightStreamer", "gathered_weights", "offloaded_parameters", "weight_home", "update_weights",
     "drain_prefetches", "shard_group_of", "release", "restore", "parameter_name",
+    "loading_released_weights",
 ]
 
 log = logging.getLogger(__name__)
@@ -455,6 +456,31 @@ def _load_whole(param: torch.Tensor) -> torch.Tensor:
     if shards is None:
         return engine.wait(load)
     return shards.wait(shards.all_gather(key, lambda: engine.wait(load), param.shape))
+
+
+class _LoadedWeight(torch.autograd.Function):
+    """A released parameter's values, loaded for one call; the gradient flows to it."""
+
+    @staticmethod
+    def forward(ctx, param):
+        return _load_whole(param).view(param.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def loading_released_weights(compiled: Callable) -> Callable:
+    """`compiled` (a graph lowered plainly, which reads its parameters' values), run
+    with every released parameter among its arguments replaced by its values, loaded
+    for the call and kept while its backward needs them; gradients reach the
+    parameters as from the parameters themselves."""
+
+    def run(*args):
+        return compiled(*(_LoadedWeight.apply(a) if isinstance(a, _ReleasedMixin) and weight_home(a) is not None
+                          else a for a in args))
+
+    return run
 
 
 def _streamer_of(key: WeightKey) -> WeightStreamer:
