@@ -23,6 +23,12 @@ The other internals used (``torch._inductor.custom_graph_pass.CustomGraphPass``,
 ``torch._library.effects.EffectType``, the fake-tensor helpers, ``torch._dynamo.exc``,
 ``torch._ops.OpOverload``) are in the same place on 2.11 and 2.13;
 ``missing_internals()`` lists any a release lacks.
+- ``capture_graphs(fn, args, kwargs, on_graph)`` captures what Dynamo hands a backend
+  without counting against the recompile limit of the caller's own
+  ``torch.compile`` of the same code: ``torch.compile(..., isolate_recompiles=True)``
+  (2.13 and later), whose cache entries are dropped after the capture when no other
+  compile holds entries on that code; on a release without it (2.11, 2.12), a
+  capture under a raised ``recompile_limit`` whose entries stay in the shared cache.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ __all__ = [
     "shape_env_optimization_hint",
     "missing_internals",
     "torch_is_supported",
+    "capture_graphs",
 ]
 
 log = logging.getLogger(__name__)
@@ -117,6 +124,45 @@ _INTERNALS = (
     ("torch._ops", "OpOverload"),
     ("torch._C", "_set_grad_enabled"),
 )
+
+
+def capture_graphs(fn, args, kwargs, on_graph, *, fullgraph: bool = False) -> None:
+    """Runs `fn(*args, **kwargs)` under Dynamo once, calling `on_graph(gm,
+    example_inputs)` for each graph captured (each then runs as it was captured).
+
+    The entries this leaves in Dynamo's cache sit apart from the caller's own
+    compiles of the same code (an isolated region), so a capture never makes a later
+    `torch.compile` of the model hit its recompile limit and run eagerly; where no
+    other compile holds entries on a captured code object, they are dropped.
+    """
+    import inspect
+
+    from torch._dynamo import eval_frame
+
+    captured: list[tuple[object, int]] = []  # (code, isolated region) of each graph
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        region = torch._C._dynamo.eval_frame.get_eval_frame_isolate_recompiles_id() if isolated else -1
+        captured.append((tx.f_code, region))
+        on_graph(gm, example_inputs)
+        return gm.forward
+
+    isolated = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+    if isolated:
+        compiled = torch.compile(fn, backend=backend, fullgraph=fullgraph, isolate_recompiles=True)
+        compiled(*args, **kwargs)
+    else:  # 2.11, 2.12: the entries share the caller's region while they exist
+        with torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
+            torch.compile(fn, backend=backend, fullgraph=fullgraph)(*args, **kwargs)
+    for code in {code for code, _ in captured}:
+        regions = {region for c, region in captured if c is code}
+        ours = sum(len(eval_frame._get_cache_entries_for_region(code, region)) for region in regions) \
+            if isolated else None
+        if ours is not None and ours == eval_frame._get_total_cache_entry_count(code):
+            eval_frame.reset_code(code)
 
 
 def missing_internals() -> list[str]:

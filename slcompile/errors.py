@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["RefusedError", "NoBlocksError", "BudgetError", "OptionError", "OffloadError", "CompileError", "OptionCompileError", "compile_error"]
+__all__ = [
+    "RefusedError", "NoBlocksError", "BudgetError", "OptionError", "OffloadError", "ReleasedWeightError",
+    "CompileError", "OptionCompileError", "compile_error",
+]
 
 
 class RefusedError(Exception):
@@ -140,3 +143,22 @@ class OffloadError(RuntimeError):
         error = type(self)(self.reason, key=key, path=self.path)
         error.__cause__ = self.__cause__ or self
         return error
+
+
+class ReleasedWeightError(RuntimeError):
+    """Code outside `slcompile.gathered_weights(model)` used the values of a parameter
+    whose storage is released (its weight rests on a slower tier).
+
+    Attributes:
+        parameter: the parameter's name, as the compiled graph or `generate` knows it.
+        tier: the tier the weight rests on ("nvme", "host").
+    """
+
+    def __init__(self, parameter: str, tier: str, what: str = ""):
+        self.parameter = parameter
+        self.tier = tier
+        used = f" ({what})" if what else ""
+        super().__init__(
+            f"parameter {parameter} rests on the {tier} tier and holds no memory{used}; read or "
+            f"update it inside slcompile.gathered_weights(model), or step it with slcompile.offload_optimizer"
+        )

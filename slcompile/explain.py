@@ -1,7 +1,8 @@
 """`slcompile.explain(model, *args, **options)`: what the backend would do, without training.
 
 Captures the model's graphs with Dynamo (the model's forward runs once, eagerly, with
-the given inputs; no backward, no optimizer) and runs the analysis passes on each
+the given inputs; no backward, no optimizer; apart from the recompile limit of the
+model's own `torch.compile`, and leaving no runtime object behind) and runs the analysis passes on each
 graph: the blocks found, the batch dimension, K, the fallback reason (or None) and the
 schedule as deterministic text. Graphs that would be rewritten are also lowered with
 AOTAutograd (traced and partitioned, nothing compiled to code, no weight moved) to
@@ -21,13 +22,15 @@ the same memory as the device, and a last line adds the two.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from slcompile import defaults
+from slcompile.compat import capture_graphs
 from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import BudgetError, RefusedError
 from slcompile.pipeline import run_pipeline
@@ -179,13 +182,32 @@ def explain(
     check_optimizer(optimizer, optimizer_options, "explain")
     graphs: list[GraphExplanation] = []
 
-    def capture(gm: torch.fx.GraphModule, example_inputs):
+    def explain_graph(gm: torch.fx.GraphModule, example_inputs):
         graphs.append(_explain_graph(gm, example_inputs, config, optimizer, optimizer_options))
-        return gm.forward
 
-    compiled = torch.compile(model, backend=capture, fullgraph=False)
-    compiled(*args, **dict(kwargs or {}))
+    with planning_only():
+        capture_graphs(model, args, dict(kwargs or {}), explain_graph)
     return Explanation(tuple(graphs), tuple((name, getattr(config, name), source) for name, source in sources.items()))
+
+
+@contextlib.contextmanager
+def planning_only() -> Iterator[None]:
+    """Forgets, on exit, the runtime objects made inside (weight streamers,
+    activation stashes, gradient sinks): `explain` and `tune` plan steps and run
+    none, so nothing will ever look them up. Engines stay (one per offload
+    directory, shared with the compiled models)."""
+    from slcompile.runtime import activations, gradients, weights
+
+    registries = ((weights._STREAMERS, weights._REGISTRY_LOCK), (activations._STASHES, activations._LOCK),
+                  (gradients._SINKS, gradients._LOCK))
+    before = [set(registry) for registry, _ in registries]
+    try:
+        yield
+    finally:
+        for (registry, lock), names in zip(registries, before):
+            with lock:
+                for name in set(registry) - names:
+                    del registry[name]
 
 
 def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None,

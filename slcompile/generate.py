@@ -764,7 +764,7 @@ class _Generation:
                         _STREAMERS[key] = WeightStreamer(self.engine, self.plan.weights, live_blocks=2)
                     self.streamer = _STREAMERS[key]
                 stored = self.streamer.stored_key_for(f"{prefix}{index}.{name}", param)
-                self.streamer.offload(stored, param)
+                self.streamer.offload(stored, param, f"{prefix}{index}.{name}")
                 self.streamed[index][name] = self.streamer.graph_key(stored)
 
     def _weights_move(self) -> bool:

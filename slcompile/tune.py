@@ -85,21 +85,26 @@ def tune(
         BudgetError: no candidate fits; names the smallest budget any would need.
         RefusedError: the graph cannot be split into sub-batches at all.
     """
-    from slcompile.backends.lowering import lower
-    from slcompile.explain import check_optimizer, plan_with_optimizer
-    from slcompile.pipeline import run_pipeline
-    from slcompile.report import CompileReport
+    from slcompile.compat import capture_graphs
+    from slcompile.explain import check_optimizer, planning_only
 
     budget = parse_bytes(memory_budget, "memory_budget")
     check_optimizer(optimizer, optimizer_options, "tune")
     captured = []
-
-    def capture(gm: torch.fx.GraphModule, example_inputs):
-        captured.append((gm, example_inputs))
-        return gm.forward
-
-    torch.compile(model, backend=capture, fullgraph=True)(*args, **dict(kwargs or {}))
+    capture_graphs(model, args, dict(kwargs or {}), lambda gm, example_inputs: captured.append((gm, example_inputs)),
+                   fullgraph=True)
     gm, example_inputs = captured[0]
+    with planning_only():
+        return _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimizer, optimizer_options,
+                           options)
+
+
+def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimizer, optimizer_options, options):
+    from slcompile.backends.lowering import lower
+    from slcompile.explain import plan_with_optimizer
+    from slcompile.pipeline import run_pipeline
+    from slcompile.report import CompileReport
+
     if num_subbatches is None:
         probe = run_pipeline(gm, example_inputs, SpeedLoaderConfig.from_options({**options, "num_subbatches": 1}))
         batch = probe.batch.batch_size

@@ -125,3 +125,35 @@ def test_explain_reports_an_infeasible_budget():
     )
     assert explanation.predicted_peak_bytes is None
     assert "over memory_budget=1024" in explanation.graphs[0].budget_error
+
+
+@pytest.mark.slow
+def test_explain_and_tune_leave_no_recompiles_and_no_runtime_objects_behind():
+    from slcompile.runtime import activations, gradients, weights
+
+    idx, targets = make_gpt_batch(CFG, 4)
+    model = TinyGPT(CFG)
+    expected = model(idx, targets)[1]
+
+    def made():
+        return len(weights._STREAMERS), len(activations._STASHES), len(gradients._SINKS)
+
+    options = {"lowering": "aot_eager", "weights": "nvme", "activations": "nvme", "min_offload_bytes": 0}
+    before = made()
+    for _ in range(12):  # past Dynamo's recompile limit of 8 for one code object
+        explanation = slcompile.explain(model, idx, targets, num_subbatches=2, **options)
+        assert explanation.blocks == ("layers.0", "layers.1") and explanation.fallback_reason is None
+    assert made() == before
+    for _ in range(10):
+        tuned = slcompile.tune(model, idx, targets, memory_budget="64MB", num_subbatches=[2], live_blocks=[2],
+                               **options)
+        assert tuned.options["num_subbatches"] == 2
+    assert made() == before
+    compiled = torch.compile(model, backend="speedloader", options={**options, "num_subbatches": 2})
+    loss = compiled(idx, targets)[1]
+    report = slcompile.compile_reports()[-1]
+    assert report.fallback_reason is None and report.streamed_bytes > 0
+    assert "blk1.sb1" in report.schedule
+    assert {name for name, _ in slcompile.offloaded_parameters(model)} == {
+        name for name, _ in model.named_parameters() if name.startswith("layers.")}
+    torch.testing.assert_close(loss, expected)

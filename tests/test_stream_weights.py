@@ -214,3 +214,119 @@ def test_place_prefetches_with_one_live_block_issues_nothing():
     placed = place_prefetches(forward, None, live_blocks=1)
     assert placed.issues == {"fwd": 0}
     assert _transfers(forward) == ["fetch_weight p0@fwd", "fetch_weight p1@fwd"]
+
+
+_RELEASED_USES = r"""
+import io, sys
+import torch
+sys.path.insert(0, "tests")
+import slcompile
+from models import GPTConfig, TinyGPT, make_gpt_batch
+
+config = GPTConfig()
+model = TinyGPT(config)
+idx, targets = make_gpt_batch(config, 4)
+compiled = torch.compile(model, backend="speedloader",
+                         options={"lowering": "aot_eager", "weights": "nvme", "num_subbatches": 2})
+compiled(idx, targets)[1].backward()
+weight = dict(model.named_parameters())["layers.1.mlp.fc.weight"]
+uses = {
+    "adamw": lambda: torch.optim.AdamW(model.parameters()).step(),
+    "adamw_foreach": lambda: torch.optim.AdamW(model.parameters(), foreach=True).step(),
+    "adamw_fused": lambda: torch.optim.AdamW(model.parameters(), fused=True).step(),
+    "eager_forward": lambda: model(idx, targets),
+    "data": lambda: weight.data.sum(),
+    "clone": lambda: weight.clone(),
+    "save_state_dict": lambda: torch.save(model.state_dict(), io.BytesIO()),
+}
+for use, run in uses.items():
+    try:
+        run()
+        print(use, "ran")
+    except slcompile.ReleasedWeightError as error:
+        print(use, "raised:", error)
+print("repr:", repr(weight).replace("\n", " "))
+"""
+
+
+def test_released_weights_raise_a_named_error_outside_gathered_weights():
+    import subprocess
+    import sys
+
+    # A subprocess: before the fix each of these uses read freed memory and crashed.
+    done = subprocess.run([sys.executable, "-c", _RELEASED_USES], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    for use in ("adamw", "adamw_foreach", "adamw_fused", "eager_forward", "data", "clone", "save_state_dict"):
+        assert lines[use].startswith("raised: parameter layers."), (use, lines[use])
+        assert "rests on the nvme tier" in lines[use] and "slcompile.gathered_weights(model)" in lines[use]
+    assert "layers.1.mlp.fc.weight" in lines["clone"] and "layers.1.mlp.fc.weight" in lines["data"]
+    assert "layers.1.mlp.fc.weight, on the nvme tier" in lines["repr:"]
+
+
+def test_state_dict_saved_inside_gathered_weights_round_trips_and_the_model_still_trains():
+    import io
+
+    model = TinyGPT(CFG)
+    eager = copy.deepcopy(model)
+    idx, targets = make_gpt_batch(CFG, 4)
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": 2})
+    compiled(idx, targets)[1].backward()
+    model.to("cpu").float().train()  # conversions to what the weights already are read nothing
+    entries = model.state_dict()  # outside: the entries say they are released when read
+    with pytest.raises(slcompile.ReleasedWeightError, match=r"parameter layers\.0\..* rests on the nvme tier"):
+        torch.save(entries, io.BytesIO())
+    with pytest.raises(slcompile.ReleasedWeightError):
+        entries["layers.0.mlp.fc.weight"].sum()
+    with slcompile.gathered_weights(model):
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    for name, value in eager.state_dict().items():
+        torch.testing.assert_close(loaded[name], value, msg=name)
+    optimizer, reference = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(eager.parameters())
+    eager(idx, targets)[1].backward()
+    with slcompile.gathered_weights(model):
+        optimizer.step()
+    reference.step()
+    torch.testing.assert_close(compiled(idx, targets)[1], eager(idx, targets)[1])
+
+
+def test_a_batch_not_divisible_by_k_after_weights_moved_to_nvme_runs_plainly_with_them_loaded():
+    model = TinyGPT(CFG)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": 2})
+    for batch, seed in ((8, 0), (5, 1)):  # the second compiles plainly: 5 is not divisible by 2
+        idx, targets = make_gpt_batch(CFG, batch, seed=seed)
+        logits, loss = compiled(idx, targets)
+        expected_logits, expected_loss = eager(idx, targets)
+        torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-5)
+        loss.backward()
+        expected_loss.backward()
+    assert "not divisible by num_subbatches=2" in slcompile.compile_reports()[-1].fallback_reason
+    assert len(slcompile.offloaded_parameters(model)) > 0
+    expected = dict(eager.named_parameters())
+    for name, param in model.named_parameters():  # both steps' gradients, summed
+        torch.testing.assert_close(param.grad, expected[name].grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_dynamic_batch_not_divisible_by_k_at_run_time_runs_plainly_with_the_weights_loaded(caplog):
+    model = TinyGPT(CFG)
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": 2})
+    idx, targets = make_gpt_batch(CFG, 8)
+    torch._dynamo.mark_dynamic(idx, 0)
+    torch._dynamo.mark_dynamic(targets, 0)
+    with torch.no_grad():  # the backward's fused weight gradients would specialize the batch
+        compiled(idx, targets)
+        for batch in (5, 7):
+            odd_idx, odd_targets = make_gpt_batch(CFG, batch, seed=batch)
+            with caplog.at_level("WARNING", logger="slcompile"):
+                logits, loss = compiled(odd_idx, odd_targets)
+            with slcompile.gathered_weights(model):
+                expected_logits, expected_loss = model(odd_idx, odd_targets)
+            torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-5)
+    assert f"batch size 7 is not divisible by num_subbatches=2; running this call with plain" in caplog.text
+    assert len(slcompile.compile_reports()) == 1  # no recompile: the guard ran the plain graph

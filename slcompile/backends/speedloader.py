@@ -30,6 +30,7 @@ from slcompile.pipeline import run_pipeline
 from slcompile.report import CompileReport, add_report
 from slcompile.runtime.errors import OffloadDirError
 from slcompile.runtime.gradients import gradient_sink_for
+from slcompile.runtime.weights import loading_released_weights, parameter_name
 from slcompile.units import format_bytes
 
 __all__ = ["speedloader_backend"]
@@ -100,7 +101,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
             raise
         else:
             log.warning("speedloader: compiling this graph with plain %s instead: %s", config.lowering, err)
-        return lower(gm, example_inputs, config.lowering, report)
+        # Parameters another graph of the model released (weights="nvme") are loaded for each call.
+        return loading_released_weights(lower(gm, example_inputs, config.lowering, report))
 
     report.blocks = tuple(b.path for b in state.blocks.blocks)
     report.batch_size = state.batch.batch_size
@@ -118,7 +120,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
         report.streamed_bytes = state.streamed.streamed_bytes
     if not state.batch.dynamic or config.num_subbatches == 1:
         return compiled
-    return _DivisibleBatchGuard(compiled, original, example_inputs, state, report)
+    return _DivisibleBatchGuard(compiled, original, state, report)
 
 
 def step_plan(state) -> StepPlan:
@@ -196,9 +198,10 @@ def _offload_weights(state) -> None:
     to their tier and release the parameters' memory."""
     streamer = state.streamer
     values = {i.name: i.value for i in state.inputs}
+    sources = {i.name: parameter_name(i.source) for i in state.inputs}
     for block in state.streamed.blocks:
         for name, key in block:
-            streamer.offload(key, values[name])
+            streamer.offload(key, values[name], sources[name] or name)
     log.info(
         "speedloader: %d bytes of block weights now rest on %s", state.streamed.streamed_bytes, streamer.tier.value
     )
@@ -206,18 +209,18 @@ def _offload_weights(state) -> None:
 
 class _DivisibleBatchGuard:
     """Checks a dynamic batch against K on every call; runs the plain graph if it
-    does not divide (compiled once, on first need), with one warning."""
+    does not divide (lowered once per such batch size, on first need, with one
+    warning), with released weights loaded for the call."""
 
-    def __init__(self, compiled, original, example_inputs, state, report):
+    def __init__(self, compiled, original, state, report):
         self.compiled = compiled
         self.original = original
-        self.example_inputs = list(example_inputs)
         self.config = state.config
         self.report = report
         name, dim = next(iter(state.batch.batched_inputs.items()))
         self.position = state.batch.input_index[name]
         self.dim = dim
-        self.plain = None
+        self.plain: dict[int, Callable] = {}  # batch size -> the plain graph lowered for it
         self.lock = threading.Lock()
 
     def __call__(self, *args: Any) -> Any:
@@ -225,7 +228,7 @@ class _DivisibleBatchGuard:
         if batch % self.config.num_subbatches == 0:
             return self.compiled(*args)
         with self.lock:
-            if self.plain is None:
+            if batch not in self.plain:
                 log.warning(
                     "speedloader: batch size %d is not divisible by num_subbatches=%d; "
                     "running this call with plain %s",
@@ -234,5 +237,8 @@ class _DivisibleBatchGuard:
                 plain_report = CompileReport(config=self.config, fallback_reason=(
                     f"batch size {batch} is not divisible by num_subbatches={self.config.num_subbatches}"
                 ))
-                self.plain = lower(self.original, self.example_inputs, self.config.lowering, plain_report)
-        return self.plain(*args)
+                # Lowered for this call's inputs: the compile of the split graph specialized
+                # the batch in the shape environment the example inputs share.
+                self.plain[batch] = loading_released_weights(
+                    lower(self.original, list(args), self.config.lowering, plain_report))
+        return self.plain[batch](*args)

@@ -18,6 +18,19 @@ module keeps the weights and implements both ops.
 - `slc::fetch_weight` is a pure function of its key (the compiler re-runs it: the
   backward fetches again instead of keeping the forward's copy alive) and its
   gradient flows to the parameter unchanged.
+- A released parameter's class becomes a subclass of its own (`_Released...`) whose
+  `__torch_function__` lets metadata through (shape, dtype, device, `.grad`,
+  `requires_grad`, the `slc::` ops the compiled graphs call) and raises
+  `ReleasedWeightError` for anything that would read or write its values (an
+  eager forward, `torch.optim` steps, `.data`, `clone`, `torch.save` of a
+  `state_dict()` entry), where a kernel would read freed memory. `detach()` (what
+  `state_dict()` calls) returns a tensor of the same kind; a conversion to what the
+  parameter already is (`model.to(its device)`, `model.float()`) returns it. Dynamo
+  guards on the class; it is set while the backend compiles, before the guards are
+  made, so they expect it, and while Dynamo compiles (a recompile traces through the
+  method) everything passes. The compiled graphs hand released parameters to
+  `slc::fetch_weight` and AOTAutograd asks them `_is_view()`: about 3 µs of Python
+  each, per fetch.
 - `gathered_weights(model)` brings the values back into the parameters for code that
   reads them directly (an optimizer step, `state_dict()`), then offloads them again;
   it first drops pending loads, so no stale value is ever read.
@@ -44,11 +57,13 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+from torch._C import DisableTorchFunctionSubclass
 from torch.utils.weak import WeakIdKeyDictionary
 
+from slcompile.errors import ReleasedWeightError
 from slcompile.runtime import ops
 from slcompile.runtime.engine import TransferEngine, TransferHandle
 from slcompile.runtime.errors import OffloadError
@@ -57,7 +72,8 @@ from slcompile.vocabulary import WeightKey
 
 __all__ = [
     "WeightStreamer", "gathered_weights", "offloaded_parameters", "weight_home", "update_weights",
-    "drain_prefetches", "shard_group_of",
+    "drain_prefetches", "shard_group_of", "release", "restore", "parameter_name",
+    "loading_released_weights",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,8 +85,174 @@ _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _ENGINE_OF: dict[str, TransferEngine] = {}
 # Parameter -> the ShardGroup its weight is sharded over, from compile time on.
 _SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Released parameter -> (its class before the release, its name for messages).
+_RELEASED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _REGISTRY_LOCK = threading.Lock()
 _NUMBERS = itertools.count()
+
+
+def _metadata_functions() -> frozenset:
+    """What a released parameter answers: everything that reads no values."""
+    tensor = torch.Tensor
+    functions = {
+        tensor.size, tensor.dim, tensor.stride, tensor.storage_offset, tensor.numel, tensor.element_size,
+        tensor.is_contiguous, tensor.untyped_storage, tensor.data_ptr, tensor.requires_grad_,
+        tensor.register_hook, tensor.register_post_accumulate_grad_hook, tensor.retain_grad, tensor.__len__,
+        tensor.__hash__, tensor.get_device, tensor.is_floating_point, tensor.is_complex, tensor._is_view,
+        tensor.is_inference, tensor.is_conj, tensor.is_neg, tensor._is_zerotensor, tensor._fix_weakref,
+        torch._has_compatible_shallow_copy_type,
+    }
+    for name in ("shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "layout", "is_cuda",
+                 "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "is_mkldnn", "grad_fn",
+                 "_version", "itemsize", "nbytes", "_base", "names", "output_nr", "_grad", "_grad_fn",
+                 "retains_grad", "_backward_hooks", "_post_accumulate_grad_hooks"):
+        attribute = getattr(tensor, name, None)
+        for accessor in ("__get__", "__set__", "__delete__"):
+            if hasattr(attribute, accessor):
+                functions.add(getattr(attribute, accessor))
+    return frozenset(functions)
+
+
+_METADATA = _metadata_functions()
+_DATA = torch._C.TensorBase.__dict__["data"]  # its __get__ / __set__ are made anew at each access
+
+
+def _is_data(func, accessor: str) -> bool:
+    return getattr(func, "__name__", None) == accessor and getattr(func, "__self__", None) is _DATA
+
+
+class _ReleasedMixin:
+    """Turns every use of a released parameter's values into `ReleasedWeightError`."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # First, and nothing Dynamo cannot trace before it: a recompile traces this
+        # method (the parameters are graph inputs, fetched by the graph it captures),
+        # and Dynamo's own code reads their metadata while it compiles.
+        if torch.compiler.is_compiling():
+            with DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func in _METADATA or getattr(func, "namespace", None) == "slc" or _reads_metadata(func):
+            with DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func is torch.Tensor.detach or _is_data(func, "__get__"):  # state_dict(): released until read
+            with DisableTorchFunctionSubclass():
+                detached = func(*args, **kwargs)
+            _mark_released(detached, args[0], _ReleasedTensor)
+            return detached
+        if func is torch.Tensor.__repr__:
+            return _describe(args[0])
+        if _leaves_as_is(func, args, kwargs):  # `model.to(its own device)`, `model.float()` of a float model
+            return args[0]
+        name, tier = next((_released_info(t) for t in _tensors(args, kwargs) if _released_info(t) is not None),
+                          ("(unnamed)", "offload"))
+        raise ReleasedWeightError(name, tier, what=getattr(func, "__name__", str(func)))
+
+
+# Tensor properties that are views of the values, not metadata.
+_VALUE_PROPERTIES = frozenset({"data", "real", "imag", "T", "mT", "H", "mH"})
+
+
+def _reads_metadata(func) -> bool:
+    """Whether `func` gets or sets a tensor property other than a view of its values
+    (`grad_dtype`, `is_leaf`, ...: Dynamo reads many of them)."""
+    if getattr(func, "__name__", None) not in ("__get__", "__set__", "__delete__"):
+        return False
+    return getattr(getattr(func, "__self__", None), "__name__", None) not in _VALUE_PROPERTIES
+
+
+_CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64, torch.Tensor.half: torch.float16,
+          torch.Tensor.bfloat16: torch.bfloat16}
+
+
+def _leaves_as_is(func, args, kwargs) -> bool:
+    """Whether `func(*args, **kwargs)` returns its released first argument itself
+    (a conversion to what it already is, as `Module.to` / `Module.float` make), or
+    sets its `.data` to itself: no value is read."""
+    tensor = args[0] if args else None
+    if _is_data(func, "__set__"):
+        return args[1] is tensor
+    if func in _CASTS:
+        return _CASTS[func] == tensor.dtype and not kwargs
+    if func is torch.Tensor.cpu:
+        return tensor.device.type == "cpu"
+    if func is torch.Tensor.to:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+        return (device is None or torch.device(device) == tensor.device) and \
+            (dtype is None or dtype == tensor.dtype) and memory_format in (None, torch.preserve_format) and \
+            not kwargs.get("copy", False)
+    return False
+
+
+class _ReleasedTensor(_ReleasedMixin, torch.Tensor):
+    """`detach()` / `.data` of a released parameter (a `state_dict()` entry)."""
+
+
+_RELEASED_CLASSES: dict[type, type] = {}
+
+
+def _released_class(cls: type) -> type:
+    """The class a released parameter of class `cls` takes (made once per class)."""
+    if issubclass(cls, _ReleasedMixin):
+        return cls
+    if cls not in _RELEASED_CLASSES:
+        _RELEASED_CLASSES[cls] = type(f"Released{cls.__name__}", (_ReleasedMixin, cls), {"__module__": __name__})
+    return _RELEASED_CLASSES[cls]
+
+
+def _tensors(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def _released_info(tensor: torch.Tensor) -> tuple[str, str] | None:
+    with _REGISTRY_LOCK:
+        entry = _RELEASED.get(tensor)
+    return None if entry is None else entry[1:]
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    name, tier = _released_info(tensor)
+    return f"<released {tensor.dtype} weight of shape {tuple(tensor.shape)}: {name}, on the {tier} tier>"
+
+
+def _mark_released(tensor: torch.Tensor, like: torch.Tensor, cls: type | None = None) -> None:
+    """Makes `tensor` (its storage released) raise on use, named like `like`."""
+    with _REGISTRY_LOCK:
+        entry = _RELEASED.get(like)
+        _RELEASED[tensor] = (type(tensor), *entry[1:])
+    tensor.__class__ = cls or _released_class(type(tensor))
+
+
+def parameter_name(source: str) -> str:
+    """`layers.0.fc.weight` for Dynamo's `L['self']._modules['layers']._modules['0']
+    ._modules['fc']._parameters['weight']`; other sources as they are."""
+    import re
+
+    parts = re.findall(r"\._(?:modules|parameters)\['([^']+)'\]", source)
+    return ".".join(parts) if parts else source
+
+
+def release(param: torch.Tensor, name: str, tier: Tier) -> None:
+    """Releases `param`'s storage (its values are stored elsewhere) and makes any use
+    of its values raise `ReleasedWeightError` naming it."""
+    param.untyped_storage().resize_(0)
+    with _REGISTRY_LOCK:
+        original = _RELEASED[param][0] if param in _RELEASED else type(param)
+        _RELEASED[param] = (original, name, Tier(tier).value)
+    param.__class__ = _released_class(original)
+
+
+def restore(param: torch.Tensor, nbytes: int) -> None:
+    """Gives a released parameter `nbytes` of storage and its class back."""
+    with _REGISTRY_LOCK:
+        original = _RELEASED[param][0]
+    param.__class__ = original
+    param.untyped_storage().resize_(nbytes)
 
 
 class WeightStreamer:
@@ -119,9 +301,10 @@ class WeightStreamer:
             for param in params:
                 _SHARDS[param] = self.shards
 
-    def offload(self, stored_key: str, param: torch.Tensor) -> None:
+    def offload(self, stored_key: str, param: torch.Tensor, name: str | None = None) -> None:
         """Stores `param`'s values (this rank's shard when sharded) and releases its
-        storage; a parameter already offloaded (a graph compiled again) is left as it is."""
+        storage; a parameter already offloaded (a graph compiled again) is left as it
+        is. `name` (the parameter's, for messages) defaults to `stored_key`."""
         self.shapes[stored_key] = param.shape
         self.dtypes[stored_key] = param.dtype
         with _REGISTRY_LOCK:
@@ -129,7 +312,7 @@ class WeightStreamer:
                 return
         values = param.detach() if self.shards is None else self.shards.shard(param)
         self.engine.wait(self.engine.store(stored_key, values, self.tier, TransferKind.WEIGHT))
-        param.untyped_storage().resize_(0)
+        release(param, name or stored_key, self.tier)
         with _REGISTRY_LOCK:
             _OWNERS[param] = (self.engine, stored_key, self.tier)
             _ENGINE_OF[stored_key] = self.engine
@@ -250,14 +433,8 @@ def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
     drain_prefetches()
     params = offloaded_parameters(model)
     for _, param in params:
-        engine, key, _ = _OWNERS[param]
-        load = engine.load(key, TransferKind.WEIGHT)
-        shards = shard_group_of(param)
-        if shards is None:
-            values = engine.wait(load)
-        else:
-            values = shards.wait(shards.all_gather(key, lambda: engine.wait(load), param.shape))
-        param.untyped_storage().resize_(values.numel() * values.element_size())
+        values = _load_whole(param)
+        restore(param, values.numel() * values.element_size())
         with torch.no_grad():
             param.copy_(values.view_as(param))
     try:
@@ -268,7 +445,42 @@ def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
             shards = shard_group_of(param)
             values = param.detach() if shards is None else shards.shard(param)
             engine.wait(engine.store(key, values, tier, TransferKind.WEIGHT))
-            param.untyped_storage().resize_(0)
+            release(param, _RELEASED[param][1], tier)
+
+
+def _load_whole(param: torch.Tensor) -> torch.Tensor:
+    """The values of an offloaded parameter, loaded now (all-gathered when sharded)."""
+    engine, key, _ = weight_home(param)
+    load = engine.load(key, TransferKind.WEIGHT)
+    shards = shard_group_of(param)
+    if shards is None:
+        return engine.wait(load)
+    return shards.wait(shards.all_gather(key, lambda: engine.wait(load), param.shape))
+
+
+class _LoadedWeight(torch.autograd.Function):
+    """A released parameter's values, loaded for one call; the gradient flows to it."""
+
+    @staticmethod
+    def forward(ctx, param):
+        return _load_whole(param).view(param.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def loading_released_weights(compiled: Callable) -> Callable:
+    """`compiled` (a graph lowered plainly, which reads its parameters' values), run
+    with every released parameter among its arguments replaced by its values, loaded
+    for the call and kept while its backward needs them; gradients reach the
+    parameters as from the parameters themselves."""
+
+    def run(*args):
+        return compiled(*(_LoadedWeight.apply(a) if isinstance(a, _ReleasedMixin) and weight_home(a) is not None
+                          else a for a in args))
+
+    return run
 
 
 def _streamer_of(key: WeightKey) -> WeightStreamer:
