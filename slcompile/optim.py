@@ -550,7 +550,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             groups, group_ids = self._groups(params, masters)
             optimizer = self.optimizer_class(groups, **self.optimizer_options)
             host_step = _HostStep(optimizer, params, masters, self.states_tier, engine,
-                                  f"opt{id(self):x}.{len(self._host_steps)}", group_ids, self.param_groups)
+                                  f"opt{id(self):x}.{len(self._host_steps)}", group_ids, self.param_groups,
+                                  [self._names[id(p)] for p in params])
             for index, param in enumerate(params):
                 values = self._loaded_state.pop(self._names[id(param)], None)
                 if values is not None:
@@ -725,8 +726,9 @@ class _HostStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                  masters: list[torch.Tensor], tier: Tier, engine: TransferEngine, prefix: str,
-                 group_ids: list[int], param_groups: list[dict[str, Any]]):
+                 group_ids: list[int], param_groups: list[dict[str, Any]], names: list[str]):
         self.optimizer = optimizer
+        self.names = names  # each parameter's name in the model: the state files' keys name it
         self.group_ids = group_ids  # the user-facing group of each of `optimizer`'s groups
         self.param_groups = param_groups
         self.params = params
@@ -778,7 +780,7 @@ class _HostStep:
                 for name, value in state.items():
                     # Scalars (Adam's step count) stay: not worth a file each.
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        key = f"{self.prefix}:{index}:{name}#{self.generation}"
+                        key = f"{self.prefix}:{self.names[index]}:{name}#{self.generation}"
                         issued.setdefault(index, {})[name] = key
                         handles.append(self.engine.store(key, value, Tier.NVME, TransferKind.OPTIMIZER_STATE))
             for handle in handles:

@@ -244,6 +244,8 @@ class TransferEngine:
         host_chunk_bytes: The largest piece of host memory pinned at once.
         buffer_cache_bytes: On CPU, most bytes of freed load buffers kept for
             reuse by later loads of the same size (0: none).
+        checksums: Checksum nvme slots when written and verify them when read
+            (``NvmeArena``; default: on unless ``SLC_CHECKSUMS=0``).
         recorder: Where bytes, stalls and events are counted.
     """
 
@@ -257,6 +259,7 @@ class TransferEngine:
         host_memory: int | None = None,
         host_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         buffer_cache_bytes: int = 1 << 30,
+        checksums: bool | None = None,
         recorder: Recorder = RECORDER,
     ):
         self.offload_dir = offload_dir
@@ -265,6 +268,7 @@ class TransferEngine:
         self.num_io_threads = num_io_threads
         self.host_memory = host_memory
         self.host_chunk_bytes = host_chunk_bytes
+        self.checksums = checksums
         self.device = compute_device()
         self._recorder = recorder
         self._lock = threading.RLock()
@@ -298,6 +302,7 @@ class TransferEngine:
                         capacity_bytes=self.capacity_bytes,
                         chunk_bytes=self.chunk_bytes,
                         num_threads=self.num_io_threads,
+                        checksums=self.checksums,
                     )
                 except OffloadError as error:
                     raise (error.with_key(key) if key is not None else error) from error
@@ -524,6 +529,8 @@ class TransferEngine:
             if entry is None:
                 raise UnknownKeyError("cannot rename: nothing is stored under this key", key=key)
             entry.key = new_key
+            if entry.slot is not None:
+                entry.slot.key = new_key  # errors of later reads name the key it rests under
             self._install(entry)
 
     def stored(self, key: str | int) -> StoredTensor:
@@ -538,6 +545,20 @@ class TransferEngine:
         if entry is None:
             raise UnknownKeyError("nothing is stored under this key", key=key)
         return StoredTensor(key, entry.tier, entry.kind, entry.shape, entry.dtype, entry.nbytes)
+
+    def nvme_location(self, key: str | int) -> tuple[str, int, int]:
+        """Where the bytes of a key on the nvme tier are: (arena file, offset, nbytes).
+
+        Raises:
+            UnknownKeyError: nothing is stored under ``key``, or not in an nvme file.
+        """
+        key = normalize_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            slot = entry.slot if entry is not None else None
+        if slot is None:
+            raise UnknownKeyError("nothing is stored under this key in an nvme file", key=key)
+        return self._arena.file_path, slot.byte_range.offset, slot.nbytes
 
     def keys(self) -> list[str]:
         """The keys currently stored."""
