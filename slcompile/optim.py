@@ -39,17 +39,23 @@ the host copies), and the block steps no longer overlap the backward.
 (`torch.nn.utils.clip_grad_norm_(model.parameters())` would not see the streamed
 weights' gradients, which never become `.grad`.)
 
-A full disk for nvme states raises `DiskFullError` from `step()`; the state files
-of a block are replaced only once all its new ones are written, so none is ever
-half-written (the block's state then stays in host memory until the next step).
-A full disk for the updated weights raises `DiskFullError` from `step()` too, and
-the block's step is undone: its weights are written under staging keys that
-replace the weights' keys only once all are written (`update_weights`), and when
-one fails, the host copies and the optimizer state go back to before the step, so
-the weights on the tier (the previous step's, whole) and the state agree. The
-blocks that were written keep their step, and the resident parameters are not
-stepped; call `zero_grad()` and carry on once there is room (that batch's update
-is then skipped for the failed blocks).
+A step is all or nothing. When the block steps write bytes (weights on nvme, or
+on the host of a GPU machine; states on nvme), each block's updated weights are
+written under staging keys and its states under fresh keys, beside the previous
+ones, which stay until `step()`: once every block has stepped and written, `step()`
+puts them all in place (renames, which need no room) and then steps the resident
+parameters. When any write fails (`DiskFullError` for a full disk, or any other
+error of a block step, a backward that failed part way included), `step()` drops
+what was written and puts every block back as it was before the step: its host
+copies (copied back from before the step, or, where the weight's tier holds the
+same values, loaded from it), its state in host memory and its previous state
+files. The resident parameters are not stepped either: weights, host copies and
+states are exactly the previous step's, and running the same batch again once
+there is room gives what an uninterrupted run gives. The price: the nvme tier
+holds a second copy of the block weights (and of the nvme states) until `step()`,
+and the host keeps, until then, a copy of the host states and of the fp32 copies
+of bf16/fp16 weights. The next forward's prefetches of the blocks' weights are
+issued by `step()` once their new values are in place.
 
 Guarantees: the parameters after each step equal what `optimizer_class` over the
 whole model computes (the update is elementwise per parameter, so one instance per
