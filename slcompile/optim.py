@@ -505,7 +505,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Finishes running steps, detaches from the model and frees stored states."""
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            self._close_step(commit=False)  # blocks stepped for a step() that never came
         gradient_runtime.attach_consumer(self.params, None)
         for hook in self._hooks:
             hook.remove()
