@@ -11,6 +11,7 @@ from slcompile.errors import BudgetError, CompileError, OptionError, RefusedErro
 from slcompile.explain import Explanation, GraphExplanation, explain
 from slcompile.generate import GenerationOutput, explain_generation, generate, generation
 from slcompile.report import CompileReport, clear_compile_reports, compile_reports
+from slcompile.runtime.errors import CorruptDataError, DiskFullError, OffloadError
 from slcompile.runtime.stats import mark_step, reset_runtime_stats, runtime_stats
 from slcompile.runtime.weights import gathered_weights, offloaded_parameters
 from slcompile.optim import OffloadedOptimizer, offload_optimizer
@@ -26,6 +27,9 @@ __all__ = [
     "CompileError",
     "OptionError",
     "ReleasedWeightError",
+    "OffloadError",
+    "DiskFullError",
+    "CorruptDataError",
     "explain",
     "Explanation",
     "GraphExplanation",

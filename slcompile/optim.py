@@ -39,17 +39,23 @@ the host copies), and the block steps no longer overlap the backward.
 (`torch.nn.utils.clip_grad_norm_(model.parameters())` would not see the streamed
 weights' gradients, which never become `.grad`.)
 
-A full disk for nvme states raises `DiskFullError` from `step()`; the state files
-of a block are replaced only once all its new ones are written, so none is ever
-half-written (the block's state then stays in host memory until the next step).
-A full disk for the updated weights raises `DiskFullError` from `step()` too, and
-the block's step is undone: its weights are written under staging keys that
-replace the weights' keys only once all are written (`update_weights`), and when
-one fails, the host copies and the optimizer state go back to before the step, so
-the weights on the tier (the previous step's, whole) and the state agree. The
-blocks that were written keep their step, and the resident parameters are not
-stepped; call `zero_grad()` and carry on once there is room (that batch's update
-is then skipped for the failed blocks).
+A step is all or nothing. When the block steps write bytes (weights on nvme, or
+on the host of a GPU machine; states on nvme), each block's updated weights are
+written under staging keys and its states under fresh keys, beside the previous
+ones, which stay until `step()`: once every block has stepped and written, `step()`
+puts them all in place (renames, which need no room) and then steps the resident
+parameters. When any write fails (`DiskFullError` for a full disk, or any other
+error of a block step, a backward that failed part way included), `step()` drops
+what was written and puts every block back as it was before the step: its host
+copies (copied back from before the step, or, where the weight's tier holds the
+same values, loaded from it), its state in host memory and its previous state
+files. The resident parameters are not stepped either: weights, host copies and
+states are exactly the previous step's, and running the same batch again once
+there is room gives what an uninterrupted run gives. The price: the nvme tier
+holds a second copy of the block weights (and of the nvme states) until `step()`,
+and the host keeps, until then, a copy of the host states and of the fp32 copies
+of bf16/fp16 weights. The next forward's prefetches of the blocks' weights are
+issued by `step()` once their new values are in place.
 
 Guarantees: the parameters after each step equal what `optimizer_class` over the
 whole model computes (the update is elementwise per parameter, so one instance per
@@ -92,7 +98,16 @@ from slcompile.runtime import gradients as gradient_runtime
 from slcompile.runtime.engine import TransferEngine, get_engine
 from slcompile.runtime.errors import OffloadError
 from slcompile.runtime.tiers import Tier, TransferKind
-from slcompile.runtime.weights import fetch_issue, shard_group_of, update_weights, weight_home
+from slcompile.runtime.weights import (
+    StagedWeight,
+    commit_weights,
+    discard_weights,
+    fetch_issue,
+    shard_group_of,
+    stage_weights,
+    update_weights,
+    weight_home,
+)
 
 __all__ = ["OffloadedOptimizer", "offload_optimizer"]
 
@@ -195,6 +210,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._arrivals: dict[tuple[str, int | None], dict[str, tuple[torch.nn.Parameter, Any]]] = {}
         self._stepped: set[int] = set()
         self._pending: list[concurrent.futures.Future] = []
+        # The step in progress, all or nothing: blocks stepped on the host whose new
+        # weights and states are written beside the previous ones, which `step()` puts
+        # in place once every block succeeded (or back, when one failed); and the next
+        # forward's prefetches of their weights, issued after that.
+        self._open: list[tuple[_HostStep, list[StagedWeight]]] = []
+        self._deferred_issues: list[str] = []
         self._resident: torch.optim.Optimizer | None = None
         self._resident_groups: list[int] = []
         # With max_grad_norm: blocks whose gradients are in, waiting for step(), and
@@ -283,6 +304,30 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("OffloadedOptimizer.step takes no closure: blocks step as their gradients arrive")
         try:
+            self._step_blocks()
+        except BaseException:
+            self._close_step(commit=False)
+            raise
+        self._close_step(commit=True)
+        resident = [p for p in self.params if weight_home(p) is None]
+        low_precision = [p for p in resident if p.dtype in _LOW_PRECISION and p.grad is not None]
+        if low_precision:
+            self._step_low_precision(low_precision)
+        resident = [p for p in resident if p.dtype not in _LOW_PRECISION]
+        if not resident:
+            return
+        if self._resident is None:
+            groups, self._resident_groups = self._groups(resident, resident)
+            self._resident = self.optimizer_class(groups, **self.optimizer_options)
+            self._install_resident_state()
+        _take_options(self._resident, self._resident_groups, self.param_groups)
+        self._resident.step()
+
+    def _step_blocks(self) -> None:
+        """Everything of `step()` that writes to a tier: the block steps (waited for, or
+        run here with max_grad_norm) and the steps from `.grad`; each block's new
+        weights and states are staged, not yet in place."""
+        try:
             self.wait()
         except BaseException:
             with self._lock:  # blocks received for a clip that will not happen
@@ -300,24 +345,31 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._received.clear()
                 self._norms.clear()
             raise OffloadError(f"the gradients of {len(missing)} weights arrived without the rest of "
-                               "their block (a backward that failed part way); those weights were not stepped")
+                               "their block (a backward that failed part way); no weight was stepped")
         self._average_replicated_grads()
         if self.max_grad_norm is not None:
             self._clip_and_step_blocks()
         self._step_from_grad()
-        resident = [p for p in self.params if weight_home(p) is None]
-        low_precision = [p for p in resident if p.dtype in _LOW_PRECISION and p.grad is not None]
-        if low_precision:
-            self._step_low_precision(low_precision)
-        resident = [p for p in resident if p.dtype not in _LOW_PRECISION]
-        if not resident:
-            return
-        if self._resident is None:
-            groups, self._resident_groups = self._groups(resident, resident)
-            self._resident = self.optimizer_class(groups, **self.optimizer_options)
-            self._install_resident_state()
-        _take_options(self._resident, self._resident_groups, self.param_groups)
-        self._resident.step()
+
+    def _close_step(self, commit: bool) -> None:
+        """Ends the step of the blocks: their staged weights and states replace the
+        previous ones (renames: nothing that can fail for room), or, when any block
+        failed, are dropped and every block's host copies and state go back to before
+        the step; then the next forward's prefetches are issued."""
+        with self._lock:
+            opened, self._open = self._open, []
+            issues, self._deferred_issues = self._deferred_issues, []
+        try:
+            for host_step, staged in opened:
+                if commit:
+                    commit_weights(staged)
+                    host_step.commit()
+                else:
+                    discard_weights(staged)
+                    host_step.roll_back()
+        finally:
+            for graph_key in issues:
+                fetch_issue(graph_key, gather=False)  # sharded: the fetch all-gathers, in graph order
 
     def memory(self, streamed: Iterable[Iterable[torch.Tensor]], host_is_device: bool | None = None):
         """This optimizer's share of a step's memory per tier
@@ -453,7 +505,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Finishes running steps, detaches from the model and frees stored states."""
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            self._close_step(commit=False)  # blocks stepped for a step() that never came
         gradient_runtime.attach_consumer(self.params, None)
         for hook in self._hooks:
             hook.remove()
@@ -550,7 +605,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             groups, group_ids = self._groups(params, masters)
             optimizer = self.optimizer_class(groups, **self.optimizer_options)
             host_step = _HostStep(optimizer, params, masters, self.states_tier, engine,
-                                  f"opt{id(self):x}.{len(self._host_steps)}", group_ids, self.param_groups)
+                                  f"opt{id(self):x}.{len(self._host_steps)}", group_ids, self.param_groups,
+                                  [self._names[id(p)] for p in params])
             for index, param in enumerate(params):
                 values = self._loaded_state.pop(self._names[id(param)], None)
                 if values is not None:
@@ -645,11 +701,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if scale is not None:
             for param in params:
                 self._masters[id(param)].grad.mul_(scale)
+        staged = self._fallible(params, engine)
         try:
             self._step_and_update(params, engine)
         finally:
-            for stored_key in sorted(group):
-                for graph_key in sink.deferred_issues.get(stored_key, ()):
+            issues = [graph_key for stored_key in sorted(group) for graph_key in sink.deferred_issues.get(stored_key, ())]
+            if staged:
+                # The weights change when `step()` puts the staged ones in place: load them after that.
+                with self._lock:
+                    self._deferred_issues.extend(issues)
+            else:
+                for graph_key in issues:
                     fetch_issue(graph_key, gather=False)  # sharded: the fetch all-gathers, in graph order
 
     def _step_from_grad(self) -> None:
@@ -687,6 +749,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _write_back(self, params: list[torch.nn.Parameter]) -> None:
         """Stores the host copies of `params` as their weights, all or none (`update_weights`)."""
+        update_weights(self._updates(params))
+
+    def _updates(self, params: list[torch.nn.Parameter]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(parameter, the values its weight takes): its host copy, in its dtype."""
         updates = []
         for param in params:
             master = self._masters[id(param)]
@@ -696,27 +762,35 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 # The tier would keep the master itself, which the next step changes in place.
                 values = master.clone()
             updates.append((param, values))
-        update_weights(updates)
+        return updates
+
+    def _fallible(self, params: list[torch.nn.Parameter], engine: TransferEngine) -> bool:
+        """Whether the step of `params` writes bytes somewhere (nvme states, weights on
+        a tier that copies): only then can it fail part way, for room or an I/O error."""
+        return self.states_tier is Tier.NVME or any(
+            not engine.copies_nothing(Tier.HOST, weight_home(p)[2]) for p in params)
 
     def _step_and_update(self, params: list[torch.nn.Parameter], engine: TransferEngine) -> None:
-        """The host step of `params` and the update of their weights, all or nothing:
-        when the update cannot be stored (a full disk), the host copies and the
-        optimizer state go back to before the step, and so agree with the previous
-        values the weights' tier still holds; the error is raised."""
+        """The host step of `params` and the update of their weights. When any of it
+        writes bytes (`_fallible`), the new weights and states are staged beside the
+        previous ones and the block joins the open step, which `step()` closes, all
+        blocks or none; a block that fails here goes back to before its step at once
+        (host copies, state) and the error is raised. Otherwise the update is in
+        place when this returns."""
         host_step = self._host_step(params, engine)
-        # Only a store that copies bytes can fail for lack of room.
-        fallible = any(not engine.copies_nothing(Tier.HOST, weight_home(p)[2]) for p in params)
-        error = host_step.step(keep_previous=fallible)
-        try:
+        if not self._fallible(params, engine):
+            error = host_step.step()
             self._write_back(params)
+            _raise_first([error])
+            return
+        host_step.step(keep_previous=True)
+        try:
+            staged = stage_weights(self._updates(params))
         except BaseException:
-            if fallible:
-                host_step.roll_back()
+            host_step.roll_back()
             raise
-        finally:
-            host_step.previous = None
-        if error is not None:
-            raise error
+        with self._lock:
+            self._open.append((host_step, staged))
 
 
 class _HostStep:
@@ -725,8 +799,9 @@ class _HostStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                  masters: list[torch.Tensor], tier: Tier, engine: TransferEngine, prefix: str,
-                 group_ids: list[int], param_groups: list[dict[str, Any]]):
+                 group_ids: list[int], param_groups: list[dict[str, Any]], names: list[str]):
         self.optimizer = optimizer
+        self.names = names  # each parameter's name in the model: the state files' keys name it
         self.group_ids = group_ids  # the user-facing group of each of `optimizer`'s groups
         self.param_groups = param_groups
         self.params = params
@@ -736,23 +811,31 @@ class _HostStep:
         self.prefix = prefix
         self.stored: dict[int, dict[str, str]] = {}  # master index -> state name -> its nvme key
         self.generation = 0
-        # With keep_previous: host copies, from before the step, of the masters and the state.
-        self.previous: tuple[list[torch.Tensor], list[dict[str, Any]]] | None = None
+        # With keep_previous, until `commit` or `roll_back`: what the block was before
+        # the step. Masters: a host copy, or None where the weight's tier holds the
+        # same values (a master of the weight's own dtype). State: host copies of what
+        # no nvme file of `stored` keeps; and those files, kept until then.
+        self.previous: tuple[list[torch.Tensor | None], list[dict[str, Any]], dict[int, dict[str, str]]] | None = None
 
     def step(self, keep_previous: bool = False) -> OffloadError | None:
-        """Steps the block; returns (not raises) a failure to store the state after the
-        step, so the caller still writes the updated weights before raising it.
+        """Steps the block.
 
         Args:
-            keep_previous: keep copies of the masters and the state from before the
-                step, for `roll_back`.
+            keep_previous: keep what the block was before the step until `commit` or
+                `roll_back`, and store the new state beside the previous files; a
+                failure to store it is then raised after going back to before the step.
+                Without: a failure to store the state after the step is returned (not
+                raised), so the caller still writes the updated weights before raising it.
         """
         if self.tier is Tier.NVME:
             self._load_states()
         if keep_previous:
             self.previous = (
-                [master.detach().clone() for master in self.masters],
-                [{k: _copy(v) for k, v in self.optimizer.state.get(master, {}).items()} for master in self.masters],
+                [None if master.dtype == param.dtype else master.detach().clone()
+                 for param, master in zip(self.params, self.masters)],
+                [{k: _copy(v) for k, v in self.optimizer.state.get(master, {}).items()
+                  if k not in self.stored.get(index, {})} for index, master in enumerate(self.masters)],
+                self.stored,
             )
         _take_options(self.optimizer, self.group_ids, self.param_groups)
         self.optimizer.step()
@@ -762,13 +845,24 @@ class _HostStep:
             try:
                 self._store_states()
             except OffloadError as error:
+                if keep_previous:
+                    self.roll_back()
+                    raise
                 return error
         return None
 
+    def commit(self) -> None:
+        """The step kept by `step(keep_previous=True)` stays: the previous files go."""
+        _, _, stored = self.previous
+        self.previous = None
+        if stored is not self.stored:
+            self._free(stored)
+
     def _store_states(self) -> None:
         """Stores every state tensor under a fresh key; only once all are written are
-        the previous files and the host copies dropped. A failed store (a full disk)
-        leaves no file of this step behind and the state whole in host memory."""
+        the host copies dropped, and the previous files (at `commit`, when the step
+        keeps what it was before). A failed store (a full disk) leaves no file of this
+        step behind, and the state whole in host memory."""
         self.generation += 1
         issued: dict[int, dict[str, str]] = {}
         handles = []
@@ -778,17 +872,19 @@ class _HostStep:
                 for name, value in state.items():
                     # Scalars (Adam's step count) stay: not worth a file each.
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        key = f"{self.prefix}:{index}:{name}#{self.generation}"
+                        key = f"{self.prefix}:{self.names[index]}:{name}#{self.generation}"
                         issued.setdefault(index, {})[name] = key
                         handles.append(self.engine.store(key, value, Tier.NVME, TransferKind.OPTIMIZER_STATE))
             for handle in handles:
                 self.engine.wait(handle)
         except OffloadError:
             self._free(issued)
-            self._free(self.stored)  # older than the state in host memory now
-            self.stored = {}
+            if self.previous is None:
+                self._free(self.stored)  # older than the state in host memory now
+                self.stored = {}
             raise
-        self._free(self.stored)
+        if self.previous is None:
+            self._free(self.stored)
         self.stored = issued
         for index, keys in issued.items():
             state = self.optimizer.state[self.masters[index]]
@@ -796,14 +892,22 @@ class _HostStep:
                 del state[name]
 
     def roll_back(self) -> None:
-        """Puts back the masters and the state kept by `step(keep_previous=True)`; the
-        state stays in host memory until the next step stores it."""
-        masters, states = self.previous
+        """Puts back what `step(keep_previous=True)` kept: the masters (copied back, or
+        loaded from the weights' tier, which still holds the previous values), the
+        state in host memory and the previous state files."""
+        masters, states, stored = self.previous
         self.previous = None
+        loads = [(master, weight_home(param)[0], weight_home(param)[0].load(weight_home(param)[1], TransferKind.WEIGHT))
+                 for param, master, values in zip(self.params, self.masters, masters) if values is None]
         with torch.no_grad():
             for master, values in zip(self.masters, masters):
-                master.copy_(values)
-        self.free()  # the state stored after the step
+                if values is not None:
+                    master.copy_(values)
+            for master, engine, load in loads:
+                master.copy_(engine.wait(load).view(master.shape))
+        if stored is not self.stored:
+            self._free(self.stored)  # the state stored after the step
+        self.stored = stored
         for master, values in zip(self.masters, states):
             if values:
                 self.optimizer.state[master] = values

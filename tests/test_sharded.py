@@ -347,14 +347,11 @@ def _worker(rank, world, runs, rendezvous, offload_dir, results):
                 # squared norms of the shards), which the counters take as one element a rank.
                 norm_bytes = 2 * (world - 1) * 4 if max_grad_norm is not None else 0
                 assert moved[COLLECTIVE[TransferKind.ALL_REDUCE]] == 2 * replicated * (world - 1) // world + norm_bytes
-                # The tier holds this rank's shard only: each fetch loads it, each update
-                # writes it (from the second step: the first also offloads and loads on demand).
-                # With a clip the blocks update in step(), which then issues the next forward's
-                # first loads: they may end after the step's figures close, so only the
-                # writes are counted per step there.
+                # The tier holds this rank's shard only: each update writes it (from the
+                # second step: the first also offloads). The updates take their place in
+                # step(), which then issues the next forward's first loads: they may end
+                # after the step's figures close, so only the writes are counted per step.
                 if weights == "nvme" and index > 0:
-                    if max_grad_norm is None:
-                        assert moved[(TransferKind.WEIGHT, Tier.NVME, Tier.DEVICE)] == fetched // world
                     assert moved[(TransferKind.WEIGHT, Tier.DEVICE, Tier.NVME)] == streamed_bytes // world
             results[(rank, k, weights, max_grad_norm)] = moved[COLLECTIVE[TransferKind.ALL_GATHER]]
             results[("speedloader", rank, k, weights, max_grad_norm)] = {

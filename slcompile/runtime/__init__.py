@@ -22,6 +22,7 @@ from .engine import (
     set_engine,
 )
 from .errors import (
+    CorruptDataError,
     DiskFullError,
     HostPoolFullError,
     OffloadDirError,
@@ -76,6 +77,7 @@ __all__ = [
     "OffloadDirError",
     "DiskFullError",
     "ShortReadError",
+    "CorruptDataError",
     "OffloadFileMissingError",
     "UnsupportedTensorError",
     "UnknownKeyError",

@@ -244,6 +244,8 @@ class TransferEngine:
         host_chunk_bytes: The largest piece of host memory pinned at once.
         buffer_cache_bytes: On CPU, most bytes of freed load buffers kept for
             reuse by later loads of the same size (0: none).
+        checksums: Checksum nvme slots when written and verify them when read
+            (``NvmeArena``; default: on unless ``SLC_CHECKSUMS=0``).
         recorder: Where bytes, stalls and events are counted.
     """
 
@@ -257,6 +259,7 @@ class TransferEngine:
         host_memory: int | None = None,
         host_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         buffer_cache_bytes: int = 1 << 30,
+        checksums: bool | None = None,
         recorder: Recorder = RECORDER,
     ):
         self.offload_dir = offload_dir
@@ -265,6 +268,7 @@ class TransferEngine:
         self.num_io_threads = num_io_threads
         self.host_memory = host_memory
         self.host_chunk_bytes = host_chunk_bytes
+        self.checksums = checksums
         self.device = compute_device()
         self._recorder = recorder
         self._lock = threading.RLock()
@@ -298,6 +302,7 @@ class TransferEngine:
                         capacity_bytes=self.capacity_bytes,
                         chunk_bytes=self.chunk_bytes,
                         num_threads=self.num_io_threads,
+                        checksums=self.checksums,
                     )
                 except OffloadError as error:
                     raise (error.with_key(key) if key is not None else error) from error
@@ -375,6 +380,7 @@ class TransferEngine:
         tier: Tier | str,
         kind: TransferKind | str,
         forget_source: bool = False,
+        reserved: NvmeSlot | None = None,
     ) -> TransferHandle:
         """Issues a store of ``tensor`` under ``key`` onto ``tier``.
 
@@ -389,6 +395,9 @@ class TransferEngine:
             forget_source: drop the handle's reference to ``tensor`` when the store
                 is done (``wait`` then returns None), so the caller's last
                 reference frees it, on the caller's thread.
+            reserved: an nvme slot from ``reserve`` of this key, written instead of
+                a slot allocated now (so the store cannot run out of room); ignored
+                where the store writes no file.
 
         Returns:
             The handle; ``wait`` on it returns the stored (source) tensor.
@@ -413,7 +422,7 @@ class TransferEngine:
             self._install(entry)
             handle._finish(source, None)
         elif tier is Tier.NVME:
-            self._store_nvme(handle, entry, source)
+            self._store_nvme(handle, entry, source, reserved)
         elif tier is Tier.HOST:
             self._store_host_cuda(handle, entry, source)
         else:
@@ -524,6 +533,8 @@ class TransferEngine:
             if entry is None:
                 raise UnknownKeyError("cannot rename: nothing is stored under this key", key=key)
             entry.key = new_key
+            if entry.slot is not None:
+                entry.slot.key = new_key  # errors of later reads name the key it rests under
             self._install(entry)
 
     def stored(self, key: str | int) -> StoredTensor:
@@ -538,6 +549,44 @@ class TransferEngine:
         if entry is None:
             raise UnknownKeyError("nothing is stored under this key", key=key)
         return StoredTensor(key, entry.tier, entry.kind, entry.shape, entry.dtype, entry.nbytes)
+
+    def reserve(self, key: str | int, nbytes: int, tier: Tier | str) -> NvmeSlot | None:
+        """Reserves room for a later store of ``nbytes`` under ``key`` onto ``tier``
+        (pass it to ``store`` as ``reserved``), so that a full disk is found now,
+        before anything changes, and not halfway through a set of stores.
+
+        Returns:
+            The nvme slot held for it; None where such a store writes no file.
+
+        Raises:
+            DiskFullError: no room.
+        """
+        key = normalize_key(key)
+        if Tier(tier) is not Tier.NVME or nbytes == 0:
+            return None
+        return self._get_arena(key).allocate(nbytes, key)
+
+    def unreserve(self, slot: NvmeSlot | None) -> None:
+        """Gives back a reservation that no store used (a used one is left alone)."""
+        if slot is not None and not slot.valid and self._arena is not None:
+            with self._lock:
+                used = any(entry.slot is slot for entry in self._entries.values())
+            if not used:
+                self._arena.release(slot)
+
+    def nvme_location(self, key: str | int) -> tuple[str, int, int]:
+        """Where the bytes of a key on the nvme tier are: (arena file, offset, nbytes).
+
+        Raises:
+            UnknownKeyError: nothing is stored under ``key``, or not in an nvme file.
+        """
+        key = normalize_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            slot = entry.slot if entry is not None else None
+        if slot is None:
+            raise UnknownKeyError("nothing is stored under this key in an nvme file", key=key)
+        return self._arena.file_path, slot.byte_range.offset, slot.nbytes
 
     def keys(self) -> list[str]:
         """The keys currently stored."""
@@ -646,7 +695,8 @@ class TransferEngine:
 
     # -- nvme ------------------------------------------------------------------
 
-    def _store_nvme(self, handle: TransferHandle, entry: _Entry, source: torch.Tensor) -> None:
+    def _store_nvme(self, handle: TransferHandle, entry: _Entry, source: torch.Tensor,
+                    reserved: NvmeSlot | None = None) -> None:
         arena = self._get_arena(handle.key)
         if entry.nbytes == 0:
             self._install(entry)
@@ -656,7 +706,13 @@ class TransferEngine:
             )
             handle._finish(source, None)
             return
-        slot = arena.allocate(entry.nbytes, handle.key)
+        if reserved is not None and reserved.nbytes == entry.nbytes and not reserved.released:
+            slot = reserved
+            slot.key = handle.key
+        else:
+            if reserved is not None:
+                arena.release(reserved)
+            slot = arena.allocate(entry.nbytes, handle.key)
         entry.slot = slot
         entry.store_handle = handle
         handle._keep = source

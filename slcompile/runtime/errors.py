@@ -17,6 +17,7 @@ __all__ = [
     "OffloadDirError",
     "DiskFullError",
     "ShortReadError",
+    "CorruptDataError",
     "OffloadFileMissingError",
     "UnsupportedTensorError",
     "UnknownKeyError",
@@ -42,6 +43,27 @@ class DiskFullError(OffloadError):
 class ShortReadError(OffloadError):
     """A read returned fewer bytes than were written (the file was truncated
     or damaged underneath the runtime)."""
+
+
+class CorruptDataError(OffloadError):
+    """Bytes read back from the offload storage differ from the bytes written: the
+    checksum taken when the slot was written does not match the one of the bytes
+    read (the file was changed underneath the runtime, or the disk returned bad
+    data). The message names the tensor key, the file and the byte offset.
+
+    Attributes:
+        offset: The file offset of the range whose checksum failed, when known.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, path: str | None = None,
+                 offset: int | None = None):
+        super().__init__(message, key=key, path=path)
+        self.offset = offset
+
+    def with_key(self, key: str) -> "OffloadError":
+        error = super().with_key(key)
+        error.offset = self.offset
+        return error
 
 
 class OffloadFileMissingError(OffloadError):

@@ -43,9 +43,17 @@ Guarantees:
 - A slot becomes readable (``valid``) only after every chunk of its write has
   completed; half-written data is never read back. A failed write leaves the
   slot invalid.
+- Integrity: each chunk of a write is checksummed (CRC-32C, in hardware where the
+  CPU has it) by the I/O thread that writes it, and each chunk read is checked
+  against it by the I/O thread that reads it, so the compute thread pays nothing
+  but the I/O threads' CPU time. Bytes that changed on the disk raise
+  ``CorruptDataError`` instead of being used. ``checksums=False``, or the
+  environment variable ``SLC_CHECKSUMS=0`` for every arena made without the
+  argument, turns this off.
 - Failures raise named errors from ``slcompile.runtime.errors`` naming the tensor
   key and the path: ``OffloadDirError``, ``DiskFullError`` (the cap or a real
-  ENOSPC), ``ShortReadError``, ``OffloadFileMissingError``.
+  ENOSPC), ``ShortReadError``, ``CorruptDataError`` (with the file offset),
+  ``OffloadFileMissingError``.
 """
 
 from __future__ import annotations
@@ -69,9 +77,11 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 
+import crc32c
 import torch
 
 from .errors import (
+    CorruptDataError,
     DiskFullError,
     OffloadDirError,
     OffloadError,
@@ -103,6 +113,19 @@ _UNFINISHED_GRACE_SECONDS = 600.0
 _ARENA_FILE = "arena.bin"
 _LOCK_FILE = "lock"
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+CHECKSUMS_ENV = "SLC_CHECKSUMS"
+
+
+def checksums_default() -> bool:
+    """Whether arenas checksum their slots when not told: yes, unless the
+    environment variable ``SLC_CHECKSUMS`` is ``0`` (or ``false``/``no``/``off``)."""
+    return os.environ.get(CHECKSUMS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _checksum(view: memoryview) -> int:
+    # CRC-32C in hardware (SSE4.2 / ARMv8 CRC) where there is one; the GIL is
+    # released for large buffers, so I/O threads checksum in parallel with compute.
+    return crc32c.crc32c(view)
 
 
 class PageBuffer(mmap.mmap):
@@ -485,9 +508,11 @@ class NvmeSlot:
         nbytes: The tensor's logical size.
         valid: True only once every byte of the write has reached the file.
         released: True once the range went back to the free list.
+        checksums: The CRC-32C of each chunk's bytes as written (chunk ``i`` holds
+            bytes ``i * chunk_bytes`` on), or None when the arena does not checksum.
     """
 
-    __slots__ = ("key", "byte_range", "nbytes", "valid", "released")
+    __slots__ = ("key", "byte_range", "nbytes", "valid", "released", "checksums")
 
     def __init__(self, key: str, byte_range: ByteRange, nbytes: int):
         self.key = key
@@ -495,6 +520,7 @@ class NvmeSlot:
         self.nbytes = nbytes
         self.valid = False
         self.released = False
+        self.checksums: list[int | None] | None = None
 
 
 class IoOutcome:
@@ -565,6 +591,8 @@ class NvmeArena:
         num_threads: I/O threads.
         grow_bytes: The most the file grows at once beyond what a slot needs (it
             grows by its own size up to this, so a small arena stays small).
+        checksums: Checksum every slot when written and verify it when read
+            (default: on, unless ``SLC_CHECKSUMS=0``).
 
     Raises:
         OffloadDirError: the directory is missing, not a directory, unwritable,
@@ -579,6 +607,7 @@ class NvmeArena:
         chunk_bytes: int = 8 << 20,
         num_threads: int = 4,
         grow_bytes: int = 256 << 20,
+        checksums: bool | None = None,
     ):
         if offload_dir is None:
             offload_dir = tempfile.gettempdir()
@@ -592,6 +621,7 @@ class NvmeArena:
         self.capacity_bytes = capacity_bytes
         self.chunk_bytes = chunk_bytes
         self.grow_bytes = round_up(grow_bytes, PAGE_BYTES)
+        self.checksums = checksums_default() if checksums is None else bool(checksums)
         if os.path.isdir(base):
             clean_stale_dirs(base)
         self.path, self._dir_fd, lock_fd = _make_private_dir(base)
@@ -756,6 +786,8 @@ class NvmeArena:
                 device-to-host copy into the source).
         """
         self._check_file(slot.key)
+        if self.checksums:
+            slot.checksums = [None] * -(-slot.nbytes // self.chunk_bytes)
 
         def finish(outcome: IoOutcome) -> None:
             if outcome.error is None:
@@ -850,6 +882,8 @@ class NvmeArena:
                 if padded > length:
                     ctypes.memset(staging_address + length, 0, padded - length)
                 view = memoryview(staging)[:padded]
+            if slot.checksums is not None:
+                slot.checksums[start // self.chunk_bytes] = _checksum(view[:length])
             offset = slot.byte_range.offset + start
             written = 0
             while written < padded:
@@ -884,6 +918,15 @@ class NvmeArena:
                     f"read {got} of {length} bytes at file offset {offset}",
                     key=slot.key, path=self.file_path,
                 )
+            elif slot.checksums is not None:
+                expected = slot.checksums[start // self.chunk_bytes]
+                found = _checksum(view[:length])
+                if found != expected:
+                    error = CorruptDataError(
+                        f"corrupt data: the {length} bytes at file offset {offset} (byte {start} of the "
+                        f"tensor) read back with CRC-32C {found:08x}, written with {expected:08x}",
+                        key=slot.key, path=self.file_path, offset=offset,
+                    )
         except OSError as failure:
             error = self._os_error(failure, "read failed", slot.key)
         except Exception as failure:  # noqa: BLE001 - must reach the waiting thread

@@ -32,8 +32,11 @@ module keeps the weights and implements both ops.
   `slc::fetch_weight` and AOTAutograd asks them `_is_view()`: about 3 µs of Python
   each, per fetch.
 - `gathered_weights(model)` brings the values back into the parameters for code that
-  reads them directly (an optimizer step, `state_dict()`), then offloads them again;
-  it first drops pending loads, so no stale value is ever read.
+  reads them directly (an optimizer step, `state_dict()`), then offloads them again,
+  all or none: the room for the new values is reserved on entry, so a full disk
+  raises there, before the block changes anything, and the new values are written
+  beside the old ones, which they replace only once all are written
+  (`update_weights`). It first drops pending loads, so no stale value is ever read.
 - Sharded (`shards`, a `slcompile.runtime.collectives.ShardGroup`): the tier holds this
   rank's shard of each weight; an issue loads it and all-gathers the full weight on
   the group's communication thread (a prefetch overlaps both with compute), and
@@ -58,6 +61,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
@@ -72,8 +76,8 @@ from slcompile.vocabulary import WeightKey
 
 __all__ = [
     "WeightStreamer", "gathered_weights", "offloaded_parameters", "weight_home", "update_weights",
-    "drain_prefetches", "shard_group_of", "release", "restore", "parameter_name",
-    "loading_released_weights",
+    "stage_weights", "commit_weights", "discard_weights", "StagedWeight", "drain_prefetches", "shard_group_of",
+    "release", "restore", "parameter_name", "loading_released_weights",
 ]
 
 log = logging.getLogger(__name__)
@@ -428,26 +432,83 @@ def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
 
     Use it around code that reads or writes parameter values directly, such as an
     optimizer step or `state_dict()`. On exit the (possibly updated) values are stored
-    again and the storage released. The loads and stores count as weight traffic.
+    again, all of them or none, and the storage released. The room for them is
+    reserved on entry (the nvme tier holds a second copy of the weights until the
+    exit's stores have all landed), so a full disk raises `DiskFullError` on entry,
+    before the block runs: the parameters, the optimizer and its state are then
+    exactly as before, and the same block can run again once there is room. The
+    loads and stores count as weight traffic.
+
+    Raises:
+        DiskFullError: on entry, no room for the new values; nothing was loaded.
+        OffloadError: on exit, a store failed all the same (an I/O error): every
+            weight on the tier is still the one loaded on entry, whole; the parameters
+            hold no memory, as after a normal exit. Changes the block made elsewhere
+            (resident parameters, an optimizer's state) are not undone.
     """
     drain_prefetches()
     params = offloaded_parameters(model)
+    reserved = _reserve_updates(params)
+    try:
+        _load_into(params)
+    except BaseException:
+        _unreserve(params, reserved)
+        raise
+    try:
+        yield
+    finally:
+        try:
+            updates = []
+            for _, param in params:
+                shards = shard_group_of(param)
+                updates.append((param, param.detach() if shards is None else shards.shard(param)))
+            commit_weights(stage_weights(updates, reserved))
+        finally:
+            _release_again(params)
+            _unreserve(params, reserved)
+
+
+def _reserve_updates(params) -> list:
+    """Room for a staged update of every parameter (`TransferEngine.reserve`), all or none."""
+    reserved = []
+    try:
+        for _, param in params:
+            engine, key, tier = _OWNERS[param]
+            reserved.append(engine.reserve(f"{key}~update", engine.stored(key).nbytes, tier))
+    except BaseException:
+        _unreserve(params, reserved)
+        raise
+    return reserved
+
+
+def _unreserve(params, reserved) -> None:
+    for (_, param), slot in zip(params, reserved):
+        _OWNERS[param][0].unreserve(slot)
+
+
+def _load_into(params) -> None:
+    """Loads offloaded values back into their parameters (all-gathered when sharded);
+    a failure leaves every parameter without memory, as before."""
+    try:
+        _load_each(params)
+    except BaseException:
+        _release_again(params)
+        raise
+
+
+def _release_again(params) -> None:
+    """Releases loaded parameters again (their values rest on their tier)."""
+    for _, param in params:
+        if param.untyped_storage().nbytes():
+            release(param, _RELEASED[param][1], _OWNERS[param][2])
+
+
+def _load_each(params) -> None:
     for _, param in params:
         values = _load_whole(param)
         restore(param, values.numel() * values.element_size())
         with torch.no_grad():
             param.copy_(values.view_as(param))
-    try:
-        yield
-    finally:
-        for _, param in params:
-            engine, key, tier = _OWNERS[param]
-            shards = shard_group_of(param)
-            values = param.detach() if shards is None else shards.shard(param)
-            engine.wait(engine.store(key, values, tier, TransferKind.WEIGHT))
-            release(param, _RELEASED[param][1], tier)
-
-
 def _load_whole(param: torch.Tensor) -> torch.Tensor:
     """The values of an offloaded parameter, loaded now (all-gathered when sharded)."""
     engine, key, _ = weight_home(param)
@@ -533,32 +594,71 @@ def update_weights(updates: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             parameter still holds its previous values, whole, and no staging key is left.
         KeyError: a parameter is not offloaded.
     """
+    commit_weights(stage_weights(updates))
+
+
+class StagedWeight(NamedTuple):
+    """New values of an offloaded weight, written under a staging key beside the
+    weight's own (which still holds the previous values) until `commit_weights`."""
+
+    engine: TransferEngine
+    stored_key: str
+    staging_key: str
+
+
+def stage_weights(updates: list[tuple[torch.Tensor, torch.Tensor]], reserved=None) -> list[StagedWeight]:
+    """The first half of `update_weights`: writes every new value under a staging key
+    and waits for all of them; the weights' keys still hold the previous values.
+
+    Args:
+        updates: (parameter, its new values).
+        reserved: for each update, room reserved for it (`TransferEngine.reserve`)
+            or None; the caller gives back what no store used.
+
+    Raises:
+        OffloadError: a store failed; no staging key of these updates is left.
+        KeyError: a parameter is not offloaded.
+    """
     tried: list[tuple[TransferEngine, str]] = []  # (engine, staging key) of every store issued
-    stores: list[tuple[TransferEngine, str, str, TransferHandle]] = []
+    stores: list[tuple[StagedWeight, TransferHandle]] = []
     try:
-        for param, values in updates:
+        for number, (param, values) in enumerate(updates):
             home = weight_home(param)
             if home is None:
                 raise KeyError("update_weights: the parameter is not offloaded")
             engine, stored_key, tier = home
             staging = f"{stored_key}~update"
             tried.append((engine, staging))
-            handle = engine.store(staging, values.detach(), tier, TransferKind.WEIGHT)
-            stores.append((engine, stored_key, staging, handle))
-        for engine, _, _, handle in stores:
-            engine.wait(handle)
+            handle = engine.store(staging, values.detach(), tier, TransferKind.WEIGHT,
+                                  reserved=reserved[number] if reserved else None)
+            stores.append((StagedWeight(engine, stored_key, staging), handle))
+        for staged, handle in stores:
+            staged.engine.wait(handle)
     except BaseException:
         for engine, staging in tried:
             if staging in engine:
                 engine.free(staging)
         raise
+    return [staged for staged, _ in stores]
+
+
+def commit_weights(staged: list[StagedWeight]) -> None:
+    """Puts staged values in place of the weights' (renames: no I/O, nothing that can
+    run out of room) and issues again loads of them issued before."""
     with _REGISTRY_LOCK:
         streamers = list(_STREAMERS.values())
-    for engine, stored_key, staging, _ in stores:
+    for engine, stored_key, staging in staged:
         engine.rename(staging, stored_key)
         stale = sum(streamer.reissue(stored_key) for streamer in streamers)
         if stale:
             log.debug("update_weights: %d prefetched loads of %r were stale and are issued again", stale, stored_key)
+
+
+def discard_weights(staged: list[StagedWeight]) -> None:
+    """Drops staged values: the weights keep their previous ones."""
+    for engine, _, staging in staged:
+        if staging in engine:
+            engine.free(staging)
 
 ops.implement("fetch_issue", fetch_issue)
 ops.implement("fetch_weight", fetch_weight)

@@ -14,6 +14,7 @@ import torch
 from devices import same_bits
 
 from slcompile.runtime import (
+    CorruptDataError,
     DiskFullError,
     NvmeArena,
     OffloadDirError,
@@ -342,3 +343,71 @@ def test_unfinished_private_dirs_are_removed_only_when_old_and_unlocked(tmp_path
         os.close(held)
     assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in (fresh, live, foreign))
     assert clean_stale_dirs(str(tmp_path)) == [str(live)]  # its lock is free now
+
+
+def _flip_bits(path: str, offset: int, mask: int = 0x40) -> None:
+    """Flips bits of one byte of the file, as a bad disk or another program would
+    (through the page cache; the O_DIRECT read that follows sees it written back)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset)[0]
+        os.pwrite(fd, bytes([byte ^ mask]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("where", ["first chunk", "last chunk"])
+def test_flipped_bits_in_a_stored_tensor_raise_corrupt_data_naming_key_file_and_offset(engine, where):
+    values = torch.randn(3 << 18)  # 3 MiB: three 1 MiB chunks, each with its own checksum
+    engine.wait(engine.store("blk1.fc.weight", values, NVME, WEIGHT))
+    path, offset, nbytes = engine.nvme_location("blk1.fc.weight")
+    assert nbytes == values.numel() * 4 and path == engine.arena.file_path
+    chunk = 0 if where == "first chunk" else 2
+    _flip_bits(path, offset + chunk * (1 << 20) + 3)  # an exponent bit of the first float there
+    with pytest.raises(CorruptDataError, match="corrupt data") as caught:
+        engine.wait(engine.load("blk1.fc.weight"))
+    assert_names(caught.value, "blk1.fc.weight", path)
+    assert caught.value.offset == offset + chunk * (1 << 20)
+    assert f"file offset {caught.value.offset}" in str(caught.value)
+    # Writing it again heals it: the new slot's checksums are the new bytes'.
+    engine.wait(engine.store("blk1.fc.weight", values, NVME, WEIGHT))
+    assert same_bits(engine.wait(engine.load("blk1.fc.weight")), values)
+
+
+def test_untouched_data_reads_back_exactly_with_checksums(engine):
+    tensors = {f"t{i}": torch.randn(n) for i, n in enumerate((1, 1000, 1 << 18, (1 << 18) + 5))}
+    for key, values in tensors.items():
+        engine.wait(engine.store(key, values, NVME, WEIGHT))
+    assert engine.arena.checksums
+    for key, values in tensors.items():
+        assert same_bits(engine.wait(engine.load(key)), values), key
+
+
+def test_renamed_key_is_the_one_a_corrupt_read_names(engine):
+    engine.wait(engine.store("w~update", torch.randn(1000), NVME, WEIGHT))
+    engine.rename("w~update", "w")
+    path, offset, _ = engine.nvme_location("w")
+    _flip_bits(path, offset)
+    with pytest.raises(CorruptDataError) as caught:
+        engine.wait(engine.load("w"))
+    assert_names(caught.value, "w", path)
+
+
+@pytest.mark.parametrize("switch", ["argument", "environment"])
+def test_checksums_can_be_turned_off(tmp_path, monkeypatch, switch):
+    if switch == "environment":
+        monkeypatch.setenv("SLC_CHECKSUMS", "0")
+        engine = TransferEngine(offload_dir=str(tmp_path))
+    else:
+        engine = TransferEngine(offload_dir=str(tmp_path), checksums=False)
+    try:
+        values = torch.ones(1000)
+        engine.wait(engine.store("w", values, NVME, WEIGHT))
+        assert not engine.arena.checksums
+        path, offset, _ = engine.nvme_location("w")
+        _flip_bits(path, offset + 3)  # 1.0 -> 4.0 ** 32: used silently without checksums
+        loaded = engine.wait(engine.load("w"))
+        assert loaded[0].item() != 1.0 and torch.equal(loaded[1:], values[1:])
+    finally:
+        engine.close()
