@@ -137,6 +137,7 @@ def test_dynamic_batch_of_llama_with_a_padding_mask_splits_like_eager():
     assert report.graphs  # compiled layer-major, not plainly
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["automatic", "dynamic=True"])
 def test_a_second_batch_size_splits_like_eager(how):
     """Dynamo recompiles for a batch of another size with the batch as a symbol
