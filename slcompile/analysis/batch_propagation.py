@@ -27,6 +27,20 @@ sub-batch's own and not slices of the full batch's; they stay batched nodes, and
 the rules say what each one holds (`_Route`) so that only ops whose meaning carries
 over accept them, and none leaves its block in routed order.
 
+Padding masks gather each sample's own row: Hugging Face builds the 4-D mask with
+`mask[batch_arange[:, None, None, None], kv_idx]`, `batch_arange = arange(batch)`.
+Such an `arange` over the batch (and its shape-only ops, checked on real values) is a
+*sample index*: a shared value like any other, whose uses as a value read slices of
+it. A gather that indexes the batch dimension with it keeps each sample's rows its
+own; each sub-batch reads its slice of the index less its first sample's index
+(`rebase`), so that it indexes its own rows. With a dynamic batch, `arange` of the
+batch size symbol and shared masks expanded to it are computed once from the full
+batch size; an `arange` of another size that scales with the batch is refused (each
+sub-batch would count from 0).
+
+A fresh tensor made at the batch size and written per sample, directly or through
+views (`k = kv.new_empty(...)`, `k[..., :d].copy_(k_nope)`), is made per sub-batch.
+
 A value is never assumed to be per-sample from its shape alone: every rule below is
 checked against the fake outputs, and anything the rules cannot explain is a problem,
 not a guess.
@@ -211,6 +225,7 @@ class _Propagator:
             # A Python number Dynamo lifted into a tensor (`dynamic=True`: LayerNorm's
             # eps, embedding's norm_type); the graph reads it with `.item()`.
             value = value.detach().clone()
+            self.input_storages[StorageWeakRef(value.untyped_storage())] = node.name
         elif isinstance(value, torch.Tensor):
             value = self._concrete_fake(value)
             self.input_storages[StorageWeakRef(value.untyped_storage())] = node.name
@@ -276,9 +291,13 @@ class _Propagator:
 
     def _execute(self, node: torch.fx.Node, args, kwargs):
         leaves = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
-        if leaves and not any(isinstance(leaf, FakeTensor) for leaf in leaves):
-            # Only lifted scalars (and values computed from them): their real values.
-            return _run_real(node, {}, {}, args, kwargs, strict=True)
+        if leaves and all(_is_small_real(leaf) for leaf in leaves):
+            # Lifted scalars (and values computed from them): their real values, which
+            # `.item()` needs; anything the real values cannot run on runs on fakes.
+            try:
+                return _run_real(node, {}, {}, args, kwargs, strict=True)
+            except Exception:  # noqa: BLE001
+                pass
         with self.fake_mode:
             if node.op == "call_function":
                 return node.target(*args, **kwargs)
@@ -524,8 +543,11 @@ class _Propagator:
         name = _target_name(node)
         sources = [n for n in node.all_input_nodes if isinstance(self.full[n.name], torch.Tensor)]
         if name == "arange" and not sources:
-            if self.dynamic and not any(n.name in self.batch_symbols for n in node.all_input_nodes):
-                return None  # a literal equal to the example batch, not the batch
+            symbols = [n.name in self.batch_symbols for n in node.all_input_nodes]
+            if (not any(symbols)) if self.dynamic else bool(symbols):
+                # Dynamic: a literal equal to the example batch is not the batch.
+                # Static: a symbol (a dynamic length) is not the batch either.
+                return None
         elif name not in _INDEX_PRESERVING or len(sources) != 1 or sources[0].name not in self.sample_indices:
             return None
         out = self.full[node.name]
@@ -1297,6 +1319,10 @@ def _run_real(node: torch.fx.Node, full: Mapping[str, Any], replace: Mapping[str
     if strict:
         raise NotImplementedError(node.op)
     return None
+
+
+def _is_small_real(value: torch.Tensor) -> bool:
+    return not isinstance(value, FakeTensor) and value.device.type == "cpu" and value.numel() <= 64
 
 
 def _is_scalar_input(info: GraphInput) -> bool:
