@@ -66,6 +66,14 @@ FAMILIES = {
     "T5": zoo.FAMILIES["T5"],
     "BART": _bart,
 }
+def _llama_eager_attention():
+    """Eager attention turns the boolean mask into additive biases with `torch.where`."""
+    model, call = zoo.FAMILIES["Llama"]()
+    model.set_attn_implementation("eager")
+    return model, call
+
+
+FAMILIES["Llama (eager attention)"] = _llama_eager_attention
 # DeepSeek-V3 with dense layers only: its keys are a fresh tensor filled per sample.
 FAMILIES["DeepSeek-V3"] = lambda: zoo._decoder(
     "DeepseekV3Config", "DeepseekV3ForCausalLM", num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16,
