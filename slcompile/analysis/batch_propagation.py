@@ -27,6 +27,20 @@ sub-batch's own and not slices of the full batch's; they stay batched nodes, and
 the rules say what each one holds (`_Route`) so that only ops whose meaning carries
 over accept them, and none leaves its block in routed order.
 
+Padding masks gather each sample's own row: Hugging Face builds the 4-D mask with
+`mask[batch_arange[:, None, None, None], kv_idx]`, `batch_arange = arange(batch)`.
+Such an `arange` over the batch (and its shape-only ops, checked on real values) is a
+*sample index*: a shared value like any other, whose uses as a value read slices of
+it. A gather that indexes the batch dimension with it keeps each sample's rows its
+own; each sub-batch reads its slice of the index less its first sample's index
+(`rebase`), so that it indexes its own rows. With a dynamic batch, `arange` of the
+batch size symbol and shared masks expanded to it are computed once from the full
+batch size; an `arange` of another size that scales with the batch is refused (each
+sub-batch would count from 0).
+
+A fresh tensor made at the batch size and written per sample, directly or through
+views (`k = kv.new_empty(...)`, `k[..., :d].copy_(k_nope)`), is made per sub-batch.
+
 A value is never assumed to be per-sample from its shape alone: every rule below is
 checked against the fake outputs, and anything the rules cannot explain is a problem,
 not a guess.
@@ -45,12 +59,18 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.fx.operator_schemas import normalize_function
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from slcompile.analysis.inputs import GraphInput
+from slcompile.errors import RefusedError
 from slcompile.meta import module_path
 
 __all__ = ["NodeSplit", "BatchPlan", "propagate_batch", "BATCHED_INT", "is_barrier"]
@@ -102,6 +122,10 @@ class NodeSplit:
         reason: why the node mixes samples (kind "combine" or a problem).
         from_subbatch: a shared node that reads a batched input for its dtype and
             device only (`x.new_zeros(...)`): computed once from sub-batch 0.
+        rebase: (input node name, dim) for shared sample indices (`arange` over the
+            batch, see `_Propagator._track_sample_index`) that a batched node reads
+            as the index of its samples: each sub-batch reads its own slice less the
+            index of its first sample, so that it indexes its own rows.
     """
 
     kind: str
@@ -112,6 +136,7 @@ class NodeSplit:
     combine: str | None = None
     reason: str | None = None
     from_subbatch: bool = False
+    rebase: tuple[tuple[str, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +205,15 @@ class _Propagator:
         self.input_storages: dict[Any, str] = {}
         # Values each sub-batch routes on its own (see `_Route`), by node name.
         self.routes: dict[str, Any] = {}
+        # Shared tensors that hold each sample's index along one axis, by node name.
+        self.sample_indices: dict[str, int] = {}
+        # Gathers by sample index: node name -> (narrow, rebase, output batch dim).
+        self.gathers: dict[str, tuple] = {}
+        # With a dynamic batch, a literal size equal to the example batch is not the batch.
+        self.dynamic = bool(self.batch_symbols) or any(
+            _symbolic_dim(node, dim) for node in gm.graph.nodes
+            if node.op == "placeholder" and (dim := self.batched_inputs.get(node.name)) is not None
+        )
 
     # Step 1: values of the placeholders at full and sub-batch size.
     def _placeholder(self, node: torch.fx.Node) -> None:
@@ -187,7 +221,12 @@ class _Propagator:
         value = info.value
         if isinstance(value, torch.SymInt):
             value = int(value.node.hint)
-        if isinstance(value, torch.Tensor):
+        if _is_scalar_input(info):
+            # A Python number Dynamo lifted into a tensor (`dynamic=True`: LayerNorm's
+            # eps, embedding's norm_type); the graph reads it with `.item()`.
+            value = value.detach().clone()
+            self.input_storages[StorageWeakRef(value.untyped_storage())] = node.name
+        elif isinstance(value, torch.Tensor):
             value = self._concrete_fake(value)
             self.input_storages[StorageWeakRef(value.untyped_storage())] = node.name
         self.full[node.name] = value
@@ -251,6 +290,14 @@ class _Propagator:
         return self.splits[name].kind == "batched"
 
     def _execute(self, node: torch.fx.Node, args, kwargs):
+        leaves = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        if leaves and all(_is_small_real(leaf) for leaf in leaves):
+            # Lifted scalars (and values computed from them): their real values, which
+            # `.item()` needs; anything the real values cannot run on runs on fakes.
+            try:
+                return _run_real(node, {}, {}, args, kwargs, strict=True)
+            except Exception:  # noqa: BLE001
+                pass
         with self.fake_mode:
             if node.op == "call_function":
                 return node.target(*args, **kwargs)
@@ -277,16 +324,24 @@ class _Propagator:
         env_full = lambda n: self.full[n.name]  # noqa: E731
         full_args = torch.fx.node.map_arg(node.args, env_full)
         full_kwargs = torch.fx.node.map_arg(node.kwargs, env_full)
-        full_out = self._execute(node, full_args, full_kwargs)
+        try:
+            full_out = self._execute(node, full_args, full_kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+            raise RefusedError(
+                f"cannot split the batch: {_describe(node)} computes a result from the values of a tensor "
+                f"({type(exc).__name__}: {exc}), which batch propagation cannot follow",
+                "propagate_batch",
+            ) from exc
         self.full[node.name] = full_out
 
         batched_inputs = [n for n in node.all_input_nodes if self._batched(n.name)]
         mutation = self._mutation_problem(node, full_args, batched_inputs)
         if mutation is not None:
             self.problems.append((node.name, mutation, "mutation"))
-        if not batched_inputs:
+        if not batched_inputs or self._shared_at_batch_size(node, batched_inputs):
             self.sub[node.name] = full_out
             self.splits[node.name] = NodeSplit("shared", args=node.args, kwargs=node.kwargs)
+            self._track_sample_index(node)
             return
         if node.op == "call_method" and node.target in _CREATION_METHODS:
             self.sub[node.name] = full_out
@@ -312,10 +367,14 @@ class _Propagator:
                 # Concatenated back, routed values would be in the wrong order.
                 self.problems.append((node.name, reason, "mixes-samples"))
         else:
-            reason = self._mixes_samples(node, full_args, full_kwargs, full_out)
+            reason = self._counts_from_batch_size(node, batched_inputs)
+            if reason is None:
+                reason = self._mixes_samples(node, full_args, full_kwargs, full_out)
             split = None
             if reason is None:
                 split, reason = self._per_subbatch(node, full_out)
+            if split is not None and node.name in self.gathers and split.out_bdims != self.gathers[node.name][2]:
+                split, reason = None, f"{_describe(node)} gathers samples into an order that cannot be split"
             if split is not None:
                 self.splits[node.name] = split
                 return
@@ -359,22 +418,62 @@ class _Propagator:
 
     def _made_per_sample(self, node, target) -> bool:
         """A write of per-sample values into a fresh tensor the graph made at full batch
-        size (`x.new_zeros(x.shape)`, then `t[..., 1:] = x[..., :-1]`) that leaves its
-        batch dimension whole: the tensor becomes per-sample, made at sub-batch size.
-        Needs no earlier reader of the tensor and a creation op whose size along the
-        batch is a literal or the dynamic batch size."""
-        position = _SIZE_ARG.get(target.target)
+        size (`x.new_zeros(x.shape)`, then `t[..., 1:] = x[..., :-1]`), or into a view
+        of one (`k = kv.new_empty(...)`, then `k[..., :d].copy_(k_nope)`), that leaves
+        its batch dimension whole: the tensor (and its views) become per-sample, made
+        at sub-batch size. Needs no earlier reader of the tensor but the views written
+        through, and a creation op whose size along the batch is a literal or the
+        dynamic batch size."""
+        chain = self._fresh_views(target)
         dim = dict(self._narrowing(node)).get(target.name)
-        if position is None or dim is None or len(target.args) <= position:
+        if chain is None or dim is None:
             return False
-        if any(user is not node and user.name in self.splits for user in target.users):
-            return False
+        members = {n.name for n in chain}
+        for member in chain:
+            if any(u is not node and u.name in self.splits and u.name not in members for u in member.users):
+                return False
         name = _target_name(node)
         if name not in _PER_SAMPLE_WRITES or (
             name == "setitem" and _getitem_touches_batch(node, node.args[1], self.full[target.name], dim)
         ):
             return False
         if name == "index_put_" and len(node.args[1]) > dim and node.args[1][dim] is not None:
+            return False
+        root = chain[0]
+        for root_dim in range(self.full[root.name].dim()):
+            saved = {n.name: (self.splits[n.name], self.sub[n.name]) for n in chain}
+            if self._split_fresh(root, root_dim) and self._split_views(chain[1:]):
+                if self.splits[target.name].out_bdims == dim:
+                    return True
+            for member, (split, sub) in saved.items():
+                self.splits[member], self.sub[member] = split, sub
+        return False
+
+    def _fresh_views(self, target) -> list | None:
+        """[creation node, views of it..., target] when `target` is a shared tensor the
+        graph made from sizes (or a view of one by slicing), else None."""
+        chain = [target]
+        while _SIZE_ARG.get(chain[0].target) is None:
+            view = chain[0]
+            source = view.args[0] if view.args else None
+            if not isinstance(source, torch.fx.Node) or self._batched(source.name) or view.op not in (
+                "call_function", "call_method"
+            ):
+                return None
+            name = _target_name(view)
+            if name == "getitem":
+                items = view.args[1] if isinstance(view.args[1], tuple) else (view.args[1],)
+                if any(isinstance(i, torch.fx.Node) for i in items):
+                    return None
+            elif name not in _VIEWS:
+                return None
+            chain.insert(0, source)
+        return chain
+
+    def _split_fresh(self, target, dim) -> bool:
+        """Makes the creation node `target` per-sample along `dim`."""
+        position = _SIZE_ARG.get(target.target)
+        if position is None or len(target.args) <= position:
             return False
         size, full = target.args[position], self.full[target.name].shape[dim]
         shape = isinstance(size, torch.fx.Node) and isinstance(self.splits[size.name].out_bdims, (tuple, list))
@@ -387,9 +486,9 @@ class _Propagator:
             return False
         if shape or isinstance(sizes[dim], torch.fx.Node):  # a dynamic batch: per sub-batch already
             batched = sizes[dim] if shape else self.splits[sizes[dim].name].out_bdims
-            if batched != BATCHED_INT:
+            if batched != BATCHED_INT or full != self.batch_size:
                 return False
-        elif not isinstance(sizes[dim], int) or sizes[dim] != full:
+        elif not isinstance(sizes[dim], int) or sizes[dim] != full or full != self.batch_size or self.dynamic:
             return False
         else:
             sizes[dim] = full // self.k
@@ -403,6 +502,148 @@ class _Propagator:
         self.splits[target.name] = NodeSplit("batched", out_bdims=dim, args=args, kwargs=target.kwargs)
         return True
 
+    def _split_views(self, views) -> bool:
+        for view in views:
+            split, _ = self._per_subbatch(view, self.full[view.name])
+            if split is None:
+                return False
+            self.splits[view.name] = split
+        return True
+
+    # Sample indices: `arange` over the batch, used to gather each sample's own rows.
+    def _shared_at_batch_size(self, node, batched_inputs) -> bool:
+        """With a dynamic batch, shared values made at the batch size read the batch
+        size symbol: `arange(batch)`, and a shared mask expanded to it
+        (`mask.expand(batch, -1, q, kv)`). They are computed once, shared, from the full
+        batch size (the symbol itself, not a sub-batch's), and sliced where per-sample
+        values read them."""
+        if not all(n.name in self.batch_symbols and n.op == "placeholder" for n in batched_inputs):
+            return False
+        if node.op == "call_method" and node.target in _CREATION_METHODS:
+            return False
+        if node.target is torch.arange:
+            return self._sample_index_axis(node) == 0
+        return any(
+            isinstance(value := self.full[n.name], torch.Tensor) and self.batch_size in value.shape
+            for n in node.all_input_nodes if not self._batched(n.name)
+        )
+
+    def _track_sample_index(self, node) -> None:
+        """Records a shared node that holds each sample's index (`torch.arange(batch)`,
+        and shape-only ops of it such as `[:, None, None, None]` or `expand`).
+
+        Such a value is shared like any other: its uses as values read slices of it.
+        Only a gather that indexes the batch dimension with it (`_sample_gather`)
+        reads it as a sample's own index."""
+        axis = self._sample_index_axis(node)
+        if axis is not None:
+            self.sample_indices[node.name] = axis
+
+    def _sample_index_axis(self, node) -> int | None:
+        name = _target_name(node)
+        sources = [n for n in node.all_input_nodes if isinstance(self.full[n.name], torch.Tensor)]
+        if name == "arange" and not sources:
+            symbols = [n.name in self.batch_symbols for n in node.all_input_nodes]
+            if (not any(symbols)) if self.dynamic else bool(symbols):
+                # Dynamic: a literal equal to the example batch is not the batch.
+                # Static: a symbol (a dynamic length) is not the batch either.
+                return None
+        elif name not in _INDEX_PRESERVING or len(sources) != 1 or sources[0].name not in self.sample_indices:
+            return None
+        out = self.full[node.name]
+        if not isinstance(out, torch.Tensor) or out.dtype.is_floating_point or out.is_complex():
+            return None
+        if self.batch_size not in out.shape or out.numel() > _REAL_CHECK_LIMIT:
+            return None  # a materialized copy too large to check: an ordinary value
+        replace = {n.name: self._real_sample_index(n.name) for n in sources}
+        real = _run_real(node, self.full, replace)
+        return None if real is None else _sample_axis(real, self.batch_size)
+
+    def _real_sample_index(self, name: str) -> torch.Tensor:
+        value = self.full[name]
+        return _iota(self.batch_size, self.sample_indices[name], value.dim()).expand(value.shape).to(value.dtype)
+
+    def _counts_from_batch_size(self, node, batched_inputs) -> str | None:
+        """`arange` of a size that scales with the batch would count from 0 in every
+        sub-batch: not a slice of the full batch's values."""
+        if node.target is torch.arange and batched_inputs:
+            return (
+                f"{_describe(node)} counts up to a size that scales with the batch; each sub-batch "
+                "would count from 0"
+            )
+        return None
+
+    def _sample_gather(self, node):
+        """`x[sample_index, ...]` (how Hugging Face masks take each sample's padding
+        row: `mask[batch_arange[:, None, None, None], kv_arange]`): the dimension of
+        `x` of the batch is indexed by the index of each sample. Each sub-batch then
+        gathers its own rows with its slice of the index, less its first sample's
+        (`rebase`); a shared `x` is narrowed to the sub-batch's rows. The other index
+        tensors must broadcast along the samples (size 1 there) or be per sample with
+        their batch on the same broadcast dimension. Returns `_NOT_A_GATHER` when no
+        sample index indexes `x`, None when accepted (recorded in `gathers`), else the
+        reason for refusing."""
+        source, index = node.args[0], node.args[1]
+        items = index if isinstance(index, tuple) else (index,)
+        if not isinstance(source, torch.fx.Node) or not any(
+            isinstance(i, torch.fx.Node) and i.name in self.sample_indices for i in items
+        ):
+            return _NOT_A_GATHER
+        x = self.full[source.name]
+        what = f"{_describe(node)} gathers along the batch dimension"
+        dims = _index_dims(items, self.full, x.dim())
+        if dims is None:
+            return f"{what} with a boolean mask"
+        split = self.splits[source.name]
+        narrow = ()
+        if split.kind == "batched":
+            bdim = split.out_bdims
+            samples = [pos for pos, d in enumerate(dims) if d == bdim]
+            if not isinstance(bdim, int) or not samples or not _is_node_in(items[samples[0]], self.sample_indices):
+                return _NOT_A_GATHER
+            position = samples[0]
+        else:
+            info = self.inputs.get(source.name)
+            candidates = [
+                pos for pos, (item, d) in enumerate(zip(items, dims))
+                if _is_node_in(item, self.sample_indices) and d is not None and x.shape[d] == self.batch_size
+            ]
+            if not candidates or (info is not None and info.kind in ("param", "buffer")):
+                return _NOT_A_GATHER
+            position, bdim = candidates[0], dims[candidates[0]]
+            narrow = ((source.name, bdim),)
+        sample = items[position]
+        tensors = [(pos, item) for pos, item in enumerate(items)
+                   if isinstance(item, torch.fx.Node) and isinstance(self.full[item.name], torch.Tensor)]
+        width = max(self.full[item.name].dim() for _, item in tensors)
+        # The samples' dimension among the broadcast index dimensions.
+        along = self.sample_indices[sample.name] + width - self.full[sample.name].dim()
+        replace = {sample.name: self._real_sample_index(sample.name)}
+        for pos, item in tensors:
+            if pos == position:
+                continue
+            value = self.full[item.name]
+            at = along - (width - value.dim())
+            item_split = self.splits[item.name]
+            if item_split.kind == "batched":
+                if item_split.out_bdims != at:
+                    return f"{what} with per-sample indices {item.name} not lined up with the samples"
+            elif 0 <= at < value.dim() and value.shape[at] != 1:
+                return f"{what} with indices {item.name} shared by all samples that vary along the samples"
+            replace[item.name] = torch.zeros(value.shape, dtype=torch.long)
+        # Which output dimension holds the samples: gather the sample ids themselves.
+        shape = [
+            self.batch_size if d == bdim else (1 if d not in dims or _is_full_slice(items[dims.index(d)]) else x.shape[d])
+            for d in range(x.dim())
+        ]
+        replace[source.name] = _iota(self.batch_size, bdim, x.dim()).expand(shape)
+        real = _run_real(node, self.full, replace)
+        axis = None if real is None else _sample_axis(real, self.batch_size)
+        if axis is None:
+            return f"{what} in a way that does not keep each sample's rows its own"
+        self.gathers[node.name] = (narrow, ((sample.name, self.sample_indices[sample.name]),), axis)
+        return None
+
     def _per_subbatch(self, node, full_out, counts=False, narrows=True):
         """Runs the node on one sub-batch; returns (NodeSplit, None) or (None, reason).
         With `counts`, its tensors keep their full shape (counts over the sub-batch).
@@ -410,7 +651,13 @@ class _Propagator:
         anything shared)."""
         args, kwargs = self._rewrite_shapes(node)
         narrow = self._narrowing(node) if narrows else ()
-        narrow_dims = dict(narrow)
+        checked, rebase = (), ()
+        if node.name in self.gathers:
+            # Index tensors line up by broadcasting, not with the source: the gather
+            # rule placed them (`_sample_gather`).
+            checked, rebase, _ = self.gathers[node.name]
+            narrow = checked
+        narrow_dims = dict(narrow) | dict(rebase)
 
         def env_sub(n: torch.fx.Node):
             value = self.sub[n.name]
@@ -431,13 +678,15 @@ class _Propagator:
         out_bdims, reason = self._compare(node, full_out, sub_out, counts)
         if reason is not None:
             return None, reason
-        reason = self._check_alignment(node, narrow, full_out, out_bdims)
+        reason = self._check_alignment(node, () if checked else narrow, full_out, out_bdims)
         if reason is None:
             reason = self._check_reshape(node, full_out, out_bdims)
         if reason is not None:
             return None, reason
         self.sub[node.name] = sub_out
-        return NodeSplit("batched", out_bdims=out_bdims, args=args, kwargs=kwargs, narrow=narrow), None
+        return NodeSplit(
+            "batched", out_bdims=out_bdims, args=args, kwargs=kwargs, narrow=narrow, rebase=rebase
+        ), None
 
     def _compare(self, node, full_out, sub_out, counts=False):
         full_leaves, full_spec = pytree.tree_flatten(full_out)
@@ -712,6 +961,10 @@ class _Propagator:
         if not bdims:
             return None
         first_tensor = bdims[0]
+        if name == "getitem":
+            gather = self._sample_gather(node)
+            if gather is not _NOT_A_GATHER:
+                return gather
         if name in ("getitem",) and isinstance(first_tensor[1], torch.Tensor) and node.args[0] is first_tensor[0]:
             return _getitem_touches_batch(node, args[1], first_tensor[1], first_tensor[2])
         if name == "layer_norm":
@@ -916,6 +1169,8 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
 # Ops that make a tensor of one value from sizes: where the sizes start in their args.
 _SIZE_ARG = {"new_zeros": 1, "new_ones": 1, "new_empty": 1, "new_full": 1,
              torch.zeros: 0, torch.ones: 0, torch.empty: 0, torch.full: 0}
+# Views a write into a fresh tensor may go through.
+_VIEWS = {"narrow", "select", "unsqueeze", "squeeze", "view", "transpose", "permute", "movedim", "swapaxes"}
 # In-place writes that keep samples apart when the batch dimension is left whole.
 _PER_SAMPLE_WRITES = {"setitem", "index_put_", "copy_", "fill_", "masked_fill_", "add_", "sub_", "mul_", "div_",
                       "iadd", "isub", "imul", "itruediv"}
@@ -967,6 +1222,119 @@ def _getitem_touches_batch(node, index, tensor, bdim) -> str | None:
             continue
         dim += 1
     return None
+
+
+_NOT_A_GATHER = object()
+# Ops that can keep a sample index a sample index (checked on real values).
+_INDEX_PRESERVING = {"getitem", "unsqueeze", "view", "reshape", "expand", "to", "contiguous", "clone",
+                     "detach", "long", "int", "squeeze", "add", "sub", "permute", "transpose"}
+# Largest sample index (elements) checked on real values.
+_REAL_CHECK_LIMIT = 1 << 22
+
+
+def _symbolic_dim(node: torch.fx.Node, dim: int) -> bool:
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and value.dim() > dim and isinstance(value.shape[dim], torch.SymInt)
+
+
+def _is_node_in(item, names) -> bool:
+    return isinstance(item, torch.fx.Node) and item.name in names
+
+
+def _is_full_slice(item) -> bool:
+    return isinstance(item, slice) and item == slice(None, None, None)
+
+
+def _iota(size: int, axis: int, ndim: int) -> torch.Tensor:
+    """arange(size) along `axis` of an `ndim`-dimensional tensor, 1 elsewhere."""
+    return torch.arange(size).view([size if d == axis else 1 for d in range(ndim)])
+
+
+def _sample_axis(value: torch.Tensor, batch_size: int) -> int | None:
+    """The one axis along which `value` is 0, 1, ..., batch_size - 1 (constant along
+    every other axis), or None."""
+    if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+        return None
+    for d in range(value.dim()):
+        if value.stride(d) == 0:  # broadcast: the same values along d
+            value = value.narrow(d, 0, min(1, value.shape[d]))
+    axes = [
+        d for d in range(value.dim())
+        if value.shape[d] == batch_size and torch.equal(value, _iota(batch_size, d, value.dim()).expand(value.shape))
+    ]
+    return axes[0] if len(axes) == 1 else None
+
+
+def _index_dims(items, full, ndim) -> list | None:
+    """For each index item, the dimension of the indexed tensor it indexes (None for
+    `None`, Ellipsis); None if a boolean mask is among them."""
+    dims, dim = [], 0
+    for pos, item in enumerate(items):
+        value = full.get(item.name) if isinstance(item, torch.fx.Node) else item
+        if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+            return None
+        if item is Ellipsis:
+            dim = ndim - sum(1 for it in items[pos + 1:] if it is not None)
+            dims.append(None)
+        elif item is None:
+            dims.append(None)
+        else:
+            dims.append(dim)
+            dim += 1
+    return dims
+
+
+def _run_real(node: torch.fx.Node, full: Mapping[str, Any], replace: Mapping[str, torch.Tensor],
+              args=None, kwargs=None, strict=False):
+    """Runs the node on real CPU tensors: `replace` for its tensor inputs, the full
+    values of its integer inputs (or the given `args` and `kwargs`); None if it
+    cannot run so (with `strict`, the op's error)."""
+
+    def real(n: torch.fx.Node):
+        if n.name in replace:
+            return replace[n.name]
+        value = full[n.name]
+        if isinstance(value, (int, float, bool)):
+            return value
+        raise _NotReal
+
+    if args is None:
+        try:
+            args = torch.fx.node.map_arg(node.args, real)
+            kwargs = {k: v for k, v in torch.fx.node.map_arg(node.kwargs, real).items() if k != "device"}
+        except _NotReal:
+            return None
+        if node.op == "call_method" and node.target == "to":
+            args = tuple(a for a in args if not isinstance(a, (torch.device, str)))
+    try:
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            self_obj, *rest = args
+            return getattr(self_obj, node.target)(*rest, **kwargs)
+    except Exception:  # noqa: BLE001 - an op that needs more than these values
+        if strict:
+            raise
+        return None
+    if strict:
+        raise NotImplementedError(node.op)
+    return None
+
+
+def _is_small_real(value: torch.Tensor) -> bool:
+    return not isinstance(value, FakeTensor) and value.device.type == "cpu" and value.numel() <= 64
+
+
+def _is_scalar_input(info: GraphInput) -> bool:
+    value = info.value
+    return (
+        info.kind == "user" and isinstance(value, torch.Tensor) and value.dim() == 0
+        and not isinstance(value, FakeTensor) and value.device.type == "cpu"
+    )
+
+
+class _NotReal(Exception):
+    pass
 
 
 def _named_args(node, args, kwargs) -> dict | None:

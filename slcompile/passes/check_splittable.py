@@ -8,7 +8,10 @@ written into a value shared by all sub-batches, and tokens routed in a way that
 couples samples (a capacity per expert, counts of the whole batch used per token).
 Cross-sample ops after the last block (the loss) are not problems: `interleave`
 computes them from all sub-batches; neither is routing each sub-batch's tokens on its
-own (sort by expert, gather, grouped matmul, inverse permutation).
+own (sort by expert, gather, grouped matmul, inverse permutation), nor gathering each
+sample's own rows by `arange(batch)` (padding masks), nor writing per sample into a
+fresh tensor made at the batch size. Ops that compute from a tensor's values
+(`.item()`) are refused by `propagate_batch` itself.
 """
 
 from __future__ import annotations

@@ -275,8 +275,8 @@ class _Interleaver:
         split = self.plan.nodes[node.name]
         meta = self._tag(node, slot)
         if split.kind == "batched":
-            args = self._map(split.args, slot, dict(split.narrow))
-            kwargs = self._map(split.kwargs, slot, dict(split.narrow))
+            args = self._map(split.args, slot, dict(split.narrow), dict(split.rebase))
+            kwargs = self._map(split.kwargs, slot, dict(split.narrow), dict(split.rebase))
             name = f"{node.name}_sb{slot}"
             self.values[(node.name, slot)] = self._new_node(node.op, node.target, args, kwargs, node, meta, name)
         elif split.kind == "shared":
@@ -289,18 +289,24 @@ class _Interleaver:
         else:
             self.values[(node.name, slot)] = self._partial(node, split, slot, meta)
 
-    def _map(self, args, slot, narrow: dict[str, int]):
+    def _map(self, args, slot, narrow: dict[str, int], rebase: dict[str, int] | None = None):
         """Original arg nodes -> emitted nodes for one sub-batch (or shared)."""
+        rebase = rebase or {}
 
         def lookup(n: torch.fx.Node):
-            kind = self.plan.nodes[n.name].kind
-            if kind == "batched":
+            split = self.plan.nodes[n.name]
+            if split.kind == "batched":
+                if slot is None and n.op == "placeholder" and split.out_bdims == BATCHED_INT:
+                    # The full batch size, for a shared value made from it (`arange(batch)`).
+                    return self.values[(n.name, _SHARED)]
                 if slot is None:
                     raise RefusedError(f"shared node reads per-sample value {n.name}", "interleave")
                 return self.values[(n.name, slot)]
-            if kind == "combine":
+            if split.kind == "combine":
                 return self.values[(n.name, _COMBINE)]
             value = self.values[(n.name, _SHARED)]
+            if slot is not None and n.name in rebase:
+                return self._rebase_shared(n.name, value, rebase[n.name], slot)
             if slot is not None and n.name in narrow:
                 return self._narrow_shared(n.name, value, narrow[n.name], slot)
             return value
@@ -311,6 +317,23 @@ class _Interleaver:
         key = (name, dim, slot)
         if key not in self.narrowed:
             self.narrowed[key] = self._narrow(value, dim, slot, name, f"{name}_d{dim}")
+        return self.narrowed[key]
+
+    def _rebase_shared(self, name: str, value: torch.fx.Node, dim: int, slot: int) -> torch.fx.Node:
+        """A sub-batch's slice of a shared sample index, less the index of its first
+        sample: the indices of its own rows."""
+        key = (name, dim, f"rebased{slot}")
+        if key not in self.narrowed:
+            narrowed = self._narrow_shared(name, value, dim, slot)
+            start = self._times(self._chunk_length(value, dim, f"{name}_d{dim}"), slot)
+            if isinstance(start, int) and start == 0:
+                self.narrowed[key] = narrowed
+            else:
+                rebased = self.graph.create_node(
+                    "call_function", operator.sub, (narrowed, start), name=f"{name}_rebased_sb{slot}"
+                )
+                set_slc_meta(rebased, SlcMeta(region="prefix", subbatch=slot, role="split"))
+                self.narrowed[key] = rebased
         return self.narrowed[key]
 
     def _narrow(self, value: torch.fx.Node, dim: int, slot: int, name: str, cache_key: str) -> torch.fx.Node:
