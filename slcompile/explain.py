@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from slcompile.config import SpeedLoaderConfig
-from slcompile.errors import BudgetError, RefusedError
+from slcompile.errors import BudgetError, RefusedError, as_refusal, is_user_error
 from slcompile.pipeline import run_pipeline
 from slcompile.schedules.planner import describe
 
@@ -189,6 +189,10 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None
         # Report what the analysis found before it refused.
         state = err.state
         reason = str(err)
+    except Exception as err:  # noqa: BLE001  (the backend falls back on any failure: say why)
+        if is_user_error(err):
+            raise
+        state, reason = None, str(as_refusal(err, "the Dynamo stage"))
     blocks = state.blocks if state is not None else None
     batch = state.batch if state is not None else None
     sources = {}
@@ -202,7 +206,10 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None
     schedule = planned.text() if planned is not None and reason is None else ""
     memory, budget_error, activation_plan = None, None, ()
     if reason is None and state is not None and state.interleaved is not None:
-        memory, budget_error, lowered = _predict(state, example_inputs, optimizer, optimizer_options)
+        try:
+            memory, budget_error, lowered = _predict(state, example_inputs, optimizer, optimizer_options)
+        except RefusedError as err:  # as the backend: a failed lowering compiles plainly
+            reason, schedule, lowered = str(err), "", None
         if lowered is not None:  # with the transfers placed from the lifetimes
             schedule = lowered.text()
             activation_plan = describe(lowered)
@@ -225,14 +232,19 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None
 def _predict(state, example_inputs, optimizer=None, optimizer_options=None):
     """(MemoryPrediction, None, the lowered step's planned Schedule), or (None, why
     no plan fits the budget, None)."""
-    from slcompile.backends.lowering import lower
+    from slcompile.backends.lowering import failed_stage, lower
     from slcompile.report import CompileReport
 
     report = CompileReport(config=state.config)
+    report.pass_log.entries.extend(state.passes_run)  # for the stage a failure names
     try:
         lower(state.gm, example_inputs, "aot_eager", report, plan_with_optimizer(state, optimizer, optimizer_options))
     except BudgetError as err:
         return None, str(err), None
+    except Exception as err:  # noqa: BLE001  (the backend compiles plainly: the reason, as a refusal)
+        if is_user_error(err):
+            raise
+        raise as_refusal(err, failed_stage(report.pass_log, "aot_eager")) from err
     return report.memory, None, report.planned_schedule
 
 
