@@ -57,6 +57,8 @@ class GraphExplanation:
         activation_plan: per forward step whose saved activations may leave the
             device, the planner's decision (`stash` or `keep`) with their bytes and
             idle steps (`slcompile.schedules.planner.describe`).
+        notes: what the backend changed of the options for this graph (gradient
+            checkpointing run as `recompute="blocks"`).
     """
 
     blocks: tuple[str, ...]
@@ -71,6 +73,7 @@ class GraphExplanation:
     memory: Any = None
     budget_error: str | None = None
     activation_plan: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = [
@@ -80,6 +83,7 @@ class GraphExplanation:
             + (", ".join(f"{k} dim {v}" for k, v in self.batch_inputs.items()) or "none"),
             f"num_subbatches: {self.num_subbatches}",
             f"fallback: {self.fallback_reason or 'none'}",
+            *(f"note: {note}" for note in self.notes),
         ]
         if self.memory is not None:
             lines.append(str(self.memory))
@@ -226,6 +230,7 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None
         memory=memory,
         budget_error=budget_error,
         activation_plan=activation_plan,
+        notes=state.notes if state is not None else (),
     )
 
 
