@@ -102,7 +102,7 @@ def test_a_failing_pass_of_any_stage_falls_back_with_one_warning(monkeypatch, ca
 
     module = speedloader if table == "PASSES" else lowering
     if table == "PASSES":
-        monkeypatch.setattr(speedloader, "run_pipeline", lambda *a, passes=None, **k: pipeline.run_pipeline(
+        monkeypatch.setattr(speedloader, "run_pipeline", lambda *a, **k: pipeline.run_pipeline(
             *a, passes=_broken(pipeline.PASSES, name), **k))
     else:
         monkeypatch.setattr(module, table, _broken(getattr(pipeline, table), name))
@@ -162,3 +162,26 @@ def test_a_failure_at_run_time_is_not_swallowed(monkeypatch):
     with pytest.raises(RuntimeError, match="a transfer broke"):
         compiled(idx, targets)
     assert len(slcompile.compile_reports()) == 1
+
+
+@pytest.mark.parametrize("table, name", [("PASSES", "find_blocks"), ("PARTITIONED_PASSES", "order_layer_major")])
+def test_a_user_error_in_a_pass_of_any_stage_is_raised_not_a_fallback(monkeypatch, caplog, table, name):
+    from slcompile import pipeline
+    from slcompile.backends import speedloader
+    from slcompile.runtime.errors import DiskFullError
+
+    def full(state):
+        raise DiskFullError("no room for the stash", path="/offload")
+
+    full_passes = tuple(dataclasses.replace(p, run=full) if p.name == name else p for p in getattr(pipeline, table))
+    if table == "PASSES":
+        monkeypatch.setattr(speedloader, "run_pipeline", lambda *a, **k: pipeline.run_pipeline(
+            *a, passes=full_passes, **k))
+    else:
+        monkeypatch.setattr(lowering, table, full_passes)
+    compiled = torch.compile(TinyGPT(CFG), backend="speedloader", options=OPTIONS)
+    with caplog.at_level(logging.WARNING, logger="slcompile"), pytest.raises(slcompile.CompileError) as info:
+        compiled(*make_gpt_batch(CFG, 4))
+    assert str(info.value).startswith("no room for the stash; path '/offload'")
+    assert isinstance(info.value.inner_exception, DiskFullError)
+    assert caplog.text == ""
