@@ -68,3 +68,25 @@ def test_checkpointed_blocks_equal_eager_and_explain_says_how(recompute):
     assert explained.fallback_reason is None and explained.blocks == ("layers.0", "layers.1")
     expected = "runs as recompute='blocks'" if recompute == "auto" else "not applied: recompute='none'"
     assert f"note: gradient checkpointing of 2 regions (layers.0, layers.1) {expected}" in str(explained)
+
+
+def test_checkpointed_blocks_with_a_growing_batch_equal_eager():
+    import copy
+
+    cfg = GPTConfig(n_layers=2, d_model=32, seq_len=8, vocab_size=64)
+    model = CheckpointedGPT(cfg)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="speedloader", options=OPTIONS)
+    for batch in (4, 8, 12):
+        for p in (*model.parameters(), *eager.parameters()):
+            p.grad = None
+        idx, targets = make_gpt_batch(cfg, batch)
+        loss = compiled(idx, targets)[1]
+        loss.backward()
+        loss_ref = eager(idx, targets)[1]
+        loss_ref.backward()
+        torch.testing.assert_close(loss, loss_ref)
+        for (name, p), (_, ref) in zip(model.named_parameters(), eager.named_parameters(), strict=True):
+            torch.testing.assert_close(p.grad, ref.grad, msg=name)
+    assert len(slcompile.compile_reports()) == 2
+    assert all(r.fallback_reason is None and len(r.blocks) == 2 for r in slcompile.compile_reports())
