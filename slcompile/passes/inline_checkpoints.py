@@ -37,15 +37,23 @@ def is_checkpoint(node: torch.fx.Node) -> bool:
 
 
 def inline_checkpoints(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, tuple[str, ...]]:
-    """Replaces every checkpointed region's call by its body's nodes (in place).
+    """Replaces every checkpointed region's call by its body's nodes.
 
     Returns:
-        (gm, the module path of each region inlined, in graph order).
+        (a new GraphModule, or `gm` itself when it holds no region; the module path of
+        each region inlined, in graph order). `gm` is left as it was: a fallback
+        compiles it with its checkpoints.
 
     Raises:
         RefusedError: a region whose body is not a submodule of `gm`, holds attributes
             or regions of its own, or whose outputs are used other than by index.
     """
+    if not any(is_checkpoint(n) for n in gm.graph.nodes):
+        return gm, ()
+    graph = torch.fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    gm = torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
     inlined = []
     for node in [n for n in gm.graph.nodes if is_checkpoint(n)]:
         inlined.append(_inline(gm, node))
