@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "RefusedError", "NoBlocksError", "BudgetError", "OptionError", "OffloadError", "ReleasedWeightError",
-    "CompileError", "OptionCompileError", "compile_error",
+    "CompileError", "OptionCompileError", "compile_error", "is_user_error", "as_refusal",
 ]
 
 
@@ -162,3 +162,39 @@ class ReleasedWeightError(RuntimeError):
             f"parameter {parameter} rests on the {tier} tier and holds no memory{used}; read or "
             f"update it inside slcompile.gathered_weights(model), or step it with slcompile.offload_optimizer"
         )
+
+
+def is_user_error(err: BaseException) -> bool:
+    """Errors the user must see and act on, never a fallback to plain compilation:
+    a bad option, a memory budget no plan meets, an unusable offload directory, a
+    full disk (every offload storage failure)."""
+    return isinstance(err, (OptionError, BudgetError, OffloadError))
+
+
+def as_refusal(err: Exception, stage: str) -> RefusedError:
+    """The refusal a failure of any compile stage becomes: the backend compiles the
+    graph plainly with its reason (or raises it with `on_refusal="raise"`).
+
+    Args:
+        err: what a stage raised (not a user error: see `is_user_error`).
+        stage: where, in words, when `err` does not say (a pass's error does:
+            "internal error in pass fuse_weight_grads (partitioned stage; ...)").
+
+    Returns:
+        `err` itself when it is a RefusedError, else a RefusedError naming the stage
+        and the error (its first line), caused by `err`.
+    """
+    if isinstance(err, RefusedError):
+        return err
+    pass_name = getattr(err, "pass_name", "")
+    if pass_name:  # a PassError: its message names the pass, the stage and the passes run
+        reason = str(err)
+    else:
+        lines = str(err).strip().splitlines()
+        message = lines[0] if lines else ""
+        if len(message) > 300:
+            message = message[:300] + "..."
+        reason = f"{stage} failed ({type(err).__name__}: {message})"
+    refusal = RefusedError(reason, pass_name)
+    refusal.__cause__ = err
+    return refusal

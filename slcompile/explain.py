@@ -32,7 +32,7 @@ import torch
 from slcompile import defaults
 from slcompile.compat import capture_graphs
 from slcompile.config import SpeedLoaderConfig
-from slcompile.errors import BudgetError, RefusedError
+from slcompile.errors import BudgetError, RefusedError, as_refusal, is_user_error
 from slcompile.pipeline import run_pipeline
 from slcompile.schedules.planner import describe
 
@@ -61,6 +61,8 @@ class GraphExplanation:
         activation_plan: per forward step whose saved activations may leave the
             device, the planner's decision (`stash` or `keep`) with their bytes and
             idle steps (`slcompile.schedules.planner.describe`).
+        notes: what the backend changed of the options for this graph (gradient
+            checkpointing run as `recompute="blocks"`).
     """
 
     blocks: tuple[str, ...]
@@ -75,6 +77,7 @@ class GraphExplanation:
     memory: Any = None
     budget_error: str | None = None
     activation_plan: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = [
@@ -84,6 +87,7 @@ class GraphExplanation:
             + (", ".join(f"{k} dim {v}" for k, v in self.batch_inputs.items()) or "none"),
             f"num_subbatches: {self.num_subbatches}",
             f"fallback: {self.fallback_reason or 'none'}",
+            *(f"note: {note}" for note in self.notes),
         ]
         if self.memory is not None:
             lines.append(str(self.memory))
@@ -219,6 +223,10 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None
         # Report what the analysis found before it refused.
         state = err.state
         reason = str(err)
+    except Exception as err:  # noqa: BLE001  (the backend falls back on any failure: say why)
+        if is_user_error(err):
+            raise
+        state, reason = None, str(as_refusal(err, "the Dynamo stage"))
     blocks = state.blocks if state is not None else None
     batch = state.batch if state is not None else None
     sources = {}
@@ -232,7 +240,10 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None
     schedule = planned.text() if planned is not None and reason is None else ""
     memory, budget_error, activation_plan = None, None, ()
     if reason is None and state is not None and state.interleaved is not None:
-        memory, budget_error, lowered = _predict(state, example_inputs, optimizer, optimizer_options)
+        try:
+            memory, budget_error, lowered = _predict(state, example_inputs, optimizer, optimizer_options)
+        except RefusedError as err:  # as the backend: a failed lowering compiles plainly
+            reason, schedule, lowered = str(err), "", None
         if lowered is not None:  # with the transfers placed from the lifetimes
             schedule = lowered.text()
             activation_plan = describe(lowered)
@@ -249,20 +260,26 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None
         memory=memory,
         budget_error=budget_error,
         activation_plan=activation_plan,
+        notes=state.notes if state is not None else (),
     )
 
 
 def _predict(state, example_inputs, optimizer=None, optimizer_options=None):
     """(MemoryPrediction, None, the lowered step's planned Schedule), or (None, why
     no plan fits the budget, None)."""
-    from slcompile.backends.lowering import lower
+    from slcompile.backends.lowering import failed_stage, lower
     from slcompile.report import CompileReport
 
     report = CompileReport(config=state.config)
+    report.pass_log.entries.extend(state.passes_run)  # for the stage a failure names
     try:
         lower(state.gm, example_inputs, "aot_eager", report, plan_with_optimizer(state, optimizer, optimizer_options))
     except BudgetError as err:
         return None, str(err), None
+    except Exception as err:  # noqa: BLE001  (the backend compiles plainly: the reason, as a refusal)
+        if is_user_error(err):
+            raise
+        raise as_refusal(err, failed_stage(report.pass_log, "aot_eager")) from err
     return report.memory, None, report.planned_schedule
 
 

@@ -3,7 +3,7 @@
 A graph Dynamo hands the backend goes through these stages (see
 `slcompile.passes.manager` for the runner, which lints, times, dumps and disables):
 
-- `PASSES` ("dynamo"): classify the inputs, find the blocks and the batch dimension,
+- `PASSES` ("dynamo"): inline checkpointed regions (as `recompute="blocks"`), classify the inputs, find the blocks and the batch dimension,
   propagate the batch, check the graph splits, plan the policy's schedule,
   interleave the sub-batches in its order, stream the block weights. `run_pipeline` runs them.
 - `JOINT_PASSES` ("joint"): tag AOTAutograd's joint graph for the partitioner
@@ -42,6 +42,7 @@ from slcompile.passes.check_splittable import check_splittable
 from slcompile.passes.find_batch_dim import BatchInfo, find_batch_dim
 from slcompile.passes.find_blocks import BlockGraph, find_blocks
 from slcompile.passes.fuse_weight_grads import fuse_weight_grads
+from slcompile.passes.inline_checkpoints import inline_checkpoints
 from slcompile.passes.interleave import InterleaveReport, interleave
 from slcompile.passes.manager import Pass, PassLog, StepState, disabled_passes, run_passes
 from slcompile.passes.annotate_streams import annotate_streams, stream_key
@@ -92,6 +93,8 @@ class PipelineState:
         streamer: the runtime's WeightStreamer when weights rest off the device.
         streamed: which weights `stream_weights` fetches per block.
         passes_run: names of the passes run, with their time, in order.
+        notes: what the passes changed of the options, in words (shown by
+            `explain()` and logged).
     """
 
     gm: torch.fx.GraphModule
@@ -106,6 +109,24 @@ class PipelineState:
     streamer: Any = None
     streamed: StreamedWeights | None = None
     passes_run: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def _inline_checkpoints(state: PipelineState) -> PipelineState:
+    gm, regions = inline_checkpoints(state.gm)
+    if not regions:
+        return state
+    config = state.config
+    shown = ", ".join(regions[:2]) + (", ..." if len(regions) > 2 else "")
+    if config.recompute == "none":
+        note = (f"gradient checkpointing of {len(regions)} regions ({shown}) not applied: recompute='none' "
+                "keeps every block's activations")
+    else:
+        note = (f"gradient checkpointing of {len(regions)} regions ({shown}) runs as recompute='blocks' "
+                "(each block recomputed per sub-batch in the backward)")
+        config = dataclasses.replace(config, recompute="blocks")
+    log.info("speedloader: %s", note)
+    return dataclasses.replace(state, gm=gm, config=config, notes=state.notes + (note,))
 
 
 def _classify(state: PipelineState) -> PipelineState:
@@ -268,6 +289,8 @@ def engine_for(offload_dir: str | None):
 
 
 PASSES: tuple[Pass, ...] = (
+    # Checkpointed layers, traced for the whole batch, become nodes of the graph.
+    Pass("inline_checkpoints", "dynamo", "rewrite", _inline_checkpoints, code=(inline_checkpoints,)),
     Pass("classify_inputs", "dynamo", "analysis", _classify, required=True, code=(classify_inputs,)),
     Pass("find_blocks", "dynamo", "analysis", _find_blocks, required=True, code=(find_blocks,)),
     Pass("find_batch_dim", "dynamo", "analysis", _find_batch_dim, required=True, code=(find_batch_dim,)),

@@ -66,10 +66,10 @@ def test_dump_and_disable(tmp_path, monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="slcompile"):
         assert_matches_eager(TinyGPT(CFG), lambda m: m(idx, targets), {"num_subbatches": 2, "lowering": "aot_eager"})
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert "001_find_blocks.txt" in names and "001_find_blocks.dot" in names
+    assert "002_find_blocks.txt" in names and "002_find_blocks.dot" in names
     assert not any("interleave" in n for n in names)
     assert "pass interleave skipped (SLC_DISABLE)" in caplog.text
-    dot = (tmp_path / "003_propagate_batch.dot").read_text()
+    dot = (tmp_path / "004_propagate_batch.dot").read_text()
     assert dot.startswith("digraph")
 
 

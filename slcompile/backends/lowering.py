@@ -43,7 +43,7 @@ from slcompile.report import CompileReport
 from slcompile.schedules.planner import kept_bytes
 from slcompile.vocabulary import is_mark
 
-__all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES"]
+__all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES", "failed_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,18 @@ def lower(
         return _inductor(gm, example_inputs, prepare, partition_hook, report,
                          by_region=plan is not None and plan.compile_regions)
     raise ValueError(f"unknown lowering {lowering!r}")
+
+
+def failed_stage(pass_log, lowering: str) -> str:
+    """Where a compilation that failed outside a pass was, in words, from the stage
+    of the last pass that ran (`PassLog`): a pass's own failure names its pass."""
+    last = pass_log.entries[-1].split("/")[0].split("[")[0] if pass_log.entries else ""
+    return {
+        "": "the Dynamo stage",
+        "dynamo": "AOTAutograd tracing the interleaved graph",
+        "joint": "AOTAutograd's partitioner",
+        "partitioned": "AOTAutograd after the partitioned passes",
+    }.get(last, f"the {lowering} lowering")
 
 
 class _PlannedPartition:

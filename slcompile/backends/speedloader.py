@@ -13,6 +13,7 @@ K at run time runs the plain graph, compiled on first need.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import threading
@@ -23,17 +24,18 @@ import torch
 import torch.fx
 
 from slcompile.analysis.inputs import classify_inputs
-from slcompile.backends.lowering import StepPlan, lower
+from slcompile.backends.lowering import StepPlan, failed_stage, lower
 from slcompile.config import SpeedLoaderConfig
-from slcompile.errors import BudgetError, NoBlocksError, OptionError, RefusedError, compile_error
+from slcompile.errors import (
+    BudgetError, NoBlocksError, OffloadError, OptionError, RefusedError, as_refusal, compile_error, is_user_error,
+)
 from slcompile.pipeline import run_pipeline
 from slcompile.report import CompileReport, add_report
-from slcompile.runtime.errors import OffloadDirError
 from slcompile.runtime.gradients import gradient_sink_for
 from slcompile.runtime.weights import loading_released_weights, parameter_name
 from slcompile.units import format_bytes
 
-__all__ = ["speedloader_backend"]
+__all__ = ["speedloader_backend", "compile_plainly"]
 
 log = logging.getLogger("slcompile")
 
@@ -49,9 +51,10 @@ def speedloader_backend(
     Raises:
         CompileError: what the user can fix, its message first: an unknown option
             or a bad value (then also a ValueError; the message names the key), an
-            unusable `offload_dir`, a `memory_budget` no plan meets (`BudgetError`
-            as `inner_exception`), or with `on_refusal="raise"` a graph that cannot
-            be split (`RefusedError`).
+            unusable `offload_dir` or a full disk (`OffloadError`), a
+            `memory_budget` no plan meets (`BudgetError` as `inner_exception`), or
+            with `on_refusal="raise"` a graph that cannot be split or whose
+            compilation failed at any stage (`RefusedError`, its cause chained).
     """
     try:
         if mode is not None:
@@ -62,7 +65,7 @@ def speedloader_backend(
                 "with slcompile.defaults or SLC_* environment variables"
             )
         return _compile_graph(gm, example_inputs, options)
-    except (ValueError, BudgetError, RefusedError, OffloadDirError) as err:
+    except (ValueError, BudgetError, RefusedError, OffloadError) as err:
         if isinstance(err, ValueError) and not isinstance(err, OptionError):
             raise  # not the options: a bug, for Dynamo's report
         # Dynamo re-raises a BackendCompilerFailed subclass as it is, with the
@@ -81,46 +84,74 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     report = CompileReport(config=config)
     add_report(report)
     original = gm
+    # One boundary around every stage: the Dynamo passes, and the lowering (AOTAutograd,
+    # the joint, partitioned and compiled passes, the compiler, region outlining). What
+    # fails there, unless it is the user's to fix, compiles the graph plainly instead.
     try:
         state = run_pipeline(gm, example_inputs, config, passes_log=report.pass_log)
-    except RefusedError as err:
-        report.fallback_reason = str(err)
-        if isinstance(err, NoBlocksError):
-            # Nothing to split (the loss graph after a graph break): not a refusal. A
-            # graph that holds parameters keeps them on the device: say so out loud.
-            held = sum(
-                i.value.numel() * i.value.element_size() for i in classify_inputs(gm, example_inputs)
-                if i.kind == "param" and isinstance(i.value, torch.Tensor)
-            )
-            if held:
-                log.warning("speedloader: %s with %s; its %s of parameters stay on the device",
-                            err, config.lowering, format_bytes(held))
-            else:
-                log.info("speedloader: %s with %s", err, config.lowering)
-        elif config.on_refusal == "raise":
+        compiled = lower(state.gm, example_inputs, config.lowering, report, step_plan(state))
+        _size_host_pool(state, report)
+    except Exception as err:  # noqa: BLE001  (any failure: see `as_refusal`)
+        if is_user_error(err):
             raise
-        else:
-            log.warning("speedloader: compiling this graph with plain %s instead: %s", config.lowering, err)
-        # Parameters another graph of the model released (weights="nvme") are loaded for each call.
-        return loading_released_weights(lower(gm, example_inputs, config.lowering, report))
+        refusal = as_refusal(err, failed_stage(report.pass_log, config.lowering))
+        if refusal is not err:
+            log.debug("speedloader: the failure behind the fallback", exc_info=err)
+        return _refused(refusal, gm, example_inputs, config, report)
 
     report.blocks = tuple(b.path for b in state.blocks.blocks)
     report.batch_size = state.batch.batch_size
     report.block_inputs = {
         b.index: tuple(state.batch.input_index[name] for name in b.params) for b in state.blocks.blocks
     }
-    report.planned_schedule = state.schedule
+    if report.planned_schedule is None:  # the lowering's, with the transfers placed, comes first
+        report.planned_schedule = state.schedule
     # Until the lowering reads it from the graphs; none when `interleave` was disabled.
-    report.schedule = state.schedule.text() if state.schedule is not None else ""
-    streams = state.streamed is not None
-    compiled = lower(state.gm, example_inputs, config.lowering, report, step_plan(state))
-    _size_host_pool(state, report)
-    if streams:
+    if not report.schedule:
+        report.schedule = state.schedule.text() if state.schedule is not None else ""
+    # Past this point nothing falls back: the streamed weights leave the device.
+    if state.streamed is not None:
         _offload_weights(state)
         report.streamed_bytes = state.streamed.streamed_bytes
     if not state.batch.dynamic or config.num_subbatches == 1:
         return compiled
     return _DivisibleBatchGuard(compiled, original, state, report)
+
+
+def _refused(err: RefusedError, gm, example_inputs, config: SpeedLoaderConfig, report: CompileReport) -> Callable:
+    """A graph the pipeline refused or failed on: its reason logged once (or raised
+    with `on_refusal="raise"`), the graph compiled plainly."""
+    report.fallback_reason = str(err)
+    if isinstance(err, NoBlocksError):
+        # Nothing to split (the loss graph after a graph break): not a refusal. A
+        # graph that holds parameters keeps them on the device: say so out loud.
+        held = sum(
+            i.value.numel() * i.value.element_size() for i in classify_inputs(gm, example_inputs)
+            if i.kind == "param" and isinstance(i.value, torch.Tensor)
+        )
+        if held:
+            log.warning("speedloader: %s with %s; its %s of parameters stay on the device",
+                        err, config.lowering, format_bytes(held))
+        else:
+            log.info("speedloader: %s with %s", err, config.lowering)
+    elif config.on_refusal == "raise":
+        raise err
+    else:
+        log.warning("speedloader: compiling this graph with plain %s instead: %s", config.lowering, err)
+    return compile_plainly(gm, example_inputs, config, report)
+
+
+def compile_plainly(gm, example_inputs, config: SpeedLoaderConfig, report: CompileReport) -> Callable:
+    """The graph Dynamo handed over, compiled with the plain lowering: the one way
+    every fallback (a refusal, a failed stage, a batch K does not divide) compiles."""
+    # What a failed attempt recorded (its graphs, schedule, memory) is not what runs.
+    kept = {"config", "fallback_reason", "pass_log"}
+    for field in dataclasses.fields(report):
+        if field.name not in kept:
+            default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+            setattr(report, field.name, default)
+    # Parameters another graph of the model released (weights="nvme") are loaded for each call.
+    return loading_released_weights(lower(gm, example_inputs, config.lowering, report))
 
 
 def step_plan(state) -> StepPlan:
@@ -239,6 +270,5 @@ class _DivisibleBatchGuard:
                 ))
                 # Lowered for this call's inputs: the compile of the split graph specialized
                 # the batch in the shape environment the example inputs share.
-                self.plain[batch] = loading_released_weights(
-                    lower(self.original, list(args), self.config.lowering, plain_report))
+                self.plain[batch] = compile_plainly(self.original, list(args), self.config, plain_report)
         return self.plain[batch](*args)

@@ -21,6 +21,7 @@ import logging
 import torch
 import torch.fx
 
+from slcompile.compat import optimization_hint
 from slcompile.meta import SlcMeta, get_slc_meta, set_slc_meta
 
 __all__ = ["fuse_weight_grads"]
@@ -109,9 +110,11 @@ def _worth_it(mms: list[torch.fx.Node]) -> bool:
     for mm in mms:
         if tuple(mm.meta["val"].shape) != (rows, cols):
             return False
-    tokens = sum(int(mm.args[0].meta["val"].shape[1]) for mm in mms)
-    copied = tokens * (int(rows) + int(cols))
-    removed = (len(mms) - 1) * 2 * int(rows) * int(cols)
+    # Hints, not int(): int() of a symbolic size would specialize the graph to it.
+    tokens = sum(optimization_hint(mm.args[0].meta["val"].shape[1]) for mm in mms)
+    rows, cols = optimization_hint(rows), optimization_hint(cols)
+    copied = tokens * (rows + cols)
+    removed = (len(mms) - 1) * 2 * rows * cols
     return copied < removed
 
 
@@ -146,7 +149,9 @@ def _set_vals(left, right, mms, views, value) -> None:
             node = node.args[0]
         node.meta["val"] = current
         for view in reversed(chain):
-            current = view.target(current, *view.args[1:], **view.kwargs)
+            # A symbolic size in a view's arguments is a node: compute with its value.
+            args, kwargs = torch.fx.node.map_arg((view.args[1:], view.kwargs), lambda arg: arg.meta["val"])
+            current = view.target(current, *args, **kwargs)
             view.meta["val"] = current
 
 

@@ -25,10 +25,11 @@ and, for each one:
   record a later-stage pass returned) and `.dot`, numbered by one counter per Dynamo
   graph that continues across stages;
 - turns an unexpected exception into an error naming the pass and the passes run so
-  far: a `RefusedError` in the Dynamo stage (the backend then compiles the graph
-  unchanged), a `PassError` later; a `RefusedError` raised by a pass keeps its
-  reason, and the errors a user acts on (options, budget, offload I/O) keep their
-  type, with a note naming the pass.
+  far: a `RefusedError` in the Dynamo stage, a `PassError` later (the backend
+  compiles the graph plainly on either: `slcompile.errors.as_refusal`); a
+  `RefusedError` raised by a pass keeps its reason, and the errors a user acts on
+  (options, budget, offload I/O: `slcompile.errors.is_user_error`) keep their type,
+  with a note naming the pass, in every stage.
 
 Pass functions: a "dynamo" pass takes the `PipelineState` and returns the next one;
 a pass of the other stages takes the `StepState` (the plan, the report, the graphs by
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from slcompile.errors import OptionError, RefusedError
+from slcompile.errors import OptionError, RefusedError, is_user_error
 
 __all__ = [
     "KINDS",
@@ -245,7 +246,7 @@ def run_passes(
             raise
         except Exception as exc:
             where = f"pass {step.name} ({stage} stage); passes run: {passes_log.ran()}"
-            if step.stage != "dynamo" and _is_reported(exc):
+            if is_user_error(exc):
                 # The user's problem (a full disk, a bad directory): its own type and
                 # message, with where it happened.
                 exc.add_note(f"raised in {where}")
@@ -254,8 +255,8 @@ def run_passes(
                 f"internal error in pass {step.name} ({stage} stage; {type(exc).__name__}: {exc}); "
                 f"passes run: {passes_log.ran()}"
             )
-            # The Dynamo stage can still compile the graph unchanged; later, the graph
-            # is already rewritten and nothing falls back.
+            # Either way the backend compiles the graph Dynamo handed over plainly; a
+            # PassError tells a failed later stage (AOTAutograd's) from a refusal.
             err = RefusedError(message, step.name) if step.stage == "dynamo" else PassError(message, step.name)
             err.state = state
             raise err from exc
@@ -282,13 +283,6 @@ class PassError(RuntimeError):
         super().__init__(message)
         self.pass_name = pass_name
         self.state = None
-
-
-def _is_reported(exc: Exception) -> bool:
-    """Errors slcompile raises for the user to act on, kept as they are."""
-    from slcompile.errors import BudgetError, OffloadError
-
-    return isinstance(exc, (OptionError, BudgetError, OffloadError))
 
 
 def _apply(step: Pass, state: Any) -> Any:

@@ -258,6 +258,15 @@ def offload_saved(
     kept = [(a.name, a.stays if a.stays is not None else "kept on the device by the schedule")
             for a in saved if a not in chosen]
     fw_nodes = {node.name: node for node in fw.graph.nodes}
+    # The backward states each loaded tensor's size; a symbolic one must be
+    # computable there from the backward's other inputs.
+    sizes = _SizeSources(bw, {a.name for a in chosen})
+    for activation in list(chosen):
+        if not sizes.can_compute(fw_nodes[activation.name].meta["val"].shape):
+            chosen.remove(activation)
+            kept.append((activation.name, "its symbolic size is not computable in the backward"))
+            log.info("offload_saved: %s stays on the device: its size %s is not computable in the backward",
+                     activation.name, tuple(fw_nodes[activation.name].meta["val"].shape))
     output = fw.graph.output_node()
     outputs = list(output.args[0])
     _, fw_first = _step_of_nodes(fw)
@@ -311,7 +320,7 @@ def offload_saved(
     fw.graph.lint()
     fw.recompile()
 
-    _reload(bw, pairs, places)
+    _reload(bw, pairs, places, sizes)
     names = tuple(a.name for a in chosen)
     log.debug("offloading %d saved activations (%s bytes per step)", len(names), total)
     return OffloadedActivations(names, sympy.expand(total), tuple(kept))
@@ -379,7 +388,67 @@ def _step_key(group: tuple[int, int]) -> tuple[str, int | None, int]:
     return ("prefix", None, subbatch) if block == _PREFIX else ("block", block, subbatch)
 
 
-def _reload(bw: torch.fx.GraphModule, saved, places: _Places) -> None:
+class _SizeSources:
+    """Computes symbolic sizes in the backward from its inputs that stay: the size
+    symbols it receives and the sizes of the tensors it receives (the inputs the
+    stash tokens replace are left out)."""
+
+    def __init__(self, bw: torch.fx.GraphModule, replaced: set[str]):
+        self.graph = bw.graph
+        self.exprs: dict[sympy.Expr, tuple] = {}  # expr -> (placeholder, dim or None)
+        for node in bw.graph.nodes:
+            if node.op != "placeholder" or node.name in replaced:
+                continue
+            value = node.meta.get("val")
+            if isinstance(value, torch.SymInt):
+                self.exprs.setdefault(value.node.expr, (node, None))
+            elif isinstance(value, torch.Tensor):
+                for dim, size in enumerate(value.shape):
+                    if isinstance(size, torch.SymInt):
+                        self.exprs.setdefault(size.node.expr, (node, dim))
+        self.made: dict[sympy.Expr, torch.fx.Node] = {}
+        # Made once, before the first computation: every load that needs one comes later.
+        self.start = next(n for n in bw.graph.nodes if n.op != "placeholder")
+
+    def can_compute(self, shape) -> bool:
+        return all(self._computable(size.node.expr) for size in shape if isinstance(size, torch.SymInt))
+
+    def _computable(self, expr) -> bool:
+        if expr in self.exprs or isinstance(expr, sympy.Integer):
+            return True
+        if isinstance(expr, (sympy.Add, sympy.Mul)) or type(expr).__name__ == "FloorDiv":
+            return all(self._computable(arg) for arg in expr.args)
+        return False
+
+    def emit(self, shape) -> list:
+        """The size as graph values (ints, and nodes computed from the inputs)."""
+        with self.graph.inserting_before(self.start):
+            return [self._emit(size.node.expr) if isinstance(size, torch.SymInt) else size for size in shape]
+
+    def _emit(self, expr):
+        if isinstance(expr, sympy.Integer):
+            return int(expr)
+        if expr in self.made:
+            return self.made[expr]
+        if expr in self.exprs:
+            source, dim = self.exprs[expr]
+            if dim is None:
+                return source
+            node = self.graph.call_function(torch.ops.aten.sym_size.int, (source, dim))
+            node.meta["val"] = source.meta["val"].shape[dim]
+        else:
+            combine = {sympy.Add: operator.add, sympy.Mul: operator.mul}.get(type(expr), operator.floordiv)
+            args = [self._emit(arg) for arg in expr.args]
+            node = args[0]
+            for arg in args[1:]:
+                value = combine(*(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in (node, arg)))
+                node = self.graph.call_function(combine, (node, arg))
+                node.meta["val"] = value
+        self.made[expr] = node
+        return node
+
+
+def _reload(bw: torch.fx.GraphModule, saved, places: _Places, sizes: _SizeSources) -> None:
     """Replaces the backward's saved inputs (named as the forward nodes they were)
     by the stash tokens (named as theirs) and loads each one where the schedule's
     unstash steps of its owner are (see `offload_saved`)."""
@@ -433,7 +502,8 @@ def _reload(bw: torch.fx.GraphModule, saved, places: _Places) -> None:
             else:
                 load = loads[placeholder]
                 value = placeholder.meta["val"]
-                node = bw.graph.call_function(UNSTASH_WAIT, (load, list(value.shape), value.dtype, value.device))
+                size = sizes.emit(value.shape)
+                node = bw.graph.call_function(UNSTASH_WAIT, (load, size, value.dtype, value.device))
                 node.meta["val"] = value.contiguous()  # stored and loaded without gaps
                 placeholder.replace_all_uses_with(node, delete_user_cb=lambda user, load=load: user is not load)
                 placeholder.meta["val"] = fake_token()

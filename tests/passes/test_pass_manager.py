@@ -41,6 +41,7 @@ def test_passes_run_lists_every_stage(mlp, monkeypatch):
     assert report.fallback_reason is None
     assert all(re.search(r" \(\d+ ms\)$", entry) for entry in report.passes_run)
     assert_expected_inline(_names(report.passes_run), """\
+dynamo/inline_checkpoints
 dynamo/classify_inputs
 dynamo/find_blocks
 dynamo/find_batch_dim
@@ -89,28 +90,29 @@ def test_dumps_are_numbered_across_stages(mlp, monkeypatch, tmp_path):
     assert sorted(p.stem for p in tmp_path.glob("*.dot")) == [name[:-4] for name in texts]
     assert len(texts) == len(report.passes_run)
     assert_expected_inline("\n".join(texts), """\
-000_classify_inputs.txt
-001_find_blocks.txt
-002_find_batch_dim.txt
-003_propagate_batch.txt
-004_check_splittable.txt
-005_plan_schedule.txt
-006_interleave.txt
-007_stream_weights.txt
-008_tag_fetch_views.txt
-009_tag_block_recompute.txt
-010_fuse_weight_grads.txt
-011_order_layer_major.txt
-012_plan_transfers.txt
-013_offload_activations.txt
-014_place_prefetches.txt
-015_offload_gradients.txt
-016_derive_schedule.txt
-017_predict_memory.txt
-018_annotate_streams.txt
-019_mark_regions.txt
-020_annotate_streams.txt
-021_mark_regions.txt""")
+000_inline_checkpoints.txt
+001_classify_inputs.txt
+002_find_blocks.txt
+003_find_batch_dim.txt
+004_propagate_batch.txt
+005_check_splittable.txt
+006_plan_schedule.txt
+007_interleave.txt
+008_stream_weights.txt
+009_tag_fetch_views.txt
+010_tag_block_recompute.txt
+011_fuse_weight_grads.txt
+012_order_layer_major.txt
+013_plan_transfers.txt
+014_offload_activations.txt
+015_place_prefetches.txt
+016_offload_gradients.txt
+017_derive_schedule.txt
+018_predict_memory.txt
+019_annotate_streams.txt
+020_mark_regions.txt
+021_annotate_streams.txt
+022_mark_regions.txt""")
     backward = (tmp_path / [t for t in texts if t.endswith("_fuse_weight_grads.txt")][0]).read_text()
     assert backward.startswith("# after partitioned/fuse_weight_grads (")
     assert "def forward(self" in backward
@@ -179,7 +181,8 @@ def test_a_refusal_in_the_dynamo_stage_keeps_its_reason(dynamo_graph, monkeypatc
     def refuse(state):
         raise RefusedError("this graph has no batch")
 
-    passes = (*PASSES[:2], Pass("refuse", "dynamo", "check", refuse))
+    passes = (*PASSES[:PASSES.index(next(p for p in PASSES if p.name == "find_blocks")) + 1],
+              Pass("refuse", "dynamo", "check", refuse))
     gm, example_inputs = dynamo_graph
     with pytest.raises(RefusedError, match=r"this graph has no batch \[refuse\]") as caught:
         run_pipeline(gm, example_inputs, SpeedLoaderConfig.from_options({"num_subbatches": 2}), passes=passes)
