@@ -137,7 +137,7 @@ class _ReleasedMixin:
         if torch.compiler.is_compiling():
             with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if func in _METADATA or getattr(func, "namespace", None) == "slc" or _reads_metadata(func):
+        if func in _METADATA or _is_slc_op(func) or _reads_metadata(func):
             with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if func is torch.Tensor.detach or _is_data(func, "__get__"):  # state_dict(): released until read
@@ -152,6 +152,13 @@ class _ReleasedMixin:
         name, tier = next((_released_info(t) for t in _tensors(args, kwargs) if _released_info(t) is not None),
                           ("(unnamed)", "offload"))
         raise ReleasedWeightError(name, tier, what=getattr(func, "__name__", str(func)))
+
+
+def _is_slc_op(func) -> bool:
+    """An `slc::` op, as an overload (`torch.ops.slc.fetch_weight.default`, what graphs
+    call) or as its packet (`torch.ops.slc.fetch_weight`, what Python code calls)."""
+    return (getattr(func, "namespace", None) == "slc"
+            or getattr(func, "_qualified_op_name", "").startswith("slc::"))
 
 
 # Tensor properties that are views of the values, not metadata.
