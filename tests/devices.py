@@ -13,7 +13,7 @@ import os
 
 import torch
 
-__all__ = ["device_under_test", "same_bits", "on_cuda"]
+__all__ = ["device_under_test", "same_bits", "on_cuda", "flip_bits"]
 
 
 @functools.cache
@@ -48,3 +48,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype is not torch.bool and a.numel():
         a, b = a.view(torch.uint8), b.view(torch.uint8)
     return torch.equal(a, b)
+
+
+def flip_bits(path: str, offset: int, mask: int = 0x40) -> None:
+    """Flips bits of one byte of a file, as a bad disk or another program would
+    (through the page cache; an O_DIRECT read that follows sees it written back)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset)[0]
+        os.pwrite(fd, bytes([byte ^ mask]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

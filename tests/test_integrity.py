@@ -7,22 +7,13 @@ import pytest
 import torch
 
 import slcompile
+from devices import flip_bits
 from models import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.pipeline import engine_for
 from slcompile.runtime.weights import weight_home
 
 CFG = GPTConfig(n_layers=2, d_model=32, vocab_size=64, seq_len=8)
 
-
-def _flip_bits(path: str, offset: int, mask: int = 0x40) -> None:
-    """Flips bits of one byte of the arena file, as a bad disk would."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        byte = os.pread(fd, 1, offset)[0]
-        os.pwrite(fd, bytes([byte ^ mask]), offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fill(path: str, offset: int, nbytes: int) -> None:
@@ -57,7 +48,7 @@ def test_corrupt_weight_on_nvme_raises_naming_it(tmp_path, damage):
     engine, key, _ = weight_home(param)
     path, offset, nbytes = engine.nvme_location(key)
     if damage == "exponent bit":
-        _flip_bits(path, offset + 4 * 100 + 3)
+        flip_bits(path, offset + 4 * 100 + 3)
     else:
         _fill(path, offset + nbytes // 2, 64)
     with pytest.raises(slcompile.CorruptDataError) as caught:
@@ -84,7 +75,7 @@ def test_corrupt_stashed_activation_raises_naming_it(tmp_path):
     assert stashed, engine.keys()
     key = stashed[0]
     path, offset, nbytes = engine.nvme_location(key)
-    _flip_bits(path, offset + nbytes - 1)
+    flip_bits(path, offset + nbytes - 1)
     with pytest.raises(slcompile.CorruptDataError) as caught:
         loss.backward()
     assert caught.value.key == key and caught.value.path == path

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from devices import same_bits
+from devices import flip_bits, same_bits
 
 from slcompile.runtime import (
     CorruptDataError,
@@ -345,17 +345,6 @@ def test_unfinished_private_dirs_are_removed_only_when_old_and_unlocked(tmp_path
     assert clean_stale_dirs(str(tmp_path)) == [str(live)]  # its lock is free now
 
 
-def _flip_bits(path: str, offset: int, mask: int = 0x40) -> None:
-    """Flips bits of one byte of the file, as a bad disk or another program would
-    (through the page cache; the O_DIRECT read that follows sees it written back)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        byte = os.pread(fd, 1, offset)[0]
-        os.pwrite(fd, bytes([byte ^ mask]), offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 @pytest.mark.parametrize("where", ["first chunk", "last chunk"])
 def test_flipped_bits_in_a_stored_tensor_raise_corrupt_data_naming_key_file_and_offset(engine, where):
@@ -364,7 +353,7 @@ def test_flipped_bits_in_a_stored_tensor_raise_corrupt_data_naming_key_file_and_
     path, offset, nbytes = engine.nvme_location("blk1.fc.weight")
     assert nbytes == values.numel() * 4 and path == engine.arena.file_path
     chunk = 0 if where == "first chunk" else 2
-    _flip_bits(path, offset + chunk * (1 << 20) + 3)  # an exponent bit of the first float there
+    flip_bits(path, offset + chunk * (1 << 20) + 3)  # an exponent bit of the first float there
     with pytest.raises(CorruptDataError, match="corrupt data") as caught:
         engine.wait(engine.load("blk1.fc.weight"))
     assert_names(caught.value, "blk1.fc.weight", path)
@@ -388,7 +377,7 @@ def test_renamed_key_is_the_one_a_corrupt_read_names(engine):
     engine.wait(engine.store("w~update", torch.randn(1000), NVME, WEIGHT))
     engine.rename("w~update", "w")
     path, offset, _ = engine.nvme_location("w")
-    _flip_bits(path, offset)
+    flip_bits(path, offset)
     with pytest.raises(CorruptDataError) as caught:
         engine.wait(engine.load("w"))
     assert_names(caught.value, "w", path)
@@ -406,7 +395,7 @@ def test_checksums_can_be_turned_off(tmp_path, monkeypatch, switch):
         engine.wait(engine.store("w", values, NVME, WEIGHT))
         assert not engine.arena.checksums
         path, offset, _ = engine.nvme_location("w")
-        _flip_bits(path, offset + 3)  # 1.0 -> 4.0 ** 32: used silently without checksums
+        flip_bits(path, offset + 3)  # 1.0 -> 4.0 ** 32: used silently without checksums
         loaded = engine.wait(engine.load("w"))
         assert loaded[0].item() != 1.0 and torch.equal(loaded[1:], values[1:])
     finally:
