@@ -6,7 +6,7 @@ the next block, forward and backward, with the results of eager PyTorch.
 """
 
 from slcompile.config import SpeedLoaderConfig, options
-from slcompile.errors import BudgetError, CompileError, OptionError, RefusedError
+from slcompile.errors import BudgetError, CompileError, OptionError, PolicyError, RefusedError
 from slcompile.explain import Explanation, GraphExplanation, explain
 from slcompile.generate import GenerationOutput, explain_generation, generate, generation
 from slcompile.report import CompileReport, clear_compile_reports, compile_reports
@@ -23,6 +23,7 @@ __all__ = [
     "BudgetError",
     "CompileError",
     "OptionError",
+    "PolicyError",
     "explain",
     "Explanation",
     "GraphExplanation",

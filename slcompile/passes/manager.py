@@ -50,7 +50,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from slcompile.errors import OptionError, RefusedError
+from slcompile.errors import OptionError, PolicyError, RefusedError
 
 __all__ = [
     "KINDS",
@@ -245,9 +245,10 @@ def run_passes(
             raise
         except Exception as exc:
             where = f"pass {step.name} ({stage} stage); passes run: {passes_log.ran()}"
-            if step.stage != "dynamo" and _is_reported(exc):
-                # The user's problem (a full disk, a bad directory): its own type and
-                # message, with where it happened.
+            if _is_reported(exc) and (step.stage != "dynamo" or isinstance(exc, PolicyError)):
+                # The user's problem (a full disk, a bad directory, a policy's bad
+                # schedule): its own type and message, with where it happened. A bad
+                # schedule is no refusal: compiling the graph unchanged would hide it.
                 exc.add_note(f"raised in {where}")
                 raise
             message = (
