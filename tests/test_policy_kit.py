@@ -124,8 +124,8 @@ def test_fetches_issued_where_the_graphs_do_not_issue_them_disagree():
     compiled = torch.compile(TinyGPT(CFG), backend="speedloader",
                              options={"schedule": policy, "lowering": "aot_eager", "weights": "nvme"})
     with pytest.raises(slcompile.CompileError, match=re.escape(
-            "schedule policy 'edited' at step `fwd fetch.wait blk0`: the compiled graphs run "
-            "`fwd fetch.issue blk1` instead (line 3 of the fwd phase")):
+            "schedule policy 'edited' at step `fwd fetch.wait blk0`: the compiled graphs make "
+            "`fwd fetch.issue blk1` instead (transfer 1 of the fwd phase")):
         compiled(idx, targets)
 
 

@@ -186,23 +186,44 @@ def _gradients_pending(steps: tuple[Step, ...], index: int, store: Step) -> bool
 
 
 def check_agreement(planned: Schedule, derived: Schedule, policy: str = "<unnamed>") -> None:
-    """Checks that the compiled graphs (`derived`, `schedule_of`) run the schedule the
-    policy wrote (`planned`), phase by phase for the phases the graphs have.
+    """Checks that the compiled graphs (`derived`, `schedule_of`) make the transfers of
+    the schedule the policy wrote (`planned`), in its order, phase by phase for the
+    phases the graphs have.
+
+    The transfer lines are compared (as text: an issue for its own phase reads back
+    with `serves=None`), not the compute lines: `order_layer_major` emits the compute
+    in the policy's order, but a unit's ops that depend only on work shared by the
+    sub-batches may run apart from the rest of it, and the read-back then writes the
+    unit in several runs. Inductor's decompositions do this to grad_accumulation's
+    backward: the gradient of sub-batch 0's suffix, taken from the combined loss,
+    runs at the start of the backward (`bwd suffix.sb1`, `bwd suffix.sb0`, `bwd
+    suffix.sb1`, ...), and the prefix's backward alternates with block 0's. Where the
+    compute runs is checked by `slcompile.analysis.order` (`layer_major_violations`,
+    `sample_major_violations`). What the passes place themselves, whatever the policy
+    wrote, is caught here: each weight load is issued `live_blocks - 1` block visits
+    ahead of its wait (`place_prefetches`, as `add_fetches` writes it).
 
     Raises:
-        PolicyError: naming the first step where they part.
+        PolicyError: naming the first transfer where they part.
     """
     phases = [p for p in ("fwd", "bwd") if any(s.phase == p for s in derived.steps)]
     for phase in phases:
-        # Compared as text: an issue for its own phase reads back with serves=None.
-        want = planned.phase(phase).text().splitlines()
-        got = derived.phase(phase).text().splitlines()
+        want, got = _transfer_lines(planned, phase), _transfer_lines(derived, phase)
         for position, (a, b) in enumerate(zip(want, got)):
             if a != b:
                 raise PolicyError(
-                    policy, f"the compiled graphs run `{b}` instead (line {position + 1} of the {phase} phase; "
-                            "compare `report.planned_schedule.text()` with `report.schedule`)", a)
+                    policy, f"the compiled graphs make `{b}` instead (transfer {position + 1} of the {phase} "
+                            "phase; compare `report.planned_schedule.text()` with `report.schedule`)", a)
         if len(want) != len(got):
             extra = (want if len(want) > len(got) else got)[min(len(want), len(got))]
-            side = "the policy wrote" if len(want) > len(got) else "the compiled graphs run"
-            raise PolicyError(policy, f"{side} more steps in the {phase} phase, from this one on", extra)
+            side = "the policy wrote" if len(want) > len(got) else "the compiled graphs make"
+            raise PolicyError(policy, f"{side} more transfers in the {phase} phase, from this one on", extra)
+
+
+def _transfer_lines(schedule: Schedule, phase: str) -> list[str]:
+    """The text lines of a phase's transfer steps, runs of one line collapsed."""
+    lines: list[str] = []
+    for step in schedule.phase(phase).steps:
+        if step.kind != "compute" and (not lines or lines[-1] != step.text()):
+            lines.append(step.text())
+    return lines
