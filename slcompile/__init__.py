@@ -7,7 +7,7 @@ the next block, forward and backward, with the results of eager PyTorch.
 
 from slcompile.config import SpeedLoaderConfig, options
 from slcompile import defaults
-from slcompile.errors import BudgetError, CompileError, OptionError, RefusedError, ReleasedWeightError
+from slcompile.errors import BudgetError, CompileError, OptionError, PolicyError, RefusedError, ReleasedWeightError
 from slcompile.explain import Explanation, GraphExplanation, explain
 from slcompile.generate import GenerationOutput, explain_generation, generate, generation
 from slcompile.report import CompileReport, clear_compile_reports, compile_reports
@@ -30,6 +30,7 @@ __all__ = [
     "OffloadError",
     "DiskFullError",
     "CorruptDataError",
+    "PolicyError",
     "explain",
     "Explanation",
     "GraphExplanation",

@@ -52,6 +52,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, defaults: dict | None = N
             help_text = f"{help_text} (default: {field.default})"
         group.add_argument(flag, dest=field.name, type=kind, default=None, metavar=field.name.upper(),
                            help=help_text)
+    group.add_argument("--policy-module", dest="policy_modules", action="append", default=[], metavar="MODULE",
+                       help="import MODULE first (repeatable), so the policies it registers with "
+                            "slcompile.schedules.register_policy can be named by --schedule")
 
 
 def _without_default(text: str) -> str:
@@ -82,12 +85,23 @@ def _add_picture_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace, **defaults) -> dict:
+    _import_policy_modules(args)
     options = dict(defaults)
     for field in dataclasses.fields(SpeedLoaderConfig):
         value = getattr(args, field.name)
         if value is not None:
             options[field.name] = value
     return options
+
+
+def _import_policy_modules(args: argparse.Namespace) -> None:
+    """Imports the `--policy-module`s (from the current folder too, as `python -m`
+    does), whose import registers the policies `--schedule` names."""
+    modules = getattr(args, "policy_modules", None) or []
+    if modules and "" not in sys.path and str(pathlib.Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(pathlib.Path.cwd()))
+    for name in modules:
+        importlib.import_module(name)
 
 
 def _note_whole_graphs(config, report) -> None:

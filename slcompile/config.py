@@ -69,7 +69,8 @@ class SpeedLoaderConfig:
             "lifetime_aware": speedloader's order, but the saved activations of a
             (block, sub-batch) whose reload could not hide behind other block steps
             stay on the device (`slcompile.schedules.examples.lifetime_aware`).
-            A `slcompile.schedules.Policy` object is accepted too.
+            A `slcompile.schedules.Policy` object is accepted too, and the name of
+            one registered with `slcompile.schedules.register_policy`.
         batch_dim: the dimension of the batched inputs that is the batch (0 for the
             usual (batch, seq, ...) layout).
         on_refusal: what happens when the model cannot be split into sub-batches
@@ -165,7 +166,11 @@ class SpeedLoaderConfig:
         if not isinstance(self.compile_regions, bool):
             raise OptionError(f"speedloader option 'compile_regions' must be True or False, got {self.compile_regions!r}")
         if not callable(getattr(self.schedule, "build", None)):  # else a Policy object
-            _check_choice("schedule", self.schedule, SCHEDULES)
+            from slcompile.schedules.policies import unknown_policy
+
+            problem = unknown_policy(self.schedule)
+            if problem:
+                raise OptionError(problem)
         _check_choice("on_refusal", self.on_refusal, ON_REFUSAL)
         _check_choice("weights", self.weights, TIERS)
         _check_int("live_blocks", self.live_blocks, minimum=1)

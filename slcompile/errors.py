@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 __all__ = [
-    "RefusedError", "NoBlocksError", "BudgetError", "OptionError", "OffloadError", "ReleasedWeightError",
-    "CompileError", "OptionCompileError", "compile_error", "is_user_error", "as_refusal",
+    "RefusedError", "NoBlocksError", "BudgetError", "OptionError", "PolicyError", "OffloadError",
+    "ReleasedWeightError", "CompileError", "OptionCompileError", "compile_error", "is_user_error", "as_refusal",
 ]
 
 
@@ -67,6 +67,28 @@ class BudgetError(Exception):
 class OptionError(ValueError):
     """A bad `torch.compile(..., options=...)` key or value; the message names the
     option and how to fix it."""
+
+
+class PolicyError(OptionError):
+    """A schedule policy (the `schedule` option) wrote a schedule the passes cannot
+    compile as written: not a `Schedule`, a compute step missing or repeated, a
+    transfer of something that does not exist, a wait before its issue, a step that
+    uses data before it arrives; or the compiled graphs run another schedule than the
+    one it wrote. Raised before anything runs, never a fallback: the message names the
+    policy and the offending step's text line (`Step.text()`).
+
+    Attributes:
+        policy: the policy's name.
+        step: the offending step's text line, or None when no one step is at fault.
+        problem: what is wrong, in words.
+    """
+
+    def __init__(self, policy: str, problem: str, step: str | None = None):
+        self.policy = policy
+        self.step = step
+        self.problem = problem
+        where = f" at step `{step}`" if step is not None else ""
+        super().__init__(f"schedule policy {policy!r}{where}: {problem}")
 
 
 def _dynamo_exc():

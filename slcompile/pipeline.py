@@ -59,6 +59,7 @@ from slcompile.passes.stream_weights import StreamedWeights, place_prefetches, s
 from slcompile.schedules.base import Schedule
 from slcompile.schedules.derive import schedule_of
 from slcompile.schedules.policies import plan_schedule
+from slcompile.schedules.validate import check_agreement
 
 __all__ = [
     "PipelineState",
@@ -498,8 +499,13 @@ def _gradients_copied(plan) -> bool:
 
 def _derive_schedule(step: StepState) -> Schedule:
     if "inference" in step.graphs:
-        return schedule_of(step.graphs["inference"])
-    return schedule_of(step.graphs["forward"], step.graphs["backward"])
+        derived = schedule_of(step.graphs["inference"])
+    else:
+        derived = schedule_of(step.graphs["forward"], step.graphs["backward"])
+    planned = step_schedule(step)
+    if planned is not None and planned.policy is not None:
+        check_agreement(planned, derived, planned.policy.name)
+    return derived
 
 
 PARTITIONED_PASSES: tuple[Pass, ...] = (

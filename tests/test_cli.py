@@ -122,7 +122,7 @@ def test_help_documents_every_option(command):
     result = _run(command, "--help")
     assert result.returncode == 0
     flags = ["--num-subbatches", "--lowering", "--schedule", "--batch-dim", "--on-refusal", "--weights",
-             "--live-blocks", "--offload-dir", "--memory-budget"]
+             "--live-blocks", "--offload-dir", "--memory-budget", "--policy-module"]
     flags += {"explain": ["--dot", "--plot", "--trace", "--out", "--detail"],
               "demo": ["--steps", "--layers", "--width", "--out", "--detail"], "tune": []}[command]
     for flag in flags:

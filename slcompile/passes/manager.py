@@ -247,8 +247,9 @@ def run_passes(
         except Exception as exc:
             where = f"pass {step.name} ({stage} stage); passes run: {passes_log.ran()}"
             if is_user_error(exc):
-                # The user's problem (a full disk, a bad directory): its own type and
-                # message, with where it happened.
+                # The user's problem (a full disk, a bad directory, a policy's bad
+                # schedule): its own type and message, with where it happened. A bad
+                # schedule is no refusal: compiling the graph unchanged would hide it.
                 exc.add_note(f"raised in {where}")
                 raise
             message = (

@@ -1,17 +1,44 @@
 """Policies: functions that turn the block graph and a config into a Schedule, and
-the schedule read back from compiled graphs."""
+the schedule read back from compiled graphs.
 
-from slcompile.schedules.base import Policy, Schedule, ScheduleRequest, Step
+The kit for writing a policy: the vocabulary (`Step`, `Schedule`, `ScheduleRequest`,
+`Policy`, `TRANSFER_KINDS`), the helpers the built-in policies are made of
+(`layer_major_compute` writes the compute steps in speedloader's order; `add_fetches`,
+`add_stashes`, `add_stores` and `add_gradient_stores` add the transfers a request
+needs around any compute order), `validate_schedule` (what every schedule a `Policy`
+returns must pass), and `register_policy`, which makes a policy's name a value of the
+`schedule` option.
+"""
+
+from slcompile.schedules.base import (
+    TRANSFER_KINDS,
+    Policy,
+    Schedule,
+    ScheduleRequest,
+    Step,
+    add_fetches,
+    add_gradient_stores,
+)
 from slcompile.schedules.derive import schedule_of
 from slcompile.schedules.grad_accumulation import grad_accumulation_schedule
-from slcompile.schedules.policies import POLICIES, plan_schedule, policy_for
-from slcompile.schedules.speedloader import speedloader_schedule
+from slcompile.schedules.policies import POLICIES, plan_schedule, policy_for, register_policy
+from slcompile.schedules.speedloader import add_stashes, add_stores, layer_major_compute, speedloader_schedule
+from slcompile.schedules.validate import check_agreement, validate_schedule
 
 __all__ = [
     "Schedule",
     "Step",
     "ScheduleRequest",
     "Policy",
+    "TRANSFER_KINDS",
+    "layer_major_compute",
+    "add_fetches",
+    "add_stashes",
+    "add_stores",
+    "add_gradient_stores",
+    "validate_schedule",
+    "check_agreement",
+    "register_policy",
     "POLICIES",
     "policy_for",
     "plan_schedule",

@@ -282,7 +282,16 @@ class Policy:
     build: Callable[[ScheduleRequest], Schedule]
 
     def __call__(self, request: ScheduleRequest) -> Schedule:
-        schedule = self.build(request)
+        """The schedule `build` writes for `request`, checked
+        (`slcompile.schedules.validate_schedule`) and carrying this policy and the
+        request (`Schedule.replan`).
+
+        Raises:
+            PolicyError: the schedule is not one the passes can compile as written.
+        """
+        from slcompile.schedules.validate import validate_schedule
+
+        schedule = validate_schedule(self.build(request), request, self.name)
         return dataclasses.replace(schedule, policy=self, request=request)
 
 

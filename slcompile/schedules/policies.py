@@ -1,24 +1,69 @@
 """The policies the `schedule` option names, and the schedule of a compiled graph.
 
-`policy_for(config.schedule)` returns the `Policy` of an option value (a name, or a
-`Policy` object passed as the option); `plan_schedule(blocks, config, ...)` asks it for
-the schedule of one graph. Which tiers a schedule allows is checked by
+`policy_for(config.schedule)` returns the `Policy` of an option value (a registered
+name, or a `Policy` object passed as the option); `plan_schedule(blocks, config, ...)`
+asks it for the schedule of one graph. `register_policy(policy)` adds a name the
+`schedule` option (and the CLI's `--schedule`) accepts. Which tiers a schedule allows is checked by
 `SpeedLoaderConfig`, where the options are documented.
 """
 
 from __future__ import annotations
 
+from slcompile.errors import PolicyError
 from slcompile.passes.find_blocks import BlockGraph
 from slcompile.schedules.base import Policy, Schedule, ScheduleRequest
 from slcompile.schedules.examples.lifetime_aware import LIFETIME_AWARE
 from slcompile.schedules.grad_accumulation import GRAD_ACCUMULATION
 from slcompile.schedules.speedloader import NO_OFFLOAD, SPEEDLOADER
 
-__all__ = ["POLICIES", "policy_for", "plan_schedule"]
+__all__ = ["POLICIES", "BUILTIN_POLICIES", "policy_for", "plan_schedule", "register_policy", "unknown_policy"]
 
 POLICIES: dict[str, Policy] = {
     policy.name: policy for policy in (SPEEDLOADER, GRAD_ACCUMULATION, NO_OFFLOAD, LIFETIME_AWARE)
 }
+
+
+BUILTIN_POLICIES = tuple(POLICIES)
+"""The names of the policies slcompile ships (`register_policy` cannot replace them)."""
+
+
+def register_policy(policy: Policy, *, replace: bool = False) -> Policy:
+    """Makes `options={"schedule": policy.name}` (and `--schedule NAME` on the command
+    line) select `policy`.
+
+    Args:
+        policy: the policy; its `name` is the option value.
+        replace: replace a policy registered under the same name before.
+
+    Returns:
+        the policy, so a module can write `ZIGZAG = register_policy(Policy(...))`.
+
+    Raises:
+        PolicyError: the name is taken (and `replace` is False) or is a built-in
+            policy's, or `policy` is not a `Policy`.
+    """
+    if not isinstance(policy, Policy):
+        raise PolicyError(repr(policy), "register_policy takes a slcompile.schedules.Policy(name, build)")
+    if not isinstance(policy.name, str) or not policy.name:
+        raise PolicyError(repr(policy.name), "a registered policy needs a non-empty string name")
+    if policy.name in BUILTIN_POLICIES and POLICIES[policy.name] is not policy:
+        raise PolicyError(policy.name, "is a built-in policy's name; choose another")
+    if policy.name in POLICIES and POLICIES[policy.name] is not policy and not replace:
+        raise PolicyError(policy.name, "a policy of this name is registered already; pass replace=True to "
+                                       "replace it")
+    POLICIES[policy.name] = policy
+    return policy
+
+
+def unknown_policy(name) -> str | None:
+    """Why `name` selects no policy, or None when it does (a registered name)."""
+    if isinstance(name, str) and name in POLICIES:
+        return None
+    return (
+        f"speedloader option 'schedule' must be a registered policy's name, one of "
+        f"{', '.join(map(repr, POLICIES))}, or a slcompile.schedules.Policy object, got {name!r} "
+        "(slcompile.schedules.register_policy(policy) registers a name)"
+    )
 
 
 def policy_for(schedule: str | Policy) -> Policy:

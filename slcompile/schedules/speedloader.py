@@ -23,7 +23,15 @@ __all__ = ["speedloader_schedule", "layer_major_compute", "add_stashes", "add_st
 
 
 def layer_major_compute(request: ScheduleRequest) -> list[Step]:
-    """The compute steps in layer-major order, forward then (if any) backward."""
+    """The compute steps in layer-major order, forward then (if any) backward.
+
+    Forward: the prefix for sub-batches 0..K-1, then each block for sub-batches
+    0..K-1 before the next block, then the suffix for 0..K-1; the backward is the
+    forward reversed. A policy that keeps this order and changes only the transfers
+    starts here; one with its own order writes its compute steps itself (each unit
+    once per sub-batch per phase: `validate_schedule`) and adds the transfers with
+    `add_fetches`, `add_stashes` and `add_stores`.
+    """
     k = request.num_subbatches
     forward: list[Step] = []
     if request.has_prefix:
@@ -108,7 +116,9 @@ def speedloader_schedule(request: ScheduleRequest) -> Schedule:
 
 def add_stores(steps: list[Step], request: ScheduleRequest) -> list[Step]:
     """Each block's weight gradients leave once, summed over its sub-batches, after
-    its last sub-batch's backward (`add_gradient_stores`), when they leave at all."""
+    its last sub-batch's backward (`add_gradient_stores`), when they leave at all
+    (`request.gradients_offloaded` with streamed weights, in a backward); else the
+    steps unchanged. Call it last, on steps with fetches and stashes placed."""
     if not (request.gradients_offloaded and request.weights_streamed and request.backward):
         return steps
     return add_gradient_stores(steps, per_subbatch=False)
