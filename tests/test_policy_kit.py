@@ -1,6 +1,6 @@
 """Writing a policy: what a bad schedule raises (PolicyError naming the step), policies
 registered by name (Python, the command line) matching eager, and the documented
-example run as it is written (docs/writing-a-policy.md)."""
+example run as it is written (README.md, "Writing a policy", by tests/test_readme.py)."""
 
 import dataclasses
 import os
@@ -196,11 +196,3 @@ def test_a_registered_policy_by_name_on_the_command_line(tmp_path):
     unknown = _run("-m", "slcompile", "explain", "slcompile.examples:tiny_gpt", "--schedule", "zigzag_test")
     assert unknown.returncode == 1
     assert "must be a registered policy's name" in unknown.stderr
-
-
-def test_writing_a_policy_example_runs():
-    text = (ROOT / "docs" / "writing-a-policy.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 1 and "register_policy(Policy(\"zigzag\"" in blocks[0]
-    result = _run("-c", blocks[0])
-    assert result.returncode == 0, result.stderr[-3000:]
