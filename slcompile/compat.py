@@ -23,6 +23,11 @@ The other internals used (``torch._inductor.custom_graph_pass.CustomGraphPass``,
 ``torch._library.effects.EffectType``, the fake-tensor helpers, ``torch._dynamo.exc``,
 ``torch._ops.OpOverload``) are in the same place on 2.11 and 2.13;
 ``missing_internals()`` lists any a release lacks.
+
+Graphs differ too, without a name to reach: torch 2.13's partitioner saves the generator
+state of the CPU attention kernel it recomputes (``run_and_save_rng_state``, read back in
+the backward as ``rng_state_output_<i>``); 2.15 recomputes it without. The lifetime
+analysis matches such states to the forward's outputs (``analysis/lifetimes.py``).
 """
 
 from __future__ import annotations
