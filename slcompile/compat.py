@@ -29,6 +29,11 @@ The other internals used (``torch._inductor.custom_graph_pass.CustomGraphPass``,
   (2.13 and later), whose cache entries are dropped after the capture when no other
   compile holds entries on that code; on a release without it (2.11, 2.12), a
   capture under a raised ``recompile_limit`` whose entries stay in the shared cache.
+
+Graphs differ too, without a name to reach: torch 2.13's partitioner saves the generator
+state of the CPU attention kernel it recomputes (``run_and_save_rng_state``, read back in
+the backward as ``rng_state_output_<i>``); 2.15 recomputes it without. The lifetime
+analysis matches such states to the forward's outputs (``analysis/lifetimes.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Predicted peak memory of compiled steps against what the CPU allocator did."""
 
+import operator
+
 import pytest
 import sympy
 import torch
@@ -101,3 +103,35 @@ def test_views_cost_nothing_and_keep_their_base():
     assert all(v.bytes != 0 for v in table.values)
     assert table.peak() == 3 * 32 * 32 * 4  # y, z and v + z at once
     assert isinstance(table.peak_expression(), sympy.Expr)
+
+
+def test_saved_generator_states_are_saved_once_not_held_as_outputs():
+    """A random op the partitioner recomputes in the backward saves its generator
+    state: the forward returns it from `run_and_save_rng_state`, the backward takes
+    it as `rng_state_output_0` (torch 2.13 does this for the CPU attention kernel)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    state = torch.zeros(5056, dtype=torch.uint8)  # a CPU generator's state
+    x = torch.randn(32, 32)
+    forward = make_fx(lambda x: (x * 2, x + 1))(x)
+    graph = forward.graph
+    mul, add = [n for n in graph.nodes if n.op == "call_function"]
+    with graph.inserting_after(add):
+        saving = graph.call_function(torch.ops.higher_order.run_and_save_rng_state, (torch.ops.aten.add.Tensor,))
+        saved_state = graph.call_function(operator.getitem, (saving, 0))
+        saved_state.meta["val"] = state
+    output = next(n for n in graph.nodes if n.op == "output")
+    output.args = ((mul, add, saved_state),)  # the user output, then the saved ones
+    forward.recompile()
+
+    backward = make_fx(lambda saved, rng_state, tangent: (tangent * saved * rng_state[0],))(x, state, x)
+    # AOTAutograd's names: a saved tensor is named after its forward node.
+    for placeholder, name in zip(backward.graph.find_nodes(op="placeholder"),
+                                 [add.name, "rng_state_output_0", "tangents_1"]):
+        placeholder._rename(name)
+    backward.recompile()
+    step = analyze_training_step(forward, backward)
+    assert step.forward.user_output_bytes == 32 * 32 * 4  # mul alone
+    # The state is the forward's buffer, not a second one in the backward.
+    saved = {v.name: v.bytes for v in step.backward.values if v.kind == "saved"}
+    assert saved == {add.name: 32 * 32 * 4, saved_state.name: 5056, "tangents_1": 32 * 32 * 4}

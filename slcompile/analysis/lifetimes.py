@@ -307,9 +307,12 @@ def analyze_training_step(
     # AOTAutograd names each saved input of the backward after the forward node it
     # is (saved SymInts come first among the backward's inputs, last among the
     # forward's outputs, so positions do not line up).
-    saved_inputs = [n for n in bw_inputs if n.name in by_name]
-    saved_names = {n.name for n in saved_inputs}
     outputs = [o for o in _flat_outputs(fw_nodes[-1]) if isinstance(o, torch.fx.Node)]
+    # A random op the backward recomputes has its generator state saved, under
+    # another name in the backward (see `_saved_rng_states`).
+    rng_states = _saved_rng_states(outputs, bw_inputs)
+    saved_inputs = [n for n in bw_inputs if n.name in by_name or n.name in rng_states]
+    saved_names = {n.name for n in saved_inputs} | {o.name for o in rng_states.values()}
     user_first = [o for o in outputs if o.name not in saved_names] + [o for o in outputs if o.name in saved_names]
     fw_table = analyze_lifetimes(
         forward, "forward", num_saved=len(outputs) - sum(o.name not in saved_names for o in outputs),
@@ -320,11 +323,30 @@ def analyze_training_step(
     made = {v.name: v.bytes for v in fw_table.values}
     buffers: dict[str, tuple[str, sympy.Expr] | None] = {}
     for bw_input in saved_inputs:
-        base = bases[by_name[bw_input.name]]
+        base = bases[rng_states.get(bw_input.name) or by_name[bw_input.name]]
         buffers[bw_input.name] = (base.name, made[base.name]) if base.name in made else None
     bw_table = analyze_lifetimes(backward, "backward", input_buffers=buffers, load_granularity=load_granularity,
                                  load_overhead=load_overhead)
     return StepLifetimes(fw_table, bw_table)
+
+
+def _saved_rng_states(fw_outputs: list, bw_inputs: list) -> dict:
+    """The backward's inputs that are generator states the forward saved, each with
+    the forward output it is.
+
+    When torch's partitioner recomputes a random op in the backward (torch 2.13 does
+    for the CPU attention kernel, even without dropout; 2.15 does not), the forward
+    runs it under `run_and_save_rng_state` and returns the state, and the backward
+    takes it as the input `rng_state_output_<i>`, the i-th of the forward's states,
+    not under the forward node's name. Matched by name alone it would be a user
+    output held through the backward and a second buffer in the backward besides."""
+    states = [
+        o for o in fw_outputs
+        if o.target is operator.getitem and o.args[1] == 0 and isinstance(o.args[0], torch.fx.Node)
+        and getattr(o.args[0].target, "__name__", None) == "run_and_save_rng_state"
+    ]
+    inputs = [n for n in bw_inputs if n.name.startswith("rng_state_output_")]
+    return dict(zip((n.name for n in inputs), states)) if len(inputs) == len(states) else {}
 
 
 def _flat_outputs(output: torch.fx.Node) -> list:
