@@ -4,7 +4,8 @@ from __future__ import annotations
 
 __all__ = [
     "RefusedError", "NoBlocksError", "BudgetError", "OptionError", "PolicyError", "OffloadError",
-    "ReleasedWeightError", "CompileError", "OptionCompileError", "compile_error", "is_user_error", "as_refusal",
+    "ReleasedWeightError", "CompileError", "OptionCompileError", "compile_error", "is_user_error",
+    "passes_through_fallback", "as_refusal",
 ]
 
 
@@ -191,6 +192,15 @@ def is_user_error(err: BaseException) -> bool:
     a bad option, a memory budget no plan meets, an unusable offload directory, a
     full disk (every offload storage failure)."""
     return isinstance(err, (OptionError, BudgetError, OffloadError))
+
+
+def passes_through_fallback(err: BaseException) -> bool:
+    """Failures no fallback may turn into a plain compile: the user's own
+    (`is_user_error`), and Dynamo's signal to trace the frame again
+    (`RestartAnalysis`: with `dynamic=True`, the graph a scalar becomes a tensor in)."""
+    import torch._dynamo.exc
+
+    return is_user_error(err) or isinstance(err, torch._dynamo.exc.RestartAnalysis)
 
 
 def as_refusal(err: Exception, stage: str) -> RefusedError:

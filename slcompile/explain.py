@@ -32,7 +32,7 @@ import torch
 from slcompile import defaults
 from slcompile.compat import capture_graphs
 from slcompile.config import SpeedLoaderConfig
-from slcompile.errors import BudgetError, RefusedError, as_refusal, is_user_error
+from slcompile.errors import BudgetError, RefusedError, as_refusal, passes_through_fallback
 from slcompile.pipeline import run_pipeline
 from slcompile.schedules.planner import describe
 
@@ -224,7 +224,7 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None
         state = err.state
         reason = str(err)
     except Exception as err:  # noqa: BLE001  (the backend falls back on any failure: say why)
-        if is_user_error(err):
+        if passes_through_fallback(err):
             raise
         state, reason = None, str(as_refusal(err, "the Dynamo stage"))
     blocks = state.blocks if state is not None else None
@@ -277,7 +277,7 @@ def _predict(state, example_inputs, optimizer=None, optimizer_options=None):
     except BudgetError as err:
         return None, str(err), None
     except Exception as err:  # noqa: BLE001  (the backend compiles plainly: the reason, as a refusal)
-        if is_user_error(err):
+        if passes_through_fallback(err):
             raise
         raise as_refusal(err, failed_stage(report.pass_log, "aot_eager")) from err
     return report.memory, None, report.planned_schedule

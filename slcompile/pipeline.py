@@ -504,6 +504,10 @@ def _derive_schedule(step: StepState) -> Schedule:
         derived = schedule_of(step.graphs["forward"], step.graphs["backward"])
     planned = step_schedule(step)
     if planned is not None and planned.policy is not None:
+        if "inference" in step.graphs and planned.request.backward:
+            # The Dynamo stage plans a training step; AOTAutograd found nothing to
+            # differentiate (an evaluation under no_grad): the policy's forward alone.
+            planned = planned.replan(backward=False)
         check_agreement(planned, derived, planned.policy.name)
     return derived
 

@@ -27,7 +27,8 @@ from slcompile.analysis.inputs import classify_inputs
 from slcompile.backends.lowering import StepPlan, failed_stage, lower
 from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import (
-    BudgetError, NoBlocksError, OffloadError, OptionError, RefusedError, as_refusal, compile_error, is_user_error,
+    BudgetError, NoBlocksError, OffloadError, OptionError, RefusedError, as_refusal, compile_error,
+    passes_through_fallback,
 )
 from slcompile.pipeline import run_pipeline
 from slcompile.report import CompileReport, add_report
@@ -92,7 +93,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
         compiled = lower(state.gm, example_inputs, config.lowering, report, step_plan(state))
         _size_host_pool(state, report)
     except Exception as err:  # noqa: BLE001  (any failure: see `as_refusal`)
-        if is_user_error(err):
+        if passes_through_fallback(err):
             raise
         refusal = as_refusal(err, failed_stage(report.pass_log, config.lowering))
         if refusal is not err:

@@ -379,7 +379,13 @@ class WeightStreamer:
                     _release_shard(_engine_of(WeightKey.parse(graph_key).stored, self.engine),
                                    shard_loads[graph_key])
             else:
-                self.engine.wait(handle)
+                try:
+                    self.engine.wait(handle)
+                except OffloadError as err:
+                    # Dropped unread: a fetch that needs the weight loads it again and
+                    # raises there; the caller draining (an optimizer step, another
+                    # model's compile) has nothing to do with it.
+                    log.debug("a dropped prefetch of %s failed: %s", graph_key, err)
 
     def drain(self) -> None:
         """Waits for and drops prefetched loads: before the weights change (an
