@@ -10,7 +10,7 @@ gradients="nvme")`), trained for ``--steps`` steps on one batch. After each step
 records the process's resident memory (VmRSS), its open file descriptors, the disk
 bytes the nvme arena takes (allocated blocks of its file), the arena file's size and
 the bytes moved between tiers in that step, and the events the runtime's timeline
-holds (it keeps the last 200,000: their memory grows until it is full;
+holds (it keeps the last 20,000: their memory grows until it is full;
 ``--no-timeline`` records none). The summary says how much the resident
 memory grew from the end of the warm-up to the last step, in percent and in bytes
 per step (a least-squares slope); a leak shows as a slope that does not fall with
@@ -170,7 +170,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="steps before the growth is measured")
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--no-timeline", action="store_true",
-                        help="record no timeline events (the timeline keeps the last 200,000, which grows the "
+                        help="record no timeline events (the timeline keeps the last 20,000, which grows the "
                              "resident memory until it is full)")
     parser.add_argument("--offload-dir", default=None, help="parent of the arena (default: a fresh temp dir)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "soak.json"))

@@ -54,7 +54,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TIMELINE_CAPACITY = 200_000
+# About 6 MiB of events: the last few steps of a large model (a step records a few
+# events per (block, sub-batch) region and transfer), what `record_step` and a trace
+# need, without a long run's memory growing for tens of MiB before it is full.
+TIMELINE_CAPACITY = 20_000
 
 TransferKey = tuple[TransferKind, Tier, Tier]
 """(kind, source tier, destination tier): the key of the byte counters."""
