@@ -12,8 +12,9 @@ and tier) and the tensor's name. Every store gets a fresh stored key (`...#17`),
 forwards of the same graph before their backwards never overwrite each other. The
 stored copy lives as long as the stash token: AOTAutograd keeps the token as a saved
 tensor and drops it when the backward is done with it (or when the graph is freed
-without a backward), and the token's finalizer frees the copy. A backward run twice
-with `retain_graph=True` therefore reads the copy twice.
+without a backward), and the token's finalizer frees the copy. A second backward
+through one graph (`retain_graph=True`) is not supported: AOTAutograd donates the
+backward's saved buffers, and torch refuses the second backward of such a graph.
 """
 
 from __future__ import annotations
