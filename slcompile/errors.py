@@ -128,6 +128,28 @@ class CompileError(_dynamo_exc().BackendCompilerFailed):
     def real_stack(self, value) -> None:
         pass
 
+    # Newer Dynamo appends the same hint to every `ShortenTraceback` through `args`,
+    # stack or not; the hint is cut as it is written.
+    @property
+    def args(self):
+        return BaseException.args.__get__(self)
+
+    @args.setter
+    def args(self, value) -> None:
+        if value and isinstance(value[0], str):
+            value = (_without_dynamo_hint(value[0]), *value[1:])
+        BaseException.args.__set__(self, value)
+
+
+def _without_dynamo_hint(message: str) -> str:
+    """`message` without the "Set TORCHDYNAMO_VERBOSE=1 ... reporting a bug to
+    PyTorch ..." paragraph Dynamo appends to exceptions on their way out."""
+    start = message.find("\nSet TORCHDYNAMO_VERBOSE=1")
+    if start < 0:
+        return message
+    end = message.find("\n", start + 1)
+    return message[:start] + ("" if end < 0 else message[end:].rstrip("\n"))
+
 
 class OptionCompileError(CompileError, ValueError):
     """A `CompileError` whose cause is a bad option: also a `ValueError`."""
