@@ -24,8 +24,8 @@ in the step graph, between compiled regions). Handed a whole marked graph, Induc
 (torch 2.13) fuses kernels of neighbouring regions across a marker while it frees a
 graph input where the unfused order last used it: the generated code deleted
 `primals_3` before the fused prefix kernel that reads it (UnboundLocalError at the
-first call). The lowering therefore removes the markers from a graph it compiles
-whole; its transfers are still recorded.
+first call). `drop_marks`, the pass after `compile_regions`, therefore removes the
+markers from a graph Inductor compiles whole; its transfers are still recorded.
 
 `slcompile.runtime.ops.set_region_listener(callback)` lets the visualizer sample
 other figures (resident bytes per tier) at every region boundary; with no listener, a
@@ -50,6 +50,7 @@ __all__ = [
     "RegionMarks",
     "mark_regions",
     "marked_regions",
+    "drop_marks",
     "is_bookkeeping",
 ]
 
@@ -126,6 +127,21 @@ def marked_regions(graph: torch.fx.Graph) -> tuple[MarkedRegion, ...]:
         elif label is not None:
             members.append(node.name)
     return tuple(regions)
+
+
+def drop_marks(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
+    """Removes the markers of `gm` (changed in place), for a graph Inductor compiles
+    whole (its scheduler fuses kernels across them).
+
+    Returns:
+        (gm, the number of markers removed).
+    """
+    marks = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is MARK]
+    for node in marks:
+        gm.graph.erase_node(node)
+    if marks:
+        gm.recompile()
+    return gm, len(marks)
 
 
 def _tag_runs(graph: torch.fx.Graph) -> list[tuple[str, torch.fx.Node, torch.fx.Node]]:
