@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 
 import torch
 import torch.fx
 
 from slcompile.meta import get_slc_meta
-from slcompile.vocabulary import MARK
+from slcompile.vocabulary import MARK, is_bookkeeping, parse_region_label, region_label
 
 __all__ = [
     "MARK",
@@ -51,7 +50,6 @@ __all__ = [
     "mark_regions",
     "marked_regions",
     "drop_marks",
-    "is_bookkeeping",
 ]
 
 log = logging.getLogger(__name__)
@@ -100,7 +98,7 @@ def mark_regions(gm: torch.fx.GraphModule, kind: str) -> tuple[torch.fx.GraphMod
     graph = gm.graph
     runs = _tag_runs(graph)
     for tag, first, last in runs:
-        label = f"{tag} {phase}"
+        label = region_label(tag, phase)
         with graph.inserting_before(first):
             begin = graph.call_function(MARK, (label, True))
         with graph.inserting_after(last):
@@ -122,7 +120,7 @@ def marked_regions(graph: torch.fx.Graph) -> tuple[MarkedRegion, ...]:
             if node.args[1]:
                 label, members = node.args[0], []
             elif label is not None:
-                regions.append(MarkedRegion(label, label.split(" ")[0], tuple(members)))
+                regions.append(MarkedRegion(label, parse_region_label(label)[0], tuple(members)))
                 label = None
         elif label is not None:
             members.append(node.name)
@@ -160,13 +158,3 @@ def _tag_runs(graph: torch.fx.Graph) -> list[tuple[str, torch.fx.Node, torch.fx.
         else:
             runs.append([meta.tag, node, node])
     return [tuple(run) for run in runs]
-
-
-def is_bookkeeping(node: torch.fx.Node) -> bool:
-    """Nodes that compute nothing of their own: they never open a region."""
-    target = node.target
-    if target is operator.getitem:
-        return True
-    if isinstance(target, torch._ops.OpOverload):
-        return bool(getattr(target, "is_view", False)) or target.overloadpacket is torch.ops.aten.detach
-    return False
