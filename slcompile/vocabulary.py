@@ -27,6 +27,13 @@ dependency token, value 0, which nothing needs to read: an op without a tensor o
 lets Inductor fuse kernels across it and free a graph input too early, as `mark` does).
 Nothing aliases its input, so the ops pass functionalization.
 
+Weight loads are issued ahead by one rule, which the policies' schedules, the
+prefetch pass and the memory model share: the block visits (each block's fetches in
+a graph, or each (block, sub-batch)'s) form one cycle, forward, backward, the next
+step's forward; while a visit runs, the loads of the `live_blocks - 1` visits after
+it are in flight, and the visit issues the last of them (`issued_visit`,
+`prefetched_visits`).
+
 A compute region is labelled `"blk3.sb1 fwd"` (its tag and phase) in `slc::mark` and
 on the runtime's timeline: `region_label` writes it, `parse_region_label` reads it.
 
@@ -77,6 +84,9 @@ __all__ = [
     "transfer_kind",
     "region_label",
     "parse_region_label",
+    "prefetch_ahead",
+    "issued_visit",
+    "prefetched_visits",
 ]
 
 _LIB = torch.library.Library("slc", "DEF")
@@ -286,6 +296,27 @@ def parse_region_label(label: str) -> tuple[str, str]:
     """(tag, phase) of a region label; the phase is "" when the label names none."""
     tag, _, phase = label.partition(" ")
     return tag, phase
+
+
+def prefetch_ahead(live_blocks: int, num_visits: int) -> int:
+    """How many block visits ahead a weight load is issued: `live_blocks - 1`, at
+    most the other visits of the cycle; 0: no prefetch (each fetch loads its own)."""
+    return max(min(live_blocks - 1, num_visits - 1), 0)
+
+
+def issued_visit(visit: int, live_blocks: int, num_visits: int) -> int | None:
+    """The visit whose weight loads visit `visit` issues (just before its own
+    first fetch), or None without prefetch."""
+    ahead = prefetch_ahead(live_blocks, num_visits)
+    return (visit + ahead) % num_visits if ahead else None
+
+
+def prefetched_visits(visit: int, live_blocks: int, num_visits: int) -> tuple[int, ...]:
+    """The visits whose weights are loaded ahead while visit `visit` runs (issued,
+    not yet fetched): the `prefetch_ahead` visits after it, around the cycle. Visit -1
+    is the one before the first."""
+    ahead = prefetch_ahead(live_blocks, num_visits)
+    return tuple((visit + step) % num_visits for step in range(1, ahead + 1))
 
 
 _WEIGHT_KEY = re.compile(r"^(?P<streamer>[^|]+)\|(?P<stored>[^#@]+)(?:#sb(?P<subbatch>\d+))?(?:@(?P<phase>fwd|bwd))?$")

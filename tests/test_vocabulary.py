@@ -26,7 +26,10 @@ from slcompile.vocabulary import (
     is_load,
     is_store,
     is_wait,
+    issued_visit,
     parse_region_label,
+    prefetch_ahead,
+    prefetched_visits,
     region_label,
     transfer_kind,
 )
@@ -101,6 +104,17 @@ def test_region_labels_round_trip():
     assert region_label("blk3.sb1", "fwd") == "blk3.sb1 fwd"
     assert parse_region_label(region_label("blk3.sb1", "bwd")) == ("blk3.sb1", "bwd")
     assert parse_region_label("suffix") == ("suffix", "")
+
+
+def test_one_prefetch_rule_around_the_cycle_of_visits():
+    # Four visits (two blocks forward, then backward), two blocks' weights live.
+    assert [issued_visit(v, 2, 4) for v in range(4)] == [1, 2, 3, 0]
+    assert [prefetched_visits(v, 2, 4) for v in (-1, 0, 3)] == [(0,), (1,), (0,)]
+    assert [issued_visit(v, 3, 4) for v in range(4)] == [2, 3, 0, 1]
+    assert prefetched_visits(1, 3, 4) == (2, 3)
+    # At most the other visits; none with one live block or no visit.
+    assert prefetch_ahead(9, 4) == 3 and prefetch_ahead(1, 4) == 0 and prefetch_ahead(2, 0) == 0
+    assert issued_visit(0, 1, 4) is None and prefetched_visits(0, 1, 4) == () == prefetched_visits(-1, 2, 0)
 
 
 # The runtime's records of a step, and the hook that samples them at region markers.
