@@ -15,7 +15,8 @@ A graph Dynamo hands the backend goes through these stages (see
   step's memory and read its schedule back from the graphs.
 - `INFERENCE_PASSES` ("inference"): the same for an inference graph.
 - `COMPILED_PASSES` ("compiled"): each AOT graph as it is handed to its compiler
-  (the stream of each transfer, compute-region markers).
+  (the stream of each transfer, compute-region markers; with Inductor, the graph cut
+  into regions compiled once each, or its markers dropped when it compiles whole).
 
 The lowering (`slcompile.backends.lowering`) runs the stages after Dynamo's from
 AOTAutograd's hooks, once per recompute choice it tries. To add a pass, write a
@@ -36,6 +37,7 @@ import torch.fx
 from slcompile.analysis.batch_propagation import BatchPlan, propagate_batch
 from slcompile.analysis.inputs import GraphInput, classify_inputs
 from slcompile.analysis.memory import predict_memory
+from slcompile.backends.outline import compile_regions
 from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import PolicyError, RefusedError
 from slcompile.passes.check_splittable import check_splittable
@@ -46,7 +48,7 @@ from slcompile.passes.inline_checkpoints import inline_checkpoints
 from slcompile.passes.interleave import InterleaveReport, interleave
 from slcompile.passes.manager import Pass, PassLog, StepState, disabled_passes, run_passes
 from slcompile.passes.annotate_streams import annotate_streams, stream_key
-from slcompile.passes.mark_regions import mark_regions
+from slcompile.passes.mark_regions import drop_marks, mark_regions
 from slcompile.passes.offload_activations import (
     OffloadedActivations,
     offload_saved,
@@ -585,6 +587,31 @@ def _mark_regions(step: StepState):
     return marks
 
 
+def _compile_regions(step: StepState):
+    plan = step.plan
+    if step.lowering != "inductor" or plan is None or not plan.compile_regions or step.compile_region is None:
+        return None
+    try:
+        cut = compile_regions(step.graphs[step.kind], step.compile_region, step.region_cache)
+    except Exception as error:  # noqa: BLE001  (any failure: the whole graph still compiles)
+        log.warning("speedloader: compiling the %s graph region by region failed (%s: %s); "
+                    "compiling it whole", step.kind, type(error).__name__, error)
+        return None
+    if cut is None:
+        return None
+    # The step graph, calling the compiled regions, is what the lowering runs.
+    step.graphs[step.kind], compiled = cut
+    step.report.regions[step.kind] = compiled
+    return compiled
+
+
+def _drop_marks(step: StepState) -> int:
+    if step.lowering != "inductor" or step.results.get("compile_regions") is not None:
+        return 0
+    _, dropped = drop_marks(step.graphs[step.kind])
+    return dropped
+
+
 COMPILED_PASSES: tuple[Pass, ...] = (
     # Names the stream each transfer runs on (Inductor never acts on it).
     Pass(
@@ -592,6 +619,15 @@ COMPILED_PASSES: tuple[Pass, ...] = (
         code=(annotate_streams,),
     ),
     Pass("mark_regions", "compiled", "rewrite", _mark_regions, graphs=("compiled",), code=(mark_regions,)),
+    # With Inductor: each distinct (block, sub-batch) region compiled once, called
+    # from a step graph that replaces the graph.
+    Pass(
+        "compile_regions", "compiled", "rewrite", _compile_regions, graphs=("compiled",),
+        code=(compile_regions,),
+    ),
+    # Inductor fuses kernels across markers (see `mark_regions`): a graph it compiles
+    # whole keeps none.
+    Pass("drop_marks", "compiled", "rewrite", _drop_marks, graphs=("compiled",), required=True, code=(drop_marks,)),
 )
 
 

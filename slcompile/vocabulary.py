@@ -27,6 +27,16 @@ dependency token, value 0, which nothing needs to read: an op without a tensor o
 lets Inductor fuse kernels across it and free a graph input too early, as `mark` does).
 Nothing aliases its input, so the ops pass functionalization.
 
+Weight loads are issued ahead by one rule, which the policies' schedules, the
+prefetch pass and the memory model share: the block visits (each block's fetches in
+a graph, or each (block, sub-batch)'s) form one cycle, forward, backward, the next
+step's forward; while a visit runs, the loads of the `live_blocks - 1` visits after
+it are in flight, and the visit issues the last of them (`issued_visit`,
+`prefetched_visits`).
+
+A compute region is labelled `"blk3.sb1 fwd"` (its tag and phase) in `slc::mark` and
+on the runtime's timeline: `region_label` writes it, `parse_region_label` reads it.
+
 Keys are strings in the graph (they appear verbatim in generated code) with one format
 and one parser each: `WeightKey` (`w3|w0:layers_0_fc_weight#sb1@bwd`), `StashKey`
 (`a2|blk3.sb1.mul_4`) and `GradientKey` (`g1|w0:layers_0_fc_weight`).
@@ -69,8 +79,14 @@ __all__ = [
     "is_issue",
     "is_mark",
     "is_gradient_store",
+    "is_bookkeeping",
     "is_compute",
     "transfer_kind",
+    "region_label",
+    "parse_region_label",
+    "prefetch_ahead",
+    "issued_visit",
+    "prefetched_visits",
 ]
 
 _LIB = torch.library.Library("slc", "DEF")
@@ -209,18 +225,20 @@ def is_load(node: torch.fx.Node) -> bool:
 
 
 def is_store(node: torch.fx.Node) -> bool:
-    """The issue of a store to a tier."""
-    return _calls(node, STASH)
+    """The issue of a store to a tier: an activation's stash or a weight gradient's."""
+    return transfer_kind(node) in (("stash", "issue"), ("store_grad", "issue"))
 
 
 def is_issue(node: torch.fx.Node) -> bool:
     """The first half of a transfer pair: the transfer starts here."""
-    return _calls(node, FETCH_ISSUE, STASH, UNSTASH)
+    kind = transfer_kind(node)
+    return kind is not None and kind[1] == "issue"
 
 
 def is_wait(node: torch.fx.Node) -> bool:
     """The second half of a transfer pair: the graph blocks here until it is done."""
-    return _calls(node, FETCH_WEIGHT, WAIT, UNSTASH_WAIT)
+    kind = transfer_kind(node)
+    return kind is not None and kind[1] == "wait"
 
 
 def is_mark(node: torch.fx.Node) -> bool:
@@ -242,20 +260,63 @@ def transfer_kind(node: torch.fx.Node) -> tuple[str, str] | None:
     return _TRANSFERS.get(node.target)
 
 
-def is_compute(node: torch.fx.Node) -> bool:
-    """Whether the node computes tensor data of the model: an op call that is not a
-    `slc::` op, not a view, a getitem or a detach, and not size arithmetic."""
-    if node.op != "call_function" or is_slc_op(node) or node.target is operator.getitem:
+def is_bookkeeping(node: torch.fx.Node) -> bool:
+    """An op call that computes nothing of its own: a getitem, a view or a detach (it
+    never opens a compute region; it joins the one that is open)."""
+    if node.op != "call_function":
         return False
     target = node.target
-    if getattr(target, "is_view", False):
-        return False
-    if isinstance(target, torch._ops.OpOverload) and target.overloadpacket is torch.ops.aten.detach:
+    if target is operator.getitem or getattr(target, "is_view", False):
+        return True
+    return isinstance(target, torch._ops.OpOverload) and target.overloadpacket is torch.ops.aten.detach
+
+
+def is_compute(node: torch.fx.Node) -> bool:
+    """Whether the node computes tensor data of the model: an op call that is not a
+    `slc::` op, not bookkeeping (`is_bookkeeping`), and not size arithmetic."""
+    if node.op != "call_function" or is_slc_op(node) or is_bookkeeping(node):
         return False
     value = node.meta.get("val")
     if isinstance(value, (list, tuple)):
         return any(isinstance(v, torch.Tensor) for v in value)
     return value is None or isinstance(value, torch.Tensor)
+
+
+def region_label(tag: str, phase: str) -> str:
+    """The label of a compute region (`slc::mark`, the timeline): `"blk3.sb1 fwd"`.
+
+    Args:
+        tag: the (block, sub-batch) tag, `"blk3.sb1"` (`SlcMeta.tag`).
+        phase: "fwd" or "bwd" (generation: "prefill" or "decode").
+    """
+    return f"{tag} {phase}"
+
+
+def parse_region_label(label: str) -> tuple[str, str]:
+    """(tag, phase) of a region label; the phase is "" when the label names none."""
+    tag, _, phase = label.partition(" ")
+    return tag, phase
+
+
+def prefetch_ahead(live_blocks: int, num_visits: int) -> int:
+    """How many block visits ahead a weight load is issued: `live_blocks - 1`, at
+    most the other visits of the cycle; 0: no prefetch (each fetch loads its own)."""
+    return max(min(live_blocks - 1, num_visits - 1), 0)
+
+
+def issued_visit(visit: int, live_blocks: int, num_visits: int) -> int | None:
+    """The visit whose weight loads visit `visit` issues (just before its own
+    first fetch), or None without prefetch."""
+    ahead = prefetch_ahead(live_blocks, num_visits)
+    return (visit + ahead) % num_visits if ahead else None
+
+
+def prefetched_visits(visit: int, live_blocks: int, num_visits: int) -> tuple[int, ...]:
+    """The visits whose weights are loaded ahead while visit `visit` runs (issued,
+    not yet fetched): the `prefetch_ahead` visits after it, around the cycle. Visit -1
+    is the one before the first."""
+    ahead = prefetch_ahead(live_blocks, num_visits)
+    return tuple((visit + step) % num_visits for step in range(1, ahead + 1))
 
 
 _WEIGHT_KEY = re.compile(r"^(?P<streamer>[^|]+)\|(?P<stored>[^#@]+)(?:#sb(?P<subbatch>\d+))?(?:@(?P<phase>fwd|bwd))?$")

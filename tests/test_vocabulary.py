@@ -9,7 +9,30 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import slcompile
-from slcompile.vocabulary import StashKey, WeightKey, is_compute, is_fetch, is_load, is_wait, transfer_kind
+from slcompile.vocabulary import (
+    FETCH_ISSUE,
+    FETCH_WEIGHT,
+    OFFLOAD_GRAD,
+    STASH,
+    UNSTASH,
+    UNSTASH_WAIT,
+    WAIT,
+    StashKey,
+    WeightKey,
+    is_bookkeeping,
+    is_compute,
+    is_fetch,
+    is_issue,
+    is_load,
+    is_store,
+    is_wait,
+    issued_visit,
+    parse_region_label,
+    prefetch_ahead,
+    prefetched_visits,
+    region_label,
+    transfer_kind,
+)
 
 
 @pytest.mark.parametrize("key", [
@@ -43,6 +66,55 @@ def test_predicates_on_a_traced_graph():
     assert not is_compute(fetch)
     computing = [n.name for n in gm.graph.nodes if is_compute(n)]
     assert [by_name[n].target for n in computing] == [torch.ops.aten.mm.default, torch.ops.aten.relu.default]
+
+
+def test_issue_store_and_wait_cover_every_transfer_gradient_stores_included():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    fetch_issue = graph.call_function(FETCH_ISSUE, ("w0|w0:w@fwd",))
+    fetch = graph.call_function(FETCH_WEIGHT, (x, "w0|w0:w@fwd"))
+    stash = graph.call_function(STASH, (x, "a0|blk0.sb0.x"))
+    stash_wait = graph.call_function(WAIT, (stash, [x]))
+    unstash = graph.call_function(UNSTASH, (stash,))
+    unstash_wait = graph.call_function(UNSTASH_WAIT, (unstash, [2], torch.float32, torch.device("cpu")))
+    store_grad = graph.call_function(OFFLOAD_GRAD, (x, "g0|w0:w"))
+    store_grad_wait = graph.call_function(WAIT, (store_grad, [x]))
+    relu = graph.call_function(torch.ops.aten.relu.default, (x,))
+    view = graph.call_function(torch.ops.aten.view.default, (relu, [-1]))
+    nodes = {n.name: n for n in graph.nodes if n.op == "call_function"}
+    table = {name: (is_issue(n), is_wait(n), is_store(n), is_load(n)) for name, n in nodes.items()}
+    assert table == {
+        fetch_issue.name: (True, False, False, False),
+        fetch.name: (False, True, False, True),
+        stash.name: (True, False, True, False),
+        stash_wait.name: (False, True, False, False),
+        unstash.name: (True, False, False, False),
+        unstash_wait.name: (False, True, False, True),
+        store_grad.name: (True, False, True, False),
+        store_grad_wait.name: (False, True, False, False),
+        relu.name: (False, False, False, False),
+        view.name: (False, False, False, False),
+    }
+    assert transfer_kind(store_grad_wait) == ("store_grad", "wait")
+    assert [n.name for n in nodes.values() if is_bookkeeping(n)] == [view.name]
+    assert [n.name for n in nodes.values() if is_compute(n)] == [relu.name]
+
+
+def test_region_labels_round_trip():
+    assert region_label("blk3.sb1", "fwd") == "blk3.sb1 fwd"
+    assert parse_region_label(region_label("blk3.sb1", "bwd")) == ("blk3.sb1", "bwd")
+    assert parse_region_label("suffix") == ("suffix", "")
+
+
+def test_one_prefetch_rule_around_the_cycle_of_visits():
+    # Four visits (two blocks forward, then backward), two blocks' weights live.
+    assert [issued_visit(v, 2, 4) for v in range(4)] == [1, 2, 3, 0]
+    assert [prefetched_visits(v, 2, 4) for v in (-1, 0, 3)] == [(0,), (1,), (0,)]
+    assert [issued_visit(v, 3, 4) for v in range(4)] == [2, 3, 0, 1]
+    assert prefetched_visits(1, 3, 4) == (2, 3)
+    # At most the other visits; none with one live block or no visit.
+    assert prefetch_ahead(9, 4) == 3 and prefetch_ahead(1, 4) == 0 and prefetch_ahead(2, 0) == 0
+    assert issued_visit(0, 1, 4) is None and prefetched_visits(0, 1, 4) == () == prefetched_visits(-1, 2, 0)
 
 
 # The runtime's records of a step, and the hook that samples them at region markers.

@@ -65,6 +65,7 @@ from slcompile.analysis.lifetimes import (
 )
 from slcompile.meta import get_slc_meta
 from slcompile.units import format_bytes
+from slcompile.vocabulary import prefetched_visits
 
 __all__ = [
     "GraphMemory",
@@ -496,7 +497,6 @@ def _prefetched(tables, graphs, live_blocks: int, size) -> list[list[int]]:
     visits = [_visits(gm, size) for gm in graphs]
     sizes = [size for _, graph_sizes in visits for size in graph_sizes]
     total = len(sizes)
-    ahead = min(live_blocks - 1, max(total - 1, 0))
     extra = []
     offset = 0
     for (starts, _), table in zip(visits, tables):
@@ -505,7 +505,7 @@ def _prefetched(tables, graphs, live_blocks: int, size) -> list[list[int]]:
         for i in range(len(table.resident)):
             while current + 1 - offset < len(starts) and starts[current + 1 - offset] <= i:
                 current += 1
-            per_node.append(sum(sizes[(current + j) % total] for j in range(1, ahead + 1)) if total else 0)
+            per_node.append(sum(sizes[visit] for visit in prefetched_visits(current, live_blocks, total)))
         extra.append([a + b for a, b in zip(per_node, issued[len(extra)])])
         offset += len(starts)
     return extra

@@ -10,15 +10,16 @@ pass manager (`slcompile.passes.manager`; the passes are declared in
 `slcompile.pipeline`): the joint graph's before the partitioner, the partitioned
 forward and backward's after it (among them `order_layer_major`: the partitioner
 moves some saved values to the end of the forward), and every graph's just before it
-is compiled. Each graph is then recorded in the CompileReport, so tests can read the
-order that is compiled. The Inductor cache key of the wrapped partitioner hashes
-every module a declared pass lives in (`partition_key`).
+is compiled (with Inductor, `compile_regions` there may replace the graph by a step
+graph calling regions it compiled). Each graph is then recorded in the
+CompileReport, so tests can read the order that is compiled. The Inductor cache key
+of the wrapped partitioner hashes every module a declared pass lives in
+(`partition_key`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,7 +29,6 @@ import torch.fx
 
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn, get_hash_for_files
 
-from slcompile.backends.outline import compile_regions
 from slcompile.errors import BudgetError
 from slcompile.passes.offload_activations import OffloadedActivations
 from slcompile.passes.manager import StepState, pass_modules, run_passes
@@ -41,7 +41,6 @@ from slcompile.pipeline import (
 )
 from slcompile.report import CompileReport
 from slcompile.schedules.planner import kept_bytes
-from slcompile.vocabulary import is_mark
 
 __all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES", "failed_stage"]
 
@@ -121,8 +120,10 @@ def lower(
         BudgetError: no plan fits `plan.memory_budget`.
     """
     partition_hook = None if plan is None else _PlannedPartition(plan, report, lowering)
+    region_cache: dict = {}  # one compiled callable per distinct region, across the step's graphs
 
-    def prepare(kind: str, graph: torch.fx.GraphModule) -> None:
+    def prepare(kind: str, graph: torch.fx.GraphModule) -> StepState:
+        """Runs the compiled stage on `graph`; its `graphs[kind]` is what to compile."""
         if plan is not None and kind == "inference":
             step = run_passes(
                 INFERENCE_PASSES, StepState(plan, report, {"inference": graph}, lowering=lowering), report.pass_log
@@ -130,15 +131,22 @@ def lower(
             if "derive_schedule" in step.results:
                 report.schedule = step.results["derive_schedule"].text()
             report.memory = step.results["predict_memory"]
-        step = StepState(plan, report, {kind: graph}, kind=kind, lowering=lowering)
+
+        def compile_region(module: torch.fx.GraphModule, inputs) -> Callable:
+            return _compile_region(module, inputs, kind)
+
+        step = StepState(
+            plan, report, {kind: graph}, kind=kind, lowering=lowering,
+            compile_region=compile_region if lowering == "inductor" else None, region_cache=region_cache,
+        )
         run_passes(COMPILED_PASSES, step, report.pass_log, label=kind)
         report.record_graph(kind, graph)
+        return step
 
     if lowering == "aot_eager":
         return _aot_eager(gm, example_inputs, prepare, partition_hook)
     if lowering == "inductor":
-        return _inductor(gm, example_inputs, prepare, partition_hook, report,
-                         by_region=plan is not None and plan.compile_regions)
+        return _inductor(gm, example_inputs, prepare, partition_hook)
     raise ValueError(f"unknown lowering {lowering!r}")
 
 
@@ -333,20 +341,10 @@ def _compile_region(module: torch.fx.GraphModule, inputs, kind: str):
         return compile_fx_inner(module, inputs, is_backward=kind == "backward", is_inference=kind == "inference")
 
 
-def _drop_marks(graph: torch.fx.GraphModule) -> None:
-    """Removes `mark_regions`' markers from a graph Inductor compiles whole (its
-    scheduler fuses kernels across them)."""
-    for node in [n for n in graph.graph.nodes if is_mark(n)]:
-        graph.graph.erase_node(node)
-    graph.recompile()
-
-
-def _inductor(gm, example_inputs, prepare, partition_hook, report: CompileReport, by_region: bool = False):
+def _inductor(gm, example_inputs, prepare, partition_hook):
     from torch._dynamo.backends.debugging import boxed_nop
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-    regions: dict = {}  # one compiled callable per distinct region, across the step's graphs
 
     def inner(graph: torch.fx.GraphModule, inputs, **kwargs):
         if kwargs.get("is_backward"):
@@ -355,19 +353,11 @@ def _inductor(gm, example_inputs, prepare, partition_hook, report: CompileReport
             kind = "inference"
         else:
             kind = "forward"
-        prepare(kind, graph)
+        # The regions `compile_regions` compiles are compiled under the same patches.
         with inductor_config.patch(INDUCTOR_PATCHES):
-            if by_region:
-                try:
-                    cut = compile_regions(graph, functools.partial(_compile_region, kind=kind), regions)
-                except Exception as error:  # noqa: BLE001  (any failure: the whole graph still compiles)
-                    log.warning("speedloader: compiling the %s graph region by region failed (%s: %s); "
-                                "compiling it whole", kind, type(error).__name__, error)
-                    cut = None
-                if cut is not None:
-                    step, report.regions[kind] = cut
-                    return boxed_nop(step, inputs)
-                _drop_marks(graph)
+            step = prepare(kind, graph)
+            if step.results.get("compile_regions") is not None:
+                return boxed_nop(step.graphs[kind], inputs)
             return compile_fx_inner(graph, inputs, **kwargs)
 
     patches = dict(INDUCTOR_PATCHES)

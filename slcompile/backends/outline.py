@@ -47,8 +47,7 @@ import torch
 import torch.fx
 
 from slcompile.meta import get_slc_meta, parse_tag
-from slcompile.passes.mark_regions import is_bookkeeping
-from slcompile.vocabulary import is_slc_op
+from slcompile.vocabulary import is_bookkeeping, is_compute
 
 __all__ = ["Region", "RegionCompilation", "compile_regions", "find_regions", "MIN_REGION_NODES"]
 
@@ -96,8 +95,9 @@ class _OutOfOrder(Exception):
     pass
 
 
-def _is_compute(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and not is_slc_op(node)
+def _runs_in_region(node: torch.fx.Node) -> bool:
+    """Compute, and the bookkeeping that joins it; transfers and markers end a run."""
+    return is_compute(node) or is_bookkeeping(node)
 
 
 def find_regions(graph: torch.fx.Graph) -> list[Region]:
@@ -106,7 +106,7 @@ def find_regions(graph: torch.fx.Graph) -> list[Region]:
     open_run: Region | None = None
     owner: dict[torch.fx.Node, Region] = {}
     for node in graph.nodes:
-        if not _is_compute(node):
+        if not _runs_in_region(node):
             open_run = None
             continue
         if node.target is operator.getitem and node.args[0] in owner:
@@ -151,7 +151,7 @@ def _is_block(tag: str) -> bool:
 
 
 def _compute_count(run: Region) -> int:
-    return sum(1 for node in run.nodes if not is_bookkeeping(node))
+    return sum(1 for node in run.nodes if is_compute(node))
 
 
 def _static_tensor(value: Any) -> bool:
@@ -266,7 +266,7 @@ def compile_regions(
         log.info("speedloader: region input %s is computed after the region starts; compiled whole", error)
         return None
     module = torch.fx.GraphModule(gm, step)
-    eager = sum(1 for node in gm.graph.nodes if _is_compute(node) and node not in inside and not is_bookkeeping(node))
+    eager = sum(1 for node in gm.graph.nodes if is_compute(node) and node not in inside)
     done = RegionCompilation(len(regions), compiled_now, eager)
     log.info("speedloader: %d regions, %d compiled, %d compute nodes left eager", *dataclasses.astuple(done))
     return module, done

@@ -24,8 +24,8 @@ in the step graph, between compiled regions). Handed a whole marked graph, Induc
 (torch 2.13) fuses kernels of neighbouring regions across a marker while it frees a
 graph input where the unfused order last used it: the generated code deleted
 `primals_3` before the fused prefix kernel that reads it (UnboundLocalError at the
-first call). The lowering therefore removes the markers from a graph it compiles
-whole; its transfers are still recorded.
+first call). `drop_marks`, the pass after `compile_regions`, therefore removes the
+markers from a graph Inductor compiles whole; its transfers are still recorded.
 
 `slcompile.runtime.ops.set_region_listener(callback)` lets the visualizer sample
 other figures (resident bytes per tier) at every region boundary; with no listener, a
@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 
 import torch
 import torch.fx
 
 from slcompile.meta import get_slc_meta
-from slcompile.vocabulary import MARK
+from slcompile.vocabulary import MARK, is_bookkeeping, parse_region_label, region_label
 
 __all__ = [
     "MARK",
@@ -50,7 +49,7 @@ __all__ = [
     "RegionMarks",
     "mark_regions",
     "marked_regions",
-    "is_bookkeeping",
+    "drop_marks",
 ]
 
 log = logging.getLogger(__name__)
@@ -99,7 +98,7 @@ def mark_regions(gm: torch.fx.GraphModule, kind: str) -> tuple[torch.fx.GraphMod
     graph = gm.graph
     runs = _tag_runs(graph)
     for tag, first, last in runs:
-        label = f"{tag} {phase}"
+        label = region_label(tag, phase)
         with graph.inserting_before(first):
             begin = graph.call_function(MARK, (label, True))
         with graph.inserting_after(last):
@@ -121,11 +120,26 @@ def marked_regions(graph: torch.fx.Graph) -> tuple[MarkedRegion, ...]:
             if node.args[1]:
                 label, members = node.args[0], []
             elif label is not None:
-                regions.append(MarkedRegion(label, label.split(" ")[0], tuple(members)))
+                regions.append(MarkedRegion(label, parse_region_label(label)[0], tuple(members)))
                 label = None
         elif label is not None:
             members.append(node.name)
     return tuple(regions)
+
+
+def drop_marks(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
+    """Removes the markers of `gm` (changed in place), for a graph Inductor compiles
+    whole (its scheduler fuses kernels across them).
+
+    Returns:
+        (gm, the number of markers removed).
+    """
+    marks = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is MARK]
+    for node in marks:
+        gm.graph.erase_node(node)
+    if marks:
+        gm.recompile()
+    return gm, len(marks)
 
 
 def _tag_runs(graph: torch.fx.Graph) -> list[tuple[str, torch.fx.Node, torch.fx.Node]]:
@@ -144,13 +158,3 @@ def _tag_runs(graph: torch.fx.Graph) -> list[tuple[str, torch.fx.Node, torch.fx.
         else:
             runs.append([meta.tag, node, node])
     return [tuple(run) for run in runs]
-
-
-def is_bookkeeping(node: torch.fx.Node) -> bool:
-    """Nodes that compute nothing of their own: they never open a region."""
-    target = node.target
-    if target is operator.getitem:
-        return True
-    if isinstance(target, torch._ops.OpOverload):
-        return bool(getattr(target, "is_view", False)) or target.overloadpacket is torch.ops.aten.detach
-    return False

@@ -41,7 +41,15 @@ from torch.utils.checkpoint import CheckpointPolicy
 from slcompile.analysis.inputs import GraphInput
 from slcompile.meta import SlcMeta, get_slc_meta, set_slc_meta
 from slcompile.passes.find_blocks import BlockGraph
-from slcompile.vocabulary import FETCH_ISSUE, FETCH_WEIGHT, WeightKey, fake_token, is_fetch
+from slcompile.vocabulary import (
+    FETCH_ISSUE,
+    FETCH_WEIGHT,
+    WeightKey,
+    fake_token,
+    is_fetch,
+    issued_visit,
+    prefetch_ahead,
+)
 
 __all__ = ["StreamedWeights", "PlacedPrefetches", "stream_weights", "tag_fetch_views", "place_prefetches"]
 
@@ -220,10 +228,12 @@ def place_prefetches(
                 visits.append(visit)
                 fetches[visit] = []
             fetches[visit].append(node)
-    ahead = min(live_blocks - 1, len(visits) - 1)
     issues = {phase: 0 for phase, _ in graphs}
-    for index, visit in enumerate(visits if ahead > 0 else ()):
-        target = visits[(index + ahead) % len(visits)]
+    for index, visit in enumerate(visits):
+        issued = issued_visit(index, live_blocks, len(visits))
+        if issued is None:
+            break  # no prefetch
+        target = visits[issued]
         first = fetches[visit][0]
         keys = list(dict.fromkeys(node.args[1] for node in fetches[target]))
         # Tagged as the visit they run in, so regions and pictures keep them there.
@@ -237,4 +247,4 @@ def place_prefetches(
     for _, gm in graphs:
         gm.graph.lint()
         gm.recompile()
-    return PlacedPrefetches(tuple(visits), issues, max(ahead, 0))
+    return PlacedPrefetches(tuple(visits), issues, prefetch_ahead(live_blocks, len(visits)))

@@ -41,6 +41,7 @@ import dataclasses
 from collections.abc import Callable
 
 from slcompile.meta import format_tag
+from slcompile.vocabulary import issued_visit
 
 __all__ = [
     "Step", "Schedule", "SavedActivation", "PhaseOrder", "ScheduleRequest", "Policy", "TRANSFER_KINDS", "add_fetches",
@@ -324,11 +325,11 @@ def add_fetches(compute: list[Step], request: ScheduleRequest, *, per_subbatch: 
         if visit not in seen:
             seen.add(visit)
             visits.append((position, Step(step.phase, "block", step.block, visit[2], "fetch.wait")))
-    ahead = min(request.live_blocks - 1, len(visits) - 1)
     before: dict[int, list[Step]] = {}
     for index, (position, wait) in enumerate(visits):
-        if ahead > 0:
-            target = visits[(index + ahead) % len(visits)][1]
+        issued = issued_visit(index, request.live_blocks, len(visits))
+        if issued is not None:
+            target = visits[issued][1]
             before.setdefault(position, []).append(
                 Step(wait.phase, "block", target.block, target.subbatch, "fetch.issue", serves=target.phase)
             )

@@ -158,3 +158,50 @@ def printer():
         diff = staticmethod(diff_lines)
 
     return Printer
+
+
+def weight_key(stored: str):
+    """The fetch key of a weight in these tests' graphs: streamer `w0`, whatever
+    streamers the process made before."""
+    from slcompile.vocabulary import WeightKey
+
+    return WeightKey("w0", stored)
+
+
+@pytest.fixture
+def streamed(pipeline):
+    """`streamed(**options)`: the interleaved MLP with its block weights fetched by
+    `stream_weights` (keys `w0|layers.0.linear.weight@fwd`), and the graphs
+    AOTAutograd makes of it: a namespace with `state`, `weights` (the
+    `StreamedWeights`), `joint` (a copy of the joint graph before any tag),
+    `forward` and `backward` (partitioned after `tag_fetch_views`, as the pipeline
+    does)."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import default_partition
+
+    from slcompile.passes.stream_weights import stream_weights, tag_fetch_views
+
+    def run(**options):
+        state = pipeline("interleave", **options)
+        gm, weights = stream_weights(
+            state.gm, state.blocks, state.inputs, lambda name, value: short_name(name), weight_key,
+            per_subbatch=state.schedule.fetches_per_subbatch(),
+        )
+        graphs = {}
+
+        def partition(joint, joint_inputs, **kwargs):
+            graphs["joint"] = copy.deepcopy(joint)
+            tag_fetch_views(joint.graph)
+            graphs["forward"], graphs["backward"] = default_partition(joint, joint_inputs, **kwargs)
+            graphs["num_fwd_outputs"] = kwargs["num_fwd_outputs"]
+            return graphs["forward"], graphs["backward"]
+
+        aot_module_simplified(
+            gm, list(state.example_inputs), fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition
+        )
+        return SimpleNamespace(state=state, weights=weights, **graphs)
+
+    return run

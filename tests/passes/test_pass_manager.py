@@ -62,8 +62,12 @@ partitioned/derive_schedule
 partitioned/predict_memory
 compiled[forward]/annotate_streams
 compiled[forward]/mark_regions
+compiled[forward]/compile_regions
+compiled[forward]/drop_marks
 compiled[backward]/annotate_streams
-compiled[backward]/mark_regions""")
+compiled[backward]/mark_regions
+compiled[backward]/compile_regions
+compiled[backward]/drop_marks""")
 
 
 def test_recompute_search_lists_each_attempt(mlp, monkeypatch):
@@ -111,8 +115,12 @@ def test_dumps_are_numbered_across_stages(mlp, monkeypatch, tmp_path):
 018_predict_memory.txt
 019_annotate_streams.txt
 020_mark_regions.txt
-021_annotate_streams.txt
-022_mark_regions.txt""")
+021_compile_regions.txt
+022_drop_marks.txt
+023_annotate_streams.txt
+024_mark_regions.txt
+025_compile_regions.txt
+026_drop_marks.txt""")
     backward = (tmp_path / [t for t in texts if t.endswith("_fuse_weight_grads.txt")][0]).read_text()
     assert backward.startswith("# after partitioned/fuse_weight_grads (")
     assert "def forward(self" in backward
@@ -196,5 +204,5 @@ def test_pass_declarations_are_checked_and_hashed():
         Pass("x", "lowering", "rewrite", lambda step: None)
     files = pass_modules(all_passes())
     for module in ("fuse_weight_grads", "order_layer_major", "offload_activations", "stream_weights",
-                   "annotate_streams", "mark_regions", "find_blocks", "interleave", "memory", "derive"):
+                   "annotate_streams", "mark_regions", "outline", "find_blocks", "interleave", "memory", "derive"):
         assert any(f.endswith(f"/{module}.py") for f in files), module
