@@ -72,6 +72,7 @@ from slcompile.config import TIERS
 from slcompile.errors import OptionError, RefusedError
 from slcompile.runtime.stats import TransferKey
 from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.vocabulary import region_label
 
 __all__ = ["generate", "explain_generation", "find_decoder_layers", "generation", "GenerationOutput",
            "GenerationStep", "GenerationExplanation", "PassMemory"]
@@ -895,13 +896,13 @@ class _Generation:
                 kwargs.pop(self.plan.layer_cache_argument)
                 window = self.windows[index]
                 if phase == "prefill":
-                    with compute_region(f"blk{index}.sb{sb} prefill"):
+                    with compute_region(region_label(f"blk{index}.sb{sb}", "prefill")):
                         output, keys, values = self.prefill_step(self.templates[index], tensors, window, kwargs,
                                                                  self.plan.layer_cache_argument)
                 else:
                     past = self.kv.take(index, sb)
                     _mark_length_dynamic(past, kwargs)
-                    with compute_region(f"blk{index}.sb{sb} decode"):
+                    with compute_region(region_label(f"blk{index}.sb{sb}", "decode")):
                         output, keys, values = self.decode_step(self.templates[index], tensors, *past, window,
                                                                 kwargs, self.plan.layer_cache_argument)
                     del past

@@ -28,6 +28,7 @@ import torch.fx
 
 from slcompile.runtime.stats import TimelineEvent
 from slcompile.units import bytes_unit, format_bytes
+from slcompile.vocabulary import parse_region_label
 from slcompile.analysis.memory import MemoryPrediction, predict_step_memory
 from slcompile.viz.memory import DeviceLayers, ResidentSample, device_layers
 from slcompile.viz.trace import trace_lanes
@@ -222,8 +223,8 @@ def _shade_regions(axis, events, origin, label: bool) -> None:
     """Alternating bands per region (prefix, blk0, ..., suffix), named on the top panel."""
     spans: list[list] = []
     for event in (e for e in events if e.lane == "compute"):
-        head = event.label.split(".")[0].split(" ")[0]
-        phase = event.label.rsplit(" ", 1)[-1]
+        tag, phase = parse_region_label(event.label)
+        head = tag.split(".")[0]
         if spans and spans[-1][0] == (head, phase):
             spans[-1][2] = event.end
         else:
@@ -266,11 +267,11 @@ def plot_timeline(path: str | pathlib.Path, trace: dict, title: str = "timeline 
         row = rows.index(event["tid"])
         start, width = event["ts"] / 1e3, max(event["dur"] / 1e3, end * 1e-4)
         color = _LANE_COLORS.get(event["cat"], "#999999")
-        if event["cat"] == "compute" and ".sb" not in event["name"].split(" ")[0]:
+        if event["cat"] == "compute" and ".sb" not in parse_region_label(event["name"])[0]:
             color = _SHARED_COLOR
         axis.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3)
         if event["cat"] == "compute" and width > end / 60:
-            axis.text(start + width / 2, row, event["name"].split(" ")[0], ha="center", va="center", fontsize=6,
+            axis.text(start + width / 2, row, parse_region_label(event["name"])[0], ha="center", va="center", fontsize=6,
                       rotation=90 if width < end / 25 else 0, clip_on=True)
     if not any(e["cat"] == "compute" for e in slices) and "compute" in lanes.values():
         row = rows.index(next(tid for tid, name in lanes.items() if name == "compute"))
