@@ -17,6 +17,7 @@ is recomputed), and says so.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 
@@ -58,7 +59,7 @@ def inline_checkpoints(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
     for node in [n for n in gm.graph.nodes if is_checkpoint(n)]:
         inlined.append(_inline(gm, node))
     if inlined:
-        gm.graph.eliminate_dead_code()
+        gm.graph.eliminate_dead_code(is_impure_node=_has_effects)
         gm.delete_all_unused_submodules()
         gm.graph.lint()
         gm.recompile()
@@ -104,6 +105,44 @@ def _inline(gm: torch.fx.GraphModule, call: torch.fx.Node) -> str:
         gm.graph.erase_node(user)
     gm.graph.erase_node(call)
     return where
+
+
+# Operators that write into their first argument.
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift, operator.imatmul, operator.setitem}
+
+
+def _has_effects(node: torch.fx.Node) -> bool:
+    """Whether removing `node` would change what the graph computes though nothing
+    reads its result. torch.fx's own check misses writes in place: a Dynamo graph
+    calls `x.masked_fill_(mask, 0)` (a method) whose result nobody reads, and the
+    write is all that matters (T5's `_shift_right` turns -100 labels into pad ids so).
+    """
+    if node.is_impure():
+        return True
+    if node.op == "call_module":
+        return True
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("_")
+    if node.op != "call_function":
+        return False
+    if node.target in _INPLACE_OPERATORS:
+        return True
+    name = getattr(node.target, "__name__", "")
+    if name.endswith("_") and not name.startswith("_"):
+        return True
+    if node.kwargs.get("inplace") or node.kwargs.get("out") is not None:
+        return True
+    # `F.relu(x, True)`, `F.dropout(x, p, training, True)`: `inplace` given by position.
+    return any(arg is True for arg in node.args) and _takes_inplace(node.target)
+
+
+def _takes_inplace(target) -> bool:
+    try:
+        return "inplace" in inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return True
 
 
 def _path(call: torch.fx.Node, body: torch.fx.GraphModule) -> str:
