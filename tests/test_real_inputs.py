@@ -290,13 +290,6 @@ ALL_THREE_FAILURES: dict[str, tuple[type[BaseException], str]] = {
     "GPT-NeoX": (slcompile.CompileError, _mask_gather_on_a_symbolic_batch("getitem_21")),
     "GPT-J": (slcompile.CompileError, _mask_gather_on_a_symbolic_batch("getitem_21")),
     "BERT": (slcompile.CompileError, _mask_gather_on_a_symbolic_batch("getitem_19")),
-    "BLOOM": (slcompile.CompileError,
-              "with gradient checkpointing, refused: checkpointed region tag_activation_checkpoint (h.0) holds "
-              "attributes or regions of its own (fwd_body_0) [inline_checkpoints]"),
-    "T5": (IndexError,
-           "with a padding mask and gradient checkpointing, the compiled call fails as it runs: IndexError: index "
-           "out of range in self, from the decoder's embed_tokens (a mask and a second size, or a second size "
-           "and checkpointing, pass)"),
     "Mixtral (router aux loss)": (
         AssertionError,
         "with gradient checkpointing no graph holds blocks (each call breaks into graphs compiled plainly: "
