@@ -281,15 +281,7 @@ def test_gather_that_reorders_samples_is_refused(order):
 
 # Families of the zoo that do not yet train with a padding mask, a second batch size
 # and gradient checkpointing together: name -> (the exception, the refusal or failure).
-def _mask_gather_on_a_symbolic_batch(node):
-    return ("with a padding mask and a second batch size (symbolic batch), with or without checkpointing, "
-            f"refused: cannot split the batch: node {node} (getitem) indexes the batch dimension [check_splittable]")
-
-
 ALL_THREE_FAILURES: dict[str, tuple[type[BaseException], str]] = {
-    "GPT-NeoX": (slcompile.CompileError, _mask_gather_on_a_symbolic_batch("getitem_21")),
-    "GPT-J": (slcompile.CompileError, _mask_gather_on_a_symbolic_batch("getitem_21")),
-    "BERT": (slcompile.CompileError, _mask_gather_on_a_symbolic_batch("getitem_19")),
     "Mixtral (router aux loss)": (
         AssertionError,
         "with gradient checkpointing no graph holds blocks (each call breaks into graphs compiled plainly: "
