@@ -164,17 +164,15 @@ def _has_effects(node: torch.fx.Node) -> bool:
     name = getattr(node.target, "__name__", "")
     if name.endswith("_") and not name.startswith("_"):
         return True
-    if node.kwargs.get("inplace") or node.kwargs.get("out") is not None:
+    if node.kwargs.get("out") is not None:
         return True
-    # `F.relu(x, True)`, `F.dropout(x, p, training, True)`: `inplace` given by position.
-    return any(arg is True for arg in node.args) and _takes_inplace(node.target)
-
-
-def _takes_inplace(target) -> bool:
+    # `F.relu(x, inplace=True)`, or by position: `F.dropout(x, p, training, True)`.
     try:
-        return "inplace" in inspect.signature(target).parameters
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
     except (TypeError, ValueError):
-        return True
+        # No signature to read: any literal True may be `inplace`.
+        return bool(node.kwargs.get("inplace")) or any(arg is True for arg in node.args)
+    return bool(bound.arguments.get("inplace", False))
 
 
 def _path(call: torch.fx.Node, body: torch.fx.GraphModule) -> str:

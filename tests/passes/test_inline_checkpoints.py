@@ -32,7 +32,7 @@ class _Tanh(torch.autograd.Function):
 
 
 class _Layer(nn.Module):
-    """linear -> a ReLU written in place (its result unread) -> tanh, the tanh an
+    """linear -> a doubling and a clamp written in place (their results unread) -> tanh, the tanh an
     autograd.Function with `function=True`, or checkpointed again with `nested=True`."""
 
     def __init__(self, function=False, nested=False):
@@ -42,7 +42,8 @@ class _Layer(nn.Module):
 
     def forward(self, x):
         hidden = self.linear(x)
-        hidden.relu_()
+        hidden.mul_(2)
+        torch.nn.functional.hardtanh(hidden, -0.5, 0.5, True)
         if self.nested:
             return torch.utils.checkpoint.checkpoint(torch.tanh, hidden, use_reentrant=False)
         return _Tanh.apply(hidden) if self.function else torch.tanh(hidden)
@@ -93,7 +94,8 @@ def test_writes_in_place_whose_result_nobody_reads_survive():
     model, inputs = _Checkpointed(), _inputs()
     gm, inlined = inline_checkpoints(_dynamo_graph(model, *inputs))
     assert inlined == ("layers.0", "layers.1")
-    assert _methods(gm) == ["relu_", "relu_", "masked_fill_"]
+    assert _methods(gm) == ["mul_", "mul_", "masked_fill_"]
+    assert sum(n.target is torch.nn.functional.hardtanh for n in gm.graph.nodes) == 2
     for got, want in zip(gm(*_params_and(model, gm, inputs)), model(*inputs)):
         torch.testing.assert_close(got, want)
 
