@@ -40,6 +40,10 @@ sub-batch would count from 0).
 
 A fresh tensor made at the batch size and written per sample, directly or through
 views (`k = kv.new_empty(...)`, `k[..., :d].copy_(k_nope)`), is made per sub-batch.
+A fresh tensor made from sizes that one in-place write reads all samples into and
+nothing else reads (`torch.zeros(experts).scatter_add_(0, chosen, mask)`, Mixtral's
+load-balancing loss counting tokens per expert) is fine after the blocks, where that
+write runs once on the sub-batches concatenated back; in a block it mixes samples.
 
 A value is never assumed to be per-sample from its shape alone: every rule below is
 checked against the fake outputs, and anything the rules cannot explain is a problem,
@@ -336,8 +340,34 @@ class _Propagator:
 
         batched_inputs = [n for n in node.all_input_nodes if self._batched(n.name)]
         mutation = self._mutation_problem(node, full_args, batched_inputs)
+        if mutation is not None and self._written_once_whole(node):
+            # Decided below: computed from all sub-batches after the blocks, it is no problem.
+            self._split_node(node, full_args, full_kwargs, full_out, batched_inputs)
+            split = self.splits[node.name]
+            if split.kind != "combine" or split.combine != "concat" or self.regions.get(node.name) != "suffix":
+                self.problems.append((node.name, mutation, "mutation"))
+            return
         if mutation is not None:
             self.problems.append((node.name, mutation, "mutation"))
+        self._split_node(node, full_args, full_kwargs, full_out, batched_inputs)
+
+    def _written_once_whole(self, node) -> bool:
+        """A write in place into a fresh tensor the graph made from sizes, shared, that
+        nothing else reads (`torch.zeros(experts).scatter_add_(0, index, src)`, a
+        mixture of experts' load-balancing loss counting tokens per expert). Computed
+        once from all sub-batches concatenated (`combine="concat"`), as after the
+        blocks, the write is the one eager makes."""
+        target = node.args[0] if node.args else None
+        return (
+            isinstance(target, torch.fx.Node)
+            and target.op == "call_function"
+            and _SIZE_ARG.get(target.target) is not None
+            and not self._batched(target.name)
+            and list(target.users) == [node]
+        )
+
+    def _split_node(self, node, full_args, full_kwargs, full_out, batched_inputs) -> None:
+        """Decides the node's NodeSplit (or its problem) from its inputs' splits."""
         if not batched_inputs or self._shared_at_batch_size(node, batched_inputs):
             self.sub[node.name] = full_out
             self.splits[node.name] = NodeSplit("shared", args=node.args, kwargs=node.kwargs)

@@ -241,35 +241,35 @@ def _offload_weights(state) -> None:
 
 class _DivisibleBatchGuard:
     """Checks a dynamic batch against K on every call; runs the plain graph if it
-    does not divide (lowered once per such batch size, on first need, with one
-    warning), with released weights loaded for the call."""
+    does not divide, or if the batched inputs (each with a batch size symbol of its
+    own, which nothing in the graph relates) disagree on the batch size (lowered once
+    per such call's sizes, on first need, with one warning), with released weights
+    loaded for the call."""
 
     def __init__(self, compiled, original, state, report):
         self.compiled = compiled
         self.original = original
         self.config = state.config
         self.report = report
-        name, dim = next(iter(state.batch.batched_inputs.items()))
-        self.position = state.batch.input_index[name]
-        self.dim = dim
-        self.plain: dict[int, Callable] = {}  # batch size -> the plain graph lowered for it
+        self.batched = tuple(
+            (state.batch.input_index[name], dim) for name, dim in state.batch.batched_inputs.items()
+        )
+        self.plain: dict[tuple[int, ...], Callable] = {}  # batch sizes -> the plain graph lowered for them
         self.lock = threading.Lock()
 
     def __call__(self, *args: Any) -> Any:
-        batch = args[self.position].shape[self.dim]
-        if batch % self.config.num_subbatches == 0:
+        sizes = tuple(dict.fromkeys(int(args[position].shape[dim]) for position, dim in self.batched))
+        if len(sizes) == 1 and sizes[0] % self.config.num_subbatches == 0:
             return self.compiled(*args)
         with self.lock:
-            if batch not in self.plain:
-                log.warning(
-                    "speedloader: batch size %d is not divisible by num_subbatches=%d; "
-                    "running this call with plain %s",
-                    batch, self.config.num_subbatches, self.config.lowering,
-                )
-                plain_report = CompileReport(config=self.config, fallback_reason=(
-                    f"batch size {batch} is not divisible by num_subbatches={self.config.num_subbatches}"
-                ))
+            if sizes not in self.plain:
+                if len(sizes) == 1:
+                    reason = f"batch size {sizes[0]} is not divisible by num_subbatches={self.config.num_subbatches}"
+                else:
+                    reason = f"the batched inputs disagree on the batch size ({', '.join(map(str, sizes))})"
+                log.warning("speedloader: %s; running this call with plain %s", reason, self.config.lowering)
+                plain_report = CompileReport(config=self.config, fallback_reason=reason)
                 # Lowered for this call's inputs: the compile of the split graph specialized
                 # the batch in the shape environment the example inputs share.
-                self.plain[batch] = compile_plainly(self.original, list(args), self.config, plain_report)
-        return self.plain[batch](*args)
+                self.plain[sizes] = compile_plainly(self.original, list(args), self.config, plain_report)
+        return self.plain[sizes](*args)

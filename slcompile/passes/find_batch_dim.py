@@ -2,9 +2,12 @@
 
 Runs after `find_blocks`; needs the Dynamo graph's placeholders, classified. The batch
 size B is the size along `batch_dim` of the first user tensor input. With
-`torch._dynamo.mark_dynamic(x, batch_dim)` that size is a symbol: every input whose
-batch dimension is the same symbol is batched, and every SymInt placeholder equal to
-it is a batch-size symbol (mapped to B / K per sub-batch). With static shapes, user
+`torch._dynamo.mark_dynamic(x, batch_dim)` (or Dynamo's automatic dynamic shapes)
+that size is a symbol: every input whose batch dimension is a symbol of size B is
+batched, and every SymInt placeholder equal to one of those is a batch-size symbol
+(mapped to B / K per sub-batch). Inputs that nothing in the graph relates get a
+symbol each (a padding mask and the token ids), so the batch may be several symbols;
+the backend checks on every call that they agree. With static shapes, user
 inputs of size B along `batch_dim` are batched; inputs of size 1 there broadcast.
 """
 
@@ -70,11 +73,19 @@ def find_batch_dim(
     batch_size = int(first.value.shape[batch_dim])
     symbol = symbolic_size(first)
     if symbol is not None:
-        batched = {i.name: batch_dim for i in users if symbolic_size(i) == symbol}
+        # Dynamo gives inputs whose sizes nothing in the graph relates a symbol each
+        # (GPT-NeoX's mask and token ids: s92 and s18): every symbol of the batch's
+        # size at the batch dimension is the batch. The compiled call checks that they
+        # are still equal (`batched_inputs` all of one size).
+        batch_exprs = {
+            size for i in users
+            if (size := symbolic_size(i)) is not None and int(i.value.shape[batch_dim]) == batch_size
+        }
+        batched = {i.name: batch_dim for i in users if symbolic_size(i) in batch_exprs}
         symbols = tuple(
             i.name
             for i in inputs
-            if i.kind == "size" and i.value.node.expr == symbol
+            if i.kind == "size" and i.value.node.expr in batch_exprs
         )
     else:
         batched = {

@@ -7,7 +7,10 @@ submodule traced for the whole batch: its views and reshapes hold the batch size
 call of that body per sub-batch would hand it tensors of another size. Inlined, the
 body's nodes are ordinary nodes of the graph, which batch propagation and
 `interleave` rewrite per sub-batch like any other; each node keeps the module path it
-had (the layer), so `find_blocks` finds the layers as blocks.
+had (the layer), so `find_blocks` finds the layers as blocks. Regions inside a body
+(a custom autograd.Function's forward and backward, as BLOOM's GELU; a checkpoint
+inside a checkpoint) come along as attributes of the graph; nested checkpoints are
+inlined in turn. Dead code goes, writes in place whose result nobody reads stay.
 
 What the checkpoint asked for, recomputing a layer's internals in the backward from
 its input, is what `recompute="blocks"` does per block and sub-batch: the backend
@@ -17,6 +20,7 @@ is recomputed), and says so.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 
@@ -45,8 +49,8 @@ def inline_checkpoints(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
         compiles it with its checkpoints.
 
     Raises:
-        RefusedError: a region whose body is not a submodule of `gm`, holds attributes
-            or regions of its own, or whose outputs are used other than by index.
+        RefusedError: a region whose body is not a submodule of `gm`, calls modules of
+            its own, or whose outputs are used other than by index.
     """
     if not any(is_checkpoint(n) for n in gm.graph.nodes):
         return gm, ()
@@ -55,10 +59,13 @@ def inline_checkpoints(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
     graph.output(output)
     gm = torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
     inlined = []
-    for node in [n for n in gm.graph.nodes if is_checkpoint(n)]:
-        inlined.append(_inline(gm, node))
+    # A region inlined may bring regions of its own (a checkpoint inside a
+    # checkpoint): inline until none is left.
+    while calls := [n for n in gm.graph.nodes if is_checkpoint(n)]:
+        for node in calls:
+            inlined.append(_inline(gm, node))
     if inlined:
-        gm.graph.eliminate_dead_code()
+        gm.graph.eliminate_dead_code(is_impure_node=_has_effects)
         gm.delete_all_unused_submodules()
         gm.graph.lint()
         gm.recompile()
@@ -72,10 +79,10 @@ def _inline(gm: torch.fx.GraphModule, call: torch.fx.Node) -> str:
         raise RefusedError(f"checkpointed region {call.name} calls no traced body", "inline_checkpoints")
     body: torch.fx.GraphModule = getattr(gm, body_attr.target)
     where = _path(call, body)
-    nested = [n.name for n in body.graph.nodes if n.op in ("get_attr", "call_module")]
-    if nested:
+    modules = [n.name for n in body.graph.nodes if n.op == "call_module"]
+    if modules:
         raise RefusedError(
-            f"checkpointed region {call.name} ({where}) holds attributes or regions of its own ({nested[0]})",
+            f"checkpointed region {call.name} ({where}) calls modules of its own ({modules[0]})",
             "inline_checkpoints",
         )
     if any(user.op != "call_function" or user.target is not operator.getitem
@@ -96,7 +103,12 @@ def _inline(gm: torch.fx.GraphModule, call: torch.fx.Node) -> str:
             if node.op == "output":
                 outputs = torch.fx.node.map_arg(node.args[0], env.__getitem__)
                 continue
-            env[node] = gm.graph.node_copy(node, env.__getitem__)
+            copy = gm.graph.node_copy(node, env.__getitem__)
+            if node.op == "get_attr":
+                # The body's own regions (an autograd.Function's forward and backward,
+                # a nested checkpoint) and constants move to `gm` under a fresh name.
+                copy.target = _adopt(gm, body, node.target)
+            env[node] = copy
     if not isinstance(outputs, (tuple, list)):
         outputs = (outputs,)
     for user in list(call.users):
@@ -104,6 +116,63 @@ def _inline(gm: torch.fx.GraphModule, call: torch.fx.Node) -> str:
         gm.graph.erase_node(user)
     gm.graph.erase_node(call)
     return where
+
+
+def _adopt(gm: torch.fx.GraphModule, body: torch.fx.GraphModule, target: str) -> str:
+    """Registers `body`'s attribute `target` on `gm` under a name `gm` has not used yet."""
+    value = body
+    for part in target.split("."):
+        value = getattr(value, part)
+    base = target.replace(".", "_")
+    name, suffix = base, 0
+    while hasattr(gm, name):
+        suffix += 1
+        name = f"{base}_{suffix}"
+    if isinstance(value, torch.nn.Module):
+        gm.add_module(name, value)
+    elif isinstance(value, torch.nn.Parameter):
+        gm.register_parameter(name, value)
+    elif isinstance(value, torch.Tensor):
+        gm.register_buffer(name, value)
+    else:
+        setattr(gm, name, value)
+    return name
+
+
+# Operators that write into their first argument.
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift, operator.imatmul, operator.setitem}
+
+
+def _has_effects(node: torch.fx.Node) -> bool:
+    """Whether removing `node` would change what the graph computes though nothing
+    reads its result. torch.fx's own check misses writes in place: a Dynamo graph
+    calls `x.masked_fill_(mask, 0)` (a method) whose result nobody reads, and the
+    write is all that matters (T5's `_shift_right` turns -100 labels into pad ids so).
+    """
+    if node.is_impure():
+        return True
+    if node.op == "call_module":
+        return True
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("_")
+    if node.op != "call_function":
+        return False
+    if node.target in _INPLACE_OPERATORS:
+        return True
+    name = getattr(node.target, "__name__", "")
+    if name.endswith("_") and not name.startswith("_"):
+        return True
+    if node.kwargs.get("out") is not None:
+        return True
+    # `F.relu(x, inplace=True)`, or by position: `F.dropout(x, p, training, True)`.
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        # No signature to read: any literal True may be `inplace`.
+        return bool(node.kwargs.get("inplace")) or any(arg is True for arg in node.args)
+    return bool(bound.arguments.get("inplace", False))
 
 
 def _path(call: torch.fx.Node, body: torch.fx.GraphModule) -> str:
