@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import slcompile
-import zigzag_policy  # noqa: F401  registers "zigzag_test"
 from models import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.runtime.stats import runtime_stats
+from slcompile.schedules import POLICIES, Policy, register_policy
 from slcompile.runtime.tiers import Tier
 from slcompile.units import format_bytes
 from slcompile.viz.roles import format_bytes as label_bytes, transfer_bytes
@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CFG = GPTConfig(n_layers=2)
 OPTIONS = {"lowering": "aot_eager", "num_subbatches": 2, "weights": "nvme", "activations": "nvme",
            "min_offload_bytes": 0}
-POLICIES = ("speedloader", "zigzag_test")
+COMPARED = ("speedloader", "zigzag_test")
 
 # Run alone in a fresh interpreter: one policy's figures as JSON on the last line.
 _ALONE = """
@@ -45,12 +45,24 @@ print(json.dumps(row.figures()))
 
 
 @pytest.fixture(scope="module")
-def comparison():
+def zigzag_registered():
+    """"zigzag_test" registered for the module, POLICIES as it was afterwards."""
+    before = dict(POLICIES)
+    import zigzag_policy  # its import registers the name too
+
+    register_policy(Policy("zigzag_test", zigzag_policy.zigzag), replace=True)
+    yield
+    POLICIES.clear()
+    POLICIES.update(before)
+
+
+@pytest.fixture(scope="module")
+def comparison(zigzag_registered):
     idx, targets = make_gpt_batch(CFG, 4)
     torch.manual_seed(0)
     model = TinyGPT(CFG)
     resident = runtime_stats().resident_bytes.get(Tier.NVME, 0)
-    compared = slcompile.compare_policies(model, idx, targets, policies=list(POLICIES), **OPTIONS)
+    compared = slcompile.compare_policies(model, idx, targets, policies=list(COMPARED), **OPTIONS)
     # Nothing of the copies stays on the tier: a later model's figures do not include them.
     assert runtime_stats().resident_bytes.get(Tier.NVME, 0) == resident
     return compared
@@ -82,7 +94,7 @@ def test_the_table_has_one_line_per_policy(comparison):
     assert table[0].split()[:3] == ["policy", "peak", "predicted"]
     assert "activation device->nvme" in table[0] and "weight nvme->device" in table[0]
     rows = {line.split()[0]: line for line in table[2:]}
-    assert list(rows) == list(POLICIES)
+    assert list(rows) == list(COMPARED)
     for row in comparison.rows:
         assert format_bytes(row.predicted_peak_bytes) in rows[row.policy]
         assert f"{format_bytes(row.bytes_of('weight'))} ({row.transfers[('weight', 'nvme', 'device')]})" in rows[row.policy]
@@ -140,14 +152,14 @@ def test_write_puts_every_picture_in_one_folder(comparison, tmp_path):
     written = comparison.write(tmp_path)
     assert (tmp_path / "table.txt").read_text() == comparison.table() + "\n"
     assert (tmp_path / "schedule.diff").read_text() == comparison.schedule_diff() + "\n"
-    for policy in POLICIES:
+    for policy in COMPARED:
         assert (tmp_path / policy / "forward.dot").read_text().count("runs 1/2") >= 4
         assert json.loads((tmp_path / policy / "trace.json").read_text())["traceEvents"]
         assert (tmp_path / policy / "schedule.txt").read_text() == comparison[policy].schedule + "\n"
     assert written["timelines"][0].stat().st_size > 0
 
 
-def test_wrong_arguments_say_what_is_wrong():
+def test_wrong_arguments_say_what_is_wrong(zigzag_registered):
     idx, targets = make_gpt_batch(CFG, 4)
     with pytest.raises(ValueError, match="at least one policy"):
         slcompile.compare_policies(TinyGPT(CFG), idx, targets, policies=[])
