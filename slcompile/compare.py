@@ -69,7 +69,8 @@ class PolicyRow:
             the graphs' activations).
         bytes_moved: bytes per (kind, source tier, destination tier) in the recorded step.
         transfers: transfers per the same key.
-        report: the `CompileReport` of the policy's graph.
+        report: the `CompileReport` of the policy's graph (the last one compiled, for
+            a model Dynamo captures in several).
         recorded: the recorded step (`viz.RecordedStep`), for the timeline.
     """
 
@@ -243,8 +244,8 @@ def compare_policies(
 
     Raises:
         ValueError: no policy, two with one name, or `schedule` among the options.
-        CompileError: a policy's schedule is invalid (its `PolicyError` inside), or a
-            graph fell back to the plain lowering (nothing to compare).
+        CompileError: a policy's schedule is invalid (its `PolicyError` inside).
+        RefusedError: the graph fell back to the plain lowering (nothing to compare).
     """
     from slcompile.config import SpeedLoaderConfig
 
@@ -310,28 +311,32 @@ def _measure(model, inputs, kwargs, options, policy, name) -> PolicyRow:
         # Loads issued ahead for the next step are waited for here, not by the disk's pace.
         drain_prefetches()
 
-    before = len(compile_reports())
+    earlier = {id(report) for report in compile_reports()}  # a bounded history: not by position
     peaks = []
-    with buffers_seen_by_profiler():
-        for _ in range(2):
+    try:
+        with buffers_seen_by_profiler():
+            for _ in range(2):
+                clear_gradients()
+                step()
+            reports = [report for report in compile_reports() if id(report) not in earlier]
+            for _ in range(2):
+                # The last step's gradients are freed outside the window: a free inside it
+                # would lower the running sum the peak is read from.
+                clear_gradients()
+                peaks.append(measured_peak_bytes(step))
             clear_gradients()
-            step()
-        reports = compile_reports()[before:]
-        for _ in range(2):
-            # The last step's gradients are freed outside the window: a free inside it
-            # would lower the running sum the peak is read from.
-            clear_gradients()
-            peaks.append(measured_peak_bytes(step))
-        clear_gradients()
-        recorded = record_step(step)
+            recorded = record_step(step)
+    finally:
+        # The copy's stored weights go before the next policy starts, whatever happened.
+        forget_weights(replica)
     if not reports:
         raise RuntimeError(f"policy {name!r}: the model compiled no graph with the speedloader backend")
     report = reports[-1]
     if report.fallback_reason is not None:
-        from slcompile.errors import CompileError
+        from slcompile.errors import RefusedError
 
-        raise CompileError(f"policy {name!r}: the graph compiled without sub-batching, nothing to compare "
-                           f"({report.fallback_reason})")
+        raise RefusedError(f"policy {name!r}: the graph compiled without sub-batching, so no schedule to "
+                           f"compare ({report.fallback_reason})")
     stats = recorded.stats
     row = PolicyRow(
         policy=name,
@@ -347,8 +352,6 @@ def _measure(model, inputs, kwargs, options, policy, name) -> PolicyRow:
         report=report,
         recorded=recorded,
     )
-    # The copy's stored weights and graphs go before the next policy starts.
-    forget_weights(replica)
     del compiled, replica
     torch._dynamo.reset()
     gc.collect()

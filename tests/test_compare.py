@@ -169,3 +169,19 @@ def test_wrong_arguments_say_what_is_wrong(zigzag_registered):
         slcompile.compare_policies(TinyGPT(CFG), idx, targets, policies=["speedloader", "speedloader"])
     with pytest.raises(slcompile.OptionError, match="registered policy's name"):
         slcompile.compare_policies(TinyGPT(CFG), idx, targets, policies=["speedloader", "zigzga"])
+
+
+def test_a_model_the_backend_refuses_is_an_error_not_a_row(zigzag_registered):
+    resident = runtime_stats().resident_bytes.get(Tier.NVME, 0)
+
+    class Flat(torch.nn.Module):  # no repeated blocks: compiled plainly, with the reason logged
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.linear(x).sum()
+
+    with pytest.raises(slcompile.RefusedError, match="policy 'speedloader': the graph compiled without sub-batching"):
+        slcompile.compare_policies(Flat(), torch.randn(4, 8), policies=["speedloader"], lowering="aot_eager")
+    assert runtime_stats().resident_bytes.get(Tier.NVME, 0) == resident
