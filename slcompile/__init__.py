@@ -17,6 +17,7 @@ from slcompile.runtime.weights import gathered_weights, offloaded_parameters
 from slcompile.optim import OffloadedOptimizer, offload_optimizer
 from slcompile.checkpoint import load_sharded, save_sharded
 from slcompile.tune import GenerationTuneResult, TuneResult, tune, tune_generation
+from slcompile.compare import PolicyComparison, PolicyRow, compare_policies
 
 __all__ = [
     "SpeedLoaderConfig",
@@ -54,4 +55,7 @@ __all__ = [
     "GenerationTuneResult",
     "GenerationOutput",
     "TuneResult",
+    "compare_policies",
+    "PolicyComparison",
+    "PolicyRow",
 ]

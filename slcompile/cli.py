@@ -1,4 +1,4 @@
-"""`slcompile demo | explain | tune`: the command line.
+"""`slcompile demo | explain | tune | compare`: the command line.
 
 `slcompile demo` trains a small GPT for a few steps with the speedloader backend next
 to eager PyTorch, prints the schedule, the bytes moved and both losses, and writes the
@@ -8,7 +8,9 @@ module:factory` prints what the backend would do with a model (`factory()` retur
 folder too, and `slcompile.examples:tiny_gpt` is ready to try); with `--dot`,
 `--plot` or `--trace` it also compiles the model, runs one training step and writes
 those pictures. `slcompile tune module:factory --memory-budget 2GiB` chooses the
-options that fit a budget. Errors print one line and exit non-zero; `--debug`
+options that fit a budget. `slcompile compare module:factory --policies a,b` trains
+one step per policy and prints their figures side by side, the schedule diff, and
+writes the pictures of each (`slcompile.compare_policies`). Errors print one line and exit non-zero; `--debug`
 (before or after the command) shows the traceback.
 """
 
@@ -117,7 +119,7 @@ def _print_written(out: pathlib.Path, written: dict) -> None:
     print(f"pictures written to {out}/:")
     for name, paths in written.items():
         print(f"  {name:9s} " + "  ".join(str(p) for p in paths))
-    if {"forward", "backward"} & set(written) and not dot_available():
+    if any(name.rsplit("/", 1)[-1] in ("forward", "backward") for name in written) and not dot_available():
         print("  (Graphviz `dot` is not installed: the graphs are DOT text; apt-get install graphviz to render)")
 
 
@@ -340,17 +342,25 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _loss_of(output) -> torch.Tensor | None:
-    """The value to backpropagate: a `.loss`, a scalar that needs a gradient, or the
-    sum of the first output that needs one; None when nothing does (inference)."""
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        return loss
-    values = output if isinstance(output, (tuple, list)) else (output.to_tuple() if hasattr(output, "to_tuple") else (output,))
-    tensors = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
-    for tensor in tensors:
-        if tensor.dim() == 0:
-            return tensor
-    return tensors[0].float().sum() if tensors else None
+    from slcompile.compare import loss_of
+
+    return loss_of(output)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from slcompile.compare import compare_policies
+
+    model, call_args, call_kwargs = _load_target(args.target)
+    options = _options(args)
+    if "schedule" in options:
+        raise ValueError("compare takes the policies to compare as --policies a,b, not --schedule")
+    policies = [name.strip() for name in args.policies.split(",") if name.strip()]
+    comparison = compare_policies(model, *call_args, policies=policies, kwargs=call_kwargs, **options)
+    print(comparison)
+    out = pathlib.Path(args.out)
+    written = comparison.write(out, detail=args.detail)
+    _print_written(out, written)
+    return 0
 
 
 # -- entry point ---------------------------------------------------------------
@@ -360,10 +370,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="slcompile",
         description="Runs block-structured models layer-major over sub-batches under torch.compile "
                     "(backend=\"speedloader\"): try it on a small GPT (demo), see what it would do with "
-                    "your model (explain), or choose options that fit a memory budget (tune).",
+                    "your model (explain), choose options that fit a memory budget (tune), or compare "
+                    "scheduling policies on it (compare).",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,explain,tune}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,explain,tune,compare}")
     # --debug after the command too; SUPPRESS keeps the one given before it.
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -420,6 +431,24 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("target", help=target_help)
     _add_config_flags(tune)
     tune.set_defaults(run=_tune)
+
+    compare = commands.add_parser(
+        "compare", parents=[debug], help="scheduling policies side by side: peaks, bytes, schedule diff, pictures",
+        description="Compiles the model factory() builds once per policy (a copy each, with the same options), "
+                    "trains a step of each and prints one line per policy (predicted and measured peak, bytes "
+                    "moved per kind and tiers, transfers, loss) and the diff of the first two schedules; writes "
+                    "the table, every schedule's diff against the first, each policy's graphs (DOT, in the order "
+                    "the sub-batches run, with the bytes of every transfer) and timeline, and timelines.png "
+                    "into --out (slcompile.compare_policies).",
+    )
+    compare.add_argument("target", help=target_help)
+    compare.add_argument("--policies", required=True, metavar="A,B,...",
+                         help="the policies to compare, comma-separated: built-in names (speedloader, "
+                              "grad_accumulation, no_offload, lifetime_aware) or names registered by a "
+                              "--policy-module")
+    _add_picture_flags(compare)
+    _add_config_flags(compare)
+    compare.set_defaults(run=_compare)
     return parser
 
 

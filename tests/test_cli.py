@@ -117,14 +117,15 @@ def test_errors_are_one_line_and_non_zero(tmp_path):
     assert bad_steps.returncode != 0 and "--steps must be >= 1" in bad_steps.stderr
 
 
-@pytest.mark.parametrize("command", ["demo", "explain", "tune"])
+@pytest.mark.parametrize("command", ["demo", "explain", "tune", "compare"])
 def test_help_documents_every_option(command):
     result = _run(command, "--help")
     assert result.returncode == 0
     flags = ["--num-subbatches", "--lowering", "--schedule", "--batch-dim", "--on-refusal", "--weights",
              "--live-blocks", "--offload-dir", "--memory-budget", "--policy-module"]
     flags += {"explain": ["--dot", "--plot", "--trace", "--out", "--detail"],
-              "demo": ["--steps", "--layers", "--width", "--out", "--detail"], "tune": []}[command]
+              "demo": ["--steps", "--layers", "--width", "--out", "--detail"], "tune": [],
+              "compare": ["--policies", "--out", "--detail"]}[command]
     for flag in flags:
         assert flag in result.stdout, flag
     assert "(default:" in result.stdout
@@ -134,7 +135,31 @@ def test_help_documents_every_option(command):
     for text in options:
         assert len(re.findall(r"\bdefault\b", text)) <= 1, text
     main_help = _run("--help").stdout
-    assert "demo" in main_help and "tune" in main_help and "the command line" not in main_help
+    assert "demo" in main_help and "tune" in main_help and "compare" in main_help
+    assert "the command line" not in main_help
+
+
+def test_compare_a_registered_policy_by_name(tmp_path):
+    result = _run("compare", "cli_targets:tiny", "--policy-module", "zigzag_policy", "--policies",
+                  "speedloader,zigzag_test", "--lowering", "aot_eager", "--num-subbatches", "2", "--weights", "nvme",
+                  "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["policy", "peak", "predicted"] and "weight nvme->device" in lines[0]
+    rows = [line.split() for line in lines[2:4]]
+    assert [row[0] for row in rows] == ["speedloader", "zigzag_test"]
+    assert rows[0][-1] == rows[1][-1]  # the same loss
+    # The diff: zigzag runs block 1's sub-batch 1 first.
+    assert "--- speedloader\n+++ zigzag_test" in result.stdout
+    assert "+fwd blk1.sb1" in lines and "-fwd blk1.sb1" in lines
+    written = _written(result.stdout)
+    assert {tmp_path / "table.txt", tmp_path / "schedule.diff", tmp_path / "timelines.png",
+            tmp_path / "zigzag_test" / "forward.dot", tmp_path / "speedloader" / "trace.json"} <= set(written)
+    assert all(path.exists() for path in written)
+    assert "sb1 · runs 1/2" in (tmp_path / "zigzag_test" / "forward.dot").read_text()
+    # The schedule option is not how policies are named here.
+    wrong = _run("compare", "cli_targets:tiny", "--policies", "speedloader", "--schedule", "grad_accumulation")
+    assert wrong.returncode == 1 and "--policies a,b, not --schedule" in wrong.stderr
 
 
 def test_explain_finds_the_target_in_the_current_folder_and_debug_goes_anywhere(tmp_path):

@@ -411,3 +411,32 @@ def test_summary_writes_alternating_subbatches_as_one_interleaved_run():
     schedule = "\n".join(f"bwd suffix.sb{sb}" for sb in (3, 0, 3, 0, 3, 2, 1, 0)) + "\nbwd blk1.sb3\nbwd blk1.sb2"
     assert summarize_schedule(schedule) == "bwd suffix.sb0-3 interleaved (8 steps) blk1.sb3-2"
     assert summarize_schedule("fwd blk0.sb0\nfwd blk0.sb2") == "fwd blk0.sb0,2"
+
+
+def test_timeline_colours_each_kind_of_transfer(tmp_path, monkeypatch):
+    from matplotlib.colors import to_hex
+
+    from slcompile.runtime.stats import TimelineEvent
+    from slcompile.viz import plots
+
+    events = [TimelineEvent("compute", 0.0, 4e-3, 0, "blk0.sb0 fwd"),
+              TimelineEvent("load", 0.0, 1e-3, 4096, "weight w0:fc nvme->device"),
+              TimelineEvent("store", 1e-3, 2e-3, 2048, "activation a0|blk0.sb0.x device->nvme"),
+              TimelineEvent("load", 2e-3, 3e-3, 2048, "activation a0|blk0.sb0.x nvme->device"),
+              TimelineEvent("store", 3e-3, 4e-3, 4096, "gradient g0|w0:fc device->host"),
+              TimelineEvent("load", 3e-3, 4e-3, 8192, "optimizer_state s0 nvme->host")]
+    drawn = {}
+    real = plots._draw_lanes
+
+    def spy(axis, trace, title, end):
+        kinds = real(axis, trace, title, end)
+        drawn[title] = {to_hex(c.get_facecolor()[0]) for c in axis.collections}
+        return kinds
+
+    monkeypatch.setattr(plots, "_draw_lanes", spy)
+    trace = chrome_trace(events)
+    path = plots.plot_timelines(tmp_path / "timelines.png", {"a": trace, "b": trace})
+    assert path.stat().st_size > 0 and list(drawn) == ["a", "b"]
+    kinds = ("weight", "activation", "gradient", "optimizer_state")
+    assert len({plots.TRANSFER_COLORS[k] for k in kinds}) == 4
+    assert {plots.TRANSFER_COLORS[k] for k in kinds} <= drawn["a"]

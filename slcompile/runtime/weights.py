@@ -77,7 +77,7 @@ from slcompile.vocabulary import WeightKey
 __all__ = [
     "WeightStreamer", "gathered_weights", "offloaded_parameters", "weight_home", "update_weights",
     "stage_weights", "commit_weights", "discard_weights", "StagedWeight", "drain_prefetches", "shard_group_of",
-    "release", "restore", "parameter_name", "loading_released_weights",
+    "release", "restore", "parameter_name", "loading_released_weights", "forget_weights",
 ]
 
 log = logging.getLogger(__name__)
@@ -675,6 +675,34 @@ def discard_weights(staged: list[StagedWeight]) -> None:
 
 ops.implement("fetch_issue", fetch_issue)
 ops.implement("fetch_weight", fetch_weight)
+
+
+def forget_weights(model: torch.nn.Module) -> int:
+    """Frees the stored values of `model`'s offloaded parameters and forgets them, and
+    the streamers that streamed only those: for a model that will not run again (a copy
+    compiled for one measurement), so what its tier held does not count in later
+    figures of the process (the tiers' resident bytes and peaks). Its parameters stay
+    released (any use of their values raises `ReleasedWeightError`).
+
+    Returns:
+        the number of parameters forgotten.
+    """
+    drain_prefetches()
+    with _REGISTRY_LOCK:
+        owned = [(p, _OWNERS[p]) for p in model.parameters() if p in _OWNERS]
+        for param, (engine, stored_key, _) in owned:
+            del _OWNERS[param]
+            _ENGINE_OF.pop(stored_key, None)
+        forgotten = {stored_key for _, (_, stored_key, _) in owned}
+        still_owned = {stored_key for _, stored_key, _ in _OWNERS.values()}
+        prefixes = {key.split(":", 1)[0] for key in forgotten}
+        for name in [n for n in _STREAMERS if n in prefixes]:
+            if not any(key.split(":", 1)[0] == name for key in still_owned):
+                del _STREAMERS[name]
+    for _, (engine, stored_key, _) in owned:
+        if stored_key in engine:
+            engine.free(stored_key)
+    return len(owned)
 
 
 def drain_prefetches() -> None:

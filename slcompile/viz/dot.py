@@ -9,7 +9,13 @@ Needs: nodes tagged with `SlcMeta`; roles come from `viz.roles.classify_nodes`.
 Guarantees:
 - One cluster per block (`blk3`, holding the work its sub-batches share: weight
   fetches, gradient sums) with one nested cluster per sub-batch (`blk3.sb1`); prefix
-  and suffix likewise. Clusters appear in program order.
+  and suffix likewise. Clusters appear in program order, which is the schedule's:
+  a block's sub-batch clusters are placed (and in "summary" ranked side by side) in
+  the order they run, each labelled with its turn (`sb1 · runs 1/2`), so two
+  schedules that order sub-batches differently draw differently.
+- Every transfer node is labelled with the bytes its transfer moves
+  (`viz.roles.transfer_bytes`: the stored or loaded tensor, not the token that the
+  issue or wait node returns); a summary box adds up those of its members.
 - Inserted nodes are filled by role (split, combine, load, store, wait, free); the
   legend under the title says which colour is which.
 - Transfer nodes are outlined in the colour of the stream they run on
@@ -52,10 +58,11 @@ from slcompile.viz.roles import (
     NodeRole,
     classify_nodes,
     cluster_parent,
+    fetched_weight_bytes,
     format_bytes,
     short_key,
     short_op_name,
-    value_bytes,
+    transfer_bytes,
 )
 
 __all__ = [
@@ -129,7 +136,8 @@ def graph_digraph(
     nodes = [n for n in gm.graph.nodes if roles[n.name].role != "marker"]
     if detail == "auto":
         detail = "summary" if len(nodes) > AUTO_SUMMARY_NODES else "ops"
-    builder = _Builder(title, roles, block_paths, streams={transfer_stream(n) for n in nodes} - {None})
+    builder = _Builder(title, roles, block_paths, streams={transfer_stream(n) for n in nodes} - {None},
+                       weight_bytes=fetched_weight_bytes(gm))
     if detail == "ops":
         builder.add_ops(nodes)
     else:
@@ -188,7 +196,8 @@ def render(
 class _Builder:
     """Collects nodes per cluster, then nests the clusters and writes the digraph."""
 
-    def __init__(self, title: str, roles: dict[str, NodeRole], block_paths: Sequence[str], streams=frozenset()):
+    def __init__(self, title: str, roles: dict[str, NodeRole], block_paths: Sequence[str], streams=frozenset(),
+                 weight_bytes: dict[str, int] | None = None):
         self.title = title
         self.roles = roles
         self.block_paths = tuple(block_paths)
@@ -197,6 +206,7 @@ class _Builder:
         self.cluster_order: list[str] = []
         self.saved_inputs: dict[str | None, int] = collections.Counter()
         self.streams = streams  # the streams of the transfers drawn
+        self.weight_bytes = weight_bytes or {}  # stored weight key -> bytes, for loads issued ahead
 
     # -- nodes ---------------------------------------------------------------
     def _place(self, cluster: str | None, node_id: str, attrs: dict, orders: bool = True) -> None:
@@ -214,7 +224,7 @@ class _Builder:
         drawn = {n.name for n in nodes}
         for node in nodes:
             role = self.roles[node.name]
-            self._place(role.cluster, node.name, _op_attrs(node, role), orders=node.op != "placeholder")
+            self._place(role.cluster, node.name, _op_attrs(node, role, self.weight_bytes), orders=node.op != "placeholder")
         previous = None
         for node in nodes:
             anchored = False
@@ -314,7 +324,7 @@ class _Builder:
                 head = f"part {visit + 1}/{visits}: {head}"
             label = "\n".join(filter(None, (head, ops_line)))
             return {"label": label, "tooltip": names, "shape": "box", "style": "rounded"}
-        total = sum(value_bytes(n) for n in members)
+        total = sum(transfer_bytes(n, self.weight_bytes) for n in members)
         label = f"{role} ×{len(members)}\n{op}" + (f"\n{format_bytes(total)}" if total else "")
         attrs = {"label": label, "tooltip": names, "shape": "box", "style": "filled,rounded",
                  "fillcolor": ROLE_COLORS[role]}
@@ -354,14 +364,17 @@ class _Builder:
         return dot
 
     def _subbatch_rows(self) -> list[list[str]]:
-        """Per region, the first node of each sub-batch cluster, in sub-batch order."""
-        rows: dict[str, dict[int, str]] = collections.defaultdict(dict)
-        for tag, members in self.members.items():
-            if tag is None or cluster_parent(tag) is None or not members:
-                continue
-            _, _, subbatch = parse_tag(tag)
-            rows[cluster_parent(tag)][subbatch] = members[0][0]
-        return [[ids[k] for k in sorted(ids)] for ids in rows.values() if len(ids) > 1]
+        """Per region, the first node of each sub-batch cluster, in the order they run."""
+        rows: dict[str, list[str]] = collections.defaultdict(list)
+        for tag in self._run_order():
+            members = self.members.get(tag)
+            if members:
+                rows[cluster_parent(tag)].append(members[0][0])
+        return [row for row in rows.values() if len(row) > 1]
+
+    def _run_order(self) -> list[str]:
+        """The sub-batch clusters in the order they first run (program order)."""
+        return [tag for tag in self.cluster_order if cluster_parent(tag) is not None]
 
     def _add_cluster(self, parent, tag: str) -> None:
         region, block, subbatch = parse_tag(tag)
@@ -374,12 +387,14 @@ class _Builder:
                          fontsize="12", labeljust="l")
             else:
                 color = _SUBBATCH_COLORS[subbatch % len(_SUBBATCH_COLORS)]
-                sub.attr(label=f"sb{subbatch}", style="rounded,filled", fillcolor="white", color=color,
+                siblings = [t for t in self._run_order() if cluster_parent(t) == cluster_parent(tag)]
+                label = f"sb{subbatch}" + (f" · runs {siblings.index(tag) + 1}/{len(siblings)}" if len(siblings) > 1 else "")
+                sub.attr(label=label, style="rounded,filled", fillcolor="white", color=color,
                          fontcolor=color, penwidth="1.5", fontsize="11", labeljust="l")
             for node_id, attrs in self.members.get(tag, ()):
                 sub.node(node_id, **attrs)
-            children = [child for child in self.cluster_order if cluster_parent(child) == tag]
-            for child in sorted(children, key=lambda child: parse_tag(child)[2]):
+            # Sub-batches in the order they run, so two orders draw differently.
+            for child in [child for child in self.cluster_order if cluster_parent(child) == tag]:
                 self._add_cluster(sub, child)
 
     def _legend(self, detail: str, nodes: int) -> str:
@@ -409,7 +424,7 @@ class _Builder:
         )
 
 
-def _op_attrs(node: torch.fx.Node, role: NodeRole) -> dict:
+def _op_attrs(node: torch.fx.Node, role: NodeRole, weight_bytes: dict[str, int]) -> dict:
     if node.op == "placeholder":
         return {"label": f"{node.name}\n{_shape(node)}", "shape": "ellipse", "color": "#888888",
                 "fontcolor": "#555555"}
@@ -417,7 +432,7 @@ def _op_attrs(node: torch.fx.Node, role: NodeRole) -> dict:
         return {"label": "output", "shape": "octagon"}
     op = _abbreviate(short_op_name(node))
     if role.role in ("load", "store", "wait", "free") and len(node.args) > 1 and isinstance(node.args[1], str):
-        label = f"{op}\n{short_key(node.args[1])}\n{format_bytes(value_bytes(node))}"
+        label = f"{op}\n{short_key(node.args[1])}\n{format_bytes(transfer_bytes(node, weight_bytes))}"
     else:
         label = f"{node.name}: {op}\n{_shape(node)}" if op != node.name else f"{node.name}\n{_shape(node)}"
     attrs = {"label": label.strip()}

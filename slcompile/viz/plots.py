@@ -14,7 +14,9 @@ Guarantees:
   inside its region's measured interval); otherwise the prediction is drawn over the
   node order, said in its title.
 - `plot_timeline` draws the lanes of `trace.chrome_trace` as bars, the same slices a
-  trace viewer shows, for a quick look without one.
+  trace viewer shows, for a quick look without one; transfers take one colour per
+  kind of data (weights, activations, gradients, optimizer state: `TRANSFER_COLORS`).
+  `plot_timelines` draws several (policies compared) one above the other.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from slcompile.analysis.memory import MemoryPrediction, predict_step_memory
 from slcompile.viz.memory import DeviceLayers, ResidentSample, device_layers
 from slcompile.viz.trace import trace_lanes
 
-__all__ = ["plot_memory", "plot_timeline", "align_regions"]
+__all__ = ["plot_memory", "plot_timeline", "plot_timelines", "align_regions", "TRANSFER_COLORS"]
 
 log = logging.getLogger(__name__)
 
@@ -255,19 +257,91 @@ def plot_timeline(path: str | pathlib.Path, trace: dict, title: str = "timeline 
     Returns:
         the path written.
     """
+    return plot_timelines(path, {title: trace})
+
+
+def plot_timelines(path: str | pathlib.Path, traces: Mapping[str, dict]) -> pathlib.Path:
+    """Writes the lanes of several Chrome traces as bar charts one above the other
+    (one panel per trace, titled by its key: a policy's name when
+    `compare_policies` draws them), on one time scale.
+
+    Transfers are coloured by what they carry (`TRANSFER_COLORS`: weights,
+    activations, gradients, optimizer state), on their load or store lane.
+
+    Args:
+        path: the PNG to write.
+        traces: title -> trace document, in the order drawn.
+
+    Returns:
+        the path written.
+    """
     plt = _pyplot()
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    heights = [0.55 * len(trace_lanes(trace)) + 1.2 for trace in traces.values()]
+    legend_height = 0.8
+    figure_height = sum(heights) + legend_height
+    figure, axes = plt.subplots(len(traces), 1, figsize=(14, figure_height), squeeze=False,
+                                gridspec_kw={"height_ratios": heights})
+    kinds: set[str] = set()
+    for axis, (title, trace) in zip((row[0] for row in axes), traces.items()):
+        # Each on its own time scale: the order of the work is what compares, and
+        # wall times on a shared machine vary more than the orders do.
+        kinds |= _draw_lanes(axis, trace, title, _trace_end(trace))
+    from matplotlib.patches import Patch
+
+    legend = [Patch(color=_LANE_COLORS["compute"], label="compute of one sub-batch"),
+              Patch(color=_SHARED_COLOR, label="compute shared by the sub-batches (weight fetches, combines)"),
+              Patch(color=_LANE_COLORS["stall"], label="compute waiting on a transfer")]
+    legend += [Patch(color=_transfer_color(kind), label=f"{_KIND_NAMES.get(kind, kind)} (load or store)")
+                for kind in sorted(kinds, key=_kind_rank)]
+    figure.legend(handles=legend, loc="lower center", ncol=min(len(legend), 4), fontsize=8, frameon=False)
+    figure.tight_layout(rect=(0, legend_height / figure_height, 1, 1))
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+# One colour per kind of data moved; the lane (load, store) says the direction.
+TRANSFER_COLORS = {
+    "weight": "#f2c80f",
+    "activation": "#31a354",
+    "gradient": "#e6550d",
+    "optimizer_state": "#756bb1",
+    "kv": "#17becf",
+}
+_KIND_NAMES = {"weight": "weights", "activation": "activations", "gradient": "gradients",
+               "optimizer_state": "optimizer state", "kv": "KV cache"}
+_OTHER_TRANSFER_COLOR = "#999999"
+
+
+def _transfer_color(kind: str) -> str:
+    return TRANSFER_COLORS.get(kind, _OTHER_TRANSFER_COLOR)
+
+
+def _kind_rank(kind: str) -> tuple:
+    return (list(TRANSFER_COLORS).index(kind) if kind in TRANSFER_COLORS else len(TRANSFER_COLORS), kind)
+
+
+def _trace_end(trace: dict) -> float:
+    return max((e["ts"] + e["dur"] for e in trace["traceEvents"] if e.get("ph") == "X"), default=1.0) / 1e3
+
+
+def _draw_lanes(axis, trace: dict, title: str, end: float) -> set[str]:
+    """Draws one trace's lanes on `axis`; returns the transfer kinds drawn."""
     lanes = trace_lanes(trace)
     rows = sorted(lanes)
     slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    figure, axis = plt.subplots(figsize=(14, 0.55 * len(rows) + 2.0))
-    end = max((e["ts"] + e["dur"] for e in slices), default=1.0) / 1e3
+    kinds: set[str] = set()
     for event in slices:
         row = rows.index(event["tid"])
         start, width = event["ts"] / 1e3, max(event["dur"] / 1e3, end * 1e-4)
         color = _LANE_COLORS.get(event["cat"], "#999999")
-        if event["cat"] == "compute" and ".sb" not in parse_region_label(event["name"])[0]:
+        if event["cat"] in ("load", "store"):
+            kind = event["args"].get("kind", "")
+            kinds.add(kind)
+            color = _transfer_color(kind)
+        elif event["cat"] == "compute" and ".sb" not in parse_region_label(event["name"])[0]:
             color = _SHARED_COLOR
         axis.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3)
         if event["cat"] == "compute" and width > end / 60:
@@ -277,13 +351,6 @@ def plot_timeline(path: str | pathlib.Path, trace: dict, title: str = "timeline 
         row = rows.index(next(tid for tid, name in lanes.items() if name == "compute"))
         axis.text(end / 2, row, "no compute regions recorded (graphs compiled with lowering aot_eager carry them)",
                   ha="center", va="center", fontsize=9, color="#555555")
-    from matplotlib.patches import Patch
-
-    legend = [Patch(color=_LANE_COLORS["compute"], label="compute of one sub-batch"),
-              Patch(color=_SHARED_COLOR, label="compute shared by the sub-batches (weight fetches, combines)"),
-              Patch(color=_LANE_COLORS["stall"], label="compute waiting on a transfer"),
-              Patch(color=_LANE_COLORS["load"], label="load"), Patch(color=_LANE_COLORS["store"], label="store")]
-    figure.legend(handles=legend, loc="lower center", ncol=5, fontsize=8, frameon=False)
     axis.set_yticks(range(len(rows)), [lanes[tid] for tid in rows])
     axis.set_ylim(len(rows) - 0.5, -0.5)  # every lane shown, the first on top, even when empty
     axis.set_xlim(0, end)
@@ -294,7 +361,4 @@ def plot_timeline(path: str | pathlib.Path, trace: dict, title: str = "timeline 
                f"{len(stores)} stores ({format_bytes(sum(e['args']['bytes'] for e in stores))})")
     axis.set_title(f"{title}: {summary}", fontsize=11, loc="left")
     axis.grid(axis="x", alpha=0.3)
-    figure.tight_layout(rect=(0, 0.07, 1, 1))
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return kinds

@@ -29,7 +29,7 @@ import torch.fx
 
 from slcompile.meta import get_slc_meta
 from slcompile.units import format_bytes as _format_bytes
-from slcompile.vocabulary import WeightKey, is_mark, transfer_kind
+from slcompile.vocabulary import WeightKey, is_fetch, is_mark, is_unstash_wait, transfer_kind
 
 __all__ = [
     "NodeRole",
@@ -42,6 +42,8 @@ __all__ = [
     "short_op_name",
     "short_key",
     "value_bytes",
+    "transfer_bytes",
+    "fetched_weight_bytes",
     "format_bytes",
 ]
 
@@ -206,6 +208,48 @@ def short_key(key: str) -> str:
 def value_bytes(node: torch.fx.Node) -> int:
     """Bytes of the tensor(s) in `node.meta["val"]` (0 when unknown or symbolic)."""
     return _bytes_of(node.meta.get("val"))
+
+
+def fetched_weight_bytes(gm: torch.fx.GraphModule | torch.fx.Graph) -> dict[str, int]:
+    """Stored weight key -> bytes of its `fetch_weight` in `gm` (for `transfer_bytes`)."""
+    graph = gm if isinstance(gm, torch.fx.Graph) else gm.graph
+    return {_stored_key(node.args[1]): value_bytes(node) for node in graph.nodes if is_fetch(node)}
+
+
+def transfer_bytes(node: torch.fx.Node, weight_bytes: dict[str, int] | None = None) -> int:
+    """Bytes the transfer a node belongs to moves (0 for other nodes, or unknown): a
+    node's own value is often a token (a store's issue and wait, an activation load's
+    issue, a weight load issued ahead), so the bytes are read where the data is: the
+    stored tensor (`stash`, `offload_grad`), the loaded one (`unstash_wait`, the
+    `fetch_weight` of the same stored weight in the graph; `weight_bytes`, from
+    `fetched_weight_bytes`, saves the search when many nodes are asked)."""
+    kind = transfer_kind(node)
+    if kind is None:
+        return 0
+    what, half = kind
+    if what == "fetch":
+        if half == "wait":
+            return value_bytes(node)
+        if weight_bytes is None:
+            weight_bytes = fetched_weight_bytes(node.graph)
+        # A load issued ahead for the other phase reads the same stored weight.
+        return weight_bytes.get(_stored_key(node.args[0]) if node.args else None, 0)
+    if what == "unstash":
+        if half == "wait":
+            return value_bytes(node)
+        return sum(value_bytes(user) for user in node.users if is_unstash_wait(user))
+    # A store (activation or gradient): the tensor it stores; its wait names the issue.
+    issue = node.args[0] if half == "wait" else node
+    if isinstance(issue, torch.fx.Node) and issue.args and isinstance(issue.args[0], torch.fx.Node):
+        return value_bytes(issue.args[0])
+    return 0
+
+
+def _stored_key(key) -> str | None:
+    try:
+        return WeightKey.parse(key).stored
+    except (ValueError, TypeError):
+        return None
 
 
 def _bytes_of(value) -> int:

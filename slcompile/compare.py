@@ -1,0 +1,375 @@
+"""`slcompile.compare_policies(model, *inputs, policies=[...], **options)`: scheduling
+policies side by side on one model, measured in one process.
+
+Each policy compiles its own deep copy of the model (the model passed in is not
+changed) with the same options but `schedule`, after `torch._dynamo.reset()`, and runs
+training steps (forward, backward of the loss; no optimizer, so every step sees the
+same weights):
+
+1. the first step compiles; a second one reaches the steady state (the prefetch plan
+   has gone round once);
+2. two steps are measured with torch's CPU allocator through `torch.profiler`, with
+   loads placed in allocator memory (`buffers_seen_by_profiler`, as
+   bench/memory_bench.py measures), and the smaller peak is kept (a first profiled
+   step can include one-time allocations);
+3. one more step is recorded (`viz.record_step`): the bytes moved per kind and tiers,
+   the number of transfers, the runtime ledger's peak per tier, the timeline.
+
+After every backward the weights loaded ahead for the next step are waited for and
+dropped (`drain_prefetches`), so the figures do not depend on how fast the disk
+answered. The copy and its compiled graphs are released before the next policy
+starts: a policy's figures are the ones it gets compiled alone in a fresh process.
+
+Guarantees: the rows follow `policies` in order; every figure is a plain number,
+the same from one run to the next for the same model, inputs and options.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import gc
+import logging
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from slcompile.units import format_bytes
+
+__all__ = ["PolicyRow", "PolicyComparison", "compare_policies", "loss_of"]
+
+log = logging.getLogger(__name__)
+
+TransferColumn = tuple[str, str, str]
+"""(kind, source tier, destination tier): `("weight", "nvme", "device")`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyRow:
+    """One policy's figures on the model.
+
+    Attributes:
+        policy: the policy's name.
+        schedule: the schedule read back from the compiled graphs (one line per step).
+        loss: the loss of the measured step (equal across policies up to rounding).
+        predicted_peak_bytes: the device bytes the step allocates at its peak, as the
+            memory model predicts it for the step as measured here: loads in
+            allocator memory, one page of alignment slack each
+            (`predict_memory(..., load_overhead=PAGE_BYTES)`).
+        measured_peak_bytes: the same, measured: the peak of torch's CPU allocator over
+            one step, relative to its start (`analysis.memory.measured_peak_bytes`).
+        plan_peak_bytes: the plan's own prediction, without the measurement's slack
+            (`CompileReport.memory.step_peak_bytes`, what `explain` prints as "step").
+        predicted_tier_peaks: the plan's peak per tier (`MemoryPrediction.peak_bytes`).
+        measured_tier_peaks: the runtime ledger's peak bytes resident per tier in the
+            recorded step (`StepStats.peak_bytes`: what the transfer engine holds, not
+            the graphs' activations).
+        bytes_moved: bytes per (kind, source tier, destination tier) in the recorded step.
+        transfers: transfers per the same key.
+        report: the `CompileReport` of the policy's graph (the last one compiled, for
+            a model Dynamo captures in several).
+        recorded: the recorded step (`viz.RecordedStep`), for the timeline.
+    """
+
+    policy: str
+    schedule: str
+    loss: float | None
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    plan_peak_bytes: int
+    predicted_tier_peaks: Mapping[str, int]
+    measured_tier_peaks: Mapping[str, int]
+    bytes_moved: Mapping[TransferColumn, int]
+    transfers: Mapping[TransferColumn, int]
+    report: Any = dataclasses.field(default=None, repr=False, compare=False)
+    recorded: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_moved.values())
+
+    @property
+    def total_transfers(self) -> int:
+        return sum(self.transfers.values())
+
+    def bytes_of(self, kind: str) -> int:
+        """Bytes moved of one kind ("weight", "activation", "gradient", ...), all tiers."""
+        return sum(n for (k, _, _), n in self.bytes_moved.items() if k == kind)
+
+    def figures(self) -> dict[str, Any]:
+        """The row's numbers as plain data (no report, no timeline): what the tests
+        compare between processes."""
+        return {
+            "policy": self.policy, "loss": self.loss, "predicted_peak_bytes": self.predicted_peak_bytes,
+            "measured_peak_bytes": self.measured_peak_bytes, "plan_peak_bytes": self.plan_peak_bytes,
+            "predicted_tier_peaks": dict(self.predicted_tier_peaks),
+            "measured_tier_peaks": dict(self.measured_tier_peaks),
+            "bytes_moved": {"{} {}->{}".format(*key): n for key, n in sorted(self.bytes_moved.items())},
+            "transfers": {"{} {}->{}".format(*key): n for key, n in sorted(self.transfers.items())},
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyComparison:
+    """The rows of `compare_policies`, in the order the policies were given.
+
+    `str(comparison)` is the table followed by the schedule diff of the first two
+    policies; `write(out_dir)` writes them and the pictures.
+    """
+
+    rows: tuple[PolicyRow, ...]
+
+    def __getitem__(self, policy: str) -> PolicyRow:
+        for row in self.rows:
+            if row.policy == policy:
+                return row
+        raise KeyError(f"no policy {policy!r} in this comparison (policies: {', '.join(self.policies)})")
+
+    @property
+    def policies(self) -> tuple[str, ...]:
+        return tuple(row.policy for row in self.rows)
+
+    def columns(self) -> tuple[TransferColumn, ...]:
+        """Every (kind, source, destination) that moved bytes under some policy, sorted."""
+        return tuple(sorted({key for row in self.rows for key, n in row.bytes_moved.items() if n}))
+
+    def table(self) -> str:
+        """One line per policy: peaks predicted and measured, bytes per kind and tiers,
+        transfers, loss; fixed-width plain text."""
+        header = ["policy", "peak predicted", "peak measured", "peak (plan)"]
+        tiers = sorted({t for row in self.rows for t, n in {**row.predicted_tier_peaks, **row.measured_tier_peaks}.items()
+                        if n and t != "device"})
+        header += [f"{tier} held pred/meas" for tier in tiers]
+        columns = self.columns()
+        header += ["{} {}->{}".format(*key) for key in columns]
+        header += ["transfers", "moved", "loss"]
+        lines = []
+        for row in self.rows:
+            cells = [row.policy, format_bytes(row.predicted_peak_bytes), format_bytes(row.measured_peak_bytes),
+                     format_bytes(row.plan_peak_bytes)]
+            cells += [f"{format_bytes(row.predicted_tier_peaks.get(t, 0))} / {format_bytes(row.measured_tier_peaks.get(t, 0))}"
+                      for t in tiers]
+            cells += [f"{format_bytes(row.bytes_moved.get(key, 0))} ({row.transfers.get(key, 0)})" for key in columns]
+            cells += [str(row.total_transfers), format_bytes(row.total_bytes),
+                      "-" if row.loss is None else f"{row.loss:.6f}"]
+            lines.append(cells)
+        widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
+
+        def format_line(cells):
+            return "  ".join(cell.ljust(width) if i == 0 else cell.rjust(width)
+                             for i, (cell, width) in enumerate(zip(cells, widths))).rstrip()
+
+        return "\n".join([format_line(header), format_line(["-" * w for w in widths]), *map(format_line, lines)])
+
+    def schedule_diff(self, first: str | None = None, second: str | None = None, context: int = 3) -> str:
+        """Unified diff of two policies' schedules (default: the first two given),
+        one line per step; empty when they are the same."""
+        if len(self.rows) < 2 and (first is None or second is None):
+            return ""
+        a = self[first] if first is not None else self.rows[0]
+        b = self[second] if second is not None else self.rows[1]
+        return "\n".join(difflib.unified_diff(a.schedule.splitlines(), b.schedule.splitlines(),
+                                              fromfile=a.policy, tofile=b.policy, n=context, lineterm=""))
+
+    def dot(self, policy: str, kind: str = "forward", detail: str = "summary") -> str:
+        """DOT text of one policy's compiled graph (`viz.dot.graph_to_dot`): sub-batch
+        boxes in the order they run, the bytes of every transfer."""
+        from slcompile.viz.dot import graph_to_dot
+
+        report = self[policy].report
+        return graph_to_dot(report.graphs[kind], f"{policy}: {kind} graph", detail, report.blocks)
+
+    def write(self, out_dir: str | pathlib.Path, detail: str = "summary") -> dict[str, list[pathlib.Path]]:
+        """Writes `table.txt`, `schedule.diff` (each policy against the first), one
+        folder per policy with its pictures (`viz.write_pictures`: forward and
+        backward DOT, schedule.txt, trace.json, timeline.png) and `timelines.png`,
+        the policies' timelines one above the other, transfers coloured by kind.
+
+        Returns:
+            name -> paths written ("table", "diff", "timelines", and per policy
+            `policy/forward`, `policy/backward`, ...).
+        """
+        from slcompile.viz.pictures import write_pictures
+        from slcompile.viz.plots import plot_timelines
+        from slcompile.viz.trace import chrome_trace
+
+        out = pathlib.Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        written: dict[str, list[pathlib.Path]] = {}
+        (out / "table.txt").write_text(self.table() + "\n")
+        written["table"] = [out / "table.txt"]
+        diffs = [self.schedule_diff(self.rows[0].policy, row.policy) for row in self.rows[1:]]
+        (out / "schedule.diff").write_text("".join(d + "\n" for d in diffs if d))
+        written["diff"] = [out / "schedule.diff"]
+        for row in self.rows:
+            folder = out / _folder_name(row.policy)
+            for name, paths in write_pictures(folder, row.report, row.recorded, ("dot", "trace"), detail).items():
+                written[f"{row.policy}/{name}"] = paths
+        traces = {row.policy: chrome_trace(row.recorded.events, row.report.graphs) for row in self.rows}
+        written["timelines"] = [plot_timelines(out / "timelines.png", traces)]
+        return written
+
+    def __str__(self) -> str:
+        diff = self.schedule_diff()
+        text = self.table()
+        if len(self.rows) > 1:
+            text += "\n\n" + (diff if diff else f"the schedules of {self.rows[0].policy} and {self.rows[1].policy} "
+                                                 "are the same")
+        return text
+
+
+def compare_policies(
+    model: torch.nn.Module,
+    *inputs: Any,
+    policies: Sequence[Any],
+    kwargs: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> PolicyComparison:
+    """Compiles `model` once per policy and measures a training step of each.
+
+    Args:
+        model: the model; each policy compiles a deep copy of it.
+        *inputs: its positional inputs.
+        policies: policy names (registered with `schedules.register_policy`, or built
+            in) or `schedules.Policy` objects, at least one; names must differ.
+        kwargs: its keyword inputs.
+        **options: backend options shared by every policy (as in
+            `torch.compile(..., options=...)`), without `schedule`.
+
+    Returns:
+        the PolicyComparison, one row per policy.
+
+    Raises:
+        ValueError: no policy, two with one name, or `schedule` among the options.
+        CompileError: a policy's schedule is invalid (its `PolicyError` inside).
+        RefusedError: the graph fell back to the plain lowering (nothing to compare).
+    """
+    from slcompile.config import SpeedLoaderConfig
+
+    if not policies:
+        raise ValueError("compare_policies needs at least one policy (policies=['speedloader', ...])")
+    if "schedule" in options:
+        raise ValueError("compare_policies takes the policies as policies=[...], not the schedule option")
+    names = [_policy_name(p) for p in policies]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"compare_policies: each policy once, got {', '.join(map(repr, repeated))} more than once")
+    for policy in policies:
+        SpeedLoaderConfig.from_options({**options, "schedule": policy})  # every option checked before compiling
+    rows = tuple(_measure(model, inputs, dict(kwargs or {}), options, policy, name)
+                 for policy, name in zip(policies, names))
+    return PolicyComparison(rows)
+
+
+def _policy_name(policy: Any) -> str:
+    return policy if isinstance(policy, str) else getattr(policy, "name", repr(policy))
+
+
+def _folder_name(policy: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in policy)
+
+
+def loss_of(output: Any) -> torch.Tensor | None:
+    """The value to backpropagate: a `.loss`, a scalar that needs a gradient, or the
+    sum of the first output that needs one; None when nothing does (inference)."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss
+    values = output if isinstance(output, (tuple, list)) else (output.to_tuple() if hasattr(output, "to_tuple") else (output,))
+    tensors = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+    for tensor in tensors:
+        if tensor.dim() == 0:
+            return tensor
+    return tensors[0].float().sum() if tensors else None
+
+
+def _measure(model, inputs, kwargs, options, policy, name) -> PolicyRow:
+    from slcompile.analysis.memory import measured_peak_bytes
+    from slcompile.report import compile_reports
+    from slcompile.runtime.nvme import buffers_seen_by_profiler
+    from slcompile.runtime.weights import drain_prefetches, forget_weights
+    from slcompile.viz.pictures import record_step
+
+    torch._dynamo.reset()
+    replica = copy.deepcopy(model)
+    compiled = torch.compile(replica, backend="speedloader", options={**options, "schedule": policy})
+    losses: list[float] = []
+
+    def clear_gradients() -> None:
+        for param in replica.parameters():
+            param.grad = None
+
+    def step() -> None:
+        output = compiled(*inputs, **kwargs)
+        loss = loss_of(output)
+        if loss is not None:
+            loss.backward()
+            losses.append(float(loss.detach()))
+        # Loads issued ahead for the next step are waited for here, not by the disk's pace.
+        drain_prefetches()
+
+    earlier = {id(report) for report in compile_reports()}  # a bounded history: not by position
+    peaks = []
+    try:
+        with buffers_seen_by_profiler():
+            for _ in range(2):
+                clear_gradients()
+                step()
+            reports = [report for report in compile_reports() if id(report) not in earlier]
+            for _ in range(2):
+                # The last step's gradients are freed outside the window: a free inside it
+                # would lower the running sum the peak is read from.
+                clear_gradients()
+                peaks.append(measured_peak_bytes(step))
+            clear_gradients()
+            recorded = record_step(step)
+    finally:
+        # The copy's stored weights go before the next policy starts, whatever happened.
+        forget_weights(replica)
+    if not reports:
+        raise RuntimeError(f"policy {name!r}: the model compiled no graph with the speedloader backend")
+    report = reports[-1]
+    if report.fallback_reason is not None:
+        from slcompile.errors import RefusedError
+
+        raise RefusedError(f"policy {name!r}: the graph compiled without sub-batching, so no schedule to "
+                           f"compare ({report.fallback_reason})")
+    stats = recorded.stats
+    row = PolicyRow(
+        policy=name,
+        schedule=report.schedule,
+        loss=losses[-1] if losses else None,
+        predicted_peak_bytes=_predicted_as_measured(report),
+        measured_peak_bytes=int(min(peaks)),
+        plan_peak_bytes=int(report.memory.step_peak_bytes) if report.memory is not None else 0,
+        predicted_tier_peaks=dict(report.memory.peak_bytes) if report.memory is not None else {},
+        measured_tier_peaks={tier.value: int(n) for tier, n in stats.peak_bytes.items()},
+        bytes_moved={_column(key): int(n) for key, n in stats.bytes_moved.items() if n},
+        transfers={_column(key): int(n) for key, n in stats.transfers.items() if n},
+        report=report,
+        recorded=recorded,
+    )
+    del compiled, replica
+    torch._dynamo.reset()
+    gc.collect()
+    return row
+
+
+def _predicted_as_measured(report) -> int:
+    """The memory model's step peak with loads placed as `buffers_seen_by_profiler`
+    places them: whole pages, plus one page of slack each."""
+    from slcompile.analysis.memory import predict_step_memory
+    from slcompile.runtime.tiers import PAGE_BYTES
+
+    live_blocks = report.config.live_blocks if report.streamed_bytes else 1
+    prediction = predict_step_memory(report.graphs, live_blocks=live_blocks, load_granularity=PAGE_BYTES,
+                                     load_overhead=PAGE_BYTES)
+    return int(prediction.step_peak_bytes) if prediction is not None else 0
+
+
+def _column(key) -> TransferColumn:
+    kind, source, destination = key
+    return tuple(getattr(x, "value", x) for x in (kind, source, destination))

@@ -1,0 +1,187 @@
+"""`slcompile.compare_policies`: two policies compared in one process give the figures
+each gives compiled alone in a fresh process; the schedule diff, the DOT pictures and
+the timeline show the order and the bytes. (The command line: tests/test_cli.py.)
+
+One comparison (tiny GPT, 2 blocks, K=2, weights and every saved activation on nvme,
+aot_eager) of speedloader and zigzag (tests/zigzag_policy.py) serves the module.
+"""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import slcompile
+from models import GPTConfig, TinyGPT, make_gpt_batch
+from slcompile.runtime.stats import runtime_stats
+from slcompile.schedules import POLICIES, Policy, register_policy
+from slcompile.runtime.tiers import Tier
+from slcompile.units import format_bytes
+from slcompile.viz.roles import format_bytes as label_bytes, transfer_bytes
+from slcompile.vocabulary import is_fetch_issue, is_stash, is_stash_wait, is_unstash
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CFG = GPTConfig(n_layers=2)
+OPTIONS = {"lowering": "aot_eager", "num_subbatches": 2, "weights": "nvme", "activations": "nvme",
+           "min_offload_bytes": 0}
+COMPARED = ("speedloader", "zigzag_test")
+
+# Run alone in a fresh interpreter: one policy's figures as JSON on the last line.
+_ALONE = """
+import json, sys, torch
+import slcompile, zigzag_policy
+from models import GPTConfig, TinyGPT, make_gpt_batch
+cfg = GPTConfig(n_layers=2)
+idx, targets = make_gpt_batch(cfg, 4)
+torch.manual_seed(0)
+row = slcompile.compare_policies(TinyGPT(cfg), idx, targets, policies=[sys.argv[1]], **json.loads(sys.argv[2])).rows[0]
+print(json.dumps(row.figures()))
+"""
+
+
+@pytest.fixture(scope="module")
+def zigzag_registered():
+    """"zigzag_test" registered for the module, POLICIES as it was afterwards."""
+    before = dict(POLICIES)
+    import zigzag_policy  # its import registers the name too
+
+    register_policy(Policy("zigzag_test", zigzag_policy.zigzag), replace=True)
+    yield
+    POLICIES.clear()
+    POLICIES.update(before)
+
+
+@pytest.fixture(scope="module")
+def comparison(zigzag_registered):
+    idx, targets = make_gpt_batch(CFG, 4)
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    resident = runtime_stats().resident_bytes.get(Tier.NVME, 0)
+    compared = slcompile.compare_policies(model, idx, targets, policies=list(COMPARED), **OPTIONS)
+    # Nothing of the copies stays on the tier: a later model's figures do not include them.
+    assert runtime_stats().resident_bytes.get(Tier.NVME, 0) == resident
+    return compared
+
+
+def test_one_process_gives_the_figures_of_one_process_per_policy(comparison):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(ROOT), str(ROOT / "tests"))))
+    env.pop("SLC_DISABLE", None)
+    for row in comparison.rows:
+        alone = subprocess.run([sys.executable, "-c", _ALONE, row.policy, json.dumps(OPTIONS)], capture_output=True,
+                               text=True, env=env, timeout=600)
+        assert alone.returncode == 0, alone.stderr[-3000:]
+        assert json.loads(alone.stdout.strip().splitlines()[-1]) == row.figures()
+    speedloader, zigzag = comparison.rows
+    # The order changes nothing the step moves or holds here (every activation is
+    # stashed whatever the order), and the model's numbers are the same.
+    assert speedloader.bytes_moved == zigzag.bytes_moved and speedloader.loss == zigzag.loss
+    moved = speedloader.bytes_moved
+    assert moved[("activation", "device", "nvme")] == moved[("activation", "nvme", "device")] > 0
+    assert moved[("weight", "nvme", "device")] > 0 and speedloader.total_transfers == sum(speedloader.transfers.values())
+    # The prediction for the step as measured is the measurement, to a few bytes.
+    for row in comparison.rows:
+        assert abs(row.predicted_peak_bytes - row.measured_peak_bytes) <= 0.01 * row.measured_peak_bytes, row
+        assert row.predicted_tier_peaks["nvme"] == row.measured_tier_peaks["nvme"]
+
+
+def test_the_table_has_one_line_per_policy(comparison):
+    table = comparison.table().splitlines()
+    assert table[0].split()[:3] == ["policy", "peak", "predicted"]
+    assert "activation device->nvme" in table[0] and "weight nvme->device" in table[0]
+    rows = {line.split()[0]: line for line in table[2:]}
+    assert list(rows) == list(COMPARED)
+    for row in comparison.rows:
+        assert format_bytes(row.predicted_peak_bytes) in rows[row.policy]
+        assert f"{format_bytes(row.bytes_of('weight'))} ({row.transfers[('weight', 'nvme', 'device')]})" in rows[row.policy]
+    assert str(comparison).startswith(comparison.table())
+
+
+def test_the_schedule_diff_shows_the_order(comparison):
+    diff = comparison.schedule_diff()
+    assert diff.startswith("--- speedloader\n+++ zigzag_test\n")
+    changed = [line for line in diff.splitlines()[2:] if line[:1] in "+-" and re.fullmatch(r"[+-](fwd|bwd) blk\d\.sb\d", line)]
+    # Block 1 runs sub-batch 1 first under zigzag, in both phases (the backward reversed).
+    assert sorted(changed) == sorted(["+fwd blk1.sb1", "-fwd blk1.sb1", "+bwd blk1.sb0", "-bwd blk1.sb0"])
+    assert comparison.schedule_diff("speedloader", "speedloader") == ""
+    assert diff in str(comparison)
+
+
+def _clusters(dot: str) -> list[str]:
+    return re.findall(r"subgraph \"?cluster_(blk1\.sb\d)", dot)
+
+
+@pytest.mark.parametrize("detail", ["summary", "ops"])
+def test_the_dot_draws_sub_batches_in_schedule_order(comparison, detail):
+    from slcompile.viz.dot import graph_to_dot
+
+    orders = {}
+    for row in comparison.rows:
+        dot = graph_to_dot(row.report.graphs["forward"], row.policy, detail, row.report.blocks)
+        orders[row.policy] = (_clusters(dot), re.findall(r'label="(sb\d · runs \d/2)"', dot)[4:6])
+    assert orders["speedloader"] == (["blk1.sb0", "blk1.sb1"], ["sb0 · runs 1/2", "sb1 · runs 2/2"])
+    assert orders["zigzag_test"] == (["blk1.sb1", "blk1.sb0"], ["sb1 · runs 1/2", "sb0 · runs 2/2"])
+    assert comparison.dot("zigzag_test", detail=detail) != comparison.dot("speedloader", detail=detail)
+
+
+def test_every_transfer_shows_the_bytes_it_moves(comparison):
+    row = comparison["zigzag_test"]
+    forward, backward = row.report.graphs["forward"], row.report.graphs["backward"]
+    stashes = [n for n in forward.graph.nodes if is_stash(n)]
+    # The bytes the DOT labels stores with add up to what the runtime stored.
+    assert sum(transfer_bytes(n) for n in stashes) == row.bytes_moved[("activation", "device", "nvme")]
+    waits = [n for n in forward.graph.nodes if is_stash_wait(n)]
+    assert sum(transfer_bytes(n) for n in waits) == row.bytes_moved[("activation", "device", "nvme")]
+    loads = [n for n in backward.graph.nodes if is_unstash(n)]
+    assert sum(transfer_bytes(n) for n in loads) == row.bytes_moved[("activation", "nvme", "device")]
+    issues = [n for n in forward.graph.nodes if is_fetch_issue(n)]
+    assert issues and all(transfer_bytes(n) >= 128 for n in issues)
+    from slcompile.viz.dot import graph_to_dot
+
+    dot = graph_to_dot(forward, "forward", "ops")
+    stash = stashes[0]
+    label = re.search(rf'\b{stash.name} \[label="([^"]*)"', dot).group(1)
+    assert label.endswith(label_bytes(transfer_bytes(stash))) and transfer_bytes(stash) > 8, label
+
+
+def test_write_puts_every_picture_in_one_folder(comparison, tmp_path):
+    written = comparison.write(tmp_path)
+    assert (tmp_path / "table.txt").read_text() == comparison.table() + "\n"
+    assert (tmp_path / "schedule.diff").read_text() == comparison.schedule_diff() + "\n"
+    for policy in COMPARED:
+        assert (tmp_path / policy / "forward.dot").read_text().count("runs 1/2") >= 4
+        assert json.loads((tmp_path / policy / "trace.json").read_text())["traceEvents"]
+        assert (tmp_path / policy / "schedule.txt").read_text() == comparison[policy].schedule + "\n"
+    assert written["timelines"][0].stat().st_size > 0
+
+
+def test_wrong_arguments_say_what_is_wrong(zigzag_registered):
+    idx, targets = make_gpt_batch(CFG, 4)
+    with pytest.raises(ValueError, match="at least one policy"):
+        slcompile.compare_policies(TinyGPT(CFG), idx, targets, policies=[])
+    with pytest.raises(ValueError, match="policies=\\[...\\], not the schedule option"):
+        slcompile.compare_policies(TinyGPT(CFG), idx, targets, policies=["speedloader"], schedule="speedloader")
+    with pytest.raises(ValueError, match="'speedloader' more than once"):
+        slcompile.compare_policies(TinyGPT(CFG), idx, targets, policies=["speedloader", "speedloader"])
+    with pytest.raises(slcompile.OptionError, match="registered policy's name"):
+        slcompile.compare_policies(TinyGPT(CFG), idx, targets, policies=["speedloader", "zigzga"])
+
+
+def test_a_model_the_backend_refuses_is_an_error_not_a_row(zigzag_registered):
+    resident = runtime_stats().resident_bytes.get(Tier.NVME, 0)
+
+    class Flat(torch.nn.Module):  # no repeated blocks: compiled plainly, with the reason logged
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.linear(x).sum()
+
+    with pytest.raises(slcompile.RefusedError, match="policy 'speedloader': the graph compiled without sub-batching"):
+        slcompile.compare_policies(Flat(), torch.randn(4, 8), policies=["speedloader"], lowering="aot_eager")
+    assert runtime_stats().resident_bytes.get(Tier.NVME, 0) == resident
