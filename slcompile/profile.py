@@ -1,0 +1,212 @@
+"""The current machine's profile: measured once in a few seconds, cached on disk.
+
+`machine_profile()` returns the rates the time model scales by
+(`slcompile.analysis.machine.MachineProfile`): the one named by the environment
+variable `SLC_PROFILE` (a named profile or a JSON file), else the cached
+measurement of this machine (`~/.cache/slcompile/profile-<host>.json`), else a new
+measurement (`measure_profile`), which is then cached. `machine_profile("h100-pcie5-nvme")`
+returns a named profile instead, for a machine you are not on.
+
+What is measured (each a best of a few repeats):
+- the matmul rate: square products of the compute dtype;
+- the memory bandwidth: a large `copy_` (bytes read plus written);
+- the op overhead: a one-element add; the transfer ops' overhead: an `slc::mark`;
+- on CUDA, the pinned host <-> device copy rates;
+- the disk: O_DIRECT writes and reads of the nvme tier (`NvmeArena`, with its I/O
+  threads and checksums as a step uses them) at a small and a large size, fitted
+  as `latency + bytes / rate`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+
+import torch
+
+from slcompile.analysis.machine import NAMED_PROFILES, MachineProfile, named_profile
+
+__all__ = ["machine_profile", "measure_profile", "profile_path"]
+
+log = logging.getLogger(__name__)
+
+
+def profile_path() -> str:
+    """Where this machine's measured profile is cached."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "slcompile", f"profile-{socket.gethostname()}.json")
+
+
+def machine_profile(profile: str | MachineProfile | None = None, *, offload_dir: str | None = None) -> MachineProfile:
+    """The profile to predict with.
+
+    Args:
+        profile: a `MachineProfile`; a named profile (`NAMED_PROFILES`); a path to a
+            profile's JSON; "current" or None: `SLC_PROFILE` if set, else this
+            machine's cached (or new) measurement.
+        offload_dir: where a new measurement writes its nvme test file.
+    """
+    if isinstance(profile, MachineProfile):
+        return profile
+    if profile in (None, "current"):
+        profile = os.environ.get("SLC_PROFILE") or None
+        if profile is None:
+            return _cached_measurement(offload_dir)
+    if profile in NAMED_PROFILES:
+        return NAMED_PROFILES[profile]
+    if os.path.isfile(profile):
+        with open(profile) as f:
+            return MachineProfile.from_json(f.read())
+    return named_profile(profile)  # raises, listing the names
+
+
+def _cached_measurement(offload_dir) -> MachineProfile:
+    path = profile_path()
+    try:
+        with open(path) as f:
+            return MachineProfile.from_json(f.read())
+    except (OSError, ValueError, TypeError):
+        pass
+    profile = measure_profile(offload_dir=offload_dir)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(profile.to_json())
+    except OSError as err:
+        log.warning("could not cache the machine profile at %s: %s", path, err)
+    return profile
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dtype | None = None,
+                    offload_dir: str | None = None, nvme: bool = True) -> MachineProfile:
+    """Measures this machine's rates (a few seconds).
+
+    Args:
+        device: the compute device (default: CUDA if present, else the CPU).
+        dtype: the compute dtype of the matmul (default: bf16 on CUDA, fp32 on CPU).
+        offload_dir: the directory the nvme tier would use (default: the temp dir).
+        nvme: measure the disk (else its rates are left infinite).
+    """
+    began = time.perf_counter()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    size = 4096 if device.type == "cuda" else 512
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    reps = 10 if device.type == "cuda" else 3
+
+    def matmul():
+        for _ in range(reps):
+            torch.mm(a, b)
+        _sync(device)
+
+    matmul_flops = 2 * size ** 3 * reps / _best(matmul, 3)
+    numel = (256 << 20 if device.type == "cuda" else 128 << 20) // 4
+    src = torch.empty(numel, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+
+    def copy():
+        dst.copy_(src)
+        _sync(device)
+
+    memory_bandwidth = 2 * src.nbytes / _best(copy, 5)
+    one = torch.ones(1, device=device)
+    ops = 2000
+
+    def tiny():
+        for _ in range(ops):
+            torch.ops.aten.add.Tensor(one, one)
+        _sync(device)
+
+    op_overhead = _best(tiny, 3) / ops
+    import slcompile.runtime  # noqa: F401  (registers what the slc:: ops do)
+
+    def marks():
+        for _ in range(ops // 4):
+            torch.ops.slc.mark("profile", True)
+
+    transfer_op = _best(marks, 3) / (ops // 4)
+    link_h2d = link_d2h = math.inf
+    if device.type == "cuda":
+        host = torch.empty(numel, dtype=torch.float32, pin_memory=True)
+        link_h2d = host.nbytes / _best(lambda: (src.copy_(host, non_blocking=True), _sync(device)), 5)
+        link_d2h = host.nbytes / _best(lambda: (host.copy_(src, non_blocking=True), _sync(device)), 5)
+    del src, dst, a, b
+    read = write = math.inf
+    latency = 0.0
+    if nvme:
+        write, read, latency, transfer_op = _measure_disk(offload_dir)
+    source = (f"measured on {socket.gethostname()} ({device.type}, {torch.get_num_threads()} threads, "
+              f"{dtype}) in {time.perf_counter() - began:.1f} s")
+    return MachineProfile(
+        name=f"{socket.gethostname()}-{device.type}", matmul_flops=matmul_flops, memory_bandwidth=memory_bandwidth,
+        op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op, link_h2d=link_h2d, link_d2h=link_d2h,
+        link_latency_seconds=10e-6 if device.type == "cuda" else 0.0,
+        nvme_read=read, nvme_write=write, nvme_latency_seconds=latency, source=source,
+    )
+
+
+def _measure_disk(offload_dir) -> tuple[float, float, float, float]:
+    """(write bytes/s, read bytes/s, latency s, compute-thread seconds per transfer
+    op) of the nvme tier as a step uses it (`TransferEngine` stores and loads, their
+    I/O threads and checksums), fitted from small and large transfers."""
+    from slcompile.runtime.engine import TransferEngine
+    from slcompile.runtime.stats import Recorder
+
+    small, large = 64 << 10, 16 << 20
+    engine = TransferEngine(offload_dir, recorder=Recorder())
+    tensors = {n: torch.randn(n // 4) for n in (small, large)}
+    op_seconds = []
+    try:
+        def run(direction, nbytes, count):
+            keys = [f"profile{nbytes}.{i}" for i in range(count)]
+            if direction == "write":
+                handles = [engine.store(key, tensors[nbytes], "nvme", "activation") for key in keys]
+            else:
+                handles = [engine.load(key) for key in keys]
+            for handle in handles:
+                engine.wait(handle)
+
+        timings = {}
+        for direction in ("write", "read"):
+            for nbytes, count in ((small, 32), (large, 4)):
+                timings[direction, nbytes] = _best(lambda: run(direction, nbytes, count), 2) / count
+        # What the caller's thread spends per issue and per wait of a finished transfer.
+        keys = [f"profile{small}.{i}" for i in range(32)]
+        start = time.perf_counter()
+        handles = [engine.load(key) for key in keys]
+        issued = time.perf_counter() - start
+        for handle in handles:
+            handle._done.wait()
+        start = time.perf_counter()
+        for handle in handles:
+            engine.wait(handle)
+        op_seconds = (issued + time.perf_counter() - start) / (2 * len(keys))
+        rates, latencies = [], []
+        for direction in ("write", "read"):
+            t_small, t_large = timings[direction, small], timings[direction, large]
+            rate = (large - small) / max(t_large - t_small, 1e-9)
+            rates.append(rate)
+            latencies.append(max(t_small - small / rate, 0.0))
+        return rates[0], rates[1], sum(latencies) / 2, op_seconds
+    finally:
+        engine.close()
