@@ -281,7 +281,7 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None
         if lowered is not None:  # with the transfers placed from the lifetimes
             schedule = lowered.text()
             activation_plan = describe(lowered)
-        if machine is not None and report is not None and report.graphs:
+        if machine is not None and report is not None and (report.graphs or report.partitioned):
             timeline = predict_step_time(report, state, example_inputs, machine, tiers)
     return GraphExplanation(
         blocks=tuple(b.path for b in blocks.blocks) if blocks else (),
@@ -329,7 +329,7 @@ def predict_step_time(report, state, example_inputs, machine, tiers=None):
                 break
         if tokens is None:
             tokens = state.batch.batch_size
-    graphs = report.graphs
+    graphs = report.partitioned or report.graphs
     lowering = config.lowering if config.lowering in ("inductor", "aot_eager") else "aot_eager"
     if "forward" in graphs and "backward" in graphs:
         return predict_time(graphs["forward"], graphs["backward"], profile=machine, tiers=tiers, tokens=tokens,

@@ -22,8 +22,8 @@ lane; an issue starts its transfer on its lane (`link.h2d`, `link.d2h`, `disk`,
 is serial); a wait blocks the compute lane until its transfer has finished. A
 transfer issued by one graph for the next (the forward's last fetches, serving the
 backward) carries over, and so does one issued by the backward for the next step's
-forward: the step is walked twice and the second walk, the steady state, is the
-prediction. The step's time is when its compute lane ends.
+forward: the step is walked three times and the second walk, the steady state, is
+the prediction. The step's time is when its compute lane ends.
 
 A block is bound by whichever resource is busiest for it: its compute, or the lane
 of the transfers its compute waits for (loads) or made (stores).
@@ -129,8 +129,7 @@ class BlockTime:
     @property
     def bound(self) -> str:
         """"compute", "link", "disk" or "network": the busiest resource."""
-        lane = max({"compute": self.compute_seconds, **self.lane_seconds}.items(), key=lambda item: item[1])[0]
-        return LANE_RESOURCE[lane]
+        return _busiest({"compute": self.compute_seconds, **self.lane_seconds})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +140,7 @@ class TimePrediction:
         profile: the machine profile's name.
         step_seconds: the predicted step time.
         events: the timeline (compute runs per region, stalls, transfers).
-        blocks: per region, in order of first appearance.
+        blocks: per region: the prefix, the blocks by index, the suffix, untagged work.
         tokens: tokens per step (the batch's elements along its batch and sequence
             dims), or None when unknown; `tokens_per_second` then None.
         peak_flops: the profile's matmul rate (for MFU).
@@ -184,8 +183,7 @@ class TimePrediction:
     @property
     def bound(self) -> str:
         """The step's busiest resource: "compute", "link", "disk" or "network"."""
-        busy = self.lane_seconds()
-        return LANE_RESOURCE[max(busy.items(), key=lambda item: item[1])[0]] if busy else "compute"
+        return _busiest(self.lane_seconds())
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -217,6 +215,13 @@ class TimePrediction:
             lines.append(f"    {block.region}: {_ms(block.compute_seconds)} | {_ms(block.stall_seconds)} | "
                          f"{transfers} | {block.bound}")
         return "\n".join(lines)
+
+
+def _busiest(busy: Mapping[str, float]) -> str:
+    """The resource of the busiest lane; compute on a tie (a transfer that takes as
+    long as the compute it hides behind does not slow the step)."""
+    lane = max(busy, key=lambda name: (busy[name], name == "compute"), default="compute")
+    return LANE_RESOURCE[lane]
 
 
 def _ms(seconds: float) -> str:
@@ -370,15 +375,18 @@ def predict_time(
                    for gm in graphs for node in gm.graph.nodes if is_fetch(node)}
     plans = [_graph_plan(gm, subs, profile, tiers, lowering, fetch_bytes) for gm in graphs]
     lanes = _Lanes()
-    for _ in range(2):  # the first walk fills the lanes as the step before would have
-        start = lanes.clock
-        first_event = len(lanes.events)
+    bounds = []  # (clock, number of events) at the start of each walk
+    # The first walk fills the lanes as the step before would have; the third waits
+    # for the loads the second issued for it, naming the region that needed them.
+    for _ in range(3):
+        bounds.append((lanes.clock, len(lanes.events)))
         for ph, plan in zip(phases, plans):
             _walk(plan, ph, lanes)
+    (start, first_event), (end, last_event) = bounds[1], bounds[2]
     # The steady-state step: the second walk, shifted to start at 0.
     events = tuple(dataclasses.replace(e, start=e.start - start, end=e.end - start)
-                   for e in lanes.events[first_event:])
-    step = lanes.clock - start
+                   for e in lanes.events[first_event:last_event])
+    step = end - start
     return TimePrediction(
         profile=profile.name, step_seconds=step, events=events, blocks=_blocks(events), tokens=tokens,
         peak_flops=profile.matmul_flops,
@@ -500,5 +508,12 @@ def _blocks(events: Sequence[TimedEvent]) -> tuple[BlockTime, ...]:
             stall[e.region] += e.seconds
         else:
             lanes[e.region][e.lane] = lanes[e.region].get(e.lane, 0.0) + e.seconds
-    return tuple(BlockTime(r, compute[r], stall[r], lanes[r], flops[r], nbytes[r]) for r in order)
+    return tuple(BlockTime(r, compute[r], stall[r], lanes[r], flops[r], nbytes[r]) for r in sorted(order, key=_order))
+
+
+def _order(region: str) -> tuple[int, int]:
+    """prefix, the blocks by index, suffix, then untagged work."""
+    if region.startswith("blk"):
+        return 1, int(region[3:])
+    return {"prefix": (0, 0), "suffix": (2, 0)}.get(region, (3, 0))
 
