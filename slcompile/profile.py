@@ -8,8 +8,10 @@ measurement (`measure_profile`), which is then cached. `machine_profile("h100-pc
 returns a named profile instead, for a machine you are not on.
 
 What is measured (each a best of a few repeats):
-- the matmul rate: square products of the compute dtype;
-- the memory bandwidth: a large `copy_` (bytes read plus written);
+- the matmul rate: square products of the compute dtype at a few sizes (small
+  products reach less of it);
+- the memory bandwidth: an out-of-place elementwise op (bytes read plus written,
+  into fresh memory as eager ops write);
 - the op overhead: a one-element add; the transfer ops' overhead: an `slc::mark`;
 - on CUDA, the pinned host <-> device copy rates;
 - the disk: O_DIRECT writes and reads of the nvme tier (`NvmeArena`, with its I/O
@@ -97,7 +99,7 @@ def _sync(device) -> None:
 
 
 def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dtype | None = None,
-                    offload_dir: str | None = None, nvme: bool = True) -> MachineProfile:
+                    offload_dir: str | None = None, nvme: bool = True, steps: bool = False) -> MachineProfile:
     """Measures this machine's rates (a few seconds).
 
     Args:
@@ -105,30 +107,40 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
         dtype: the compute dtype of the matmul (default: bf16 on CUDA, fp32 on CPU).
         offload_dir: the directory the nvme tier would use (default: the temp dir).
         nvme: measure the disk (else its rates are left infinite).
+        steps: also time the `slc::` transfer ops as compiled steps run them (a tiny
+            GPT compiled twice with aot_eager, its weights and activations on the
+            device and on nvme; about 5 s more, and two entries in Dynamo's cache of
+            the example model): the compute thread's time per transfer op, instead
+            of the transfer engine's own calls alone.
     """
     began = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    size = 4096 if device.type == "cuda" else 512
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    reps = 10 if device.type == "cuda" else 3
+    # Products of square matrices from small to large: small ones reach less of the rate.
+    sizes = (256, 1024, 4096) if device.type == "cuda" else (64, 128, 256, 512)
+    curve = []
+    for size in sizes:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        reps = max(3, int(2e8 // size ** 3)) if device.type != "cuda" else 20
 
-    def matmul():
-        for _ in range(reps):
-            torch.mm(a, b)
+        def matmul():
+            for _ in range(reps):
+                torch.mm(a, b)
+            _sync(device)
+
+        curve.append((2.0 * size ** 3, 2 * size ** 3 * reps / _best(matmul, 3)))
+    matmul_flops = max(rate for _, rate in curve)
+    # An out-of-place elementwise op as eager runs it: fresh output memory each time.
+    numel = (256 << 20 if device.type == "cuda" else 8 << 20) // 4
+    src = torch.empty(numel, device=device, dtype=torch.float32).fill_(1.0)
+
+    def elementwise():
+        for _ in range(4):
+            torch.mul(src, 2.0)
         _sync(device)
 
-    matmul_flops = 2 * size ** 3 * reps / _best(matmul, 3)
-    numel = (256 << 20 if device.type == "cuda" else 128 << 20) // 4
-    src = torch.empty(numel, device=device, dtype=torch.float32)
-    dst = torch.empty_like(src)
-
-    def copy():
-        dst.copy_(src)
-        _sync(device)
-
-    memory_bandwidth = 2 * src.nbytes / _best(copy, 5)
+    memory_bandwidth = 4 * 2 * src.nbytes / _best(elementwise, 5)
     one = torch.ones(1, device=device)
     ops = 2000
 
@@ -150,18 +162,20 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
         host = torch.empty(numel, dtype=torch.float32, pin_memory=True)
         link_h2d = host.nbytes / _best(lambda: (src.copy_(host, non_blocking=True), _sync(device)), 5)
         link_d2h = host.nbytes / _best(lambda: (host.copy_(src, non_blocking=True), _sync(device)), 5)
-    del src, dst, a, b
+    del src
     read = write = math.inf
     latency = 0.0
     if nvme:
         write, read, latency, transfer_op = _measure_disk(offload_dir)
+    if steps and nvme:
+        transfer_op = _measure_transfer_ops(offload_dir)
     source = (f"measured on {socket.gethostname()} ({device.type}, {torch.get_num_threads()} threads, "
               f"{dtype}) in {time.perf_counter() - began:.1f} s")
     return MachineProfile(
         name=f"{socket.gethostname()}-{device.type}", matmul_flops=matmul_flops, memory_bandwidth=memory_bandwidth,
         op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op, link_h2d=link_h2d, link_d2h=link_d2h,
         link_latency_seconds=10e-6 if device.type == "cuda" else 0.0,
-        nvme_read=read, nvme_write=write, nvme_latency_seconds=latency, source=source,
+        nvme_read=read, nvme_write=write, nvme_latency_seconds=latency, source=source, matmul_curve=tuple(curve),
     )
 
 
@@ -210,3 +224,38 @@ def _measure_disk(offload_dir) -> tuple[float, float, float, float]:
         return rates[0], rates[1], sum(latencies) / 2, op_seconds
     finally:
         engine.close()
+
+
+def _measure_transfer_ops(offload_dir) -> float:
+    """The compute thread's seconds per `slc::` transfer op in a compiled step: the
+    thread's CPU time of a tiny GPT's step with its weights and activations on nvme,
+    less that of the same step on the device, over the step's transfer ops."""
+    import slcompile
+    from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
+    from slcompile.vocabulary import transfer_kind
+
+    cfg = GPTConfig(d_model=64, seq_len=32, n_layers=2, n_heads=2)
+    idx, targets = make_gpt_batch(cfg, 4)
+    cpu_seconds, ops = [], 0
+    for tier in ("device", "nvme"):
+        model = TinyGPT(cfg)
+        options = {"lowering": "aot_eager", "num_subbatches": 2, "weights": tier, "activations": tier,
+                   "live_blocks": 2, "min_offload_bytes": 0, "offload_dir": offload_dir}
+        compiled = torch.compile(model, backend="speedloader", options=options)
+
+        def step():
+            compiled(idx, targets)[1].backward()
+            model.zero_grad(set_to_none=True)
+
+        for _ in range(2):
+            step()
+        best = math.inf
+        for _ in range(5):
+            start = time.thread_time()
+            step()
+            best = min(best, time.thread_time() - start)
+        cpu_seconds.append(best)
+        if tier == "nvme":
+            graphs = slcompile.compile_reports()[-1].partitioned.values()
+            ops = sum(transfer_kind(node) is not None for gm in graphs for node in gm.graph.nodes)
+    return max(cpu_seconds[1] - cpu_seconds[0], 0.0) / max(ops, 1)

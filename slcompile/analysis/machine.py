@@ -42,6 +42,10 @@ class MachineProfile:
         network_latency_seconds: fixed cost of one collective.
         source: how the rates were found ("measured on ... in 3.1 s", or the
             assumptions of a named profile).
+        matmul_curve: (FLOPs of one product, FLOP/s it reached) at a few sizes,
+            smallest first: small products reach less of the rate. An op's rate is
+            interpolated in log FLOPs between them (clamped at the ends; capped by
+            `matmul_flops`); empty: `matmul_flops` for every op.
     """
 
     name: str
@@ -58,6 +62,7 @@ class MachineProfile:
     network: float = _INF
     network_latency_seconds: float = 0.0
     source: str = ""
+    matmul_curve: tuple[tuple[float, float], ...] = ()
 
     @property
     def host_is_device(self) -> bool:
@@ -73,7 +78,21 @@ class MachineProfile:
         registers) and no launch of its own."""
         if lowering == "inductor" and cost.flops == 0:
             return cost.nbytes / 2 / self.memory_bandwidth
-        return self.op_overhead_seconds + max(cost.flops / self.matmul_flops, cost.nbytes / self.memory_bandwidth)
+        rate = self.matmul_rate(cost.flops)
+        return self.op_overhead_seconds + max(cost.flops / rate, cost.nbytes / self.memory_bandwidth)
+
+    def matmul_rate(self, flops: float) -> float:
+        """The FLOP/s a product of `flops` reaches (`matmul_curve`)."""
+        curve = self.matmul_curve
+        if not curve or flops <= 0:
+            return self.matmul_flops
+        if flops <= curve[0][0]:
+            return min(curve[0][1], self.matmul_flops)
+        for (low, low_rate), (high, high_rate) in zip(curve, curve[1:]):
+            if flops <= high:
+                share = (math.log(flops) - math.log(low)) / (math.log(high) - math.log(low))
+                return min(low_rate + share * (high_rate - low_rate), self.matmul_flops)
+        return min(curve[-1][1], self.matmul_flops)
 
     def transfer_seconds(self, tier: str, direction: str, nbytes: int) -> tuple[str, float]:
         """(lane, seconds) of one transfer of `nbytes` between the device and `tier`.
@@ -108,7 +127,9 @@ class MachineProfile:
     def from_json(cls, text: str) -> MachineProfile:
         data: Mapping = json.loads(text)
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: (_INF if v is None else v) for k, v in data.items() if k in known})
+        values = {k: (_INF if v is None else v) for k, v in data.items() if k in known}
+        values["matmul_curve"] = tuple(tuple(point) for point in values.get("matmul_curve", ()))
+        return cls(**values)
 
 
 _GB = 1e9
