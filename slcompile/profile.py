@@ -21,6 +21,7 @@ What is measured (each a best of a few repeats):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -167,16 +168,18 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
     latency = 0.0
     if nvme:
         write, read, latency, transfer_op = _measure_disk(offload_dir)
-    if steps and nvme:
-        transfer_op = _measure_transfer_ops(offload_dir)
-    source = (f"measured on {socket.gethostname()} ({device.type}, {torch.get_num_threads()} threads, "
-              f"{dtype}) in {time.perf_counter() - began:.1f} s")
-    return MachineProfile(
+    profile = MachineProfile(
         name=f"{socket.gethostname()}-{device.type}", matmul_flops=matmul_flops, memory_bandwidth=memory_bandwidth,
         op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op, link_h2d=link_h2d, link_d2h=link_d2h,
         link_latency_seconds=10e-6 if device.type == "cuda" else 0.0,
-        nvme_read=read, nvme_write=write, nvme_latency_seconds=latency, source=source, matmul_curve=tuple(curve),
+        nvme_read=read, nvme_write=write, nvme_latency_seconds=latency, matmul_curve=tuple(curve),
     )
+    if steps and nvme:
+        op_overhead, transfer_op = _measure_steps(offload_dir, profile)
+    source = (f"measured on {socket.gethostname()} ({device.type}, {torch.get_num_threads()} threads, "
+              f"{dtype}) in {time.perf_counter() - began:.1f} s")
+    return dataclasses.replace(profile, op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op,
+                               source=source)
 
 
 def _measure_disk(offload_dir) -> tuple[float, float, float, float]:
@@ -226,17 +229,20 @@ def _measure_disk(offload_dir) -> tuple[float, float, float, float]:
         engine.close()
 
 
-def _measure_transfer_ops(offload_dir) -> float:
-    """The compute thread's seconds per `slc::` transfer op in a compiled step: the
-    thread's CPU time of a tiny GPT's step with its weights and activations on nvme,
-    less that of the same step on the device, over the step's transfer ops."""
+def _measure_steps(offload_dir, profile: MachineProfile) -> tuple[float, float]:
+    """(seconds per op, seconds per `slc::` transfer op) on the compute thread of
+    compiled steps: a tiny GPT's step is run with its weights and activations on
+    the device and on nvme (aot_eager); the thread's CPU time on the device, less
+    the roofline of its ops at the profile's rates, over its ops; that on nvme, less
+    that on the device, over its transfer ops."""
     import slcompile
+    from slcompile.analysis.time import count_cost
     from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
-    from slcompile.vocabulary import transfer_kind
+    from slcompile.vocabulary import is_compute, transfer_kind
 
     cfg = GPTConfig(d_model=64, seq_len=32, n_layers=2, n_heads=2)
     idx, targets = make_gpt_batch(cfg, 4)
-    cpu_seconds, ops = [], 0
+    cpu_seconds, graphs = [], []
     for tier in ("device", "nvme"):
         model = TinyGPT(cfg)
         options = {"lowering": "aot_eager", "num_subbatches": 2, "weights": tier, "activations": tier,
@@ -255,7 +261,10 @@ def _measure_transfer_ops(offload_dir) -> float:
             step()
             best = min(best, time.thread_time() - start)
         cpu_seconds.append(best)
-        if tier == "nvme":
-            graphs = slcompile.compile_reports()[-1].partitioned.values()
-            ops = sum(transfer_kind(node) is not None for gm in graphs for node in gm.graph.nodes)
-    return max(cpu_seconds[1] - cpu_seconds[0], 0.0) / max(ops, 1)
+        graphs.append(list(slcompile.compile_reports()[-1].partitioned.values()))
+    nodes = [node for gm in graphs[0] for node in gm.graph.nodes if is_compute(node)]
+    bare = dataclasses.replace(profile, op_overhead_seconds=0.0)
+    roofline = sum(bare.compute_seconds(count_cost(node)) for node in nodes)
+    op_seconds = max(cpu_seconds[0] - roofline, 0.0) / max(len(nodes), 1)
+    transfers = sum(transfer_kind(node) is not None for gm in graphs[1] for node in gm.graph.nodes)
+    return op_seconds, max(cpu_seconds[1] - cpu_seconds[0], 0.0) / max(transfers, 1)

@@ -218,3 +218,20 @@ def test_explain_counts_the_flops_torch_counts_and_times_host_transfers_of_a_nam
     assert set(predicted.lane_bytes()) == {"link.h2d"}
     assert streamed < predicted.lane_bytes()["link.h2d"] <= 2 * streamed
     assert "predicted time (profile h100-pcie5-nvme" in str(explanation)
+
+
+def test_tune_with_a_profile_chooses_the_plan_the_model_predicts_fastest():
+    import slcompile
+    from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
+
+    cfg = GPTConfig(d_model=32, seq_len=16, n_layers=2, n_heads=2)
+    model = TinyGPT(cfg)
+    idx, targets = make_gpt_batch(cfg, 4)
+    result = slcompile.tune(model, idx, targets, memory_budget="1GiB", num_subbatches=[1, 2], live_blocks=(2, 1),
+                            profile="h100-pcie5-nvme", weights="nvme", lowering="aot_eager")
+    assert len(result.predicted_seconds) == 4
+    fastest = min(seconds for _, _, seconds in result.predicted_seconds)
+    assert result.time.step_seconds == fastest
+    chosen = (result.options["num_subbatches"], result.options["live_blocks"])
+    assert (*chosen, fastest) in result.predicted_seconds
+    assert result.why.startswith("predicted fastest on h100-pcie5-nvme of 4 plans that fit")
