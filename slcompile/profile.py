@@ -26,7 +26,6 @@ import logging
 import math
 import os
 import socket
-import threading
 import time
 
 import torch
