@@ -12,6 +12,7 @@ Usage:
     python -m bench generate ...              # bench/generate_bench.py
     python -m bench distributed ...           # bench/distributed_bench.py
     python -m bench compile ...               # bench/compile_bench.py
+    python -m bench time ...                  # bench/time_bench.py
     python -m bench soak [--steps 1000]       # bench/soak_bench.py
     python -m bench gpu [--small|--cpu-smoke] # bench/gpu_bench.py (CUDA)
     python -m bench gpu --check [--out DIR]   # bench/gpu_check.py: the CUDA validation in one command
@@ -51,6 +52,7 @@ class Scenario:
     quick_args: tuple[str, ...]
     summary: str
     out_is_dir: bool = False  # its --out names a folder (several files), not a JSON path
+    out_name: str | None = None  # the JSON's name in the results folder, if not the script's
 
 
 SCENARIOS = (
@@ -76,6 +78,9 @@ SCENARIOS = (
     Scenario("distributed", "distributed_bench.py", ("--steps", "5"), ("--quick", "--steps", "2"),
              "block weights sharded over 2 gloo ranks vs one process vs FSDP2 and DeepSpeed ZeRO-3 "
              "with gradient accumulation (collective bytes per step)"),
+    Scenario("time", "time_bench.py", ("--rounds", "9"), ("--quick",),
+             "predicted vs measured step time (the time model), and the H100 rows predicted on paper",
+             out_name="time_model.json"),
     Scenario("compile", "compile_bench.py", (), ("--quick",),
              "compile seconds of a training step: speedloader + Inductor at K and depth vs plain Inductor"),
     Scenario("soak", "soak_bench.py", ("--steps", "300"), ("--steps", "20", "--warmup", "5"),
@@ -161,7 +166,7 @@ def run_all(names: list[str], quick: bool, results_dir: str | None) -> int:
         scenario = BY_NAME[name]
         args = [*(scenario.quick_args if quick else scenario.full_args)]
         if results_dir != os.path.join(HERE, "results"):
-            name = scenario.script.replace(".py", "" if scenario.out_is_dir else ".json")
+            name = scenario.out_name or scenario.script.replace(".py", "" if scenario.out_is_dir else ".json")
             args += ["--out", os.path.join(results_dir, name)]
         bar.set_postfix_str(name)
         log_path = os.path.join(log_dir, f"{name}.log")

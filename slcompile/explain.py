@@ -63,6 +63,10 @@ class GraphExplanation:
             idle steps (`slcompile.schedules.planner.describe`).
         notes: what the backend changed of the options for this graph (gradient
             checkpointing run as `recompute="blocks"`).
+        time: the predicted timeline of one steady-state step on the machine
+            profile (`slcompile.analysis.time.TimePrediction`: per block compute,
+            stalls and transfers per lane, the step time, tokens/s and what bounds
+            it), or None. A prediction, not a measurement.
     """
 
     blocks: tuple[str, ...]
@@ -78,6 +82,7 @@ class GraphExplanation:
     budget_error: str | None = None
     activation_plan: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    time: Any = None
 
     def __str__(self) -> str:
         lines = [
@@ -91,6 +96,8 @@ class GraphExplanation:
         ]
         if self.memory is not None:
             lines.append(str(self.memory))
+        if self.time is not None:
+            lines.append(str(self.time))
         if self.budget_error is not None:
             lines.append(f"memory budget: {self.budget_error}")
         if self.activation_plan:
@@ -145,6 +152,11 @@ class Explanation:
     def memory_expressions(self) -> dict | None:
         return self._first().memory_expressions
 
+    @property
+    def time(self):
+        """The first graph's predicted timeline (`TimePrediction`), or None."""
+        return self._first().time
+
     def __str__(self) -> str:
         parts = ["options: " + (", ".join(f"{name}={value!r} ({source})" for name, value, source in self.options)
                                 or "the defaults")]
@@ -159,6 +171,7 @@ def explain(
     kwargs: Mapping[str, Any] | None = None,
     optimizer: Any = None,
     optimizer_options: Mapping[str, Any] | None = None,
+    profile: Any = "current",
     **options: Any,
 ) -> Explanation:
     """Explains how the speedloader backend would compile `model(*args, **kwargs)`.
@@ -174,6 +187,10 @@ def explain(
         optimizer_options: with a class, the keyword options of
             `slcompile.offload_optimizer` (`states=`, `gradients=`, `max_grad_norm=`,
             and the class's own: `lr=`, `weight_decay=`, `foreach=`, ...).
+        profile: the machine the predicted timeline is for: "current" (this
+            machine's measured profile, `slcompile.profile.machine_profile`), a
+            named profile ("h100-pcie5-nvme", "8xh100-ib": what-if questions on
+            paper), a `MachineProfile`, or None for no timeline.
         **options: backend options, as in `torch.compile(..., options=...)`; those
             not given take their defaults from `slcompile.defaults`.
 
@@ -181,13 +198,30 @@ def explain(
         the Explanation, one entry per captured graph, and the options that are not
         at their defaults with where each came from (printed first).
     """
+    from slcompile.profile import machine_profile
+
     config = SpeedLoaderConfig.from_options(options)
     _, sources = defaults.resolve(options)
     check_optimizer(optimizer, optimizer_options, "explain")
+    machine = machine_profile(profile, offload_dir=config.offload_dir) if profile is not None else None
+    tiers = transfer_tiers(config, optimizer_options)
+    planned = config
+    if machine is not None and not machine.host_is_device and not torch.cuda.is_available() \
+            and "host" in (config.weights, config.activations):
+        # Here host memory is the device's, so "host" would move nothing; the profile's
+        # machine has a host link: plan the transfers a separate tier needs (as for
+        # nvme), and time them on the link.
+        planned = dataclasses.replace(
+            config, weights="nvme" if config.weights == "host" else config.weights,
+            activations="nvme" if config.activations == "host" else config.activations)
     graphs: list[GraphExplanation] = []
 
     def explain_graph(gm: torch.fx.GraphModule, example_inputs):
-        graphs.append(_explain_graph(gm, example_inputs, config, optimizer, optimizer_options))
+        graphs.append(_explain_graph(gm, example_inputs, planned, optimizer, optimizer_options, machine, tiers))
+        if planned is not config:
+            graphs[-1] = dataclasses.replace(graphs[-1], notes=graphs[-1].notes + (
+                f"host tier planned as a separate memory, as on {machine.name}: this machine's host is its "
+                "device, so the predicted peak names the host's bytes nvme",))
 
     with planning_only():
         capture_graphs(model, args, dict(kwargs or {}), explain_graph)
@@ -215,7 +249,7 @@ def planning_only() -> Iterator[None]:
 
 
 def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None,
-                   optimizer_options=None) -> GraphExplanation:
+                   optimizer_options=None, machine=None, tiers=None) -> GraphExplanation:
     try:
         state = run_pipeline(gm, example_inputs, config)
         reason = None
@@ -238,15 +272,17 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None
             sources[source() if callable(source) else source] = dim
     planned = getattr(state, "schedule", None)
     schedule = planned.text() if planned is not None and reason is None else ""
-    memory, budget_error, activation_plan = None, None, ()
+    memory, budget_error, activation_plan, timeline = None, None, (), None
     if reason is None and state is not None and state.interleaved is not None:
         try:
-            memory, budget_error, lowered = _predict(state, example_inputs, optimizer, optimizer_options)
+            memory, budget_error, lowered, report = _predict(state, example_inputs, optimizer, optimizer_options)
         except RefusedError as err:  # as the backend: a failed lowering compiles plainly
-            reason, schedule, lowered = str(err), "", None
+            reason, schedule, lowered, report = str(err), "", None, None
         if lowered is not None:  # with the transfers placed from the lifetimes
             schedule = lowered.text()
             activation_plan = describe(lowered)
+        if machine is not None and report is not None and (report.graphs or report.partitioned):
+            timeline = predict_step_time(report, state, example_inputs, machine, tiers)
     return GraphExplanation(
         blocks=tuple(b.path for b in blocks.blocks) if blocks else (),
         block_groups=blocks.groups if blocks else (),
@@ -261,12 +297,51 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None
         budget_error=budget_error,
         activation_plan=activation_plan,
         notes=state.notes if state is not None else (),
+        time=timeline,
     )
 
 
+def transfer_tiers(config: SpeedLoaderConfig, optimizer_options=None) -> dict[str, str]:
+    """The tier of each transfer kind's data under `config` (`predict_time`'s `tiers`)."""
+    gradients = config.gradients
+    if gradients not in ("host", "nvme"):
+        gradients = (optimizer_options or {}).get("gradients", "host")
+    return {"fetch": config.weights, "stash": config.activations, "unstash": config.activations,
+            "store_grad": gradients}
+
+
+def predict_step_time(report, state, example_inputs, machine, tiers=None):
+    """The predicted timeline (`slcompile.analysis.time.predict_time`) of a lowered
+    step's graphs on `machine`, with each transfer kind on its tier (`tiers`,
+    default: where `state.config` puts it), and the step's tokens (the elements of
+    its first integer batched input: token ids) for tokens/s."""
+    from slcompile.analysis.time import predict_time
+
+    config = state.config
+    tiers = tiers or transfer_tiers(config)
+    tokens = None
+    if state.batch is not None:
+        positions = {n.name: i for i, n in enumerate(n for n in state.gm.graph.nodes if n.op == "placeholder")}
+        for name in state.batch.batched_inputs:
+            value = example_inputs[positions[name]] if name in positions else None
+            if isinstance(value, torch.Tensor) and not value.is_floating_point():
+                tokens = int(value.numel())
+                break
+        if tokens is None:
+            tokens = state.batch.batch_size
+    graphs = report.partitioned or report.graphs
+    lowering = config.lowering if config.lowering in ("inductor", "aot_eager") else "aot_eager"
+    if "forward" in graphs and "backward" in graphs:
+        return predict_time(graphs["forward"], graphs["backward"], profile=machine, tiers=tiers, tokens=tokens,
+                            lowering=lowering)
+    kind = "inference" if "inference" in graphs else "forward"
+    return predict_time(graphs[kind], profile=machine, tiers=tiers, tokens=tokens, lowering=lowering,
+                        phase="inference" if kind == "inference" else "fwd")
+
+
 def _predict(state, example_inputs, optimizer=None, optimizer_options=None):
-    """(MemoryPrediction, None, the lowered step's planned Schedule), or (None, why
-    no plan fits the budget, None)."""
+    """(MemoryPrediction, None, the lowered step's planned Schedule, the
+    CompileReport), or (None, why no plan fits the budget, None, None)."""
     from slcompile.backends.lowering import failed_stage, lower
     from slcompile.report import CompileReport
 
@@ -275,12 +350,12 @@ def _predict(state, example_inputs, optimizer=None, optimizer_options=None):
     try:
         lower(state.gm, example_inputs, "aot_eager", report, plan_with_optimizer(state, optimizer, optimizer_options))
     except BudgetError as err:
-        return None, str(err), None
+        return None, str(err), None, None
     except Exception as err:  # noqa: BLE001  (the backend compiles plainly: the reason, as a refusal)
         if passes_through_fallback(err):
             raise
         raise as_refusal(err, failed_stage(report.pass_log, "aot_eager")) from err
-    return report.memory, None, report.planned_schedule
+    return report.memory, None, report.planned_schedule, report
 
 
 def check_optimizer(optimizer, optimizer_options, caller: str) -> None:

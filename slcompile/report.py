@@ -41,6 +41,10 @@ class CompileReport:
         graph_order: per AOT graph kind ("forward", "backward", "inference"), the tags
             of its ops in order (`blk3.sb1`), untagged ops left out.
         graphs: the AOT graphs themselves, by kind (the last one of each kind).
+        partitioned: the forward and backward of a training step as partitioned and
+            planned, before they are compiled (the backward is compiled at the first
+            backward call; `explain` and `tune` never make one): what the memory and
+            time models read.
         block_inputs: block index -> positions among the graph's inputs of the
             parameters it reads (AOTAutograd's backward returns gradients in that order).
         streamed_bytes: bytes of block weights fetched from their tier each pass (P).
@@ -62,6 +66,7 @@ class CompileReport:
     pass_log: PassLog = dataclasses.field(default_factory=PassLog)
     graph_order: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     graphs: dict[str, torch.fx.GraphModule] = dataclasses.field(default_factory=dict)
+    partitioned: dict[str, torch.fx.GraphModule] = dataclasses.field(default_factory=dict)
     block_inputs: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     streamed_bytes: int = 0
     fused_weight_grads: int = 0

@@ -7,7 +7,8 @@ to code, no weight moves, no step runs). Candidates are tried in the order of wh
 runs fastest when it fits: fewer sub-batches first (bigger matrix products, fewer
 per-sub-batch overheads), then more blocks' weights live (more prefetch ahead), with
 `recompute="auto"` keeping saved activations before recomputing blocks. The first
-plan that fits is the answer.
+plan that fits is the answer; with `profile=` (a machine profile), every plan that
+fits is timed by the time model (`slcompile.analysis.time`) and the fastest wins.
 
 The budget covers the whole step: with an optimizer (the offloaded optimizer
 attached to the model, or `optimizer=`, as in `slcompile.explain`), a plan whose
@@ -51,11 +52,19 @@ class TuneResult:
         memory: the chosen plan's MemoryPrediction.
         tried: (num_subbatches, live_blocks, device peak bytes or None when refused)
             of every candidate evaluated, in order.
+        time: with `profile=`, the chosen plan's predicted timeline
+            (`slcompile.analysis.time.TimePrediction`), else None.
+        predicted_seconds: with `profile=`, (num_subbatches, live_blocks, predicted
+            step seconds) of every candidate that fits.
+        why: why this plan was chosen, in words.
     """
 
     options: dict[str, Any]
     memory: Any
     tried: tuple[tuple[int, int, int | None], ...]
+    time: Any = None
+    predicted_seconds: tuple[tuple[int, int, float], ...] = ()
+    why: str = ""
 
 
 def tune(
@@ -67,6 +76,7 @@ def tune(
     live_blocks: Sequence[int] = (2, 1),
     optimizer: Any = None,
     optimizer_options: Mapping[str, Any] | None = None,
+    profile: Any = None,
     **options: Any,
 ) -> TuneResult:
     """Chooses K, live_blocks and recomputation for `model(*args)` under a budget.
@@ -79,6 +89,10 @@ def tune(
         optimizer, optimizer_options: the optimizer whose step the budget covers,
             as in `slcompile.explain` (default: the offloaded optimizer attached to
             the model, if any).
+        profile: a machine profile, as `explain`'s (`"current"`, a named profile or a
+            `MachineProfile`): every candidate that fits is then evaluated and the
+            one the time model predicts fastest is chosen (`TuneResult.why` says
+            by how much); without, the first that fits, in the order above.
         **options: other backend options, fixed (`weights="nvme"`, ...).
 
     Raises:
@@ -94,12 +108,18 @@ def tune(
     capture_graphs(model, args, dict(kwargs or {}), lambda gm, example_inputs: captured.append((gm, example_inputs)),
                    fullgraph=True)
     gm, example_inputs = captured[0]
+    machine = None
+    if profile is not None:
+        from slcompile.profile import machine_profile
+
+        machine = machine_profile(profile, offload_dir=options.get("offload_dir"))
     with planning_only():
         return _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimizer, optimizer_options,
-                           options)
+                           options, machine)
 
 
-def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimizer, optimizer_options, options):
+def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimizer, optimizer_options, options,
+                machine=None):
     from slcompile.backends.lowering import lower
     from slcompile.explain import plan_with_optimizer
     from slcompile.pipeline import run_pipeline
@@ -110,7 +130,7 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
         batch = probe.batch.batch_size
         num_subbatches = [k for k in range(1, batch + 1) if batch % k == 0]
 
-    tried, smallest = [], None
+    tried, smallest, fitting = [], None, []
     for k in sorted(num_subbatches):
         for window in live_blocks:
             chosen = {**options, "num_subbatches": k, "live_blocks": window, "memory_budget": budget}
@@ -128,7 +148,23 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
                 smallest = err.smallest if smallest is None else min(smallest, err.smallest)
                 continue
             tried.append((k, window, report.memory.peak_bytes["device"]))
-            return TuneResult(chosen, report.memory, tuple(tried))
+            if machine is None:
+                return TuneResult(chosen, report.memory, tuple(tried),
+                                  why="the first candidate that fits: fewest sub-batches, then most live blocks")
+            from slcompile.explain import predict_step_time, transfer_tiers
+
+            timeline = predict_step_time(report, state, example_inputs, machine,
+                                         transfer_tiers(config, optimizer_options))
+            fitting.append((timeline.step_seconds, len(fitting), chosen, report.memory, timeline))
+    if fitting:
+        seconds, _, chosen, memory, timeline = min(fitting, key=lambda item: item[:2])
+        predicted = tuple((f[2]["num_subbatches"], f[2]["live_blocks"], f[0]) for f in fitting)
+        others = sorted(f[0] for f in fitting if f[2] is not chosen)
+        why = (f"predicted fastest on {machine.name} of {len(fitting)} plans that fit: "
+               f"{seconds * 1e3:.3f} ms a step, bound by {timeline.bound}")
+        if others:
+            why += f"; the next {others[0] * 1e3:.3f} ms ({others[0] / seconds - 1:+.1%})"
+        return TuneResult(chosen, memory, tuple(tried), time=timeline, predicted_seconds=predicted, why=why)
     if smallest is None:
         raise RefusedError("no candidate number of sub-batches can split this model's batch", "tune")
     raise BudgetError(budget, smallest)

@@ -235,6 +235,7 @@ class _PlannedPartition:
                     self.report.schedule = step.results["derive_schedule"].text()
                 if step.results.get("plan_transfers") is not None:
                     self.report.planned_schedule = step.results["plan_transfers"]
+                self.report.partitioned = {"forward": fw, "backward": bw}
                 log.info("speedloader: %s", prediction)
                 return fw, bw
             log.info(

@@ -1,0 +1,275 @@
+"""Predicted against measured step time: the time model on this machine, and on paper
+against the H100 measurements.
+
+Usage:
+    python bench/time_bench.py [--rounds 7] [--threads 1] [--no-h100] [--out bench/results/time_model.json]
+
+Part 1 (this machine): the machine's profile is measured first
+(`slcompile.profile.measure_profile`, not the cache: the same conditions as the
+steps). Then, for each configuration (K, where the block weights and the saved
+activations rest, recomputation) of the package's GPT (`lowering="aot_eager"`), the
+step is compiled and warmed up (2 steps); the configurations' steps are then timed
+round-robin, `--rounds` rounds, so that a burst of load from another process on a
+shared machine falls on all of them alike. Each row keeps the fastest step (the
+profile keeps best-of rates too) and the median, and the prediction of
+`slcompile.analysis.time.predict_time` from the compiled step's partitioned graphs.
+
+Part 2 (on paper): the rows of ../shared/measurements/h100-2026-11-23.md (one H100,
+PCIe, Llama 738M bf16, batch 16 x 512) predicted with the named profile
+"h100-pcie5-nvme" through `slcompile.explain(..., profile=...)`, the model built on
+the meta device (no weights; nothing runs). Compared: the step time of each row,
+the rows' ranking (Spearman's rho) and the resource the model says bounds each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+CPU_CONFIGS = (  # (K, weights, activations, recompute)
+    (1, "device", "device", "none"),
+    (4, "device", "device", "none"),
+    (8, "device", "device", "none"),
+    (4, "device", "device", "blocks"),
+    (1, "nvme", "device", "none"),
+    (4, "nvme", "device", "none"),
+    (8, "nvme", "device", "none"),
+    (1, "nvme", "nvme", "none"),
+    (4, "nvme", "nvme", "none"),
+    (4, "nvme", "nvme", "blocks"),
+    (8, "nvme", "nvme", "none"),
+)
+
+# ../shared/measurements/h100-2026-11-23.md: (lowering, label, options, measured step s).
+H100_ROWS = (
+    ("inductor", "plain torch.compile, all resident", {"num_subbatches": 1}, 0.0663),
+    ("inductor", "speedloader, weights host, K=4", {"num_subbatches": 4, "weights": "host"}, 0.0853),
+    ("inductor", "weights + activations host, recompute blocks, K=4",
+     {"num_subbatches": 4, "weights": "host", "activations": "host", "recompute": "blocks"}, 0.1971),
+    ("inductor", "weights + activations host, every saved tensor moved, K=4",
+     {"num_subbatches": 4, "weights": "host", "activations": "host", "recompute": "none"}, 0.6497),
+    ("aot_eager", "eager schedule, resident, K=1", {"num_subbatches": 1}, 0.1018),
+    ("aot_eager", "speedloader, resident, K=4", {"num_subbatches": 4}, 0.2130),
+    ("aot_eager", "speedloader, weights host, K=4", {"num_subbatches": 4, "weights": "host"}, 0.1908),
+    ("aot_eager", "grad_accumulation, weights host, K=4",
+     {"num_subbatches": 4, "weights": "host", "schedule": "grad_accumulation"}, 0.3564),
+    ("aot_eager", "speedloader, weights host, K=8", {"num_subbatches": 8, "weights": "host"}, 0.2837),
+    ("aot_eager", "grad_accumulation, weights host, K=8",
+     {"num_subbatches": 8, "weights": "host", "schedule": "grad_accumulation"}, 0.7986),
+    ("aot_eager", "speedloader, weights + activations host, K=4",
+     {"num_subbatches": 4, "weights": "host", "activations": "host", "recompute": "none"}, 0.8834),
+)
+
+
+def build_step(k, weights, activations, recompute, args):
+    import torch
+
+    import slcompile
+    from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(d_model=args.d_model, seq_len=args.seq_len, n_layers=args.layers, n_heads=4)
+    model = TinyGPT(cfg)
+    idx, targets = make_gpt_batch(cfg, args.batch)
+    options = {"lowering": "aot_eager", "num_subbatches": k, "weights": weights, "activations": activations,
+               "recompute": recompute, "live_blocks": 2}
+    compiled = torch.compile(model, backend="speedloader", options=options)
+
+    def step():
+        _, loss = compiled(idx, targets)
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    for _ in range(2):
+        step()
+    return step, slcompile.compile_reports()[-1]
+
+
+def cpu_rows(args, profile) -> list[dict]:
+    from tqdm import tqdm
+
+    from slcompile.analysis.time import predict_time
+
+    built = []
+    for k, weights, activations, recompute in tqdm(CPU_CONFIGS, desc="compiling"):
+        step, report = build_step(k, weights, activations, recompute, args)
+        tiers = {"fetch": weights, "stash": activations, "unstash": activations, "store_grad": "device"}
+        graphs = report.partitioned
+        prediction = predict_time(graphs["forward"], graphs["backward"], profile=profile, tiers=tiers,
+                                  tokens=args.batch * args.seq_len)
+        built.append(((k, weights, activations, recompute), step, prediction))
+    times: list[list[float]] = [[] for _ in built]
+    cpu: list[list[float]] = [[] for _ in built]
+    for _ in tqdm(range(args.rounds), desc="rounds"):
+        for i, (_, step, _) in enumerate(built):
+            start, thread_start = time.perf_counter(), time.thread_time()
+            step()
+            times[i].append(time.perf_counter() - start)
+            cpu[i].append(time.thread_time() - thread_start)
+    rows = []
+    for ((k, weights, activations, recompute), _, prediction), measured, thread in zip(built, times, cpu):
+        best, median = min(measured), statistics.median(measured)
+        rows.append({
+            "k": k, "weights": weights, "activations": activations, "recompute": recompute,
+            "measured_step_seconds": best, "measured_median_seconds": median, "measured_all": measured,
+            # The compute thread's CPU time: what the compute lane did, whatever the load.
+            "measured_compute_thread_cpu_seconds": min(thread),
+            "predicted_step_seconds": prediction.step_seconds,
+            "error": (prediction.step_seconds - best) / best,
+            "error_vs_median": (prediction.step_seconds - median) / median,
+            "predicted_compute_seconds": prediction.compute_seconds,
+            "predicted_stall_seconds": prediction.stall_seconds,
+            "predicted_lane_seconds": prediction.lane_seconds(),
+            "predicted_lane_bytes": prediction.lane_bytes(),
+            "predicted_bound": prediction.bound,
+            "predicted_gflop": prediction.flops / 1e9,
+        })
+    return rows
+
+
+def h100_rows(args) -> list[dict]:
+    import torch
+    from tqdm import tqdm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import slcompile
+
+    config = LlamaConfig(num_hidden_layers=12, hidden_size=2048, intermediate_size=5504, num_attention_heads=16,
+                         num_key_value_heads=16, vocab_size=32000, max_position_embeddings=512, use_cache=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.zeros(16, 512, dtype=torch.long, device="meta")
+    rows = []
+    for lowering, label, options, measured in tqdm(H100_ROWS, desc="H100 rows on paper"):
+        explanation = slcompile.explain(model, ids, kwargs={"labels": ids}, lowering=lowering,
+                                        profile="h100-pcie5-nvme", **options)
+        predicted = explanation.time
+        rows.append({
+            "lowering": lowering, "row": label, "options": options, "measured_step_seconds": measured,
+            "predicted_step_seconds": predicted.step_seconds,
+            "error": (predicted.step_seconds - measured) / measured,
+            "predicted_bound": predicted.bound,
+            "predicted_compute_seconds": predicted.compute_seconds,
+            "predicted_lane_seconds": predicted.lane_seconds(),
+            "predicted_lane_bytes": predicted.lane_bytes(),
+            "predicted_tokens_per_second": predicted.tokens_per_second,
+            "predicted_peak_device_bytes": (explanation.predicted_peak_bytes or {}).get("device"),
+        })
+    return rows
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0] * len(values)
+        for rank, i in enumerate(order):
+            out[i] = rank
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def plot(record: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("this machine (CPU, nvme tier)", record["cpu"]["rows"])]
+    if record.get("h100"):
+        panels.append(("H100 rows on paper (profile h100-pcie5-nvme)", record["h100"]["rows"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 6))
+    axes = axes if len(panels) > 1 else [axes]
+    for ax, (title, rows) in zip(axes, panels):
+        measured = [r["measured_step_seconds"] * 1e3 for r in rows]
+        predicted = [r["predicted_step_seconds"] * 1e3 for r in rows]
+        ax.scatter(measured, predicted)
+        top = max(measured + predicted) * 1.1
+        ax.plot([0, top], [0, top], color="gray", lw=1, label="prediction = measurement")
+        ax.fill_between([0, top], [0, top * 0.85], [0, top * 1.15], color="gray", alpha=0.15, label="within 15%")
+        for r, x, y in zip(rows, measured, predicted):
+            label = r.get("row") or f"K={r['k']} w={r['weights']} a={r['activations']} rc={r['recompute']}"
+            ax.annotate(label, (x, y), fontsize=6)
+        ax.set_xlabel("measured step (ms)")
+        ax.set_ylabel("predicted step (ms)")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="compute threads (default 1: leaves a core to the I/O threads on 2 cores)")
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--no-h100", action="store_true", help="skip the H100 rows on paper")
+    parser.add_argument("--quick", action="store_true", help="smoke settings: 2 rounds, d_model 64, no H100 rows")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "time_model.json"))
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.d_model, args.no_h100 = 2, 64, True
+    import torch
+
+    from slcompile.profile import measure_profile
+
+    torch.set_num_threads(args.threads)
+    # Every configuration compiles the same forward again (a new model each): keep them all compiled.
+    torch._dynamo.config.recompile_limit = 4 * len(CPU_CONFIGS)
+    profile = measure_profile(steps=True)
+    rows = cpu_rows(args, profile)
+    within = sum(abs(r["error"]) <= 0.15 for r in rows)
+    print(f"profile: {profile.source}")
+    print(f"{'K':>2} {'weights':7} {'acts':6} {'recomp':6} {'best ms':>8} {'median':>8} {'pred ms':>8} "
+          f"{'err':>7} {'err/med':>7} {'cpu ms':>7} {'pred c':>7} bound")
+    for r in rows:
+        print(f"{r['k']:>2} {r['weights']:7} {r['activations']:6} {r['recompute']:6} "
+              f"{r['measured_step_seconds'] * 1e3:>8.1f} {r['measured_median_seconds'] * 1e3:>8.1f} "
+              f"{r['predicted_step_seconds'] * 1e3:>8.1f} {r['error']:>+7.1%} {r['error_vs_median']:>+7.1%} "
+              f"{r['measured_compute_thread_cpu_seconds'] * 1e3:>7.1f} {r['predicted_compute_seconds'] * 1e3:>7.1f} "
+              f"{r['predicted_bound']}")
+    print(f"within 15% of the fastest step: {within} of {len(rows)} (load average at the end: "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    record = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
+                    "load_average_at_end": os.getloadavg()},
+        "torch": torch.__version__,
+        "command": "python bench/time_bench.py " + " ".join(sys.argv[1:]),
+        "model": {"d_model": args.d_model, "seq_len": args.seq_len, "layers": args.layers, "batch": args.batch,
+                  "lowering": "aot_eager"},
+        "profile": json.loads(profile.to_json()),
+        "cpu": {"rows": rows, "within_15_percent": within},
+    }
+    if not args.no_h100:
+        h100 = h100_rows(args)
+        rho = spearman([r["measured_step_seconds"] for r in h100], [r["predicted_step_seconds"] for r in h100])
+        record["h100"] = {"source": "../shared/measurements/h100-2026-11-23.md", "profile": "h100-pcie5-nvme",
+                          "rows": h100, "spearman_rank_correlation": rho}
+        print(f"\nH100 rows on paper (profile h100-pcie5-nvme): Spearman rank correlation {rho:.2f}")
+        print(f"{'lowering':9} {'row':58} {'measured':>9} {'predicted':>9} {'err':>7} bound")
+        for r in h100:
+            print(f"{r['lowering']:9} {r['row']:58} {r['measured_step_seconds']:>9.4f} "
+                  f"{r['predicted_step_seconds']:>9.4f} {r['error']:>+7.1%} {r['predicted_bound']}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    plot(record, os.path.splitext(args.out)[0] + ".png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Machine profiles: the rates the time model (`slcompile.analysis.time`) scales
+FLOPs and bytes by.
+
+A `MachineProfile` is plain data: measured on the current machine once
+(`slcompile.profile.measure_profile`, a few seconds, cached on disk), or one of
+`NAMED_PROFILES` for a machine you are not on (`profile("h100-pcie5-nvme")`). The
+named profiles' rates are published figures derated to what is usually reached;
+they are assumptions, and say so in their `source`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+
+__all__ = ["MachineProfile", "NAMED_PROFILES", "named_profile"]
+
+_INF = math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineProfile:
+    """The rates of one machine.
+
+    Attributes:
+        name: what the profile is of (a host name, or a named profile's name).
+        matmul_flops: FLOP/s of a large dense matrix product in the compute dtype.
+        memory_bandwidth: bytes/s the device reads plus writes in an elementwise op.
+        op_overhead_seconds: fixed time per op (eager dispatch on a CPU; a kernel
+            launch on a GPU).
+        transfer_op_seconds: fixed compute-lane time of each `slc::` transfer op
+            (issuing or waiting: Python and bookkeeping on the compute thread).
+        link_h2d, link_d2h: host <-> device bytes/s (pinned copies); `inf` where the
+            host's memory is the device's (a CPU-only machine: nothing is copied).
+        link_latency_seconds: fixed cost of one host transfer.
+        nvme_read, nvme_write: the disk's bytes/s for large O_DIRECT transfers.
+        nvme_latency_seconds: fixed cost of one nvme transfer (so small transfers
+            reach less of the bandwidth: `bytes / (latency + bytes / rate)`).
+        network: bytes/s per rank of a collective (all-gather, reduce-scatter).
+        network_latency_seconds: fixed cost of one collective.
+        source: how the rates were found ("measured on ... in 3.1 s", or the
+            assumptions of a named profile).
+        matmul_curve: (FLOPs of one product, FLOP/s it reached) at a few sizes,
+            smallest first: small products reach less of the rate. An op's rate is
+            interpolated in log FLOPs between them (clamped at the ends; capped by
+            `matmul_flops`); empty: `matmul_flops` for every op.
+    """
+
+    name: str
+    matmul_flops: float
+    memory_bandwidth: float
+    op_overhead_seconds: float = 0.0
+    transfer_op_seconds: float = 0.0
+    link_h2d: float = _INF
+    link_d2h: float = _INF
+    link_latency_seconds: float = 0.0
+    nvme_read: float = _INF
+    nvme_write: float = _INF
+    nvme_latency_seconds: float = 0.0
+    network: float = _INF
+    network_latency_seconds: float = 0.0
+    source: str = ""
+    matmul_curve: tuple[tuple[float, float], ...] = ()
+
+    @property
+    def host_is_device(self) -> bool:
+        """The host tier is the device's own memory: host transfers copy nothing."""
+        return math.isinf(self.link_h2d) and math.isinf(self.link_d2h)
+
+    def compute_seconds(self, cost, lowering: str = "aot_eager") -> float:
+        """A compute node's time: its launch, then the slower of its FLOPs at the
+        matmul rate and its bytes at the memory bandwidth (a roofline).
+
+        Under "inductor", elementwise work (no FLOPs counted) is fused into its
+        neighbours: it costs the bytes of its output alone (inputs come from
+        registers) and no launch of its own."""
+        if lowering == "inductor" and cost.flops == 0:
+            return cost.nbytes / 2 / self.memory_bandwidth
+        rate = self.matmul_rate(cost.flops)
+        return self.op_overhead_seconds + max(cost.flops / rate, cost.nbytes / self.memory_bandwidth)
+
+    def matmul_rate(self, flops: float) -> float:
+        """The FLOP/s a product of `flops` reaches (`matmul_curve`)."""
+        curve = self.matmul_curve
+        if not curve or flops <= 0:
+            return self.matmul_flops
+        if flops <= curve[0][0]:
+            return min(curve[0][1], self.matmul_flops)
+        for (low, low_rate), (high, high_rate) in zip(curve, curve[1:]):
+            if flops <= high:
+                share = (math.log(flops) - math.log(low)) / (math.log(high) - math.log(low))
+                return min(low_rate + share * (high_rate - low_rate), self.matmul_flops)
+        return min(curve[-1][1], self.matmul_flops)
+
+    def transfer_seconds(self, tier: str, direction: str, nbytes: int) -> tuple[str, float]:
+        """(lane, seconds) of one transfer of `nbytes` between the device and `tier`.
+
+        Args:
+            tier: "device" (nothing moves), "host" or "nvme".
+            direction: "read" (to the device) or "write" (from it).
+            nbytes: bytes moved.
+        """
+        if tier == "device" or nbytes == 0:
+            return "compute", 0.0
+        if tier == "host":
+            rate = self.link_h2d if direction == "read" else self.link_d2h
+            lane = "link.h2d" if direction == "read" else "link.d2h"
+            if math.isinf(rate):
+                return lane, 0.0
+            return lane, self.link_latency_seconds + nbytes / rate
+        if tier == "nvme":
+            rate = self.nvme_read if direction == "read" else self.nvme_write
+            # On a GPU machine the bytes cross the link too; the disk is the slower.
+            link = self.link_h2d if direction == "read" else self.link_d2h
+            return "disk", self.nvme_latency_seconds + nbytes / min(rate, link)
+        if tier == "network":
+            return "network", self.network_latency_seconds + nbytes / self.network
+        raise ValueError(f"unknown tier {tier!r}; expected 'device', 'host', 'nvme' or 'network'")
+
+    def to_json(self) -> str:
+        return json.dumps({k: (None if isinstance(v, float) and math.isinf(v) else v)
+                           for k, v in dataclasses.asdict(self).items()}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> MachineProfile:
+        data: Mapping = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: (_INF if v is None else v) for k, v in data.items() if k in known}
+        values["matmul_curve"] = tuple(tuple(point) for point in values.get("matmul_curve", ()))
+        return cls(**values)
+
+
+_GB = 1e9
+_H100_SOURCE = ("assumed, not measured: H100 bf16 dense 989 TFLOP/s peak at 65%, HBM3 3.35 TB/s at 80%, "
+                "a CUDA kernel launch 5 us, PCIe Gen5 x16 at 52 GB/s each way, NVMe 6.5 GB/s read, "
+                "5 GB/s write")
+
+NAMED_PROFILES: dict[str, MachineProfile] = {
+    "h100-pcie5-nvme": MachineProfile(
+        name="h100-pcie5-nvme", matmul_flops=989e12 * 0.65, memory_bandwidth=3.35e12 * 0.8,
+        op_overhead_seconds=5e-6, transfer_op_seconds=10e-6,
+        link_h2d=52 * _GB, link_d2h=52 * _GB, link_latency_seconds=10e-6,
+        nvme_read=6.5 * _GB, nvme_write=5 * _GB, nvme_latency_seconds=80e-6,
+        source=_H100_SOURCE,
+    ),
+    "8xh100-ib": MachineProfile(
+        name="8xh100-ib", matmul_flops=989e12 * 0.65, memory_bandwidth=3.35e12 * 0.8,
+        op_overhead_seconds=5e-6, transfer_op_seconds=10e-6,
+        link_h2d=52 * _GB, link_d2h=52 * _GB, link_latency_seconds=10e-6,
+        nvme_read=6.5 * _GB, nvme_write=5 * _GB, nvme_latency_seconds=80e-6,
+        network=40 * _GB, network_latency_seconds=20e-6,
+        source=_H100_SOURCE + "; per GPU one 400 Gb/s InfiniBand NIC at 80% (40 GB/s) for collectives "
+        "across machines",
+    ),
+}
+"""Profiles of machines one may not be on, by name."""
+
+
+def named_profile(name: str) -> MachineProfile:
+    """The named profile (`NAMED_PROFILES`).
+
+    Raises:
+        ValueError: no profile has that name (the message lists them).
+    """
+    try:
+        return NAMED_PROFILES[name]
+    except KeyError:
+        raise ValueError(f"no machine profile named {name!r}; named profiles: {', '.join(NAMED_PROFILES)}, "
+                         "or 'current' (measured here)") from None

@@ -1,0 +1,269 @@
+"""The current machine's profile: measured once in a few seconds, cached on disk.
+
+`machine_profile()` returns the rates the time model scales by
+(`slcompile.analysis.machine.MachineProfile`): the one named by the environment
+variable `SLC_PROFILE` (a named profile or a JSON file), else the cached
+measurement of this machine (`~/.cache/slcompile/profile-<host>.json`), else a new
+measurement (`measure_profile`), which is then cached. `machine_profile("h100-pcie5-nvme")`
+returns a named profile instead, for a machine you are not on.
+
+What is measured (each a best of a few repeats):
+- the matmul rate: square products of the compute dtype at a few sizes (small
+  products reach less of it);
+- the memory bandwidth: an out-of-place elementwise op (bytes read plus written,
+  into fresh memory as eager ops write);
+- the op overhead: a one-element add; the transfer ops' overhead: an `slc::mark`;
+- on CUDA, the pinned host <-> device copy rates;
+- the disk: O_DIRECT writes and reads of the nvme tier (`NvmeArena`, with its I/O
+  threads and checksums as a step uses them) at a small and a large size, fitted
+  as `latency + bytes / rate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import socket
+import time
+
+import torch
+
+from slcompile.analysis.machine import NAMED_PROFILES, MachineProfile, named_profile
+
+__all__ = ["machine_profile", "measure_profile", "profile_path"]
+
+log = logging.getLogger(__name__)
+
+
+def profile_path() -> str:
+    """Where this machine's measured profile is cached."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "slcompile", f"profile-{socket.gethostname()}.json")
+
+
+def machine_profile(profile: str | MachineProfile | None = None, *, offload_dir: str | None = None) -> MachineProfile:
+    """The profile to predict with.
+
+    Args:
+        profile: a `MachineProfile`; a named profile (`NAMED_PROFILES`); a path to a
+            profile's JSON; "current" or None: `SLC_PROFILE` if set, else this
+            machine's cached (or new) measurement.
+        offload_dir: where a new measurement writes its nvme test file.
+    """
+    if isinstance(profile, MachineProfile):
+        return profile
+    if profile in (None, "current"):
+        profile = os.environ.get("SLC_PROFILE") or None
+        if profile is None:
+            return _cached_measurement(offload_dir)
+    if profile in NAMED_PROFILES:
+        return NAMED_PROFILES[profile]
+    if os.path.isfile(profile):
+        with open(profile) as f:
+            return MachineProfile.from_json(f.read())
+    return named_profile(profile)  # raises, listing the names
+
+
+def _cached_measurement(offload_dir) -> MachineProfile:
+    path = profile_path()
+    try:
+        with open(path) as f:
+            return MachineProfile.from_json(f.read())
+    except (OSError, ValueError, TypeError):
+        pass
+    profile = measure_profile(offload_dir=offload_dir)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(profile.to_json())
+    except OSError as err:
+        log.warning("could not cache the machine profile at %s: %s", path, err)
+    return profile
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dtype | None = None,
+                    offload_dir: str | None = None, nvme: bool = True, steps: bool = False) -> MachineProfile:
+    """Measures this machine's rates (a few seconds).
+
+    Args:
+        device: the compute device (default: CUDA if present, else the CPU).
+        dtype: the compute dtype of the matmul (default: bf16 on CUDA, fp32 on CPU).
+        offload_dir: the directory the nvme tier would use (default: the temp dir).
+        nvme: measure the disk (else its rates are left infinite).
+        steps: also time the `slc::` transfer ops as compiled steps run them (a tiny
+            GPT compiled twice with aot_eager, its weights and activations on the
+            device and on nvme; about 5 s more, and two entries in Dynamo's cache of
+            the example model): the compute thread's time per transfer op, instead
+            of the transfer engine's own calls alone.
+    """
+    began = time.perf_counter()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    # Products of square matrices from small to large: small ones reach less of the rate.
+    sizes = (256, 1024, 4096) if device.type == "cuda" else (64, 128, 256, 512)
+    curve = []
+    for size in sizes:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        reps = max(3, int(2e8 // size ** 3)) if device.type != "cuda" else 20
+
+        def matmul():
+            for _ in range(reps):
+                torch.mm(a, b)
+            _sync(device)
+
+        curve.append((2.0 * size ** 3, 2 * size ** 3 * reps / _best(matmul, 3)))
+    matmul_flops = max(rate for _, rate in curve)
+    # An out-of-place elementwise op as eager runs it: fresh output memory each time.
+    numel = (256 << 20 if device.type == "cuda" else 8 << 20) // 4
+    src = torch.empty(numel, device=device, dtype=torch.float32).fill_(1.0)
+
+    def elementwise():
+        for _ in range(4):
+            torch.mul(src, 2.0)
+        _sync(device)
+
+    memory_bandwidth = 4 * 2 * src.nbytes / _best(elementwise, 5)
+    one = torch.ones(1, device=device)
+    ops = 2000
+
+    def tiny():
+        for _ in range(ops):
+            torch.ops.aten.add.Tensor(one, one)
+        _sync(device)
+
+    op_overhead = _best(tiny, 3) / ops
+    import slcompile.runtime  # noqa: F401  (registers what the slc:: ops do)
+
+    def marks():
+        for _ in range(ops // 4):
+            torch.ops.slc.mark("profile", True)
+
+    transfer_op = _best(marks, 3) / (ops // 4)
+    link_h2d = link_d2h = math.inf
+    if device.type == "cuda":
+        host = torch.empty(numel, dtype=torch.float32, pin_memory=True)
+        link_h2d = host.nbytes / _best(lambda: (src.copy_(host, non_blocking=True), _sync(device)), 5)
+        link_d2h = host.nbytes / _best(lambda: (host.copy_(src, non_blocking=True), _sync(device)), 5)
+    del src
+    read = write = math.inf
+    latency = 0.0
+    if nvme:
+        write, read, latency, transfer_op = _measure_disk(offload_dir)
+    profile = MachineProfile(
+        name=f"{socket.gethostname()}-{device.type}", matmul_flops=matmul_flops, memory_bandwidth=memory_bandwidth,
+        op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op, link_h2d=link_h2d, link_d2h=link_d2h,
+        link_latency_seconds=10e-6 if device.type == "cuda" else 0.0,
+        nvme_read=read, nvme_write=write, nvme_latency_seconds=latency, matmul_curve=tuple(curve),
+    )
+    if steps and nvme:
+        op_overhead, transfer_op = _measure_steps(offload_dir, profile)
+    source = (f"measured on {socket.gethostname()} ({device.type}, {torch.get_num_threads()} threads, "
+              f"{dtype}) in {time.perf_counter() - began:.1f} s")
+    return dataclasses.replace(profile, op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op,
+                               source=source)
+
+
+def _measure_disk(offload_dir) -> tuple[float, float, float, float]:
+    """(write bytes/s, read bytes/s, latency s, compute-thread seconds per transfer
+    op) of the nvme tier as a step uses it (`TransferEngine` stores and loads, their
+    I/O threads and checksums), fitted from small and large transfers."""
+    from slcompile.runtime.engine import TransferEngine
+    from slcompile.runtime.stats import Recorder
+
+    small, large = 64 << 10, 16 << 20
+    engine = TransferEngine(offload_dir, recorder=Recorder())
+    tensors = {n: torch.randn(n // 4) for n in (small, large)}
+    op_seconds = []
+    try:
+        def run(direction, nbytes, count):
+            keys = [f"profile{nbytes}.{i}" for i in range(count)]
+            if direction == "write":
+                handles = [engine.store(key, tensors[nbytes], "nvme", "activation") for key in keys]
+            else:
+                handles = [engine.load(key) for key in keys]
+            for handle in handles:
+                engine.wait(handle)
+
+        timings = {}
+        for direction in ("write", "read"):
+            for nbytes, count in ((small, 32), (large, 4)):
+                timings[direction, nbytes] = _best(lambda: run(direction, nbytes, count), 2) / count
+        # What the caller's thread spends per issue and per wait of a finished transfer.
+        keys = [f"profile{small}.{i}" for i in range(32)]
+        start = time.perf_counter()
+        handles = [engine.load(key) for key in keys]
+        issued = time.perf_counter() - start
+        for handle in handles:
+            handle._done.wait()
+        start = time.perf_counter()
+        for handle in handles:
+            engine.wait(handle)
+        op_seconds = (issued + time.perf_counter() - start) / (2 * len(keys))
+        rates, latencies = [], []
+        for direction in ("write", "read"):
+            t_small, t_large = timings[direction, small], timings[direction, large]
+            rate = (large - small) / max(t_large - t_small, 1e-9)
+            rates.append(rate)
+            latencies.append(max(t_small - small / rate, 0.0))
+        return rates[0], rates[1], sum(latencies) / 2, op_seconds
+    finally:
+        engine.close()
+
+
+def _measure_steps(offload_dir, profile: MachineProfile) -> tuple[float, float]:
+    """(seconds per op, seconds per `slc::` transfer op) on the compute thread of
+    compiled steps: a tiny GPT's step is run with its weights and activations on
+    the device and on nvme (aot_eager); the thread's CPU time on the device, less
+    the roofline of its ops at the profile's rates, over its ops; that on nvme, less
+    that on the device, over its transfer ops."""
+    import slcompile
+    from slcompile.analysis.time import count_cost
+    from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
+    from slcompile.vocabulary import is_compute, transfer_kind
+
+    cfg = GPTConfig(d_model=64, seq_len=32, n_layers=2, n_heads=2)
+    idx, targets = make_gpt_batch(cfg, 4)
+    cpu_seconds, graphs = [], []
+    for tier in ("device", "nvme"):
+        model = TinyGPT(cfg)
+        options = {"lowering": "aot_eager", "num_subbatches": 2, "weights": tier, "activations": tier,
+                   "live_blocks": 2, "min_offload_bytes": 0, "offload_dir": offload_dir}
+        compiled = torch.compile(model, backend="speedloader", options=options)
+
+        def step():
+            compiled(idx, targets)[1].backward()
+            model.zero_grad(set_to_none=True)
+
+        for _ in range(2):
+            step()
+        best = math.inf
+        for _ in range(5):
+            start = time.thread_time()
+            step()
+            best = min(best, time.thread_time() - start)
+        cpu_seconds.append(best)
+        graphs.append(list(slcompile.compile_reports()[-1].partitioned.values()))
+    nodes = [node for gm in graphs[0] for node in gm.graph.nodes if is_compute(node)]
+    bare = dataclasses.replace(profile, op_overhead_seconds=0.0)
+    roofline = sum(bare.compute_seconds(count_cost(node)) for node in nodes)
+    op_seconds = max(cpu_seconds[0] - roofline, 0.0) / max(len(nodes), 1)
+    transfers = sum(transfer_kind(node) is not None for gm in graphs[1] for node in gm.graph.nodes)
+    return op_seconds, max(cpu_seconds[1] - cpu_seconds[0], 0.0) / max(transfers, 1)

@@ -1,0 +1,237 @@
+"""The time model's arithmetic on synthetic graphs: exact figures, no timings."""
+
+import math
+
+import pytest
+import torch
+import torch.fx
+
+from slcompile.analysis.machine import NAMED_PROFILES, MachineProfile, named_profile
+from slcompile.analysis.time import ComputeCost, count_cost, predict_time
+from slcompile.meta import SlcMeta, set_slc_meta
+from slcompile.vocabulary import FETCH_ISSUE, FETCH_WEIGHT, STASH, WAIT, fake_token
+
+# 1 GFLOP/s, memory so fast that bytes never bound compute, 1 MB/s disk and link.
+PROFILE = MachineProfile(
+    name="synthetic", matmul_flops=1e9, memory_bandwidth=1e30, nvme_read=1e6, nvme_write=1e6,
+    link_h2d=2e6, link_d2h=2e6,
+)
+MM = torch.ops.aten.mm.default
+
+
+class GraphBuilder:
+    """A hand-built partitioned graph: matmuls of a given FLOP count, weight fetches
+    and activation stashes, each node tagged with its block."""
+
+    def __init__(self):
+        self.graph = torch.fx.Graph()
+        self.x = self.graph.placeholder("x")
+        self.x.meta["val"] = torch.empty(1000, 1000, device="meta")
+        self.param = self.graph.placeholder("w")
+        self.param.meta["val"] = torch.empty(500, 1000, device="meta")  # 2 MB of fp32
+
+    def _tag(self, node, block):
+        set_slc_meta(node, SlcMeta("block", block, 0))
+        return node
+
+    def matmul(self, block, seconds):
+        """A 1000 x 1000 x n product taking `seconds` at 1 GFLOP/s (2e9 FLOPs per n=1000)."""
+        n = int(seconds * 1000 / 2)
+        b = self.graph.placeholder(f"b{len(self.graph.nodes)}")
+        b.meta["val"] = torch.empty(1000, n, device="meta")
+        node = self.graph.call_function(MM, (self.x, b))
+        node.meta["val"] = torch.empty(1000, n, device="meta")
+        return self._tag(node, block)
+
+    def fetch_issue(self, block, key):
+        node = self.graph.call_function(FETCH_ISSUE, (key,))
+        node.meta["val"] = fake_token()
+        return self._tag(node, block)
+
+    def fetch(self, block, key):
+        node = self.graph.call_function(FETCH_WEIGHT, (self.param, key))
+        node.meta["val"] = torch.empty(500, 1000, device="meta")
+        return self._tag(node, block)
+
+    def stash(self, block, value):
+        token = self.graph.call_function(STASH, (value, "a0|x"))
+        token.meta["val"] = fake_token()
+        self._tag(token, block)
+        return token
+
+    def wait(self, block, token):
+        node = self.graph.call_function(WAIT, (token, []))
+        node.meta["val"] = fake_token()
+        return self._tag(node, block)
+
+    def module(self):
+        self.graph.output(None)
+        return torch.fx.GraphModule(torch.nn.Module(), self.graph)
+
+
+def test_transfer_seconds_are_bytes_over_bandwidth_plus_latency():
+    profile = MachineProfile(name="p", matmul_flops=1, memory_bandwidth=1, nvme_read=4e9, nvme_write=2e9,
+                             nvme_latency_seconds=1e-4, link_h2d=50e9, link_d2h=25e9)
+    assert profile.transfer_seconds("nvme", "read", 8_000_000_000) == ("disk", 1e-4 + 2.0)
+    assert profile.transfer_seconds("nvme", "write", 4_000_000_000) == ("disk", 1e-4 + 2.0)
+    assert profile.transfer_seconds("host", "read", 100_000_000_000) == ("link.h2d", 2.0)
+    assert profile.transfer_seconds("host", "write", 50_000_000_000) == ("link.d2h", 2.0)
+    assert profile.transfer_seconds("device", "read", 10**9) == ("compute", 0.0)
+    # A CPU machine: the host is the device's memory, nothing is copied.
+    cpu = MachineProfile(name="cpu", matmul_flops=1, memory_bandwidth=1, nvme_read=1e9, nvme_write=1e9)
+    assert cpu.host_is_device and cpu.transfer_seconds("host", "read", 10**9) == ("link.h2d", 0.0)
+    # nvme on a GPU machine crosses the link too: the slower of the two bounds it.
+    slow_link = MachineProfile(name="s", matmul_flops=1, memory_bandwidth=1, nvme_read=4e9, nvme_write=4e9,
+                               link_h2d=1e9, link_d2h=1e9)
+    assert slow_link.transfer_seconds("nvme", "read", 10**9) == ("disk", 1.0)
+
+
+def test_compute_is_a_roofline_of_torch_flop_counts():
+    builder = GraphBuilder()
+    node = builder.matmul(0, 1.0)
+    cost = count_cost(node)
+    assert cost == ComputeCost(flops=2 * 1000 * 1000 * 500, nbytes=4 * (1000 * 1000 + 1000 * 500 + 1000 * 500))
+    profile = MachineProfile(name="p", matmul_flops=1e9, memory_bandwidth=4e6, op_overhead_seconds=0.5)
+    assert profile.compute_seconds(cost) == 0.5 + max(1.0, cost.nbytes / 4e6)
+    assert profile.compute_seconds(ComputeCost(flops=10**9, nbytes=0)) == 0.5 + 1.0
+
+
+def test_a_wait_blocks_compute_until_its_transfer_ends():
+    builder = GraphBuilder()
+    builder.matmul(0, 0.5)
+    builder.fetch_issue(1, "w1")  # 2 MB at 1 MB/s: 2 s from t=0.5
+    builder.fetch(1, "w1")
+    builder.matmul(1, 1.0)
+    prediction = predict_time(builder.module(), profile=PROFILE, tiers={"fetch": "nvme"})
+    assert prediction.step_seconds == 0.5 + 2.0 + 1.0
+    assert prediction.stall_seconds == 2.0
+    assert prediction.lane_seconds() == {"compute": 1.5, "disk": 2.0}
+    block1 = next(b for b in prediction.blocks if b.region == "blk1")
+    assert (block1.compute_seconds, block1.stall_seconds, dict(block1.lane_seconds)) == (1.0, 2.0, {"disk": 2.0})
+    assert block1.bound == "disk"
+
+
+def test_a_transfer_overlaps_the_compute_between_its_issue_and_its_wait():
+    builder = GraphBuilder()
+    builder.fetch_issue(0, "w1")  # 2 s on the disk, from t=0
+    builder.matmul(0, 3.0)        # hides it
+    builder.fetch(1, "w1")
+    builder.matmul(1, 1.0)
+    prediction = predict_time(builder.module(), profile=PROFILE, tiers={"fetch": "nvme"})
+    assert prediction.step_seconds == 4.0
+    assert prediction.stall_seconds == 0.0
+    assert prediction.bound == "compute"
+
+
+def test_two_lanes_run_side_by_side_and_each_lane_is_serial():
+    builder = GraphBuilder()
+    first = builder.matmul(0, 1.0)           # t = 0 .. 1
+    token = builder.stash(0, first)          # 8 MB out on the link at 2 MB/s: 1 .. 5
+    builder.fetch_issue(0, "w1")             # 2 MB in on the disk at 1 MB/s: 1 .. 3
+    builder.fetch_issue(0, "w2")             # the disk is busy: 3 .. 5
+    builder.fetch(1, "w1")                   # compute waits 1 .. 3
+    builder.matmul(1, 1.0)                   # 3 .. 4
+    builder.fetch(1, "w2")                   # waits 4 .. 5
+    builder.wait(1, token)                   # the stash ended at 5 too
+    builder.matmul(1, 0.5)                   # 5 .. 5.5
+    prediction = predict_time(builder.module(), profile=PROFILE, tiers={"fetch": "nvme", "stash": "host"})
+    assert prediction.step_seconds == 5.5
+    assert prediction.lane_seconds() == {"compute": 2.5, "disk": 4.0, "link.d2h": 1.0}
+    assert prediction.lane_bytes() == {"disk": 4_000_000, "link.d2h": 2_000_000}
+    assert prediction.stall_seconds == 3.0
+    disk = sorted((e.start, e.end) for e in prediction.events if e.lane == "disk")
+    assert disk == [(1.0, 3.0), (3.0, 5.0)]
+
+
+def test_a_step_is_bound_by_its_slowest_lane():
+    builder = GraphBuilder()
+    for block in range(3):  # every block: 1 s of compute, a 2 s fetch issued one block ahead
+        builder.fetch_issue(block, f"w{(block + 1) % 3}")  # the last block issues the next step's first
+        builder.fetch(block, f"w{block}")
+        builder.matmul(block, 1.0)
+    prediction = predict_time(builder.module(), profile=PROFILE, tiers={"fetch": "nvme"})
+    # Steady state (the w0 fetch comes from the step before): the disk's 3 x 2 s.
+    assert prediction.step_seconds == pytest.approx(6.0)
+    assert prediction.bound == "disk"
+    assert [b.bound for b in prediction.blocks] == ["disk"] * 3
+    faster = MachineProfile(**{**PROFILE.__dict__, "nvme_read": 4e6, "link_h2d": 4e6})  # 0.5 s a fetch
+    prediction = predict_time(builder.graph.owning_module, profile=faster, tiers={"fetch": "nvme"})
+    assert prediction.step_seconds == pytest.approx(3.0)
+    assert prediction.bound == "compute"
+
+
+def test_tokens_per_second_and_mfu():
+    builder = GraphBuilder()
+    builder.matmul(0, 2.0)
+    prediction = predict_time(builder.module(), profile=PROFILE, tokens=1000)
+    assert prediction.step_seconds == 2.0
+    assert prediction.tokens_per_second == 500.0
+    assert prediction.mfu == 1.0
+    assert "a prediction, not a measurement" in str(prediction)
+
+
+def test_named_profiles_and_json_round_trip(tmp_path, monkeypatch):
+    from slcompile.profile import machine_profile
+
+    h100 = named_profile("h100-pcie5-nvme")
+    assert not h100.host_is_device and h100.link_h2d == 52e9
+    assert math.isinf(h100.network) and not math.isinf(NAMED_PROFILES["8xh100-ib"].network)
+    with pytest.raises(ValueError, match="h100-pcie5-nvme"):
+        named_profile("no-such-machine")
+    path = tmp_path / "profile.json"
+    path.write_text(h100.to_json())
+    assert MachineProfile.from_json(path.read_text()) == h100
+    monkeypatch.setenv("SLC_PROFILE", str(path))
+    assert machine_profile() == h100
+    monkeypatch.setenv("SLC_PROFILE", "8xh100-ib")
+    assert machine_profile("current").name == "8xh100-ib"
+    assert machine_profile("h100-pcie5-nvme") is h100
+
+
+def test_explain_counts_the_flops_torch_counts_and_times_host_transfers_of_a_named_machine():
+    import slcompile
+    from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = GPTConfig(d_model=32, seq_len=16, n_layers=2, n_heads=2)
+    model = TinyGPT(cfg)
+    idx, targets = make_gpt_batch(cfg, 4)
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    same = {  # the CPU's attention kernels compute what the flash ones do
+        aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[aten._scaled_dot_product_flash_attention].__wrapped__,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            flop_registry[aten._scaled_dot_product_flash_attention_backward].__wrapped__,
+    }
+    with FlopCounterMode(display=False, custom_mapping=same) as counter:
+        model(idx, targets)[1].backward()
+    model.zero_grad(set_to_none=True)
+    explanation = slcompile.explain(model, idx, targets, num_subbatches=2, weights="host", lowering="aot_eager",
+                                    profile="h100-pcie5-nvme")
+    predicted = explanation.time
+    assert predicted.flops == counter.get_total_flops()
+    assert predicted.tokens == 4 * 16
+    # Each pass loads the streamed weights it reads (planned as a separate tier: the
+    # nvme figure): the forward all of them, the backward those its gradients need.
+    streamed = explanation.predicted_peak_bytes["nvme"]
+    assert set(predicted.lane_bytes()) == {"link.h2d"}
+    assert streamed < predicted.lane_bytes()["link.h2d"] <= 2 * streamed
+    assert "predicted time (profile h100-pcie5-nvme" in str(explanation)
+
+
+def test_tune_with_a_profile_chooses_the_plan_the_model_predicts_fastest():
+    import slcompile
+    from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
+
+    cfg = GPTConfig(d_model=32, seq_len=16, n_layers=2, n_heads=2)
+    model = TinyGPT(cfg)
+    idx, targets = make_gpt_batch(cfg, 4)
+    result = slcompile.tune(model, idx, targets, memory_budget="1GiB", num_subbatches=[1, 2], live_blocks=(2, 1),
+                            profile="h100-pcie5-nvme", weights="nvme", lowering="aot_eager")
+    assert len(result.predicted_seconds) == 4
+    fastest = min(seconds for _, _, seconds in result.predicted_seconds)
+    assert result.time.step_seconds == fastest
+    chosen = (result.options["num_subbatches"], result.options["live_blocks"])
+    assert (*chosen, fastest) in result.predicted_seconds
+    assert result.why.startswith("predicted fastest on h100-pcie5-nvme of 4 plans that fit")
