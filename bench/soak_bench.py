@@ -104,9 +104,9 @@ def soak(steps: int, warmup: int, d_model: int, offload_dir: str, timeline_on: b
             "moved_bytes": moved, "timeline_events": len(timeline()),
         })
     opt.close()
-    from slcompile.pipeline import engine_for
+    from slcompile.runtime.engine import get_engine
 
-    engine_for(offload_dir).close()  # removes the arena's directory
+    get_engine(offload_dir).close()  # removes the arena's directory
     summary = {"d_model": d_model, "timeline": timeline_on,
                "parameters": sum(p.numel() for p in model.parameters()), **summarize(rows, warmup)}
     return summary, rows

@@ -10,7 +10,7 @@ import torch
 
 import slcompile
 from models import GPTConfig, TinyGPT, make_gpt_batch
-from slcompile.pipeline import engine_for
+from slcompile.runtime.engine import get_engine
 from slcompile.runtime import DiskFullError, OffloadError
 from slcompile.runtime.nvme import NvmeArena
 from slcompile.runtime.weights import weight_home
@@ -99,7 +99,7 @@ def test_gathered_weights_on_a_full_disk_changes_nothing_and_a_retry_matches(tmp
     _assert_same_bits(_stored_weights(model), stored_before)
     _assert_same_bits(_gathered(model), before)
     assert all(torch.equal(s["momentum_buffer"], momentum_before[id(p)]) for p, s in opt.state.items())
-    assert not [key for key in engine_for(str(tmp_path / "interrupted")).keys() if key.endswith("~update")]
+    assert not [key for key in get_engine(str(tmp_path / "interrupted")).keys() if key.endswith("~update")]
     # With room again, the same step and the next give what the uninterrupted run gave.
     with slcompile.gathered_weights(model):
         opt.step()
@@ -132,7 +132,7 @@ def test_gathered_weights_write_failing_on_exit_keeps_every_stored_weight_whole(
     assert len(writes) > 5
     # Five weights were written, and none of them replaced its previous values.
     _assert_same_bits(_stored_weights(model), stored_before)
-    assert not [key for key in engine_for(str(tmp_path / "weights")).keys() if key.endswith("~update")]
+    assert not [key for key in get_engine(str(tmp_path / "weights")).keys() if key.endswith("~update")]
     for _, param in slcompile.offloaded_parameters(model):
         assert param.untyped_storage().nbytes() == 0
 
@@ -183,7 +183,7 @@ def test_offloaded_optimizer_full_disk_undoes_every_block_and_a_retry_matches(tm
     assert state.keys() == state_before.keys()
     for name in state_before:
         _assert_same_bits(state[name], state_before[name])
-    engine = engine_for(str(tmp_path / "interrupted"))
+    engine = get_engine(str(tmp_path / "interrupted"))
     assert not [key for key in engine.keys() if key.endswith("~update")]
     # With room again, the same batch and the next give the uninterrupted run's.
     assert torch.equal(_offloaded_step(compiled, opt, *BATCHES[1]), expected[1])

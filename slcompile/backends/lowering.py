@@ -13,6 +13,12 @@ moves some saved values to the end of the forward), and every graph's just befor
 is compiled. Each graph is then recorded in the CompileReport, so tests can read the
 order that is compiled. The Inductor cache key of the wrapped partitioner hashes
 every module a declared pass lives in (`partition_key`).
+
+The runtime objects of a plan (its weight streamer, activation stash and gradient
+sink) live as long as the compiled graphs that call them: the registries their
+`slc::` ops look them up in hold them weakly, and every compiled graph, as well as
+the callable `lower` returns, holds them (`hold_runtime`). A step compiled again, a
+model deleted or `torch._dynamo.reset()` lets them go.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from slcompile.report import CompileReport
 from slcompile.schedules.planner import kept_bytes
 from slcompile.vocabulary import is_mark
 
-__all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES", "failed_stage"]
+__all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES", "failed_stage", "hold_runtime"]
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +128,9 @@ def lower(
     """
     partition_hook = None if plan is None else _PlannedPartition(plan, report, lowering)
 
+    def hold(compiled: Callable) -> Callable:
+        return compiled if plan is None else hold_runtime(compiled, plan)
+
     def prepare(kind: str, graph: torch.fx.GraphModule) -> None:
         if plan is not None and kind == "inference":
             step = run_passes(
@@ -135,11 +144,37 @@ def lower(
         report.record_graph(kind, graph)
 
     if lowering == "aot_eager":
-        return _aot_eager(gm, example_inputs, prepare, partition_hook)
+        return hold(_aot_eager(gm, example_inputs, prepare, partition_hook, hold))
     if lowering == "inductor":
-        return _inductor(gm, example_inputs, prepare, partition_hook, report,
-                         by_region=plan is not None and plan.compile_regions)
+        return hold(_inductor(gm, example_inputs, prepare, partition_hook, report, hold,
+                              by_region=plan is not None and plan.compile_regions))
     raise ValueError(f"unknown lowering {lowering!r}")
+
+
+def hold_runtime(compiled: Callable, plan: StepPlan) -> Callable:
+    """`compiled`, made to keep `plan`'s runtime objects alive while it lives.
+
+    A compiled forward or backward graph calls `slc::` ops that find the streamer,
+    stash or sink by the name in their key; the registries only point at them, so
+    each graph holds what it may call (a backward can outlive the step's callable).
+
+    Returns:
+        `compiled` itself, or a function calling it when it takes no attributes.
+    """
+    held = tuple(obj for obj in (plan.streamer, plan.stash, plan.gradients) if obj is not None)
+    if not held:
+        return compiled
+    try:
+        compiled._slc_runtime = held
+    except (AttributeError, TypeError):
+        inner = compiled
+
+        @functools.wraps(inner)
+        def compiled(*args, **kwargs):
+            return inner(*args, **kwargs)
+
+        compiled._slc_runtime = held
+    return compiled
 
 
 def failed_stage(pass_log, lowering: str) -> str:
@@ -238,7 +273,7 @@ class _PlannedPartition:
         raise BudgetError(self.plan.memory_budget, smallest.peak_bytes["device"], tuple(tried))
 
 
-def _aot_eager(gm, example_inputs, prepare, partition_hook):
+def _aot_eager(gm, example_inputs, prepare, partition_hook, hold):
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
     from torch._functorch.partitioners import default_partition
@@ -251,7 +286,7 @@ def _aot_eager(gm, example_inputs, prepare, partition_hook):
     def observed(kind: str):
         def compiler(graph: torch.fx.GraphModule, inputs):
             prepare(kind, graph)
-            return boxed_nop(graph, inputs)
+            return hold(boxed_nop(graph, inputs))
 
         return compiler
 
@@ -341,7 +376,8 @@ def _drop_marks(graph: torch.fx.GraphModule) -> None:
     graph.recompile()
 
 
-def _inductor(gm, example_inputs, prepare, partition_hook, report: CompileReport, by_region: bool = False):
+def _inductor(gm, example_inputs, prepare, partition_hook, report: CompileReport, hold,
+              by_region: bool = False):
     from torch._dynamo.backends.debugging import boxed_nop
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -366,9 +402,9 @@ def _inductor(gm, example_inputs, prepare, partition_hook, report: CompileReport
                     cut = None
                 if cut is not None:
                     step, report.regions[kind] = cut
-                    return boxed_nop(step, inputs)
+                    return hold(boxed_nop(step, inputs))
                 _drop_marks(graph)
-            return compile_fx_inner(graph, inputs, **kwargs)
+            return hold(compile_fx_inner(graph, inputs, **kwargs))
 
     patches = dict(INDUCTOR_PATCHES)
     if partition_hook is not None:
