@@ -11,7 +11,8 @@ records the process's resident memory (VmRSS), its open file descriptors, the di
 bytes the nvme arena takes (allocated blocks of its file), the arena file's size and
 the bytes moved between tiers in that step, and the events the runtime's timeline
 holds (it keeps the last 20,000: their memory grows until it is full;
-``--no-timeline`` records none). The summary says how much the resident
+``--no-timeline`` records none), and how many runtime objects (weight streamers,
+activation stashes, gradient sinks, engines) are alive. The summary says how much the resident
 memory grew from the end of the warm-up to the last step, in percent and in bytes
 per step (a least-squares slope); a leak shows as a slope that does not fall with
 more steps. Prints one JSON object (the summary) and writes every step's figures to
@@ -43,6 +44,14 @@ def resident_bytes() -> int:
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def runtime_objects() -> int:
+    """Live weight streamers, activation stashes, gradient sinks and engines: the
+    registries the compiled graphs' ops look them up in (flat: one compile's worth)."""
+    from slcompile.runtime import activations, engine, gradients, weights
+
+    return len(weights._STREAMERS) + len(activations._STASHES) + len(gradients._SINKS) + len(engine._ENGINES)
 
 
 def arena_figures(offload_dir: str) -> tuple[int, int]:
@@ -101,12 +110,12 @@ def soak(steps: int, warmup: int, d_model: int, offload_dir: str, timeline_on: b
         rows.append({
             "step": step, "seconds": seconds, "loss": loss.item(), "rss_bytes": resident_bytes(),
             "open_fds": open_fds(), "arena_disk_bytes": disk, "arena_file_bytes": size,
-            "moved_bytes": moved, "timeline_events": len(timeline()),
+            "moved_bytes": moved, "timeline_events": len(timeline()), "runtime_objects": runtime_objects(),
         })
     opt.close()
-    from slcompile.pipeline import engine_for
+    from slcompile.runtime.engine import get_engine
 
-    engine_for(offload_dir).close()  # removes the arena's directory
+    get_engine(offload_dir).close()  # removes the arena's directory
     summary = {"d_model": d_model, "timeline": timeline_on,
                "parameters": sum(p.numel() for p in model.parameters()), **summarize(rows, warmup)}
     return summary, rows
@@ -134,6 +143,7 @@ def summarize(rows: list[dict], warmup: int) -> dict:
         "moved_per_step_mean_bytes": sum(r["moved_bytes"] for r in after) / len(after),
         "moved_per_step_range_bytes": [min(r["moved_bytes"] for r in after), max(r["moved_bytes"] for r in after)],
         "timeline_events_last": last["timeline_events"],
+        "runtime_objects_after_warmup": first["runtime_objects"], "runtime_objects_last": last["runtime_objects"],
         "median_step_seconds": sorted(r["seconds"] for r in after)[len(after) // 2],
     }
 

@@ -168,6 +168,22 @@ def capture_graphs(fn, args, kwargs, on_graph, *, fullgraph: bool = False) -> No
             if isolated else None
         if ours is not None and ours == eval_frame._get_total_cache_entry_count(code):
             eval_frame.reset_code(code)
+    _forget_backend(backend)
+
+
+def _forget_backend(backend) -> None:
+    """Drops `backend` from the backends Dynamo keeps until `torch._dynamo.reset()`
+    (for their `reset()`): a capture's backend is never called again, and what it
+    reaches (the graphs and whatever `on_graph` kept) would live as long as the
+    process, one more copy for each `explain()` or `tune()`."""
+    from torch._dynamo import eval_frame
+
+    cached = getattr(eval_frame, "cached_backends", None)
+    if not isinstance(cached, dict):
+        return
+    for key, value in list(cached.items()):
+        if value is backend or getattr(value, "compiler_fn", None) is backend:
+            cached.pop(key, None)
 
 
 def missing_internals() -> list[str]:

@@ -22,9 +22,8 @@ the same memory as the device, and a last line adds the two.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -223,29 +222,9 @@ def explain(
                 f"host tier planned as a separate memory, as on {machine.name}: this machine's host is its "
                 "device, so the predicted peak names the host's bytes nvme",))
 
-    with planning_only():
-        capture_graphs(model, args, dict(kwargs or {}), explain_graph)
+    # The streamers, stashes and sinks planned here die with the plans: nothing compiled holds them.
+    capture_graphs(model, args, dict(kwargs or {}), explain_graph)
     return Explanation(tuple(graphs), tuple((name, getattr(config, name), source) for name, source in sources.items()))
-
-
-@contextlib.contextmanager
-def planning_only() -> Iterator[None]:
-    """Forgets, on exit, the runtime objects made inside (weight streamers,
-    activation stashes, gradient sinks): `explain` and `tune` plan steps and run
-    none, so nothing will ever look them up. Engines stay (one per offload
-    directory, shared with the compiled models)."""
-    from slcompile.runtime import activations, gradients, weights
-
-    registries = ((weights._STREAMERS, weights._REGISTRY_LOCK), (activations._STASHES, activations._LOCK),
-                  (gradients._SINKS, gradients._LOCK))
-    before = [set(registry) for registry, _ in registries]
-    try:
-        yield
-    finally:
-        for (registry, lock), names in zip(registries, before):
-            with lock:
-                for name in set(registry) - names:
-                    del registry[name]
 
 
 def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None,
@@ -391,7 +370,7 @@ def plan_with_optimizer(state, optimizer=None, optimizer_options=None):
     from slcompile.analysis.memory import optimizer_memory
     from slcompile.backends.speedloader import step_plan
     from slcompile.optim import OffloadedOptimizer
-    from slcompile.pipeline import engine_for
+    from slcompile.runtime.engine import get_engine
     from slcompile.runtime.gradients import gradient_sink_for
     from slcompile.runtime.tiers import Tier
 
@@ -413,7 +392,7 @@ def plan_with_optimizer(state, optimizer=None, optimizer_options=None):
         shards = state.streamer.shards if state.streamer is not None else None
         memory = optimizer_memory(
             optimizer, options, [resident], streamed, states=states, max_grad_norm=max_grad_norm,
-            host_is_device=engine_for(state.config.offload_dir).copies_nothing(Tier.HOST, Tier.DEVICE),
+            host_is_device=get_engine(state.config.offload_dir).copies_nothing(Tier.HOST, Tier.DEVICE),
             weight_shards=shards.world_size if shards is not None else 1,
         )
     sink = plan.gradients

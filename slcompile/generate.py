@@ -722,12 +722,12 @@ class _Generation:
     def __init__(self, model, plan: _Plan, backend, generator, progress):
         from transformers import DynamicCache
 
-        from slcompile.pipeline import engine_for
+        from slcompile.runtime.engine import get_engine
         from slcompile.runtime.kv import KVStore
 
         self.model, self.plan, self.generator, self.progress = model, plan, generator, progress
         self.layers = plan.layers
-        self.engine = engine_for(plan.offload_dir)
+        self.engine = get_engine(plan.offload_dir)
         self.kv = KVStore(self.engine, plan.kv_cache)
         self.prefill_step = _compiled(backend, "prefill")
         self.decode_step = _compiled(backend, "decode")
@@ -1220,7 +1220,7 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
     """`explain_generation`; `memo` keeps the traced memory of the capture, the layer
     steps and the tail between calls for one model and input shape (they do not
     depend on the tiers)."""
-    from slcompile.pipeline import engine_for
+    from slcompile.runtime.engine import get_engine
     from slcompile.pipeline import load_granularity as default_granularity
     from slcompile.runtime.kv import forgettable_segments, merged_segments
     from slcompile.runtime.weights import weight_home
@@ -1229,7 +1229,7 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
         load_granularity = default_granularity()
     plan = _plan(model, tuple(input_shape), None, max_new_tokens, num_subbatches, prefill_subbatches, weights,
                  kv_cache, False, 1.0, None, 1.0, [], None, offload_dir)
-    engine = engine_for(offload_dir)
+    engine = get_engine(offload_dir)
     batch, length = tuple(input_shape)
     layers = plan.layers
     streamed = _streamed_parameters(model, plan, not engine.copies_nothing(Tier(weights), Tier.DEVICE))

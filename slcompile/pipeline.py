@@ -244,9 +244,10 @@ def _interleave(state: PipelineState) -> PipelineState:
 def moves_off_device(config: SpeedLoaderConfig, tier: str) -> bool:
     """Whether values resting on `tier` are copied to and from the device (host
     memory is the device's on a CPU machine: nothing moves)."""
+    from slcompile.runtime.engine import get_engine
     from slcompile.runtime.tiers import Tier
 
-    return tier != "device" and not engine_for(config.offload_dir).copies_nothing(Tier(tier), Tier.DEVICE)
+    return tier != "device" and not get_engine(config.offload_dir).copies_nothing(Tier(tier), Tier.DEVICE)
 
 
 def _stream(state: PipelineState) -> PipelineState:
@@ -256,7 +257,7 @@ def _stream(state: PipelineState) -> PipelineState:
 
     if state.interleaved is None or state.config.weights == "device":
         return state
-    engine = engine_for(state.config.offload_dir)
+    engine = get_engine(state.config.offload_dir)
     sharded = state.config.shard_weights
     if engine.copies_nothing(Tier(state.config.weights), Tier.DEVICE) and not sharded:
         log.debug("weights=%s copies nothing on this machine: weights stay resident", state.config.weights)
@@ -275,20 +276,6 @@ def _stream(state: PipelineState) -> PipelineState:
         values = {i.name: i.value for i in state.inputs}
         streamer.shard([values[name] for block in streamed.blocks for name, _ in block])
     return dataclasses.replace(state, gm=gm, streamer=streamer, streamed=streamed)
-
-
-_ENGINES: dict[str, Any] = {}
-
-
-def engine_for(offload_dir: str | None):
-    """The process-wide engine, or one engine per offload directory."""
-    from slcompile.runtime.engine import TransferEngine, get_engine
-
-    if offload_dir is None:
-        return get_engine()
-    if offload_dir not in _ENGINES:
-        _ENGINES[offload_dir] = TransferEngine(offload_dir=offload_dir)
-    return _ENGINES[offload_dir]
 
 
 PASSES: tuple[Pass, ...] = (

@@ -100,7 +100,7 @@ def tune(
         RefusedError: the graph cannot be split into sub-batches at all.
     """
     from slcompile.compat import capture_graphs
-    from slcompile.explain import check_optimizer, planning_only
+    from slcompile.explain import check_optimizer
 
     budget = parse_bytes(memory_budget, "memory_budget")
     check_optimizer(optimizer, optimizer_options, "tune")
@@ -113,9 +113,8 @@ def tune(
         from slcompile.profile import machine_profile
 
         machine = machine_profile(profile, offload_dir=options.get("offload_dir"))
-    with planning_only():
-        return _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimizer, optimizer_options,
-                           options, machine)
+    return _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimizer, optimizer_options,
+                       options, machine)
 
 
 def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimizer, optimizer_options, options,
@@ -238,7 +237,7 @@ def tune_generation(
     """
     from slcompile.config import TIERS
     from slcompile.generate import _explain_generation, _plan
-    from slcompile.pipeline import engine_for
+    from slcompile.runtime.engine import get_engine
     from slcompile.runtime.tiers import Tier
 
     budget = parse_bytes(memory_budget, "memory_budget")
@@ -246,7 +245,7 @@ def tune_generation(
     _plan(model, input_shape, None, max_new_tokens, 1, None, weights or "device", kv_cache or "device",
           False, 1.0, None, 1.0, [], None, offload_dir)
     batch = tuple(input_shape)[0]
-    engine = engine_for(offload_dir)
+    engine = get_engine(offload_dir)
     divisors = [k for k in range(1, batch + 1) if batch % k == 0]
 
     def tiers(fixed: str | None) -> list[str]:

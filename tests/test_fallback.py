@@ -129,12 +129,12 @@ def test_explain_reports_a_later_stage_failure(monkeypatch):
 
 
 def test_disk_full_while_compiling_is_a_compile_error_with_our_message(tmp_path, monkeypatch, caplog):
-    from slcompile import pipeline
+    from slcompile.runtime import engine as engines
     from slcompile.runtime.engine import TransferEngine
     from slcompile.runtime.errors import DiskFullError
 
     engine = TransferEngine(offload_dir=str(tmp_path), capacity_bytes=4096)
-    monkeypatch.setitem(pipeline._ENGINES, str(tmp_path), engine)
+    monkeypatch.setitem(engines._ENGINES, str(tmp_path), engine)
     try:
         compiled = torch.compile(TinyGPT(CFG), backend="speedloader",
                                  options={**OPTIONS, "weights": "nvme", "offload_dir": str(tmp_path)})

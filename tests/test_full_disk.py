@@ -10,8 +10,8 @@ import torch
 
 import slcompile
 from models import GPTConfig, TinyGPT, make_gpt_batch
-from slcompile.pipeline import engine_for
 from slcompile.runtime import DiskFullError, OffloadError
+from slcompile.runtime.engine import get_engine
 from slcompile.runtime.nvme import NvmeArena
 from slcompile.runtime.weights import weight_home
 
@@ -99,7 +99,7 @@ def test_gathered_weights_on_a_full_disk_changes_nothing_and_a_retry_matches(tmp
     _assert_same_bits(_stored_weights(model), stored_before)
     _assert_same_bits(_gathered(model), before)
     assert all(torch.equal(s["momentum_buffer"], momentum_before[id(p)]) for p, s in opt.state.items())
-    assert not [key for key in engine_for(str(tmp_path / "interrupted")).keys() if key.endswith("~update")]
+    assert not [key for key in get_engine(str(tmp_path / "interrupted")).keys() if key.endswith("~update")]
     # With room again, the same step and the next give what the uninterrupted run gave.
     with slcompile.gathered_weights(model):
         opt.step()
@@ -108,8 +108,12 @@ def test_gathered_weights_on_a_full_disk_changes_nothing_and_a_retry_matches(tmp
     _assert_same_bits(_gathered(model), _gathered(reference))
 
 
-def test_gathered_weights_write_failing_on_exit_keeps_every_stored_weight_whole(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("error", "raised"), [(errno.ENOSPC, DiskFullError), (errno.EIO, OffloadError)],
+                         ids=["disk full", "I/O error"])
+def test_gathered_weights_write_failing_on_exit_keeps_every_stored_weight_whole(tmp_path, monkeypatch, error,
+                                                                               raised):
     model = TinyGPT(CFG)
+    reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     compiled = _compiled(model, tmp_path, "weights")
     _sgd_step(compiled, model, opt, *BATCHES[0])
@@ -118,23 +122,37 @@ def test_gathered_weights_write_failing_on_exit_keeps_every_stored_weight_whole(
     real_pwritev = os.pwritev
     writes = []
 
-    def full_after_five_writes(fd, buffers, offset):
+    def failing_after_five_writes(fd, buffers, offset):
         writes.append(offset)
         if len(writes) > 5:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise OSError(error, os.strerror(error))
         return real_pwritev(fd, buffers, offset)
 
     with monkeypatch.context() as patch:
-        patch.setattr(os, "pwritev", full_after_five_writes)
-        with pytest.raises(DiskFullError):
+        patch.setattr(os, "pwritev", failing_after_five_writes)
+        with pytest.raises(raised) as info:
             with slcompile.gathered_weights(model):
                 opt.step()
     assert len(writes) > 5
+    assert isinstance(info.value, DiskFullError) == (error == errno.ENOSPC)
     # Five weights were written, and none of them replaced its previous values.
     _assert_same_bits(_stored_weights(model), stored_before)
-    assert not [key for key in engine_for(str(tmp_path / "weights")).keys() if key.endswith("~update")]
+    assert not [key for key in get_engine(str(tmp_path / "weights")).keys() if key.endswith("~update")]
     for _, param in slcompile.offloaded_parameters(model):
         assert param.untyped_storage().nbytes() == 0
+    # Once writes succeed again, the same update of the offloaded weights goes through
+    # as in a run that never failed (resident parameters the failed block changed stay changed).
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference_compiled = _compiled(reference, tmp_path, "reference")
+    _sgd_step(reference_compiled, reference, reference_opt, *BATCHES[0])
+    reference_compiled(*BATCHES[1])[1].backward()
+    with slcompile.gathered_weights(reference):
+        reference_opt.step()
+    with slcompile.gathered_weights(model):
+        opt.step()
+    offloaded = {name for name, _ in slcompile.offloaded_parameters(model)}
+    _assert_same_bits({name: value for name, value in _gathered(model).items() if name in offloaded},
+                      {name: value for name, value in _gathered(reference).items() if name in offloaded})
 
 
 def _offloaded_step(compiled, opt, idx, targets):
@@ -183,7 +201,7 @@ def test_offloaded_optimizer_full_disk_undoes_every_block_and_a_retry_matches(tm
     assert state.keys() == state_before.keys()
     for name in state_before:
         _assert_same_bits(state[name], state_before[name])
-    engine = engine_for(str(tmp_path / "interrupted"))
+    engine = get_engine(str(tmp_path / "interrupted"))
     assert not [key for key in engine.keys() if key.endswith("~update")]
     # With room again, the same batch and the next give the uninterrupted run's.
     assert torch.equal(_offloaded_step(compiled, opt, *BATCHES[1]), expected[1])

@@ -9,7 +9,7 @@ import torch
 import slcompile
 from devices import flip_bits
 from models import GPTConfig, TinyGPT, make_gpt_batch
-from slcompile.pipeline import engine_for
+from slcompile.runtime.engine import get_engine
 from slcompile.runtime.weights import weight_home
 
 CFG = GPTConfig(n_layers=2, d_model=32, vocab_size=64, seq_len=8)
@@ -69,7 +69,7 @@ def test_corrupt_stashed_activation_raises_naming_it(tmp_path):
     expected = compiled(idx, targets)[1]
     expected.backward()  # untouched: the backward reads every stash back
     model.zero_grad()
-    engine = engine_for(str(tmp_path))
+    engine = get_engine(str(tmp_path))
     loss = compiled(idx, targets)[1]
     stashed = [key for key in engine.keys() if key.startswith("blk1.sb0.")]
     assert stashed, engine.keys()
@@ -87,7 +87,7 @@ def test_corrupt_optimizer_state_on_nvme_raises_naming_it(tmp_path):
     opt = slcompile.offload_optimizer(model, torch.optim.AdamW, lr=1e-3, states="nvme", gradients="nvme")
     compiled = torch.compile(model, backend="speedloader", options={
         "lowering": "aot_eager", "weights": "nvme", "num_subbatches": 2, "offload_dir": str(tmp_path)})
-    engine = engine_for(str(tmp_path))
+    engine = get_engine(str(tmp_path))
     for seed in range(2):  # the second step reads the states the first one wrote: untouched, they pass
         _train_step(compiled, *make_gpt_batch(CFG, 4, seed=seed))
         opt.step()

@@ -322,7 +322,7 @@ def test_model_compiled_before_the_optimizer_steps_from_grad():
 
 
 def test_full_disk_for_nvme_states_is_a_named_error_and_leaves_no_partial_state(tmp_path):
-    from slcompile.pipeline import engine_for
+    from slcompile.runtime.engine import get_engine
     from slcompile.runtime import DiskFullError
 
     model = _model()
@@ -332,7 +332,7 @@ def test_full_disk_for_nvme_states_is_a_named_error_and_leaves_no_partial_state(
     idx, targets = make_gpt_batch(CFG, 4)
     compiled(idx, targets)[1].backward()
     opt.step()
-    engine = engine_for(str(tmp_path))
+    engine = get_engine(str(tmp_path))
     # Fill the arena: no room is left for the next step's states (nor its weights).
     engine.arena.capacity_bytes = engine.arena.file_bytes
     fillers = []
@@ -363,7 +363,7 @@ def test_nvme_states_keep_no_earlier_step_in_memory(tmp_path):
     same after 20 steps as after 3, not grow by one generation of states a step."""
     import gc
 
-    from slcompile.pipeline import engine_for
+    from slcompile.runtime.engine import get_engine
     from slcompile.runtime import runtime_stats
     from slcompile.runtime.engine import TransferHandle, _Entry
 
@@ -372,7 +372,7 @@ def test_nvme_states_keep_no_earlier_step_in_memory(tmp_path):
     options = {**NVME, "num_subbatches": 2, "offload_dir": str(tmp_path)}
     compiled = torch.compile(model, backend="speedloader", options=options)
     idx, targets = make_gpt_batch(CFG, 4)
-    engine = engine_for(str(tmp_path))
+    engine = get_engine(str(tmp_path))
 
     def held():
         gc.collect()
@@ -568,7 +568,7 @@ def test_max_grad_norm_clips_like_clip_grad_norm_in_two_phases():
 
 
 def test_full_disk_for_updated_weights_undoes_the_block_steps(tmp_path):
-    from slcompile.pipeline import engine_for
+    from slcompile.runtime.engine import get_engine
     from slcompile.runtime import DiskFullError
     from slcompile.runtime.weights import weight_home
 
@@ -590,7 +590,7 @@ def test_full_disk_for_updated_weights_undoes_the_block_steps(tmp_path):
     assert _train(compiled, opt, batches[:1]) == pytest.approx([eager_step(*batches[0]).item()], rel=1e-5)
     weights_before = model.state_dict()
     state_before = opt.state_dict()["state"]
-    engine = engine_for(str(tmp_path))
+    engine = get_engine(str(tmp_path))
     # Fill the arena: no room is left for the updated weights.
     engine.arena.capacity_bytes = engine.arena.file_bytes
     fillers = []

@@ -15,6 +15,12 @@ graph calling regions it compiled). Each graph is then recorded in the
 CompileReport, so tests can read the order that is compiled. The Inductor cache key
 of the wrapped partitioner hashes every module a declared pass lives in
 (`partition_key`).
+
+The runtime objects of a plan (its weight streamer, activation stash and gradient
+sink) live as long as the compiled graphs that call them: the registries their
+`slc::` ops look them up in hold them weakly, and every compiled graph, as well as
+the callable `lower` returns, holds them (`hold_runtime`). A step compiled again, a
+model deleted or `torch._dynamo.reset()` lets them go.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from slcompile.pipeline import (
 from slcompile.report import CompileReport
 from slcompile.schedules.planner import kept_bytes
 
-__all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES", "failed_stage"]
+__all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES", "failed_stage", "hold_runtime"]
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +128,9 @@ def lower(
     partition_hook = None if plan is None else _PlannedPartition(plan, report, lowering)
     region_cache: dict = {}  # one compiled callable per distinct region, across the step's graphs
 
+    def hold(compiled: Callable) -> Callable:
+        return compiled if plan is None else hold_runtime(compiled, plan)
+
     def prepare(kind: str, graph: torch.fx.GraphModule) -> StepState:
         """Runs the compiled stage on `graph`; its `graphs[kind]` is what to compile."""
         if plan is not None and kind == "inference":
@@ -144,10 +153,36 @@ def lower(
         return step
 
     if lowering == "aot_eager":
-        return _aot_eager(gm, example_inputs, prepare, partition_hook)
+        return hold(_aot_eager(gm, example_inputs, prepare, partition_hook, hold))
     if lowering == "inductor":
-        return _inductor(gm, example_inputs, prepare, partition_hook)
+        return hold(_inductor(gm, example_inputs, prepare, partition_hook, hold))
     raise ValueError(f"unknown lowering {lowering!r}")
+
+
+def hold_runtime(compiled: Callable, plan: StepPlan) -> Callable:
+    """`compiled`, made to keep `plan`'s runtime objects alive while it lives.
+
+    A compiled forward or backward graph calls `slc::` ops that find the streamer,
+    stash or sink by the name in their key; the registries only point at them, so
+    each graph holds what it may call (a backward can outlive the step's callable).
+
+    Returns:
+        `compiled` itself, or a function calling it when it takes no attributes.
+    """
+    held = tuple(obj for obj in (plan.streamer, plan.stash, plan.gradients) if obj is not None)
+    if not held:
+        return compiled
+    try:
+        compiled._slc_runtime = held
+    except (AttributeError, TypeError):
+        inner = compiled
+
+        @functools.wraps(inner)
+        def compiled(*args, **kwargs):
+            return inner(*args, **kwargs)
+
+        compiled._slc_runtime = held
+    return compiled
 
 
 def failed_stage(pass_log, lowering: str) -> str:
@@ -247,7 +282,7 @@ class _PlannedPartition:
         raise BudgetError(self.plan.memory_budget, smallest.peak_bytes["device"], tuple(tried))
 
 
-def _aot_eager(gm, example_inputs, prepare, partition_hook):
+def _aot_eager(gm, example_inputs, prepare, partition_hook, hold):
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
     from torch._functorch.partitioners import default_partition
@@ -260,7 +295,7 @@ def _aot_eager(gm, example_inputs, prepare, partition_hook):
     def observed(kind: str):
         def compiler(graph: torch.fx.GraphModule, inputs):
             prepare(kind, graph)
-            return boxed_nop(graph, inputs)
+            return hold(boxed_nop(graph, inputs))
 
         return compiler
 
@@ -342,7 +377,7 @@ def _compile_region(module: torch.fx.GraphModule, inputs, kind: str):
         return compile_fx_inner(module, inputs, is_backward=kind == "backward", is_inference=kind == "inference")
 
 
-def _inductor(gm, example_inputs, prepare, partition_hook):
+def _inductor(gm, example_inputs, prepare, partition_hook, hold):
     from torch._dynamo.backends.debugging import boxed_nop
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -358,8 +393,8 @@ def _inductor(gm, example_inputs, prepare, partition_hook):
         with inductor_config.patch(INDUCTOR_PATCHES):
             step = prepare(kind, graph)
             if step.results.get("compile_regions") is not None:
-                return boxed_nop(step.graphs[kind], inputs)
-            return compile_fx_inner(graph, inputs, **kwargs)
+                return hold(boxed_nop(step.graphs[kind], inputs))
+            return hold(compile_fx_inner(graph, inputs, **kwargs))
 
     patches = dict(INDUCTOR_PATCHES)
     if partition_hook is not None:

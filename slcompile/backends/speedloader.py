@@ -79,9 +79,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     if "nvme" in (config.weights, config.activations):
         # The nvme arena is made on first use, deep in the lowering; made now, an
         # unusable offload_dir fails before anything compiles.
-        from slcompile.pipeline import engine_for
+        from slcompile.runtime.engine import get_engine
 
-        engine_for(config.offload_dir).arena
+        get_engine(config.offload_dir).arena
     report = CompileReport(config=config)
     add_report(report)
     original = gm
@@ -188,13 +188,13 @@ def _optimizer_memory(state):
 
 def _activation_stash(config: SpeedLoaderConfig):
     """An ActivationStash on the configured tier, or None when activations stay."""
-    from slcompile.pipeline import engine_for
+    from slcompile.runtime.engine import get_engine
     from slcompile.runtime.activations import ActivationStash
     from slcompile.runtime.tiers import Tier
 
     if config.activations == "device":
         return None
-    engine = engine_for(config.offload_dir)
+    engine = get_engine(config.offload_dir)
     if engine.copies_nothing(Tier(config.activations), Tier.DEVICE):
         log.debug("activations=%s copies nothing on this machine: they stay on the device", config.activations)
         return None
@@ -206,12 +206,12 @@ def _size_host_pool(state, report) -> None:
     predicted host peak (streamed weights, offloaded activations) less what already
     rests there, plus up to a page per tensor (each takes whole pages). Nothing is
     pinned on a CPU machine."""
-    from slcompile.pipeline import engine_for
+    from slcompile.runtime.engine import get_engine
     from slcompile.runtime.tiers import PAGE_BYTES
 
     if report.memory is None or not report.memory.peak_bytes.get("host"):
         return
-    engine = engine_for(state.config.offload_dir)
+    engine = get_engine(state.config.offload_dir)
     on_host = state.config.weights == "host" and state.streamed is not None
     streamed = [pair for block in state.streamed.blocks for pair in block] if on_host else []
     values = {i.name: i.value for i in state.inputs}

@@ -35,7 +35,9 @@ from slcompile.vocabulary import StashKey
 
 __all__ = ["ActivationStash"]
 
-_STASHES: dict[str, ActivationStash] = {}
+# Stash name -> stash, for the graphs' `slc::` ops, without keeping it alive (the
+# compiled graphs that call them hold their stash).
+_STASHES: weakref.WeakValueDictionary[str, ActivationStash] = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()
 _NUMBERS = itertools.count()
 _STORES = itertools.count()

@@ -929,13 +929,27 @@ class TransferEngine:
 
 
 _ENGINE: TransferEngine | None = None
+# Offload directory -> its engine: one per directory named in the options, for the
+# life of the process (one arena, one set of I/O threads each).
+_ENGINES: dict[str, TransferEngine] = {}
 _ENGINE_LOCK = threading.Lock()
 
 
-def get_engine() -> TransferEngine:
-    """Returns the process-wide engine the custom ops use, creating a default one."""
+def get_engine(offload_dir: str | None = None) -> TransferEngine:
+    """The engine that holds what the options name: the one place that answers
+    "which engine" for a configuration (a stored weight's engine is
+    `slcompile.runtime.weights.weight_home(param)[0]`).
+
+    Args:
+        offload_dir: the `offload_dir` option; None: the process-wide engine, made
+            with the defaults on first use.
+    """
     global _ENGINE
     with _ENGINE_LOCK:
+        if offload_dir is not None:
+            if offload_dir not in _ENGINES:
+                _ENGINES[offload_dir] = TransferEngine(offload_dir=offload_dir)
+            return _ENGINES[offload_dir]
         if _ENGINE is None:
             _ENGINE = TransferEngine()
         return _ENGINE

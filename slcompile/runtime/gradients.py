@@ -58,7 +58,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_SINKS: dict[str, GradientSink] = {}
+# Sink name -> sink, for the graphs' `slc::` ops, without keeping it alive (the
+# compiled graphs that call them hold their sink).
+_SINKS: weakref.WeakValueDictionary[str, GradientSink] = weakref.WeakValueDictionary()
 _CONSUMERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> consumer
 _LOCK = threading.Lock()
 _NUMBERS = itertools.count()

@@ -60,6 +60,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -82,11 +83,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_STREAMERS: dict[str, WeightStreamer] = {}
+# Streamer name -> streamer, for the graphs' `slc::` ops, without keeping it alive:
+# the compiled graphs that call them hold their streamer (`hold_runtime`), so a
+# streamer goes with the last of them.
+_STREAMERS: weakref.WeakValueDictionary[str, WeightStreamer] = weakref.WeakValueDictionary()
 # Parameter -> (engine, stored key, tier), by identity, without keeping it alive.
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# Stored key -> the engine that holds it.
-_ENGINE_OF: dict[str, TransferEngine] = {}
 # Parameter -> the ShardGroup its weight is sharded over, from compile time on.
 _SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # Released parameter -> (its class before the release, its name for messages).
@@ -290,6 +292,9 @@ class WeightStreamer:
         self.shard_loads: dict[str, TransferHandle] = {}
         self.shapes: dict[str, torch.Size] = {}  # stored key -> the weight's shape, when sharded
         self.dtypes: dict[str, torch.dtype] = {}  # stored key -> the weight's dtype, when sharded
+        # Stored key -> the engine holding it, for weights another streamer stored
+        # (a graph compiled again, perhaps with another offload_dir); else `engine`.
+        self.homes: dict[str, TransferEngine] = {}
         self.lock = threading.Lock()
         with _REGISTRY_LOCK:
             _STREAMERS[self.name] = self
@@ -299,7 +304,10 @@ class WeightStreamer:
         """The stored key of `param`: its existing one if it is already offloaded."""
         with _REGISTRY_LOCK:
             owner = _OWNERS.get(param)
-        return owner[1] if owner is not None else f"{self.name}:{name}"
+        if owner is None:
+            return f"{self.name}:{name}"
+        self.homes[owner[1]] = owner[0]
+        return owner[1]
 
     def graph_key(self, stored_key: str) -> WeightKey:
         """The key of a fetch of `stored_key` in this streamer's graphs."""
@@ -326,7 +334,6 @@ class WeightStreamer:
         release(param, name or stored_key, self.tier)
         with _REGISTRY_LOCK:
             _OWNERS[param] = (self.engine, stored_key, self.tier)
-            _ENGINE_OF[stored_key] = self.engine
 
     # -- at run time ------------------------------------------------------
     def issue(self, key: WeightKey, *, gather: bool = True) -> None:
@@ -336,7 +343,7 @@ class WeightStreamer:
         with self.lock:
             if graph_key in self.pending:
                 return
-            engine = _engine_of(key.stored, self.engine)
+            engine = self._engine_of(key.stored)
             self.pending[graph_key] = engine.load(key.stored, TransferKind.WEIGHT)
             if self.shards is not None and gather:
                 self.shard_loads[graph_key] = self.pending[graph_key]
@@ -347,7 +354,7 @@ class WeightStreamer:
         with self.lock:
             handle = self.pending.pop(key.format(), None)
             load = self.shard_loads.pop(key.format(), None)
-        engine = _engine_of(key.stored, self.engine)
+        engine = self._engine_of(key.stored)
         if handle is None:
             handle = engine.load(key.stored, TransferKind.WEIGHT)
         if self.shards is None:
@@ -362,12 +369,15 @@ class WeightStreamer:
     def _gather(self, key: WeightKey, load: TransferHandle) -> TransferHandle:
         """The all-gather of the weight whose shard `load` brings, into a buffer
         allocated here (the caller keeps `load` until the gather's wait)."""
-        engine = _engine_of(key.stored, self.engine)
+        engine = self._engine_of(key.stored)
         shape = self.shapes[key.stored]
         # One rank: the shard is the weight; no buffer to gather into.
         out = self.shards.gathered_buffer(shape, self.dtypes[key.stored], engine.device) \
             if self.shards.world_size > 1 else None
         return self.shards.all_gather(key.format(), lambda: engine.wait(load), shape, out=out)
+
+    def _engine_of(self, stored_key: str) -> TransferEngine:
+        return self.homes.get(stored_key, self.engine)
 
     def _drop_pending(self) -> None:
         pending, self.pending = self.pending, {}
@@ -376,7 +386,7 @@ class WeightStreamer:
             if handle.kind is TransferKind.ALL_GATHER:
                 self.shards.wait(handle)  # every rank issued it, so it ends
                 if self.shards.world_size > 1:
-                    _release_shard(_engine_of(WeightKey.parse(graph_key).stored, self.engine),
+                    _release_shard(self._engine_of(WeightKey.parse(graph_key).stored),
                                    shard_loads[graph_key])
             else:
                 try:
@@ -407,7 +417,7 @@ class WeightStreamer:
                     key=stored_key,
                 )
             for graph_key in stale:
-                engine = _engine_of(stored_key, self.engine)
+                engine = self._engine_of(stored_key)
                 engine.wait(self.pending.pop(graph_key))
                 self.pending[graph_key] = engine.load(stored_key, TransferKind.WEIGHT)
         return len(stale)
@@ -426,11 +436,6 @@ def _release_shard(engine: TransferEngine, load: TransferHandle) -> None:
     storage = shard.untyped_storage()
     if shard.device.type == "cpu" and storage.resizable():
         storage.resize_(0)
-
-
-def _engine_of(stored_key: str, default: TransferEngine) -> TransferEngine:
-    with _REGISTRY_LOCK:
-        return _ENGINE_OF.get(stored_key, default)
 
 
 def offloaded_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -690,9 +695,11 @@ def forget_weights(model: torch.nn.Module) -> int:
     drain_prefetches()
     with _REGISTRY_LOCK:
         owned = [(p, _OWNERS[p]) for p in model.parameters() if p in _OWNERS]
+        streamers = list(_STREAMERS.values())
         for param, (engine, stored_key, _) in owned:
             del _OWNERS[param]
-            _ENGINE_OF.pop(stored_key, None)
+            for streamer in streamers:
+                streamer.homes.pop(stored_key, None)
         forgotten = {stored_key for _, (_, stored_key, _) in owned}
         still_owned = {stored_key for _, stored_key, _ in _OWNERS.values()}
         prefixes = {key.split(":", 1)[0] for key in forgotten}

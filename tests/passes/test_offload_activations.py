@@ -6,7 +6,7 @@ import torch
 from expecttest import assert_expected_inline
 
 from slcompile.passes.offload_activations import offload_saved, saved_activations
-from slcompile.pipeline import engine_for
+from slcompile.runtime.engine import get_engine
 from slcompile.runtime.activations import ActivationStash
 from slcompile.schedules.derive import schedule_of
 
@@ -36,7 +36,7 @@ detach_3: ('block', 1, 1) 64 B, last fwd use ('block', 1, 1), first bwd use ('su
 t_6: None 32 B, last fwd use ('suffix', None, 0), first bwd use ('suffix', None, 1), stays: a graph input or a view of one
 t_7: None 32 B, last fwd use ('suffix', None, 1), first bwd use None, stays: a graph input or a view of one""")
     schedule = state.schedule.replan(saved=saved, activations_offloaded=True)
-    stash = ActivationStash(engine_for(None), "nvme")
+    stash = ActivationStash(get_engine(None), "nvme")
     before = printer.lines(forward), printer.lines(backward)
     offloaded = offload_saved(forward, backward, 1, stash.graph_key, saved, schedule)
     assert offloaded.names

@@ -126,3 +126,47 @@ def test_a_programs_own_sigterm_handler_stays_in_charge_and_exit_removes_the_dir
     assert child.stdout.readline().strip() == "True"  # kept while the program's handler stops it
     assert child.wait(timeout=120) == 0
     assert not os.path.exists(path)
+
+
+def _in_new_pid_namespace(offload_dir) -> subprocess.Popen | None:
+    """A run holding an arena in `offload_dir` from a pid namespace of its own (as in
+    another container), its pid pushed past a few hundred there so that the number
+    in its directory's name means another process, or none, here; None when this
+    machine does not allow a new pid namespace (not root, or no user namespaces)."""
+    import shutil
+
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    probe = subprocess.run([unshare, "-p", "-f", "--mount-proc", "true"], capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        return None
+    script = f"for i in $(seq 300); do /bin/true; done; {sys.executable} -c \"$SLC_CHILD\" \"$1\" hang & wait"
+    env = dict(os.environ, PYTHONPATH=ROOT, SLC_CHILD=CHILD)
+    return subprocess.Popen(
+        [unshare, "-p", "-f", "--mount-proc", "--kill-child", "bash", "-c", script, "bash", str(offload_dir)],
+        stdout=subprocess.PIPE, text=True, env=env,
+    )
+
+
+def test_a_live_arena_in_another_pid_namespace_is_kept_by_a_run_started_here(tmp_path):
+    import pytest
+
+    other = _in_new_pid_namespace(tmp_path)
+    if other is None:
+        pytest.skip("unshare -p is not permitted here (needs root or user namespaces)")
+    try:
+        path = other.stdout.readline().strip()
+        assert path.startswith(str(tmp_path)) and os.path.isdir(path)
+        pid_there = int(os.path.basename(path).split("-")[2])
+        assert pid_there > 300  # the number is that namespace's
+        # A run started here cleans the directory up: the other run's lock keeps its arena.
+        here = run_child(tmp_path, "exit")
+        fresh = here.stdout.readline().strip()
+        assert here.wait(timeout=120) == 0
+        assert not os.path.exists(fresh)
+        assert sorted(os.listdir(path)) == ["arena.bin", "lock"]
+        assert other.poll() is None
+    finally:
+        other.kill()  # --kill-child: the namespace's init, and with it the namespace, goes too
+        other.wait(timeout=60)
