@@ -66,7 +66,8 @@ class PolicyRow:
         predicted_tier_peaks: the plan's peak per tier (`MemoryPrediction.peak_bytes`).
         measured_tier_peaks: the runtime ledger's peak bytes resident per tier in the
             recorded step (`StepStats.peak_bytes`: what the transfer engine holds, not
-            the graphs' activations).
+            the graphs' activations), less what rested there before the policy's copy
+            was made (other models of the process).
         bytes_moved: bytes per (kind, source tier, destination tier) in the recorded step.
         transfers: transfers per the same key.
         report: the `CompileReport` of the policy's graph (the last one compiled, for
@@ -293,7 +294,13 @@ def _measure(model, inputs, kwargs, options, policy, name) -> PolicyRow:
     from slcompile.runtime.weights import drain_prefetches, forget_weights
     from slcompile.viz.pictures import record_step
 
+    from slcompile.runtime.stats import runtime_stats
+
     torch._dynamo.reset()
+    gc.collect()  # runtime objects of graphs the reset dropped go now, not mid-measurement
+    # What rests on the tiers before this copy exists (other models of the process)
+    # is not this policy's.
+    resident_before = dict(runtime_stats().resident_bytes)
     replica = copy.deepcopy(model)
     compiled = torch.compile(replica, backend="speedloader", options={**options, "schedule": policy})
     losses: list[float] = []
@@ -346,7 +353,7 @@ def _measure(model, inputs, kwargs, options, policy, name) -> PolicyRow:
         measured_peak_bytes=int(min(peaks)),
         plan_peak_bytes=int(report.memory.step_peak_bytes) if report.memory is not None else 0,
         predicted_tier_peaks=dict(report.memory.peak_bytes) if report.memory is not None else {},
-        measured_tier_peaks={tier.value: int(n) for tier, n in stats.peak_bytes.items()},
+        measured_tier_peaks={tier.value: int(n - resident_before.get(tier, 0)) for tier, n in stats.peak_bytes.items()},
         bytes_moved={_column(key): int(n) for key, n in stats.bytes_moved.items() if n},
         transfers={_column(key): int(n) for key, n in stats.transfers.items() if n},
         report=report,

@@ -61,10 +61,15 @@ def comparison(zigzag_registered):
     idx, targets = make_gpt_batch(CFG, 4)
     torch.manual_seed(0)
     model = TinyGPT(CFG)
+    # Another model of the process rests on the same tier: not the policies' bytes.
+    other = torch.compile(TinyGPT(CFG), backend="speedloader", options=OPTIONS)
+    other(idx, targets)[1].backward()
     resident = runtime_stats().resident_bytes.get(Tier.NVME, 0)
+    assert resident > 0
     compared = slcompile.compare_policies(model, idx, targets, policies=list(COMPARED), **OPTIONS)
     # Nothing of the copies stays on the tier: a later model's figures do not include them.
     assert runtime_stats().resident_bytes.get(Tier.NVME, 0) == resident
+    del other
     return compared
 
 
