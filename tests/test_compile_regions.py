@@ -123,3 +123,23 @@ def test_inductor_regions_match_eager_and_reach_the_timeline():
     before = len(slcompile.compile_reports())
     compiled(idx, targets)[1].backward()
     assert len(slcompile.compile_reports()) == before
+
+
+def test_glue_views_take_the_layout_a_compiled_region_returns(monkeypatch, tmp_path):
+    """A compiled region may return its outputs in a layout of its own (Inductor makes
+    a permuted view contiguous); the eager glue of the step graph, whose views were
+    traced on the partitioned graph's strides, still computes eager's step."""
+
+    def contiguous_outputs(module, inputs, kind):
+        def run(args):
+            return [out.contiguous() if isinstance(out, torch.Tensor) else out for out in module(*args)]
+
+        return run
+
+    monkeypatch.setattr(lowering, "_compile_region", contiguous_outputs)
+    cfg = GPTConfig(n_layers=2, d_model=32, seq_len=16, vocab_size=128)
+    options = {"lowering": "inductor", "num_subbatches": 4, "weights": "nvme", "activations": "nvme",
+               "min_offload_bytes": 0, "offload_dir": str(tmp_path), "on_refusal": "raise"}
+    idx, targets = make_gpt_batch(cfg, 8)
+    assert_matches_eager(TinyGPT(cfg), lambda m: m(idx, targets), options)
+    assert slcompile.compile_reports()[-1].regions["backward"].regions > 0

@@ -198,6 +198,10 @@ def _callable(compiled: Callable, name: str) -> Callable:
     return region
 
 
+# Views whose strides must match their input's: in the step graph they reshape.
+_STRIDED_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
 def compile_regions(
     gm: torch.fx.GraphModule,
     compile_region: Callable[[torch.fx.GraphModule, Sequence[torch.Tensor]], Callable],
@@ -250,6 +254,10 @@ def compile_regions(
             if node in inside:
                 raise _OutOfOrder(node)
             env[node] = step.node_copy(node, emit)
+            if env[node].target in _STRIDED_VIEWS:
+                # A compiled region may return a layout of its own (contiguous where the
+                # traced value was a permuted view); the glue runs eagerly on what it gets.
+                env[node].target = torch.ops.aten.reshape.default
         return env[node]
 
     try:
