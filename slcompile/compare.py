@@ -73,6 +73,9 @@ class PolicyRow:
         report: the `CompileReport` of the policy's graph (the last one compiled, for
             a model Dynamo captures in several).
         recorded: the recorded step (`viz.RecordedStep`), for the timeline.
+        time: the time model's prediction of the step on the comparison's machine
+            profile (`analysis.time.TimePrediction`), or None without a profile. Not
+            among `figures()`: a profile measured on another run gives other times.
     """
 
     policy: str
@@ -87,6 +90,11 @@ class PolicyRow:
     transfers: Mapping[TransferColumn, int]
     report: Any = dataclasses.field(default=None, repr=False, compare=False)
     recorded: Any = dataclasses.field(default=None, repr=False, compare=False)
+    time: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def predicted_step_seconds(self) -> float | None:
+        return None if self.time is None else self.time.step_seconds
 
     @property
     def total_bytes(self) -> int:
@@ -139,14 +147,16 @@ class PolicyComparison:
 
     def table(self) -> str:
         """One line per policy: peaks predicted and measured, bytes per kind and tiers,
-        transfers, loss; fixed-width plain text."""
+        transfers, loss, and the predicted step time and its bound when a machine
+        profile was given; fixed-width plain text."""
         header = ["policy", "peak predicted", "peak measured", "peak (plan)"]
         tiers = sorted({t for row in self.rows for t, n in {**row.predicted_tier_peaks, **row.measured_tier_peaks}.items()
                         if n and t != "device"})
         header += [f"{tier} held pred/meas" for tier in tiers]
         columns = self.columns()
         header += ["{} {}->{}".format(*key) for key in columns]
-        header += ["transfers", "moved", "loss"]
+        timed = any(row.time is not None for row in self.rows)
+        header += ["transfers", "moved", "loss"] + (["step predicted", "bound"] if timed else [])
         lines = []
         for row in self.rows:
             cells = [row.policy, format_bytes(row.predicted_peak_bytes), format_bytes(row.measured_peak_bytes),
@@ -156,6 +166,8 @@ class PolicyComparison:
             cells += [f"{format_bytes(row.bytes_moved.get(key, 0))} ({row.transfers.get(key, 0)})" for key in columns]
             cells += [str(row.total_transfers), format_bytes(row.total_bytes),
                       "-" if row.loss is None else f"{row.loss:.6f}"]
+            if timed:
+                cells += ["-", "-"] if row.time is None else [f"{row.time.step_seconds * 1e3:.2f} ms", row.time.bound]
             lines.append(cells)
         widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
 
@@ -227,6 +239,7 @@ def compare_policies(
     *inputs: Any,
     policies: Sequence[Any],
     kwargs: Mapping[str, Any] | None = None,
+    profile: Any = "current",
     **options: Any,
 ) -> PolicyComparison:
     """Compiles `model` once per policy and measures a training step of each.
@@ -237,6 +250,9 @@ def compare_policies(
         policies: policy names (registered with `schedules.register_policy`, or built
             in) or `schedules.Policy` objects, at least one; names must differ.
         kwargs: its keyword inputs.
+        profile: the machine profile each step's time is predicted on
+            (`slcompile.profile.machine_profile`: "current", a named profile, a
+            path or a `MachineProfile`); None: no prediction of time.
         **options: backend options shared by every policy (as in
             `torch.compile(..., options=...)`), without `schedule`.
 
@@ -260,7 +276,12 @@ def compare_policies(
         raise ValueError(f"compare_policies: each policy once, got {', '.join(map(repr, repeated))} more than once")
     for policy in policies:
         SpeedLoaderConfig.from_options({**options, "schedule": policy})  # every option checked before compiling
-    rows = tuple(_measure(model, inputs, dict(kwargs or {}), options, policy, name)
+    machine = None
+    if profile is not None:
+        from slcompile.profile import machine_profile
+
+        machine = machine_profile(profile, offload_dir=options.get("offload_dir"))
+    rows = tuple(_with_time(_measure(model, inputs, dict(kwargs or {}), options, policy, name), inputs, machine)
                  for policy, name in zip(policies, names))
     return PolicyComparison(rows)
 
@@ -363,6 +384,22 @@ def _measure(model, inputs, kwargs, options, policy, name) -> PolicyRow:
     torch._dynamo.reset()
     gc.collect()
     return row
+
+
+def _with_time(row: PolicyRow, inputs: Sequence[Any], machine) -> PolicyRow:
+    """`row` with the predicted time of its step on `machine` (None: as it is)."""
+    from slcompile.analysis.time import predict_time
+    from slcompile.explain import transfer_tiers
+
+    graphs = row.report.partitioned or row.report.graphs
+    if machine is None or "forward" not in graphs:
+        return row
+    config = row.report.config
+    tokens = next((int(x.numel()) for x in inputs if isinstance(x, torch.Tensor) and not x.is_floating_point()), None)
+    lowering = config.lowering if config.lowering in ("inductor", "aot_eager") else "aot_eager"
+    time = predict_time(graphs["forward"], graphs.get("backward"), profile=machine, tiers=transfer_tiers(config),
+                        tokens=tokens, lowering=lowering)
+    return dataclasses.replace(row, time=time)
 
 
 def _predicted_as_measured(report) -> int:

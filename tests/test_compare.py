@@ -104,6 +104,20 @@ def test_the_table_has_one_line_per_policy(comparison):
         assert format_bytes(row.predicted_peak_bytes) in rows[row.policy]
         assert f"{format_bytes(row.bytes_of('weight'))} ({row.transfers[('weight', 'nvme', 'device')]})" in rows[row.policy]
     assert str(comparison).startswith(comparison.table())
+    assert table[0].split()[-3:] == ["step", "predicted", "bound"]
+    for row in comparison.rows:
+        assert f"{row.predicted_step_seconds * 1e3:.2f} ms  {row.time.bound}" in rows[row.policy]
+
+
+def test_the_predicted_step_time_is_explains(comparison):
+    """Each row's step time is the one `explain` predicts for the policy on the same
+    machine profile: one time model, read from the same partitioned graphs."""
+    idx, targets = make_gpt_batch(CFG, 4)
+    torch.manual_seed(0)
+    for row in comparison.rows:
+        explanation = slcompile.explain(TinyGPT(CFG), idx, targets, schedule=row.policy, **OPTIONS)
+        assert row.time.step_seconds == explanation.time.step_seconds > 0
+        assert row.time.bound == explanation.time.bound
 
 
 def test_the_schedule_diff_shows_the_order(comparison):
