@@ -388,18 +388,12 @@ def _measure(model, inputs, kwargs, options, policy, name) -> PolicyRow:
 
 def _with_time(row: PolicyRow, inputs: Sequence[Any], machine) -> PolicyRow:
     """`row` with the predicted time of its step on `machine` (None: as it is)."""
-    from slcompile.analysis.time import predict_time
-    from slcompile.explain import transfer_tiers
+    from slcompile.explain import report_time
 
-    graphs = row.report.partitioned or row.report.graphs
-    if machine is None or "forward" not in graphs:
+    if machine is None or "forward" not in (row.report.partitioned or row.report.graphs):
         return row
-    config = row.report.config
     tokens = next((int(x.numel()) for x in inputs if isinstance(x, torch.Tensor) and not x.is_floating_point()), None)
-    lowering = config.lowering if config.lowering in ("inductor", "aot_eager") else "aot_eager"
-    time = predict_time(graphs["forward"], graphs.get("backward"), profile=machine, tiers=transfer_tiers(config),
-                        tokens=tokens, lowering=lowering)
-    return dataclasses.replace(row, time=time)
+    return dataclasses.replace(row, time=report_time(row.report, row.report.config, machine, tokens=tokens))
 
 
 def _predicted_as_measured(report) -> int:

@@ -294,10 +294,6 @@ def predict_step_time(report, state, example_inputs, machine, tiers=None):
     step's graphs on `machine`, with each transfer kind on its tier (`tiers`,
     default: where `state.config` puts it), and the step's tokens (the elements of
     its first integer batched input: token ids) for tokens/s."""
-    from slcompile.analysis.time import predict_time
-
-    config = state.config
-    tiers = tiers or transfer_tiers(config)
     tokens = None
     if state.batch is not None:
         positions = {n.name: i for i, n in enumerate(n for n in state.gm.graph.nodes if n.op == "placeholder")}
@@ -308,6 +304,17 @@ def predict_step_time(report, state, example_inputs, machine, tiers=None):
                 break
         if tokens is None:
             tokens = state.batch.batch_size
+    return report_time(report, state.config, machine, tiers, tokens)
+
+
+def report_time(report, config: SpeedLoaderConfig, machine, tiers=None, tokens: int | None = None):
+    """The predicted timeline of a compiled step's graphs (`report.partitioned`, else
+    `report.graphs`) on `machine`: a training step when it holds a forward and a
+    backward, else its inference or forward graph; each transfer kind on its tier
+    (`tiers`, default: where `config` puts it); `tokens` per step for tokens/s."""
+    from slcompile.analysis.time import predict_time
+
+    tiers = tiers or transfer_tiers(config)
     graphs = report.partitioned or report.graphs
     lowering = config.lowering if config.lowering in ("inductor", "aot_eager") else "aot_eager"
     if "forward" in graphs and "backward" in graphs:
