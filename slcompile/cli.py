@@ -444,7 +444,7 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("target", help=target_help)
     compare.add_argument("--policies", required=True, metavar="A,B,...",
                          help="the policies to compare, comma-separated: built-in names (speedloader, "
-                              "grad_accumulation, no_offload, lifetime_aware) or names registered by a "
+                              "grad_accumulation, no_offload, lifetime_aware, spilling, zigzag_spilling) or names registered by a "
                               "--policy-module")
     _add_picture_flags(compare)
     _add_config_flags(compare)

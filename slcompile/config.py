@@ -19,7 +19,7 @@ __all__ = ["SpeedLoaderConfig", "options", "check_names", "LOWERINGS", "SCHEDULE
 
 LOWERINGS = ("inductor", "aot_eager")
 TIERS = ("device", "host", "nvme")
-SCHEDULES = ("speedloader", "grad_accumulation", "no_offload", "lifetime_aware")
+SCHEDULES = ("speedloader", "grad_accumulation", "no_offload", "lifetime_aware", "spilling", "zigzag_spilling")
 ON_REFUSAL = ("fallback", "raise")
 RECOMPUTE = ("auto", "none", "blocks")
 GRADIENTS = ("auto",) + TIERS

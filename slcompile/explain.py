@@ -101,6 +101,10 @@ class GraphExplanation:
             lines.append(f"memory budget: {self.budget_error}")
         if self.activation_plan:
             lines += ["saved activations:", *("  " + line for line in self.activation_plan)]
+        spilled = [line.split()[-1] for line in self.schedule.splitlines() if line.startswith("fwd spill.issue ")]
+        if spilled:
+            lines.append(f"boundary activations spilled while they wait: {len(spilled)} "
+                         f"({', '.join(spilled[:3])}{', ...' if len(spilled) > 3 else ''})")
         lines += ["schedule:", *("  " + line for line in self.schedule.splitlines())]
         return "\n".join(lines)
 

@@ -57,6 +57,7 @@ from slcompile.passes.offload_activations import (
 )
 from slcompile.passes.offload_gradients import offload_gradients
 from slcompile.passes.order_layer_major import order_layer_major
+from slcompile.passes.spill_boundaries import SpilledBoundaries, spill_boundaries
 from slcompile.passes.stream_weights import StreamedWeights, place_prefetches, stream_weights, tag_fetch_views
 from slcompile.schedules.base import Schedule
 from slcompile.schedules.derive import schedule_of
@@ -414,6 +415,17 @@ def _offload_activations(step: StepState) -> OffloadedActivations:
     )
 
 
+def _spill_boundaries(step: StepState) -> SpilledBoundaries:
+    plan = step.plan
+    schedule = step_schedule(step)
+    if plan.stash is None or schedule is None or schedule.request is None or not schedule.spills():
+        return SpilledBoundaries()
+    if "inference" in step.graphs and schedule.request.backward:
+        schedule = schedule.replan(backward=False)  # as `derive_schedule` compares it
+    graph = step.graphs.get("forward", step.graphs.get("inference"))
+    return spill_boundaries(graph, schedule, plan.stash.graph_key, schedule.policy.name if schedule.policy else "")
+
+
 def _place_prefetches(step: StepState):
     if step.plan.streamer is None:
         return None
@@ -444,6 +456,7 @@ def _predict_memory(step: StepState):
     if "inference" in step.graphs:
         return predict_memory(
             step.graphs["inference"], graph_kind="inference", live_blocks=plan.live_blocks,
+            activations_tier=plan.activations_tier if plan.stash is not None else "device",
             weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes,
             load_granularity=load_granularity(), weight_shards=_weight_shards(plan),
             zero_copy_shards=_zero_copy_shards(plan),
@@ -526,6 +539,11 @@ PARTITIONED_PASSES: tuple[Pass, ...] = (
         "offload_activations", "partitioned", "rewrite", _offload_activations, graphs=("forward", "backward"),
         code=(offload_saved,),
     ),
+    # The boundary activations a policy spills (`spill.*`, `fill.*` steps).
+    Pass(
+        "spill_boundaries", "partitioned", "rewrite", _spill_boundaries, graphs=("forward",),
+        code=(spill_boundaries,),
+    ),
     # Marks each fetch with its phase: the runtime needs it to find the weights.
     Pass(
         "place_prefetches", "partitioned", "rewrite", _place_prefetches, graphs=("forward", "backward"),
@@ -544,6 +562,10 @@ INFERENCE_PASSES: tuple[Pass, ...] = (
     Pass(
         "order_layer_major", "inference", "rewrite", _order_layer_major, graphs=("inference",),
         code=(order_layer_major,),
+    ),
+    Pass(
+        "spill_boundaries", "inference", "rewrite", _spill_boundaries, graphs=("inference",),
+        code=(spill_boundaries,),
     ),
     Pass(
         "place_prefetches", "inference", "rewrite", _place_prefetches, graphs=("inference",),

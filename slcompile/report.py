@@ -52,6 +52,8 @@ class CompileReport:
         memory: the predicted memory per tier (`MemoryPrediction`) of the plan
             compiled, for the example inputs.
         offloaded_activations: which saved activations rest off the device.
+        spilled_boundaries: which boundary activations rest off the device while they
+            wait for their sub-batch's next region (`SpilledBoundaries`).
         regions: per AOT graph kind, what `compile_regions` did to it
             (`slcompile.backends.outline.RegionCompilation`); empty when the
             graphs were compiled whole.
@@ -72,6 +74,7 @@ class CompileReport:
     fused_weight_grads: int = 0
     memory: object = None
     offloaded_activations: object = None
+    spilled_boundaries: object = None
     regions: dict[str, object] = dataclasses.field(default_factory=dict)
 
     @property

@@ -56,6 +56,7 @@ __all__ = [
     "FETCH_ISSUE",
     "FETCH_WEIGHT",
     "STASH",
+    "SPILL_MARK",
     "WAIT",
     "UNSTASH",
     "UNSTASH_WAIT",
@@ -357,6 +358,10 @@ class WeightKey:
         )
 
 
+SPILL_MARK = "spill"
+"""The name part after the tag in the stash key of a boundary activation's spill."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StashKey:
     """The key a `slc::stash` carries: `a2|blk3.sb1.mul_4`.
@@ -371,6 +376,12 @@ class StashKey:
 
     def format(self) -> str:
         return f"{self.stash}|{self.name}"
+
+    @property
+    def spills(self) -> bool:
+        """Whether it stores a boundary activation while it waits (`a2|blk3.sb1.spill.add_7`)
+        rather than a saved activation for the backward."""
+        return self.name.split(".")[2:3] == [SPILL_MARK]
 
     @classmethod
     def parse(cls, key: str) -> StashKey:

@@ -168,7 +168,7 @@ def test_an_unknown_name_lists_the_registered_ones(registry):
         slcompile.SpeedLoaderConfig.from_options({"schedule": "zigzga"})
     assert str(caught.value) == (
         "speedloader option 'schedule' must be a registered policy's name, one of 'speedloader', "
-        "'grad_accumulation', 'no_offload', 'lifetime_aware', 'zigzag', or a slcompile.schedules.Policy object, "
+        "'grad_accumulation', 'no_offload', 'lifetime_aware', 'spilling', 'zigzag_spilling', 'zigzag', or a slcompile.schedules.Policy object, "
         "got 'zigzga' (slcompile.schedules.register_policy(policy) registers a name)"
     )
 

@@ -65,7 +65,7 @@ from slcompile.analysis.lifetimes import (
 )
 from slcompile.meta import get_slc_meta
 from slcompile.units import format_bytes
-from slcompile.vocabulary import prefetched_visits
+from slcompile.vocabulary import UNSTASH_WAIT, StashKey, is_stash, prefetched_visits
 
 __all__ = [
     "GraphMemory",
@@ -686,7 +686,7 @@ def predict_memory(
         tier_exprs[weights_tier] += (streamed_bytes if weight_shards == 1
                                      else sharded_weight_bytes(graphs, weight_shards))
     if activations_tier != "device":
-        tier_exprs[activations_tier] += offloaded_bytes
+        tier_exprs[activations_tier] += _stored_activations(forward, offloaded_bytes)
     evaluated = {tier: int(expr.subs(subs)) for tier, expr in tier_exprs.items()}
     kinds = ["forward", "backward"] if backward is not None else [graph_kind]
     per_node = tuple(
@@ -712,6 +712,27 @@ def predict_memory(
         shard_bytes=_most(per_node, ("shard",)),
         gather_bytes=_most(per_node, ("prefetched", "weight")) if weight_shards > 1 else 0,
     )
+
+
+def _stored_activations(forward: torch.fx.GraphModule, offloaded_bytes) -> sympy.Expr:
+    """The most activation bytes resting on their tier at once: `offloaded_bytes` (the
+    stashes, all there when the backward starts) or, with spills of the forward's
+    boundary activations that no stash shares (`spill_boundaries`), the most the
+    stores so far and those spills hold together at any node, a spill's copy counted
+    until its fill is waited for."""
+    output = forward.graph.output_node()
+    handed = {v for v in output.args[0] if isinstance(v, torch.fx.Node)}
+    own = {n for n in forward.graph.nodes if is_stash(n) and n not in handed and StashKey.parse(n.args[1]).spills}
+    if not own:
+        return offloaded_bytes
+    held, most = sympy.Integer(0), [sympy.sympify(offloaded_bytes)]
+    for node in forward.graph.nodes:
+        if is_stash(node):
+            held += tensor_bytes(node.args[0].meta["val"])
+            most.append(held)
+        elif node.target is UNSTASH_WAIT and node.args[0].args[0] in own:
+            held -= tensor_bytes(node.args[0].args[0].args[0].meta["val"])
+    return max_of(sympy.expand(expr) for expr in most)
 
 
 def _most(graphs: Sequence[GraphMemory], kinds: Sequence[str]) -> int:

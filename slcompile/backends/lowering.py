@@ -140,6 +140,7 @@ def lower(
             if "derive_schedule" in step.results:
                 report.schedule = step.results["derive_schedule"].text()
             report.memory = step.results["predict_memory"]
+            report.spilled_boundaries = step.results.get("spill_boundaries")
 
         def compile_region(module: torch.fx.GraphModule, inputs) -> Callable:
             return _compile_region(module, inputs, kind)
@@ -266,6 +267,7 @@ class _PlannedPartition:
             if plan.memory_budget is None or prediction.peak_bytes["device"] <= plan.memory_budget:
                 self.report.memory = prediction
                 self.report.offloaded_activations = offloaded if offloaded is not None else OffloadedActivations()
+                self.report.spilled_boundaries = step.results.get("spill_boundaries")
                 if "derive_schedule" in step.results:
                     self.report.schedule = step.results["derive_schedule"].text()
                 if step.results.get("plan_transfers") is not None:

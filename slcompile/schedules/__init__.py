@@ -4,7 +4,7 @@ the schedule read back from compiled graphs.
 The kit for writing a policy: the vocabulary (`Step`, `Schedule`, `ScheduleRequest`,
 `Policy`, `TRANSFER_KINDS`), the helpers the built-in policies are made of
 (`layer_major_compute` writes the compute steps in speedloader's order; `add_fetches`,
-`add_stashes`, `add_stores` and `add_gradient_stores` add the transfers a request
+`add_stashes`, `add_spills`, `add_stores` and `add_gradient_stores` add the transfers a request
 needs around any compute order), `validate_schedule` (what every schedule a `Policy`
 returns must pass), and `register_policy`, which makes a policy's name a value of the
 `schedule` option.
@@ -18,11 +18,18 @@ from slcompile.schedules.base import (
     Step,
     add_fetches,
     add_gradient_stores,
+    next_region,
 )
 from slcompile.schedules.derive import schedule_of
 from slcompile.schedules.grad_accumulation import grad_accumulation_schedule
 from slcompile.schedules.policies import POLICIES, plan_schedule, policy_for, register_policy
-from slcompile.schedules.speedloader import add_stashes, add_stores, layer_major_compute, speedloader_schedule
+from slcompile.schedules.speedloader import (
+    add_spills,
+    add_stashes,
+    add_stores,
+    layer_major_compute,
+    speedloader_schedule,
+)
 from slcompile.schedules.validate import check_agreement, validate_schedule
 
 __all__ = [
@@ -34,6 +41,8 @@ __all__ = [
     "layer_major_compute",
     "add_fetches",
     "add_stashes",
+    "add_spills",
+    "next_region",
     "add_stores",
     "add_gradient_stores",
     "validate_schedule",

@@ -28,6 +28,11 @@ line per step:
                                  the sub-batches) to the optimizer's tier
     bwd store_grad.issue blk2.sb1  ... sub-batch 1's share of them alone
     bwd store_grad.wait blk2     their store is done (their memory may go)
+    fwd spill.issue blk2.sb0     start storing the output of (2, 0) while it waits for
+                                 its sub-batch's next block (its boundary activation)
+    fwd spill.wait blk2.sb0      that store is done (the output's memory may go)
+    fwd fill.issue blk2.sb0      start loading it back
+    fwd fill.wait blk2.sb0       it is needed now (by block 3, sub-batch 0)
 
 `<phase> <kind> <tag>`, where the tag names whose data moves (`blk4`: the weights of
 block 4 for all sub-batches; `blk2.sb0`: what (block 2, sub-batch 0) owns). Runs of the
@@ -45,15 +50,16 @@ from slcompile.vocabulary import issued_visit
 
 __all__ = [
     "Step", "Schedule", "SavedActivation", "PhaseOrder", "ScheduleRequest", "Policy", "TRANSFER_KINDS", "add_fetches",
-    "add_gradient_stores",
+    "add_gradient_stores", "next_region",
 ]
 
 TRANSFER_KINDS = (
     "fetch.issue", "fetch.wait", "stash.issue", "stash.wait", "unstash.issue", "unstash.wait",
-    "store_grad.issue", "store_grad.wait",
+    "store_grad.issue", "store_grad.wait", "spill.issue", "spill.wait", "fill.issue", "fill.wait",
 )
 """Transfer step kinds: what moves (weights fetched, activations stashed and unstashed,
-gradients stored), and which half of its issue + wait pair the step is."""
+gradients stored, boundary activations spilled and filled), and which half of its
+issue + wait pair the step is."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +160,11 @@ class Schedule:
         """(region, block, sub-batch) whose saved activations the schedule stores
         off the device between the forward and the backward."""
         return frozenset(s.key for s in self.steps if s.kind == "stash.issue")
+
+    def spills(self) -> tuple[tuple[str, int | None, int], ...]:
+        """(region, block, sub-batch) whose output the forward stores off the device
+        while it waits for the sub-batch's next region, in the forward's order."""
+        return tuple(s.key for s in self.steps if s.kind == "spill.issue")
 
     def gradient_stores(self) -> tuple[tuple[int, int | None], ...]:
         """(block, sub-batch) of each gradient store, in the backward's order: a
@@ -294,6 +305,20 @@ class Policy:
 
         schedule = validate_schedule(self.build(request), request, self.name)
         return dataclasses.replace(schedule, policy=self, request=request)
+
+
+def next_region(key: tuple[str, int | None, int], request: ScheduleRequest) -> tuple[str, int | None, int] | None:
+    """The (region, block, sub-batch) that reads a forward unit's output: the same
+    sub-batch's next region (the next block, or the suffix after the last block), or
+    None when nothing follows (the suffix; the last block of a graph without one)."""
+    region, block, subbatch = key
+    if region == "suffix":
+        return None
+    blocks = list(request.blocks)
+    following = blocks if region == "prefix" else blocks[blocks.index(block) + 1:]
+    if following:
+        return "block", following[0], subbatch
+    return ("suffix", None, subbatch) if request.has_suffix else None
 
 
 def add_fetches(compute: list[Step], request: ScheduleRequest, *, per_subbatch: bool) -> list[Step]:

@@ -16,6 +16,10 @@ line by line with the schedule the policy wrote.
   (gradients: `slc::offload_grad` and its `slc::wait`, the block they belong to);
   `slc::unstash` / `slc::unstash_wait` load what the stash token handed to the
   backward names (`StashKey`), whatever (block, sub-batch) they are issued in.
+- boundary activations: a stash whose key says `spill` (`spill_boundaries`) is a
+  `spill.issue` (also a `stash.issue` when the forward hands its token to the
+  backward: one store serves both), its `slc::wait` a `spill.wait`; loads in the
+  forward are `fill.issue` / `fill.wait`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch.fx
 
 from slcompile.meta import get_slc_meta, parse_tag
 from slcompile.schedules.base import Schedule, Step
-from slcompile.vocabulary import StashKey, WeightKey, is_compute, is_fetch, transfer_kind
+from slcompile.vocabulary import StashKey, WeightKey, is_compute, is_fetch, is_stash, transfer_kind
 
 __all__ = ["schedule_of"]
 
@@ -63,6 +67,8 @@ def _steps(phase: str, gm: torch.fx.GraphModule, block_of, stashed) -> list[Step
     steps: list[Step] = []
     computing = None
     token_of: dict[str, str] = {}  # unstash node -> the stash token it loads
+    output = gm.graph.output_node()
+    handed = {v for v in output.args[0] if hasattr(v, "name")} if output.args else set()
     for node in gm.graph.nodes:
         kind = transfer_kind(node)
         if kind is None:
@@ -76,6 +82,7 @@ def _steps(phase: str, gm: torch.fx.GraphModule, block_of, stashed) -> list[Step
             continue
         what, half = kind
         text = f"{what}.{half}"
+        lines: list[Step] = []
         if what == "fetch":
             key = WeightKey.parse(node.args[0] if half == "issue" else node.args[1])
             serves = key.phase if key.phase != phase else None
@@ -85,12 +92,21 @@ def _steps(phase: str, gm: torch.fx.GraphModule, block_of, stashed) -> list[Step
             if half == "issue":
                 token_of[node.name] = token
             region, block, subbatch = stashed[token]
+            if phase == "fwd":
+                text = f"fill.{half}"
             step = Step(phase, region, block, subbatch, text)
         else:  # stores: tagged with the (block, sub-batch) whose data they move
             meta = get_slc_meta(node)
             if meta is None:
                 continue
             step = Step(phase, meta.region, meta.block, meta.subbatch, text)
-        if not steps or steps[-1] != step:
-            steps.append(step)
+            store = node if half == "issue" else node.args[0]
+            if what == "stash" and is_stash(store) and StashKey.parse(store.args[1]).spills:
+                if half == "issue" and node in handed:
+                    lines.append(step)
+                step = Step(phase, meta.region, meta.block, meta.subbatch, f"spill.{half}")
+        for step in (*lines, step):
+            if not steps or steps[-1] != step:
+                steps.append(step)
     return steps
+

@@ -13,13 +13,15 @@ from slcompile.errors import PolicyError
 from slcompile.passes.find_blocks import BlockGraph
 from slcompile.schedules.base import Policy, Schedule, ScheduleRequest
 from slcompile.schedules.examples.lifetime_aware import LIFETIME_AWARE
+from slcompile.schedules.examples.spilling import SPILLING, ZIGZAG_SPILLING
 from slcompile.schedules.grad_accumulation import GRAD_ACCUMULATION
 from slcompile.schedules.speedloader import NO_OFFLOAD, SPEEDLOADER
 
 __all__ = ["POLICIES", "BUILTIN_POLICIES", "policy_for", "plan_schedule", "register_policy", "unknown_policy"]
 
 POLICIES: dict[str, Policy] = {
-    policy.name: policy for policy in (SPEEDLOADER, GRAD_ACCUMULATION, NO_OFFLOAD, LIFETIME_AWARE)
+    policy.name: policy
+    for policy in (SPEEDLOADER, GRAD_ACCUMULATION, NO_OFFLOAD, LIFETIME_AWARE, SPILLING, ZIGZAG_SPILLING)
 }
 
 

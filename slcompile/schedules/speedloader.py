@@ -16,10 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from slcompile.schedules.base import Policy, Schedule, ScheduleRequest, Step, add_fetches, add_gradient_stores
+from slcompile.schedules.base import (
+    Policy,
+    Schedule,
+    ScheduleRequest,
+    Step,
+    add_fetches,
+    add_gradient_stores,
+    next_region,
+)
 from slcompile.schedules.planner import choose_stashes, unit_lifetimes
 
-__all__ = ["speedloader_schedule", "layer_major_compute", "add_stashes", "add_stores", "SPEEDLOADER", "NO_OFFLOAD"]
+__all__ = [
+    "speedloader_schedule", "layer_major_compute", "add_stashes", "add_spills", "add_stores", "SPEEDLOADER",
+    "NO_OFFLOAD",
+]
 
 
 def layer_major_compute(request: ScheduleRequest) -> list[Step]:
@@ -106,6 +117,63 @@ def add_stashes(steps: list[Step], request: ScheduleRequest, keep=lambda step: F
         if ends_phase:
             out += before.get((step.phase, len(compute[step.phase])), [])
     return out
+
+
+def add_spills(steps: list[Step], request: ScheduleRequest, keep=lambda step: False,
+               min_wait: int = 3) -> list[Step]:
+    """Spills the boundary activations that wait long: the output of a forward (prefix
+    or block, sub-batch) step that `keep(step)` does not keep, whose reader (the same
+    sub-batch's next region, `next_region`) runs at least `min_wait` compute steps
+    later, rests on the activations' tier while the other steps run.
+
+    Its store is issued right after the step (after the step's stash, whose store it
+    shares when the output is also saved for the backward), waited for before the
+    compute step after next (the store overlaps one step), its load issued one
+    compute step before the reader and waited for just before it. With a wait of 2
+    steps the output comes back as soon as it left, so the default spills waits of
+    3 or more. A
+    stashed output's `stash.wait` after its reader goes (its store is the spill's).
+    Call it after `add_stashes` and before `add_stores`.
+
+    Returns:
+        the steps with `spill.*` and `fill.*` steps inserted (unchanged when
+        activations stay on the device).
+    """
+    if not request.activations_offloaded:
+        return list(steps)
+    forward = [s for s in steps if s.phase == "fwd" and s.kind == "compute"]
+    position = {s.key: i for i, s in enumerate(forward)}
+    after: dict[int, list[Step]] = {}  # forward compute position -> transfers right after it
+    before: dict[int, list[Step]] = {}  # ... right before it (after its fetches and stash steps)
+    reader_of: dict[tuple, tuple] = {}
+    for at, step in enumerate(forward):
+        reader = next_region(step.key, request)
+        if reader is None or reader not in position or keep(step):
+            continue
+        read = position[reader]
+        if read - at - 1 < max(min_wait, 2):
+            continue
+        reader_of[step.key] = reader
+        region, block, subbatch = step.key
+        after.setdefault(at, []).append(Step("fwd", region, block, subbatch, "spill.issue"))
+        before.setdefault(at + 2, []).append(Step("fwd", region, block, subbatch, "spill.wait"))
+        before.setdefault(read - 1, []).append(Step("fwd", region, block, subbatch, "fill.issue"))
+        before.setdefault(read, []).append(Step("fwd", region, block, subbatch, "fill.wait"))
+    out: list[Step] = []
+    pending: list[Step] = []
+    seen, computing = 0, None
+    for step in steps:
+        if pending and not (step.kind == "stash.issue" and step.key == computing):
+            out += pending
+            pending = []
+        if step.phase == "fwd" and step.kind == "compute":
+            out += before.get(seen, [])
+            out.append(step)
+            pending = after.get(seen, [])
+            seen, computing = seen + 1, step.key
+        elif not (step.phase == "fwd" and step.kind == "stash.wait" and reader_of.get(step.key) == computing):
+            out.append(step)
+    return out + pending
 
 
 def speedloader_schedule(request: ScheduleRequest) -> Schedule:

@@ -27,6 +27,12 @@ What a valid schedule is, for a `ScheduleRequest`:
   `unstash.issue` in the backward of a stashed unit, `unstash.wait` after its issue
   (where it waits is the policy's: the first backward reader of a stashed tensor
   may run in another unit than the one that owns it);
+- boundary activations (`spill.*`, `fill.*`, only when `activations_offloaded`):
+  the prefix or a block, one sub-batch, in the forward, whose output the sub-batch's
+  next region reads (`next_region`); once per unit: `spill.issue` right after the
+  unit's compute (no compute step between), `spill.wait` after it, `fill.issue`
+  after the `spill.wait`, `fill.wait` after that, and the reader's compute after
+  the `fill.wait`;
 - gradients (`store_grad.*`, only when `gradients_offloaded`, weights streamed): a
   block in the backward, issued after that block's (or that (block, sub-batch)'s)
   last backward compute, waited for after the issue.
@@ -35,7 +41,7 @@ What a valid schedule is, for a `ScheduleRequest`:
 from __future__ import annotations
 
 from slcompile.errors import PolicyError
-from slcompile.schedules.base import TRANSFER_KINDS, Schedule, ScheduleRequest, Step
+from slcompile.schedules.base import TRANSFER_KINDS, Schedule, ScheduleRequest, Step, next_region
 
 __all__ = ["validate_schedule", "check_agreement"]
 
@@ -103,6 +109,13 @@ def _malformed(step: Step, request: ScheduleRequest, phases: tuple[str, ...]) ->
             return "stashes the saved activations of the prefix or a block, for one sub-batch"
         if (what == "stash") != (step.phase == "fwd"):
             return f"a {what} runs in the {'forward' if what == 'stash' else 'backward'}"
+    elif what in ("spill", "fill"):
+        if not request.activations_offloaded:
+            return "moves a boundary activation, but activations stay on the device (activations_offloaded=False)"
+        if step.phase != "fwd" or step.region == "suffix" or step.subbatch is None:
+            return f"{what}s the output of the prefix or a block, for one sub-batch, in the forward"
+        if next_region(step.key, request) is None:
+            return "nothing reads this unit's output after it: there is nothing to wait for"
     elif what == "store_grad":
         if not (request.gradients_offloaded and request.weights_streamed):
             return "stores weight gradients, but they stay on the device (gradients_offloaded=False)"
@@ -138,9 +151,19 @@ def _check_transfers(schedule: Schedule, request: ScheduleRequest, policy: str) 
     per_subbatch = schedule.fetches_per_subbatch()
     done: set[tuple] = set()  # (phase, kind, key) of every step so far
     computed: set[tuple] = set()  # (phase, key) of the compute steps so far
+    filled_for = {next_region(s.key, request): s.key for s in steps if s.kind == "spill.issue"}
+    last_compute = None
     for index, step in enumerate(steps):
         key = step.key
+        if step.kind.startswith(("spill.", "fill.")):
+            _check_spill(step, done, last_compute, policy)
         if step.kind == "compute":
+            spilled = filled_for.get(key) if step.phase == "fwd" else None
+            if spilled is not None and ("fwd", "spill.issue", spilled) in done \
+                    and ("fwd", "fill.wait", spilled) not in done:
+                raise PolicyError(policy, f"computes before its input arrives: no `fwd fill.wait "
+                                          f"{Step('fwd', *spilled).tag}` before it", step.text())
+            last_compute = step
             if step.region == "block" and request.weights_streamed:
                 wait = Step(step.phase, "block", step.block, step.subbatch if per_subbatch else None, "fetch.wait")
                 if (wait.phase, wait.kind, wait.key) not in done:
@@ -173,6 +196,23 @@ def _check_transfers(schedule: Schedule, request: ScheduleRequest, policy: str) 
             raise PolicyError(policy, f"waits for a gradient store before its `bwd store_grad.issue {step.tag}`",
                               step.text())
         done.add((step.phase, step.kind, key))
+
+
+_SPILL_ORDER = {"spill.wait": "spill.issue", "fill.issue": "spill.wait", "fill.wait": "fill.issue"}
+
+
+def _check_spill(step: Step, done: set[tuple], last_compute: Step | None, policy: str) -> None:
+    """One `spill.*` / `fill.*` step against the steps before it."""
+    if (step.phase, step.kind, step.key) in done:
+        raise PolicyError(policy, "spills or fills the same output twice", step.text())
+    if step.kind == "spill.issue":
+        if last_compute is None or last_compute.phase != "fwd" or last_compute.key != step.key:
+            raise PolicyError(policy, f"a spill is issued right after `fwd {step.tag}` computes the output it "
+                                      "stores (no compute step between)", step.text())
+        return
+    needed = _SPILL_ORDER[step.kind]
+    if ("fwd", needed, step.key) not in done:
+        raise PolicyError(policy, f"comes before its `fwd {needed} {step.tag}`", step.text())
 
 
 def _gradients_pending(steps: tuple[Step, ...], index: int, store: Step) -> bool:

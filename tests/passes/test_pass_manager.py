@@ -56,6 +56,7 @@ partitioned/fuse_weight_grads
 partitioned/order_layer_major
 partitioned/plan_transfers
 partitioned/offload_activations
+partitioned/spill_boundaries
 partitioned/place_prefetches
 partitioned/offload_gradients
 partitioned/derive_schedule
@@ -109,18 +110,19 @@ def test_dumps_are_numbered_across_stages(mlp, monkeypatch, tmp_path):
 012_order_layer_major.txt
 013_plan_transfers.txt
 014_offload_activations.txt
-015_place_prefetches.txt
-016_offload_gradients.txt
-017_derive_schedule.txt
-018_predict_memory.txt
-019_annotate_streams.txt
-020_mark_regions.txt
-021_compile_regions.txt
-022_drop_marks.txt
-023_annotate_streams.txt
-024_mark_regions.txt
-025_compile_regions.txt
-026_drop_marks.txt""")
+015_spill_boundaries.txt
+016_place_prefetches.txt
+017_offload_gradients.txt
+018_derive_schedule.txt
+019_predict_memory.txt
+020_annotate_streams.txt
+021_mark_regions.txt
+022_compile_regions.txt
+023_drop_marks.txt
+024_annotate_streams.txt
+025_mark_regions.txt
+026_compile_regions.txt
+027_drop_marks.txt""")
     backward = (tmp_path / [t for t in texts if t.endswith("_fuse_weight_grads.txt")][0]).read_text()
     assert backward.startswith("# after partitioned/fuse_weight_grads (")
     assert "def forward(self" in backward
