@@ -13,6 +13,7 @@ Usage:
     python -m bench distributed ...           # bench/distributed_bench.py
     python -m bench compile ...               # bench/compile_bench.py
     python -m bench time ...                  # bench/time_bench.py
+    python -m bench tune ...                  # bench/tune_bench.py
     python -m bench soak [--steps 1000]       # bench/soak_bench.py
     python -m bench gpu [--small|--cpu-smoke] # bench/gpu_bench.py (CUDA)
     python -m bench gpu --check [--out DIR]   # bench/gpu_check.py: the CUDA validation in one command
@@ -81,6 +82,9 @@ SCENARIOS = (
     Scenario("time", "time_bench.py", ("--rounds", "9"), ("--quick",),
              "predicted vs measured step time (the time model), and the H100 rows predicted on paper",
              out_name="time_model.json"),
+    Scenario("tune", "tune_bench.py", ("--rounds", "9"), ("--quick",),
+             "slcompile.tune's choice under a memory budget (with the machine's profile) vs the fastest measured "
+             "plan that fits"),
     Scenario("compile", "compile_bench.py", (), ("--quick",),
              "compile seconds of a training step: speedloader + Inductor at K and depth vs plain Inductor"),
     Scenario("soak", "soak_bench.py", ("--steps", "300"), ("--steps", "20", "--warmup", "5"),

@@ -14,6 +14,13 @@ shared machine falls on all of them alike. Each row keeps the fastest step (the
 profile keeps best-of rates too) and the median, and the prediction of
 `slcompile.analysis.time.predict_time` from the compiled step's partitioned graphs.
 
+Generation passes (this machine): a 4-layer Llama (hidden 256, random weights)
+generates 8 tokens for a batch of 16 prompts of 64 tokens, 4 sub-batches, with its
+weights and KV cache on the device and on nvme (`slcompile.generate`, layer steps
+compiled by Inductor). Each pass's wall time is measured (`GenerationStep.seconds`);
+the prefill and the middle decode pass are compared with `explain_generation(...,
+profile=...)`'s timelines of the same passes. The fastest of `--rounds` calls counts.
+
 Part 2 (on paper): the rows of ../shared/measurements/h100-2026-11-23.md (one H100,
 PCIe, Llama 738M bf16, batch 16 x 512) predicted with the named profile
 "h100-pcie5-nvme" through `slcompile.explain(..., profile=...)`, the model built on
@@ -136,6 +143,51 @@ def cpu_rows(args, profile) -> list[dict]:
     return rows
 
 
+GENERATION_CONFIGS = (("device", "device"), ("nvme", "nvme"))  # (weights, kv cache)
+
+
+def generation_rows(args, profile) -> list[dict]:
+    import torch
+    from tqdm import tqdm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slcompile.generate import explain_generation, generate
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=8,
+                         num_key_value_heads=8, vocab_size=1024, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (16, 64))
+    new_tokens, middle = 8, 8 // 2
+    rows = []
+    for weights, kv in tqdm(GENERATION_CONFIGS, desc="generation"):
+        options = {"num_subbatches": 4, "prefill_subbatches": 4, "weights": weights, "kv_cache": kv}
+        explained = explain_generation(model, ids.shape, new_tokens, profile=profile, **options)
+        measured: dict[str, list[float]] = {"prefill": [], "decode": []}
+        for _ in range(args.rounds + 1):  # the first call compiles
+            steps = generate(model, ids, max_new_tokens=new_tokens, return_dict_in_generate=True, progress=False,
+                             **options).steps
+            measured["prefill"].append(steps[0].seconds)
+            measured["decode"].append(steps[middle].seconds)
+        for phase, timeline in (("prefill", explained.prefill_time), ("decode", explained.decode_time)):
+            times = measured[phase][1:]
+            best, median = min(times), statistics.median(times)
+            rows.append({
+                "pass": phase, "k": 4, "weights": weights, "activations": kv, "recompute": "-",
+                "measured_step_seconds": best, "measured_median_seconds": median, "measured_all": times,
+                "predicted_step_seconds": timeline.step_seconds,
+                "error": (timeline.step_seconds - best) / best,
+                "error_vs_median": (timeline.step_seconds - median) / median,
+                "predicted_compute_seconds": timeline.compute_seconds,
+                "predicted_stall_seconds": timeline.stall_seconds,
+                "predicted_lane_seconds": timeline.lane_seconds(),
+                "predicted_lane_bytes": timeline.lane_bytes(),
+                "predicted_bound": timeline.bound,
+                "predicted_gflop": timeline.flops / 1e9,
+            })
+    return rows
+
+
 def h100_rows(args) -> list[dict]:
     import torch
     from tqdm import tqdm
@@ -199,7 +251,8 @@ def plot(record: dict, path: str) -> None:
         ax.plot([0, top], [0, top], color="gray", lw=1, label="prediction = measurement")
         ax.fill_between([0, top], [0, top * 0.85], [0, top * 1.15], color="gray", alpha=0.15, label="within 15%")
         for r, x, y in zip(rows, measured, predicted):
-            label = r.get("row") or f"K={r['k']} w={r['weights']} a={r['activations']} rc={r['recompute']}"
+            label = r.get("row") or (f"{r['pass']} K={r['k']} w={r['weights']} kv={r['activations']}" if "pass" in r
+                                     else f"K={r['k']} w={r['weights']} a={r['activations']} rc={r['recompute']}")
             ax.annotate(label, (x, y), fontsize=6)
         ax.set_xlabel("measured step (ms)")
         ax.set_ylabel("predicted step (ms)")
@@ -219,6 +272,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--no-h100", action="store_true", help="skip the H100 rows on paper")
+    parser.add_argument("--no-generation", action="store_true", help="skip the generation passes")
     parser.add_argument("--quick", action="store_true", help="smoke settings: 2 rounds, d_model 64, no H100 rows")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "time_model.json"))
     args = parser.parse_args()
@@ -233,15 +287,18 @@ def main() -> None:
     torch._dynamo.config.recompile_limit = 4 * len(CPU_CONFIGS)
     profile = measure_profile(steps=True)
     rows = cpu_rows(args, profile)
+    if not args.no_generation:
+        rows += generation_rows(args, profile)
     within = sum(abs(r["error"]) <= 0.15 for r in rows)
     print(f"profile: {profile.source}")
-    print(f"{'K':>2} {'weights':7} {'acts':6} {'recomp':6} {'best ms':>8} {'median':>8} {'pred ms':>8} "
+    print(f"{'K':>2} {'weights':7} {'acts':6} {'recomp':7} {'best ms':>8} {'median':>8} {'pred ms':>8} "
           f"{'err':>7} {'err/med':>7} {'cpu ms':>7} {'pred c':>7} bound")
     for r in rows:
-        print(f"{r['k']:>2} {r['weights']:7} {r['activations']:6} {r['recompute']:6} "
+        print(f"{r['k']:>2} {r['weights']:7} {r['activations']:6} {r.get('pass', r['recompute']):7} "
               f"{r['measured_step_seconds'] * 1e3:>8.1f} {r['measured_median_seconds'] * 1e3:>8.1f} "
               f"{r['predicted_step_seconds'] * 1e3:>8.1f} {r['error']:>+7.1%} {r['error_vs_median']:>+7.1%} "
-              f"{r['measured_compute_thread_cpu_seconds'] * 1e3:>7.1f} {r['predicted_compute_seconds'] * 1e3:>7.1f} "
+              f"{r.get('measured_compute_thread_cpu_seconds', float('nan')) * 1e3:>7.1f} "
+              f"{r['predicted_compute_seconds'] * 1e3:>7.1f} "
               f"{r['predicted_bound']}")
     print(f"within 15% of the fastest step: {within} of {len(rows)} (load average at the end: "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")

@@ -62,6 +62,7 @@ import functools
 import inspect
 import logging
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -91,12 +92,15 @@ class GenerationStep:
         schedule: the pass's order, e.g. ``load blk0.w | load blk1.w | blk0.sb0 |
             store blk0.kv.sb0 | ...`` (transfers only where the tier copies).
         bytes_moved: bytes per ``(kind, source tier, destination tier)``, nonzero only.
+        seconds: the pass's wall time, measured (None in a prediction; not compared:
+            a measured step equals its prediction when schedule and bytes do).
     """
 
     phase: str
     subbatches: tuple[int, ...]
     schedule: str
     bytes_moved: Mapping[TransferKey, int]
+    seconds: float | None = dataclasses.field(default=None, compare=False)
 
     def bytes_of(self, kind: TransferKind, source: Tier, destination: Tier) -> int:
         return self.bytes_moved.get((kind, source, destination), 0)
@@ -997,9 +1001,10 @@ class _Generation:
                 inputs = _pass_inputs(model, plan, of_active(sequences), cache, of_active(attention_mask),
                                       of_active(position_ids), step == 0)
                 before = dict(runtime_stats().cumulative.bytes_moved)
+                began = time.perf_counter()
                 computed = self._forward(phase, inputs, parts, len(parts) * parts[0][2], cache, store)
                 self.steps.append(GenerationStep(phase, tuple(sb for sb, _, _ in parts), " | ".join(self.trace),
-                                                 _bytes_moved_since(before)))
+                                                 _bytes_moved_since(before), time.perf_counter() - began))
                 if rows is None:
                     logits = computed
                 else:
@@ -1095,6 +1100,10 @@ class GenerationExplanation:
             logged warning, for a model whose forward cannot be traced on fake tensors).
         decode_memory: that of the decode pass with the highest peak (the last, but
             for sliding-window caches); None with one new token.
+        prefill_time: with `profile=`, the prefill's predicted timeline
+            (`slcompile.analysis.time.TimePrediction`), else None.
+        decode_time: with `profile=`, that of the middle decode pass (whose cache
+            length is the mean of all decode passes'); None with one new token.
     """
 
     model: str
@@ -1111,6 +1120,17 @@ class GenerationExplanation:
     steps: tuple[GenerationStep, ...]
     prefill_memory: PassMemory | None = None
     decode_memory: PassMemory | None = None
+    prefill_time: Any = None
+    decode_time: Any = None
+
+    @property
+    def seconds(self) -> float | None:
+        """The predicted time of the whole generation: the prefill and
+        `max_new_tokens - 1` decode passes (None without a profile)."""
+        if self.prefill_time is None:
+            return None
+        decode = self.decode_time.step_seconds if self.decode_time is not None else 0.0
+        return self.prefill_time.step_seconds + (len(self.steps) - 1) * decode
 
     @property
     def peak_bytes(self) -> int | None:
@@ -1150,6 +1170,12 @@ class GenerationExplanation:
         for memory in (self.prefill_memory, self.decode_memory):
             if memory is not None:
                 lines.append(f"  {memory}")
+        for name, timeline in (("prefill", self.prefill_time), ("middle decode pass", self.decode_time)):
+            if timeline is not None:
+                lines.append(f"  {name}: " + str(timeline).replace("\n", "\n  "))
+        if self.seconds is not None:
+            tokens = self.batch * self.max_new_tokens
+            lines.append(f"  predicted generation: {self.seconds:.3f} s, {tokens / self.seconds:,.0f} tokens/s")
         if self.steps[0].bytes_of(*hidden):
             lines.append(f"  prefill hidden states between layers on {self.kv_cache}: "
                          f"{format_bytes(self.steps[0].bytes_of(*hidden))} stored and loaded")
@@ -1181,6 +1207,8 @@ def explain_generation(
     load_granularity: int | None = None,
     load_overhead: int = 0,
     padded: bool = False,
+    profile: Any = None,
+    backend: str = "inductor",
 ) -> GenerationExplanation:
     """The schedules, bytes and device memory per pass of `generate(model,
     input_ids, ...)` with these options, without running the model (the memory of
@@ -1199,6 +1227,11 @@ def explain_generation(
         padded: predict the memory for left-padded prompts, every sequence padded
             (the masks the model then builds for each sub-batch are counted); the
             bound for any `attention_mask`.
+        profile: the machine to predict the passes' time on: "current" (this
+            machine's measured profile), a named profile ("h100-pcie5-nvme") or a
+            `MachineProfile`; None (default) predicts no time.
+        backend: the layer steps' lowering, as `generate`'s (the time model fuses
+            elementwise ops under "inductor").
 
     Returns:
         The prediction; its `steps` equal those `generate(...,
@@ -1210,13 +1243,18 @@ def explain_generation(
     Raises:
         OptionError, RefusedError: as `generate` raises them.
     """
+    machine = None
+    if profile is not None:
+        from slcompile.profile import machine_profile
+
+        machine = machine_profile(profile, offload_dir=offload_dir)
     return _explain_generation(model, input_shape, max_new_tokens, num_subbatches, prefill_subbatches, weights,
-                               kv_cache, offload_dir, load_granularity, load_overhead, {}, padded)
+                               kv_cache, offload_dir, load_granularity, load_overhead, {}, padded, machine, backend)
 
 
 def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
                         offload_dir, load_granularity, load_overhead, memo: dict,
-                        padded: bool = False) -> GenerationExplanation:
+                        padded: bool = False, machine=None, backend: str = "inductor") -> GenerationExplanation:
     """`explain_generation`; `memo` keeps the traced memory of the capture, the layer
     steps and the tail between calls for one model and input shape (they do not
     depend on the tiers)."""
@@ -1308,7 +1346,7 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
                                   hidden))]
     # A decode step: each (layer, sub-batch) loads the segments it keeps and stores
     # its one new position merged with the last segments (`merged_segments`).
-    loaded_segments = {}
+    loaded_segments, written_positions = {}, {}
     for step in range(1, max_new_tokens):
         last = step == max_new_tokens - 1
         loaded_segments[step] = [tuple(s) for s in segments]
@@ -1320,6 +1358,7 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
             segments[layer][len(segments[layer]) - replaced:] = [written]
             del segments[layer][:forgettable_segments(segments[layer], kept)]
             stored += position_bytes[layer] * written
+            written_positions.setdefault(step, []).append(written)
         steps.append(GenerationStep("decode", tuple(range(kd)), decode_order(kv_moves and not last),
                                     moved(0 if last else stored, loaded)))
     try:
@@ -1335,9 +1374,84 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
     except Exception as error:  # noqa: BLE001 - the schedules and bytes stand without the memory
         log.warning("explain_generation: the device memory of %s's passes is not predicted: tracing its forward "
                     "on fake tensors failed (%s: %s)", type(model).__name__, type(error).__name__, error)
-        prefill_memory = decode_memory = None
+        prefill_memory = decode_memory = memory = None
+    prefill_time = decode_time = None
+    if machine is not None and memory is not None:
+        from slcompile.runtime.weights import weight_home
+
+        layer_loads = [tuple(param.numel() * param.element_size() for _, param in params
+                             if not engine.copies_nothing(
+                                 (weight_home(param) or (None, None, Tier(weights)))[2], Tier.DEVICE))
+                       for params in streamed]
+        hidden_part = size_p * length * _hidden_row_bytes(model, layers)
+        row_bytes = _kv_row_bytes(model, layers)
+
+        def pass_time(step: int) -> Any:
+            phase = "prefill" if step == 0 else "decode"
+            past = 0 if step == 0 else length + step - 1
+
+            def kv_bytes(index: int, positions: int) -> int:
+                return 2 * size_d * positions * row_bytes[index]  # keys and values, one tensor
+
+            transfers = {}
+            for index in range(n):
+                transfers[f"blk{index}.w"] = (weights, layer_loads[index])
+                if offloads:
+                    transfers.update((f"blk{index}.h.sb{sb}", (kv_cache, (hidden_part,))) for sb in range(kp))
+                for sb in range(kd):
+                    if step == 0:
+                        stored = (kv_bytes(index, min(length, caps[index])),)
+                        transfers[f"blk{index}.kv.sb{sb}"] = (kv_cache, stored)
+                    else:
+                        loaded = tuple(kv_bytes(index, seg) for seg in loaded_segments[step][index])
+                        transfers[f"load blk{index}.kv.sb{sb}"] = (kv_cache, loaded)
+                        transfers[f"store blk{index}.kv.sb{sb}"] = (kv_cache, (kv_bytes(
+                            index, written_positions[step][index]),))
+            costs, tail = memory.pass_costs(phase, past)
+            return predict_pass_time(_pass_actions(steps[step].schedule, transfers, costs, tail, n,
+                                                   offloads and step == 0),
+                                     profile=machine, phase=phase, lowering=backend,
+                                     tokens=batch * (length if step == 0 else 1))
+
+        from slcompile.analysis.time import predict_pass_time
+
+        try:
+            prefill_time = pass_time(0)
+            decode_time = pass_time(max(1, max_new_tokens // 2)) if max_new_tokens > 1 else None
+        except Exception as error:  # noqa: BLE001 - the rest of the explanation stands without the time
+            log.warning("explain_generation: the time of %s's passes is not predicted (%s: %s)",
+                        type(model).__name__, type(error).__name__, error)
     return GenerationExplanation(type(model).__name__, plan.layers_name, n, batch, length, max_new_tokens, kp, kd,
-                                 weights, kv_cache, weight_store_bytes, tuple(steps), prefill_memory, decode_memory)
+                                 weights, kv_cache, weight_store_bytes, tuple(steps), prefill_memory, decode_memory,
+                                 prefill_time, decode_time)
+
+
+def _pass_actions(schedule: str, transfers: Mapping[str, tuple[str, tuple[int, ...]]], costs, tail, layers: int,
+                  tail_per_subbatch: bool) -> list:
+    """The `PassAction`s of a pass from its schedule text (`GenerationStep.schedule`,
+    the order the pass runs in): each `load`/`store` a transfer of the sizes
+    `transfers` gives (by name, or by "load name"/"store name" where the two
+    differ), each `blkI.sbS` a compiled layer step of `costs[I]` that waits for the
+    layer's weights, its cache and its hidden states, and the tail (`tail`'s ops)
+    after each sub-batch's last layer or once at the end."""
+    from slcompile.analysis.time import PassAction
+
+    actions = []
+    for item in schedule.split(" | ") if schedule else ():
+        if item.startswith(("load ", "store ")):
+            kind, name = item.split(" ")
+            tier, sizes = transfers.get(item, transfers.get(name, ("device", ())))
+            actions.append(PassAction(kind, name, tier, tuple(sizes)))
+            continue
+        layer, sb = item.split(".")
+        index = int(layer[3:])
+        waits = (f"{layer}.w", f"{layer}.kv.{sb}") + ((f"blk{index - 1}.h.{sb}",) if index else ())
+        actions.append(PassAction("compute", layer, nodes=costs[index], waits=waits, calls=1))
+        if tail_per_subbatch and index == layers - 1:
+            actions.append(PassAction("compute", "suffix", nodes=tail, calls=0))
+    if not tail_per_subbatch:
+        actions.append(PassAction("compute", "suffix", nodes=tail, calls=0))
+    return actions
 
 
 def _kv_row_bytes(model: nn.Module, layers: Sequence[nn.Module]) -> list[int]:
@@ -1470,6 +1584,7 @@ class _MemoryModel:
         # Traced peaks by (layer group, sequences, query, past) and ("tail", shape),
         # the captures by (phase, past), and a layer step's output (its structure).
         self.peaks: dict[tuple, int] = memo.setdefault("peaks", {})
+        self.costs: dict[tuple, tuple] = memo.setdefault("costs", {})  # each traced graph's ops' costs
         self.captures: dict[tuple, tuple] = memo.setdefault("captures", {})
         self.outputs: dict[str, Any] = memo.setdefault("output", {})
 
@@ -1519,9 +1634,10 @@ class _MemoryModel:
         with self.mode:
             return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
 
-    def _traced_peak(self, function: Callable, args: Any) -> int:
+    def _traced_peak(self, function: Callable, args: Any, key: tuple) -> int:
         """The peak bytes of the values `function(*args)` makes (its inputs not
-        counted), from the lifetimes of its ATen graph traced on fake tensors."""
+        counted), from the lifetimes of its ATen graph traced on fake tensors; the
+        cost of each of its ops is kept under `key` (`costs`)."""
         import torch.utils._pytree as pytree
         from torch._subclasses.fake_tensor import FakeTensor
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -1538,7 +1654,10 @@ class _MemoryModel:
             return function(*pytree.tree_unflatten(leaves, spec))
 
         tensors = [flat[i] if isinstance(flat[i], FakeTensor) else self.mode.from_tensor(flat[i]) for i in where]
+        from slcompile.analysis.time import graph_cost
+
         gm = make_fx(run, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors)
+        self.costs[key] = graph_cost(gm)
         return analyze_lifetimes(gm, "inference").peak()
 
     def _step_peak(self, index: int, sequences: int, past: int, call: dict) -> int:
@@ -1561,7 +1680,7 @@ class _MemoryModel:
                 self.outputs["step"] = result[0]
                 return result
 
-            self.peaks[key] = self._traced_peak(step, (tensors, *pasts, kwargs))
+            self.peaks[key] = self._traced_peak(step, (tensors, *pasts, kwargs), key)
         return self.peaks[key]
 
     def _tail_peak(self, inputs: dict, hidden: torch.Tensor) -> int:
@@ -1582,7 +1701,7 @@ class _MemoryModel:
                         self.model, tensors, (), {**others, cache_argument: cache, "return_dict": True}).logits
                 return logits[:, -1].to(copy=True, dtype=torch.float32)
 
-            self.peaks[key] = self._traced_peak(tail, (tensors, self._fake_like(hidden), others))
+            self.peaks[key] = self._traced_peak(tail, (tensors, self._fake_like(hidden), others), key)
         return self.peaks[key]
 
     def _captured(self, phase: str, past: int, rows: int) -> tuple[dict, list[dict], int, int]:
@@ -1655,6 +1774,25 @@ class _MemoryModel:
                  for index in range(len(self.layers))]
         tail = self._tail_peak(inputs, hidden)
         return captured, other, hidden.numel() * hidden.element_size(), steps, tail
+
+    def pass_costs(self, phase: str, past: int) -> tuple[list[tuple], tuple]:
+        """The cost of each op (`slcompile.analysis.time.ComputeCost`) of each
+        layer's step for one sub-batch, and of the tail, in the pass after `past`
+        positions (the tail of one sub-batch where the prefill offloads its hidden
+        states, else of the batch), from the graphs `pass_memory` traces."""
+        parts = self.plan.prefill_subbatches if phase == "prefill" else self.plan.num_subbatches
+        size = self.batch // parts
+        offloads = phase == "prefill" and offloads_hidden(self.kv_moves, parts, len(self.layers))
+        inputs, calls, _, _ = self._captured(phase, past, size if offloads else self.batch)
+        steps = []
+        for index in range(len(self.layers)):
+            call = calls[index]
+            self._step_peak(index, size, self._kept(index, past), call)
+            steps.append(self.costs[(self.group[index], size, call[self.hidden_name].shape[-2],
+                                     self._kept(index, past))])
+        hidden = calls[0][self.hidden_name]
+        self._tail_peak(inputs, hidden)
+        return steps, self.costs[("tail", tuple(hidden.shape))]
 
     def pass_memory(self, phase: str, past: int, stores: bool, segments: Sequence[Sequence[int]] = (),
                     traced_past: int | None = None) -> PassMemory:

@@ -107,11 +107,11 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
         dtype: the compute dtype of the matmul (default: bf16 on CUDA, fp32 on CPU).
         offload_dir: the directory the nvme tier would use (default: the temp dir).
         nvme: measure the disk (else its rates are left infinite).
-        steps: also time the `slc::` transfer ops as compiled steps run them (a tiny
-            GPT compiled twice with aot_eager, its weights and activations on the
-            device and on nvme; about 5 s more, and two entries in Dynamo's cache of
-            the example model): the compute thread's time per transfer op, instead
-            of the transfer engine's own calls alone.
+        steps: also fit the compute thread's fixed costs from compiled steps (two
+            small GPTs on the device and one on nvme, aot_eager; about 8 s more,
+            and three entries in Dynamo's cache of the example model): the time per
+            op and per byte of large outputs beyond the roofline, and per transfer
+            op (instead of the transfer engine's own calls alone).
     """
     began = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -157,6 +157,7 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
             torch.ops.slc.mark("profile", True)
 
     transfer_op = _best(marks, 3) / (ops // 4)
+    call_overhead = _measure_call(device)
     link_h2d = link_d2h = math.inf
     if device.type == "cuda":
         host = torch.empty(numel, dtype=torch.float32, pin_memory=True)
@@ -169,16 +170,45 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
         write, read, latency, transfer_op = _measure_disk(offload_dir)
     profile = MachineProfile(
         name=f"{socket.gethostname()}-{device.type}", matmul_flops=matmul_flops, memory_bandwidth=memory_bandwidth,
-        op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op, link_h2d=link_h2d, link_d2h=link_d2h,
+        op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op, call_overhead_seconds=call_overhead,
+        link_h2d=link_h2d, link_d2h=link_d2h,
         link_latency_seconds=10e-6 if device.type == "cuda" else 0.0,
         nvme_read=read, nvme_write=write, nvme_latency_seconds=latency, matmul_curve=tuple(curve),
     )
+    per_byte = 0.0
     if steps and nvme:
-        op_overhead, transfer_op = _measure_steps(offload_dir, profile)
+        op_overhead, per_byte, transfer_op = _measure_steps(offload_dir, profile)
     source = (f"measured on {socket.gethostname()} ({device.type}, {torch.get_num_threads()} threads, "
               f"{dtype}) in {time.perf_counter() - began:.1f} s")
     return dataclasses.replace(profile, op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op,
-                               source=source)
+                               output_seconds_per_byte=per_byte, source=source)
+
+
+def _measure_call(device) -> float:
+    """Seconds one call of a compiled region costs beyond its ops: a function of a
+    dict of 16 tensors (as a layer step takes its weights) compiled with Dynamo's
+    eager backend, called, less the same op called directly."""
+    tensors = {f"w{i}": torch.ones(4, device=device) for i in range(16)}
+    x = torch.ones(4, device=device)
+
+    def region(tensors, x):
+        return x + tensors["w0"]
+
+    compiled = torch.compile(region, backend="eager", dynamic=False)
+    calls = 200
+    compiled(tensors, x)
+
+    def called(fn):
+        def run():
+            for _ in range(calls):
+                fn(tensors, x)
+            _sync(device)
+        return _best(run, 3) / calls
+
+    try:
+        return max(called(compiled) - called(region), 0.0)
+    finally:
+        torch._dynamo.reset_code(region.__code__)
 
 
 def _measure_disk(offload_dir) -> tuple[float, float, float, float]:
@@ -228,23 +258,31 @@ def _measure_disk(offload_dir) -> tuple[float, float, float, float]:
         engine.close()
 
 
-def _measure_steps(offload_dir, profile: MachineProfile) -> tuple[float, float]:
-    """(seconds per op, seconds per `slc::` transfer op) on the compute thread of
-    compiled steps: a tiny GPT's step is run with its weights and activations on
-    the device and on nvme (aot_eager); the thread's CPU time on the device, less
-    the roofline of its ops at the profile's rates, over its ops; that on nvme, less
-    that on the device, over its transfer ops."""
+def _measure_steps(offload_dir, profile: MachineProfile) -> tuple[float, float, float]:
+    """(seconds per op, seconds per byte of large outputs, seconds per `slc::`
+    transfer op) on the compute thread of compiled steps (aot_eager).
+
+    Two GPTs' steps run with everything on the device: a tiny one (many small ops)
+    and a wider one (fewer ops, large outputs). The thread's CPU time of each, less
+    the roofline of its ops at the profile's rates, is `ops * a + large output
+    bytes * c`: the two steps give a and c. The tiny one's step with its weights
+    and activations on nvme, less that on the device, over its transfer ops gives
+    the third."""
     import slcompile
     from slcompile.analysis.time import count_cost
     from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
     from slcompile.vocabulary import is_compute, transfer_kind
 
-    cfg = GPTConfig(d_model=64, seq_len=32, n_layers=2, n_heads=2)
-    idx, targets = make_gpt_batch(cfg, 4)
+    runs = (  # (config, batch, K, tier)
+        (GPTConfig(d_model=64, seq_len=32, n_layers=2, n_heads=2), 4, 2, "device"),
+        (GPTConfig(d_model=192, seq_len=64, n_layers=2, n_heads=4), 4, 1, "device"),
+        (GPTConfig(d_model=64, seq_len=32, n_layers=2, n_heads=2), 4, 2, "nvme"),
+    )
     cpu_seconds, graphs = [], []
-    for tier in ("device", "nvme"):
+    for cfg, batch, k, tier in runs:
+        idx, targets = make_gpt_batch(cfg, batch)
         model = TinyGPT(cfg)
-        options = {"lowering": "aot_eager", "num_subbatches": 2, "weights": tier, "activations": tier,
+        options = {"lowering": "aot_eager", "num_subbatches": k, "weights": tier, "activations": tier,
                    "live_blocks": 2, "min_offload_bytes": 0, "offload_dir": offload_dir}
         compiled = torch.compile(model, backend="speedloader", options=options)
 
@@ -261,9 +299,17 @@ def _measure_steps(offload_dir, profile: MachineProfile) -> tuple[float, float]:
             best = min(best, time.thread_time() - start)
         cpu_seconds.append(best)
         graphs.append(list(slcompile.compile_reports()[-1].partitioned.values()))
-    nodes = [node for gm in graphs[0] for node in gm.graph.nodes if is_compute(node)]
-    bare = dataclasses.replace(profile, op_overhead_seconds=0.0)
-    roofline = sum(bare.compute_seconds(count_cost(node)) for node in nodes)
-    op_seconds = max(cpu_seconds[0] - roofline, 0.0) / max(len(nodes), 1)
-    transfers = sum(transfer_kind(node) is not None for gm in graphs[1] for node in gm.graph.nodes)
-    return op_seconds, max(cpu_seconds[1] - cpu_seconds[0], 0.0) / max(transfers, 1)
+    bare = dataclasses.replace(profile, op_overhead_seconds=0.0, output_seconds_per_byte=0.0)
+    rows = []
+    for gms, seconds in zip(graphs[:2], cpu_seconds[:2]):
+        costs = [count_cost(node) for gm in gms for node in gm.graph.nodes if is_compute(node)]
+        rest = seconds - sum(bare.compute_seconds(cost) for cost in costs)
+        rows.append((len(costs), sum(cost.large_output_bytes for cost in costs), rest))
+    (ops0, large0, rest0), (ops1, large1, rest1) = rows
+    determinant = ops0 * large1 - ops1 * large0
+    per_byte = (ops0 * rest1 - ops1 * rest0) / determinant if determinant else 0.0
+    if per_byte <= 0:
+        per_byte = 0.0
+    op_seconds = max((rest0 - per_byte * large0) / max(ops0, 1), 0.0)
+    transfers = sum(transfer_kind(node) is not None for gm in graphs[2] for node in gm.graph.nodes)
+    return op_seconds, per_byte, max(cpu_seconds[2] - cpu_seconds[0], 0.0) / max(transfers, 1)

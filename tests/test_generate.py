@@ -593,3 +593,28 @@ def test_kv_store_keeps_no_stored_tensor_alive_once_its_store_is_done(tmp_path):
     assert loaded_keys.shape == (2, 2, 5, 4)
     store.close()
     engine.close()
+
+
+def test_explain_generation_times_the_bytes_each_pass_moves_and_generate_measures_each_pass(tmp_path):
+    from slcompile.analysis.machine import MachineProfile
+
+    model = FAMILIES["llama"]().eval()
+    input_ids, mask = left_padded_batch(batch=4, length=6)
+    options = dict(num_subbatches=2, prefill_subbatches=4, weights="nvme", kv_cache="nvme", offload_dir=str(tmp_path))
+    profile = MachineProfile(name="synthetic", matmul_flops=1e9, memory_bandwidth=1e12, nvme_read=1e6,
+                             nvme_write=1e6)
+    explained = explain_generation(model, input_ids.shape, 5, profile=profile, **options)
+    # The timelines move exactly the bytes the passes move (which generate measures),
+    # on the disk lane: weights, hidden states and caches, loads and stores.
+    assert explained.prefill_time.lane_bytes() == {"disk": sum(explained.steps[0].bytes_moved.values())}
+    assert explained.decode_time.lane_bytes() == {"disk": sum(explained.steps[2].bytes_moved.values())}
+    # At 1 MB/s the disk bounds every pass; the generation is the prefill and four decode passes.
+    assert explained.prefill_time.bound == explained.decode_time.bound == "disk"
+    assert explained.seconds == pytest.approx(explained.prefill_time.step_seconds
+                                              + 4 * explained.decode_time.step_seconds)
+    assert "predicted generation" in str(explained)
+    assert explain_generation(model, input_ids.shape, 5, **options).prefill_time is None
+    out = run_generate(model, input_ids, mask, 5, [], return_dict_in_generate=True, **options)
+    assert all(step.seconds > 0 for step in out.steps)
+    assert all(step.seconds is None for step in explained.steps)
+    assert out.steps == explained.steps

@@ -1,5 +1,6 @@
 """The time model's arithmetic on synthetic graphs: exact figures, no timings."""
 
+import dataclasses
 import math
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 import torch.fx
 
 from slcompile.analysis.machine import NAMED_PROFILES, MachineProfile, named_profile
-from slcompile.analysis.time import ComputeCost, count_cost, predict_time
+from slcompile.analysis.time import ComputeCost, PassAction, count_cost, predict_pass_time, predict_time
 from slcompile.meta import SlcMeta, set_slc_meta
 from slcompile.vocabulary import FETCH_ISSUE, FETCH_WEIGHT, STASH, WAIT, fake_token
 
@@ -90,7 +91,8 @@ def test_compute_is_a_roofline_of_torch_flop_counts():
     builder = GraphBuilder()
     node = builder.matmul(0, 1.0)
     cost = count_cost(node)
-    assert cost == ComputeCost(flops=2 * 1000 * 1000 * 500, nbytes=4 * (1000 * 1000 + 1000 * 500 + 1000 * 500))
+    assert cost == ComputeCost(flops=2 * 1000 * 1000 * 500, nbytes=4 * (1000 * 1000 + 1000 * 500 + 1000 * 500),
+                               large_output_bytes=4 * 1000 * 500)
     profile = MachineProfile(name="p", matmul_flops=1e9, memory_bandwidth=4e6, op_overhead_seconds=0.5)
     assert profile.compute_seconds(cost) == 0.5 + max(1.0, cost.nbytes / 4e6)
     assert profile.compute_seconds(ComputeCost(flops=10**9, nbytes=0)) == 0.5 + 1.0
@@ -235,3 +237,40 @@ def test_tune_with_a_profile_chooses_the_plan_the_model_predicts_fastest():
     chosen = (result.options["num_subbatches"], result.options["live_blocks"])
     assert (*chosen, fastest) in result.predicted_seconds
     assert result.why.startswith("predicted fastest on h100-pcie5-nvme of 4 plans that fit")
+
+
+def test_large_outputs_pay_the_profiles_output_rate_on_top_of_the_roofline():
+    profile = MachineProfile(name="p", matmul_flops=1e9, memory_bandwidth=1e30, op_overhead_seconds=0.5,
+                             output_seconds_per_byte=1e-6)
+    # 1 s of FLOPs, 0.5 s launch, 2 MB of large output at 1 us a byte.
+    assert profile.compute_seconds(ComputeCost(flops=10**9, nbytes=0, large_output_bytes=2 * 10**6)) == 3.5
+
+
+def test_a_pass_of_actions_overlaps_the_next_layers_load_and_flushes_its_stores():
+    """Layer 0's weights (1 MB on nvme, 1 s) load first; layer 1's (1 s) load while
+    layer 0 computes (2 s); each layer stores 2 MB (2 s) after it computes, on the
+    same disk lane, so layer 1's store starts when layer 0's has finished."""
+    two_seconds = (ComputeCost(flops=2 * 10**9),)
+    actions = [
+        PassAction("load", "blk0.w", "nvme", (10**6,)),
+        PassAction("load", "blk1.w", "nvme", (10**6,)),
+        PassAction("compute", "blk0", nodes=two_seconds, waits=("blk0.w",), calls=1),
+        PassAction("store", "blk0.kv.sb0", "nvme", (10**6, 10**6)),
+        PassAction("compute", "blk1", nodes=two_seconds, waits=("blk1.w",), calls=1),
+        PassAction("store", "blk1.kv.sb0", "nvme", (2 * 10**6,)),
+    ]
+    timeline = predict_pass_time(actions, profile=PROFILE, phase="decode", lowering="aot_eager", tokens=4)
+    # Disk: load 0 [0, 1], load 1 [1, 2], store 0 [3, 5], store 1 [5, 7].
+    # Compute: stall [0, 1], blk0 [1, 3], blk1 [3, 5]; the pass ends with the last store.
+    assert timeline.step_seconds == pytest.approx(7.0)
+    assert timeline.compute_seconds == pytest.approx(4.0)
+    assert timeline.lane_bytes() == {"disk": 6 * 10**6}
+    assert timeline.lane_seconds()["disk"] == pytest.approx(6.0)
+    assert timeline.bound == "disk"
+    assert timeline.tokens_per_second == pytest.approx(4 / 7)
+    # A compiled call's fixed cost, and a device-resident tier moving nothing.
+    called = MachineProfile(name="c", matmul_flops=1e9, memory_bandwidth=1e30, call_overhead_seconds=0.25)
+    resident = [dataclasses.replace(a, tier="device") if a.kind != "compute" else a for a in actions]
+    timeline = predict_pass_time(resident, profile=called, phase="decode", lowering="aot_eager")
+    assert timeline.step_seconds == pytest.approx(2 * (2.0 + 0.25))
+    assert timeline.lane_bytes() == {}

@@ -15,7 +15,10 @@ import json
 import math
 from collections.abc import Mapping
 
-__all__ = ["MachineProfile", "NAMED_PROFILES", "named_profile"]
+__all__ = ["MachineProfile", "NAMED_PROFILES", "named_profile", "LARGE_OUTPUT"]
+
+LARGE_OUTPUT = 64 << 10
+"""Outputs of at least this many bytes pay `MachineProfile.output_seconds_per_byte`."""
 
 _INF = math.inf
 
@@ -32,6 +35,14 @@ class MachineProfile:
             launch on a GPU).
         transfer_op_seconds: fixed compute-lane time of each `slc::` transfer op
             (issuing or waiting: Python and bookkeeping on the compute thread).
+        output_seconds_per_byte: time per byte of an op's large output (at least
+            `LARGE_OUTPUT` bytes) beyond its roofline: writing fresh memory (on a
+            CPU, first touches of pages the allocator maps anew). Fitted from
+            measured steps (`slcompile.profile.measure_profile(steps=True)`); 0 where
+            unknown.
+        call_overhead_seconds: fixed time of one call of a compiled region from
+            Python (Dynamo's guards and the compiled wrapper): what each layer step
+            of a generation pays beyond its ops.
         link_h2d, link_d2h: host <-> device bytes/s (pinned copies); `inf` where the
             host's memory is the device's (a CPU-only machine: nothing is copied).
         link_latency_seconds: fixed cost of one host transfer.
@@ -53,6 +64,8 @@ class MachineProfile:
     memory_bandwidth: float
     op_overhead_seconds: float = 0.0
     transfer_op_seconds: float = 0.0
+    call_overhead_seconds: float = 0.0
+    output_seconds_per_byte: float = 0.0
     link_h2d: float = _INF
     link_d2h: float = _INF
     link_latency_seconds: float = 0.0
@@ -79,7 +92,8 @@ class MachineProfile:
         if lowering == "inductor" and cost.flops == 0:
             return cost.nbytes / 2 / self.memory_bandwidth
         rate = self.matmul_rate(cost.flops)
-        return self.op_overhead_seconds + max(cost.flops / rate, cost.nbytes / self.memory_bandwidth)
+        return (self.op_overhead_seconds + max(cost.flops / rate, cost.nbytes / self.memory_bandwidth)
+                + cost.large_output_bytes * self.output_seconds_per_byte)
 
     def matmul_rate(self, flops: float) -> float:
         """The FLOP/s a product of `flops` reaches (`matmul_curve`)."""
@@ -134,20 +148,20 @@ class MachineProfile:
 
 _GB = 1e9
 _H100_SOURCE = ("assumed, not measured: H100 bf16 dense 989 TFLOP/s peak at 65%, HBM3 3.35 TB/s at 80%, "
-                "a CUDA kernel launch 5 us, PCIe Gen5 x16 at 52 GB/s each way, NVMe 6.5 GB/s read, "
+                "a CUDA kernel launch 5 us, a compiled call from Python 50 us, PCIe Gen5 x16 at 52 GB/s each way, NVMe 6.5 GB/s read, "
                 "5 GB/s write")
 
 NAMED_PROFILES: dict[str, MachineProfile] = {
     "h100-pcie5-nvme": MachineProfile(
         name="h100-pcie5-nvme", matmul_flops=989e12 * 0.65, memory_bandwidth=3.35e12 * 0.8,
-        op_overhead_seconds=5e-6, transfer_op_seconds=10e-6,
+        op_overhead_seconds=5e-6, transfer_op_seconds=10e-6, call_overhead_seconds=50e-6,
         link_h2d=52 * _GB, link_d2h=52 * _GB, link_latency_seconds=10e-6,
         nvme_read=6.5 * _GB, nvme_write=5 * _GB, nvme_latency_seconds=80e-6,
         source=_H100_SOURCE,
     ),
     "8xh100-ib": MachineProfile(
         name="8xh100-ib", matmul_flops=989e12 * 0.65, memory_bandwidth=3.35e12 * 0.8,
-        op_overhead_seconds=5e-6, transfer_op_seconds=10e-6,
+        op_overhead_seconds=5e-6, transfer_op_seconds=10e-6, call_overhead_seconds=50e-6,
         link_h2d=52 * _GB, link_d2h=52 * _GB, link_latency_seconds=10e-6,
         nvme_read=6.5 * _GB, nvme_write=5 * _GB, nvme_latency_seconds=80e-6,
         network=40 * _GB, network_latency_seconds=20e-6,

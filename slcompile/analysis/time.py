@@ -12,7 +12,8 @@ The inputs:
 - per compute node, FLOPs from torch's own formulas (`torch.utils.flop_counter`'s
   `flop_registry`, called on the node's shapes) and the bytes it reads and writes
   (its tensor inputs and outputs); its time is a roofline,
-  `op_overhead + max(flops / matmul_flops, bytes / memory_bandwidth)`;
+  `op_overhead + max(flops / matmul_flops, bytes / memory_bandwidth)`, plus the
+  bytes of its large outputs at the profile's rate for writing fresh memory;
 - per transfer, its bytes (the loaded or stored tensor's) over the bandwidth of its
   tier in its direction (`MachineProfile.transfer_seconds`), plus a fixed latency.
 
@@ -24,6 +25,10 @@ transfer issued by one graph for the next (the forward's last fetches, serving t
 backward) carries over, and so does one issued by the backward for the next step's
 forward: the step is walked three times and the second walk, the steady state, is
 the prediction. The step's time is when its compute lane ends.
+
+A generation pass is not one graph: its layer steps are compiled regions called in
+turn. `predict_pass_time` walks it from its schedule written as `PassAction`s (loads,
+stores, layer steps with the ops of their traced graphs) on the same lanes.
 
 A block is bound by whichever resource is busiest for it: its compute, or the lane
 of the transfers its compute waits for (loads) or made (stores).
@@ -43,7 +48,7 @@ from slcompile.meta import get_slc_meta
 
 __all__ = [
     "ComputeCost", "TimedEvent", "BlockTime", "TimePrediction", "count_cost", "predict_time", "region_costs",
-    "LANE_RESOURCE",
+    "LANE_RESOURCE", "PassAction", "predict_pass_time", "graph_cost",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,13 +74,17 @@ class ComputeCost:
         flops: floating-point operations (torch's flop counter formulas; 0 for ops
             without one: they are bound by bytes).
         nbytes: bytes read and written (tensor inputs and outputs).
+        large_output_bytes: bytes of its outputs of at least
+            `slcompile.analysis.machine.LARGE_OUTPUT` bytes each.
     """
 
     flops: int = 0
     nbytes: int = 0
+    large_output_bytes: int = 0
 
     def __add__(self, other: ComputeCost) -> ComputeCost:
-        return ComputeCost(self.flops + other.flops, self.nbytes + other.nbytes)
+        return ComputeCost(self.flops + other.flops, self.nbytes + other.nbytes,
+                           self.large_output_bytes + other.large_output_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,8 +299,11 @@ def count_cost(node: torch.fx.Node, subs: Mapping[sympy.Symbol, int] | None = No
 
     args = torch.fx.node.map_aggregate(node.args, arg_value)
     kwargs = torch.fx.node.map_aggregate(node.kwargs, arg_value)
+    from slcompile.analysis.machine import LARGE_OUTPUT
+
     inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     nbytes = _tensor_bytes(out) + sum(_tensor_bytes(a) for a in inputs)
+    large = sum(n for n in map(_tensor_bytes, torch.utils._pytree.tree_leaves(out)) if n >= LARGE_OUTPUT)
     flops = 0
     formula = _formula(node.target)
     if formula is not None:
@@ -299,7 +311,7 @@ def count_cost(node: torch.fx.Node, subs: Mapping[sympy.Symbol, int] | None = No
             flops = int(formula(*args, **kwargs, out_val=out))
         except Exception as err:  # noqa: BLE001  (a formula that does not take this call: bytes only)
             log.debug("no FLOP count for %s: %s", node.target, err)
-    return ComputeCost(flops, nbytes)
+    return ComputeCost(flops, nbytes, large)
 
 
 def _region(node: torch.fx.Node) -> str:
@@ -319,6 +331,13 @@ def region_costs(gm: torch.fx.GraphModule, subs: Mapping[sympy.Symbol, int] | No
             region = _region(node)
             costs[region] = costs.get(region, ComputeCost()) + count_cost(node, subs)
     return costs
+
+
+def graph_cost(gm: torch.fx.GraphModule, subs: Mapping[sympy.Symbol, int] | None = None) -> tuple[ComputeCost, ...]:
+    """The cost of each compute node of a graph, in program order."""
+    from slcompile.vocabulary import is_compute
+
+    return tuple(count_cost(node, subs) for node in gm.graph.nodes if is_compute(node))
 
 
 # -- the walk ---------------------------------------------------------------------
@@ -517,3 +536,89 @@ def _order(region: str) -> tuple[int, int]:
         return 1, int(region[3:])
     return {"prefix": (0, 0), "suffix": (2, 0)}.get(region, (3, 0))
 
+
+
+# -- a pass written as actions (generation) -----------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PassAction:
+    """One step of a pass that is not one graph (a generation's prefill or decode
+    pass, whose layer steps are compiled regions called in turn), for
+    `predict_pass_time`.
+
+    Attributes:
+        kind: "load" (a transfer to the device is issued), "store" (one from it is
+            issued) or "compute".
+        name: a transfer's name (`blk2.kv.sb1`), or a compute step's region
+            (`blk2`, "prefix", "suffix").
+        tier: where a transfer's data rests ("device", "host", "nvme").
+        transfers: the sizes of a load's or store's tensors, one transfer each.
+        nodes: a compute step's ops, the cost of each (`graph_cost` of its traced graph).
+        waits: the loads a compute step waits for first (their names).
+        calls: compiled regions the compute step calls (each pays
+            `MachineProfile.call_overhead_seconds`).
+    """
+
+    kind: str
+    name: str
+    tier: str = "device"
+    transfers: tuple[int, ...] = ()
+    nodes: tuple[ComputeCost, ...] = ()
+    waits: tuple[str, ...] = ()
+    calls: int = 0
+
+
+def predict_pass_time(
+    actions: Sequence[PassAction],
+    *,
+    profile,
+    phase: str,
+    lowering: str = "inductor",
+    tokens: int | None = None,
+) -> TimePrediction:
+    """Predicts one pass written as actions, walked once from idle lanes (nothing
+    carries over between passes: each loads its first layer's weights itself).
+
+    A load or store is issued on its tier's lane when the compute lane reaches it
+    and the lane is free (`MachineProfile.transfer_seconds`, one transfer per
+    tensor); a compute step first waits for the loads it names, then takes its
+    ops' time as a compiled graph's (`MachineProfile.compute_seconds` for the
+    lowering) plus `call_overhead_seconds` per compiled call; each issue and each
+    wait pays `transfer_op_seconds` on the compute lane. The pass ends when its
+    compute and every store have finished (a pass flushes its stores).
+    """
+    lanes = _Lanes()
+    stores: list[float] = []
+    for action in actions:
+        if action.kind in ("load", "store"):
+            direction = "read" if action.kind == "load" else "write"
+            seconds, lane = 0.0, "compute"
+            for nbytes in action.transfers:
+                lane, s = profile.transfer_seconds(action.tier, direction, nbytes)
+                seconds += s
+            if lane == "compute":
+                continue  # the tier is the device's memory: nothing moves
+            region = action.name.split(".")[0]
+            what = "unstash" if action.kind == "load" else "stash"
+            _issue(("issue", action.name, lane, seconds, what, region, sum(action.transfers)), phase, lanes)
+            if action.kind == "store":
+                stores.append(lanes.pending.pop(action.name)[0])
+            lanes.clock += profile.transfer_op_seconds
+            continue
+        plan: list[tuple] = []
+        for name in action.waits:
+            if name in lanes.pending:
+                plan.append(("wait", name, action.name, None))
+                plan.append(("compute", action.name, profile.transfer_op_seconds, 0, 0))
+        seconds = sum(profile.compute_seconds(cost, lowering) for cost in action.nodes)
+        seconds += action.calls * profile.call_overhead_seconds
+        total = sum(action.nodes, ComputeCost())
+        plan.append(("compute", action.name, seconds, total.flops, total.nbytes))
+        _walk(plan, phase, lanes)
+    end = max([lanes.clock, *stores])
+    if end > lanes.clock:
+        lanes.events.append(TimedEvent("compute", "stall", "other", phase, lanes.clock, end))
+    events = tuple(lanes.events)
+    return TimePrediction(profile=profile.name, step_seconds=end, events=events, blocks=_blocks(events),
+                          tokens=tokens, peak_flops=profile.matmul_flops)
