@@ -12,23 +12,22 @@ weights and the saved activations on the tiers `--weights` and `--activations`).
 
 The budget: `tune` is called twice with a budget nothing exceeds, once with
 `recompute="none"` and once with `recompute="blocks"`, and `.tried` gives every
-candidate's (K, live_blocks) predicted device peak under each. A candidate's least
+candidate's (K, live_blocks) predicted device peak under each (`Candidate.peak_bytes`). A candidate's least
 peak is the smaller of the two (with `recompute="auto"`, tune's default, a candidate
 whose peak without recomputation is over the budget recomputes blocks, so the peaks
 without recomputation alone would exclude nothing). The budget B is
 `--budget-fraction` of the way from the smallest least peak to the largest, so the
 candidates whose least peak is over B are excluded and the others fit, some only by
 recomputing. Then `tune(..., memory_budget=B, profile=profile)` (recompute left at
-"auto") chooses the plan the time model predicts fastest of those that fit; its
-`.predicted_seconds` lists them.
+"auto") chooses the plan the time model predicts fastest of those that fit
+(`.fitting`, each with its predicted time and recompute choice).
 
-The grid: every (K, live_blocks) in `.predicted_seconds`, each compiled with the
-options tune evaluated it with (the fixed options, K, live_blocks and
-`memory_budget=B`; recompute "auto"), so the compile makes the same recompute (and
-stash) choice under the same budget; each row records the compiled plan's recompute
-and peak, and whether the peak is the one tune predicted. `.predicted_seconds` does
-not say which recompute choice a candidate's prediction was made with; the compiled
-report's does. Each plan is compiled and warmed up (2 steps, a new model each, seed
+The grid: every candidate in `.fitting`, each compiled with the options tune
+evaluated it with (`Candidate.options`: the fixed options, K, live_blocks,
+`memory_budget=B` and the profile as `machine_profile`; recompute "auto"), so the
+compile makes the same recompute (and stash) choice under the same budget; each
+row records the compiled plan's recompute and peak, and whether both are the ones
+tune predicted. Each plan is compiled and warmed up (2 steps, a new model each, seed
 0); the plans' steps are then timed round-robin, `--rounds` rounds, so that a burst of
 load from another process on a shared machine falls on all of them alike. Each row
 keeps the fastest step and the median.
@@ -102,8 +101,8 @@ def choose_budget(args, profile) -> dict:
     for recompute in ("none", "blocks"):
         result = slcompile.tune(model, idx, targets, memory_budget=UNBOUNDED, live_blocks=LIVE_BLOCKS,
                                 profile=profile, recompute=recompute, **fixed_options(args))
-        for k, window, peak in result.tried:
-            peaks.setdefault((k, window), {})[recompute] = peak
+        for candidate in result.tried:
+            peaks.setdefault((candidate.num_subbatches, candidate.live_blocks), {})[recompute] = candidate.peak_bytes
     candidates = []
     for (k, window), by_recompute in peaks.items():
         known = [p for p in by_recompute.values() if p is not None]
@@ -120,13 +119,11 @@ def choose_budget(args, profile) -> dict:
 def grid_rows(args, budget: int, result) -> list[dict]:
     from tqdm import tqdm
 
-    tried = {(k, window): peak for k, window, peak in result.tried}
     built = []
-    for k, window, predicted in tqdm(result.predicted_seconds, desc="compiling"):
+    for candidate in tqdm(result.fitting, desc="compiling"):
         # The options tune evaluated this candidate with: the same plan under the same budget.
-        options = {**fixed_options(args), "num_subbatches": k, "live_blocks": window, "memory_budget": budget}
-        step, report = build_step(options, args)
-        built.append(((k, window, predicted), step, report))
+        step, report = build_step(candidate.options, args)
+        built.append((candidate, step, report))
     times: list[list[float]] = [[] for _ in built]
     cpu: list[list[float]] = [[] for _ in built]
     for _ in tqdm(range(args.rounds), desc="rounds"):
@@ -136,22 +133,23 @@ def grid_rows(args, budget: int, result) -> list[dict]:
             times[i].append(time.perf_counter() - start)
             cpu[i].append(time.thread_time() - thread_start)
     rows = []
-    for ((k, window, predicted), _, report), measured, thread in zip(built, times, cpu):
+    for (candidate, _, report), measured, thread in zip(built, times, cpu):
         best, median = min(measured), statistics.median(measured)
         peak = report.memory.peak_bytes["device"] if report.memory is not None else None
+        recompute = report.memory.recompute if report.memory is not None else None
+        predicted = candidate.seconds
         rows.append({
-            "k": k, "live_blocks": window,
-            "recompute": report.memory.recompute if report.memory is not None else None,
+            "k": candidate.num_subbatches, "live_blocks": candidate.live_blocks, "recompute": recompute,
             "predicted_step_seconds": predicted,
             "measured_step_seconds": best, "measured_median_seconds": median, "measured_all": measured,
             # The compute thread's CPU time: what the compute lane did, whatever the load.
             "measured_compute_thread_cpu_seconds": min(thread),
             "error": (predicted - best) / best,
             "error_vs_median": (predicted - median) / median,
-            "tune_peak_device_bytes": tried.get((k, window)),
+            "tune_peak_device_bytes": candidate.peak_bytes,
             "compiled_peak_device_bytes": peak,
-            # The compiled plan is the one tune timed when their predicted peaks agree.
-            "same_plan_as_tune": peak == tried.get((k, window)),
+            # The compiled plan is the one tune timed when their peaks and recompute agree.
+            "same_plan_as_tune": peak == candidate.peak_bytes and recompute == candidate.recompute,
         })
     return rows
 
@@ -301,9 +299,9 @@ def main() -> None:
                   "lowering": "aot_eager", "weights": args.weights, "activations": args.activations},
         "profile": json.loads(profile.to_json()),
         "budget": budget,
-        "tune": {"options": result.options, "why": result.why, "recompute": result.memory.recompute,
-                 "tried": [list(t) for t in result.tried],
-                 "predicted_seconds": [list(p) for p in result.predicted_seconds], "seconds": tune_seconds},
+        "tune": {"options": {**result.options, "machine_profile": profile.name}, "why": result.why,
+                 "recompute": result.memory.recompute, "tried": [c.describe() for c in result.tried],
+                 "seconds": tune_seconds},
         "rows": rows,
         "chosen": {"index": chosen, "k": rows[chosen]["k"], "live_blocks": rows[chosen]["live_blocks"],
                    "recompute": rows[chosen]["recompute"]},

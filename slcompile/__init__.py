@@ -16,7 +16,7 @@ from slcompile.runtime.stats import mark_step, reset_runtime_stats, runtime_stat
 from slcompile.runtime.weights import gathered_weights, offloaded_parameters
 from slcompile.optim import OffloadedOptimizer, offload_optimizer
 from slcompile.checkpoint import load_sharded, save_sharded
-from slcompile.tune import GenerationTuneResult, TuneResult, tune, tune_generation
+from slcompile.tune import Candidate, GenerationTuneResult, TuneResult, tune, tune_generation
 from slcompile.compare import PolicyComparison, PolicyRow, compare_policies
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "GenerationTuneResult",
     "GenerationOutput",
     "TuneResult",
+    "Candidate",
     "compare_policies",
     "PolicyComparison",
     "PolicyRow",

@@ -335,9 +335,11 @@ def _tune(args: argparse.Namespace) -> int:
     result = tune(model, *call_args, kwargs=call_kwargs, memory_budget=budget, **options)
     print(f"chosen options: {result.options}")
     print(result.memory)
-    print("candidates tried (num_subbatches, live_blocks, predicted device peak):")
-    for k, live, peak in result.tried:
-        print(f"  K={k} live_blocks={live}: " + (format_bytes(peak) if peak is not None else "refused"))
+    if result.why:
+        print(f"why: {result.why}")
+    print("candidates tried (predicted device peak):")
+    for candidate in result.tried:
+        print(f"  {candidate.describe()}")
     return 0
 
 

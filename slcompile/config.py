@@ -11,9 +11,12 @@ import dataclasses
 import difflib
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slcompile.errors import OptionError
+
+if TYPE_CHECKING:
+    from slcompile.analysis.machine import MachineProfile
 
 __all__ = ["SpeedLoaderConfig", "options", "check_names", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "GRADIENTS", "parse_bytes"]
 
@@ -140,6 +143,16 @@ class SpeedLoaderConfig:
             global batch's gradient). Needs `weights` off "device" (with it, "host"
             streams even on a CPU machine) and `gradients` not "device"
             (`slcompile.runtime.collectives`).
+        machine_profile: the machine profile the activation planner decides by
+            (`slcompile.profile.machine_profile`: "current" for this machine's
+            measured one, a named profile such as "h100-pcie5-nvme", a profile's
+            JSON file, or a `MachineProfile`). With one, a stash is kept on the
+            device unless the compute around its store and its load covers their
+            predicted time, and its transfers are placed where it does
+            (`slcompile.schedules.planner`); None (default) decides by counting
+            compute steps, the same on every machine. `slcompile.tune(...,
+            profile=...)` sets it in the options it returns. (`explain`'s own
+            `profile` argument is the machine its timeline is predicted for.)
     """
 
     num_subbatches: int = 2
@@ -158,6 +171,7 @@ class SpeedLoaderConfig:
     gradients: str = "auto"
     host_memory: int | str | None = None
     shard_weights: bool = False
+    machine_profile: str | MachineProfile | None = None
 
     def __post_init__(self) -> None:
         _check_int("num_subbatches", self.num_subbatches, minimum=1)
@@ -193,6 +207,8 @@ class SpeedLoaderConfig:
             _check_offload_dir(self.offload_dir)
         if self.shard_weights is not False:
             _check_sharding(self)
+        if self.machine_profile is not None:
+            _check_profile(self.machine_profile)
 
 
     @classmethod
@@ -251,6 +267,21 @@ def options(**values: Any) -> dict[str, Any]:
     """
     SpeedLoaderConfig.from_options(values)
     return dict(values)
+
+
+def _check_profile(profile: Any) -> None:
+    import os
+
+    from slcompile.analysis.machine import NAMED_PROFILES, MachineProfile
+
+    if isinstance(profile, MachineProfile):
+        return
+    if isinstance(profile, str) and (profile == "current" or profile in NAMED_PROFILES or os.path.isfile(profile)):
+        return
+    raise OptionError(
+        f"speedloader option 'machine_profile' must be 'current', a named profile ({', '.join(sorted(NAMED_PROFILES))}), "
+        f"a profile's JSON file or a MachineProfile, got {profile!r}"
+    )
 
 
 def _check_offload_dir(path: Any) -> None:

@@ -156,6 +156,11 @@ class Explanation:
         return self._first().memory_expressions
 
     @property
+    def memory(self):
+        """The first graph's `MemoryPrediction`, or None."""
+        return self._first().memory
+
+    @property
     def time(self):
         """The first graph's predicted timeline (`TimePrediction`), or None."""
         return self._first().time

@@ -37,6 +37,7 @@ import torch.fx
 from slcompile.analysis.batch_propagation import BatchPlan, propagate_batch
 from slcompile.analysis.inputs import GraphInput, classify_inputs
 from slcompile.analysis.memory import predict_memory
+from slcompile.analysis.time import step_seconds
 from slcompile.backends.outline import compile_regions
 from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import PolicyError, RefusedError
@@ -61,6 +62,7 @@ from slcompile.passes.spill_boundaries import SpilledBoundaries, spill_boundarie
 from slcompile.passes.stream_weights import StreamedWeights, place_prefetches, stream_weights, tag_fetch_views
 from slcompile.schedules.base import Schedule
 from slcompile.schedules.derive import schedule_of
+from slcompile.schedules.planner import TransferTiming
 from slcompile.schedules.policies import BUILTIN_POLICIES, plan_schedule
 from slcompile.schedules.validate import check_agreement
 
@@ -395,8 +397,25 @@ def _plan_transfers(step: StepState) -> Schedule:
         kept_peak = _predict_memory(step).peak_bytes["device"]
         offload_at_least = max(kept_peak - plan.memory_budget, 0)
     return plan.schedule.replan(
-        saved=saved, offload_at_least=offload_at_least, stash_everything=plan.stash_everything
+        saved=saved, offload_at_least=offload_at_least, stash_everything=plan.stash_everything,
+        timing=_transfer_timing(step),
     )
+
+
+def _transfer_timing(step: StepState) -> TransferTiming | None:
+    """The time model's facts the planner places stashes by, with a profile."""
+    plan = step.plan
+    if plan.profile is None:
+        return None
+    from slcompile.analysis.memory import size_hints
+
+    graphs = (step.graphs["forward"], step.graphs["backward"])
+    subs = size_hints(*graphs)
+    lowering = "inductor" if step.lowering == "inductor" else "aot_eager"
+    seconds = {}
+    for gm, phase in zip(graphs, ("fwd", "bwd")):
+        seconds.update(step_seconds(gm, phase, plan.profile, lowering, subs))
+    return TransferTiming(tuple(sorted(seconds.items(), key=repr)), plan.profile, plan.activations_tier)
 
 
 def step_schedule(step: StepState) -> Schedule:

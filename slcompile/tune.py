@@ -4,11 +4,16 @@ The model's graph is captured once (its forward runs once, eagerly, under Dynamo
 every candidate plan is then rewritten and partitioned on that graph and its peak
 memory predicted from the lifetimes of its forward and backward (nothing is compiled
 to code, no weight moves, no step runs). Candidates are tried in the order of what
-runs fastest when it fits: fewer sub-batches first (bigger matrix products, fewer
-per-sub-batch overheads), then more blocks' weights live (more prefetch ahead), with
-`recompute="auto"` keeping saved activations before recomputing blocks. The first
-plan that fits is the answer; with `profile=` (a machine profile), every plan that
-fits is timed by the time model (`slcompile.analysis.time`) and the fastest wins.
+runs fastest when it fits: the tiers in the order given (`weights=["device",
+"nvme"]`: nothing fetched before fetching), then fewer sub-batches (bigger matrix
+products, fewer per-sub-batch overheads), then more blocks' weights live (more
+prefetch ahead), with `recompute="auto"` keeping saved activations before
+recomputing blocks. The first plan that fits is the answer; with `profile=` (a
+machine profile), every plan that fits is timed by the time model
+(`slcompile.analysis.time`) and the fastest wins, its saved activations placed by
+the same profile (the `machine_profile` option: stashed only where their transfers
+hide, else kept or recomputed). Every candidate is in `TuneResult.tried`, with its
+options, peak, recomputation and predicted time.
 
 The budget covers the whole step: with an optimizer (the offloaded optimizer
 attached to the model, or `optimizer=`, as in `slcompile.explain`), a plan whose
@@ -37,9 +42,62 @@ from typing import Any
 import torch
 
 from slcompile.config import SpeedLoaderConfig, parse_bytes
-from slcompile.errors import BudgetError, RefusedError
+from slcompile.errors import BudgetError, OptionError, RefusedError
 
-__all__ = ["TuneResult", "tune", "GenerationTuneResult", "GenerationBudgetError", "tune_generation"]
+__all__ = ["Candidate", "TuneResult", "tune", "GenerationTuneResult", "GenerationBudgetError", "tune_generation"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One plan `tune` evaluated.
+
+    Attributes:
+        options: the backend options it was evaluated with (the budget included):
+            compiling with them builds this plan.
+        peak_bytes: its predicted device peak when it fits; the least it would need
+            when it does not; None when the graph cannot be split so.
+        recompute: the recomputation it fits with ("none" or "blocks"), or None
+            when it does not fit.
+        seconds: its predicted step time with `profile=`, else None.
+    """
+
+    options: dict[str, Any]
+    peak_bytes: int | None
+    recompute: str | None = None
+    seconds: float | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.recompute is not None
+
+    @property
+    def num_subbatches(self) -> int:
+        return self.options["num_subbatches"]
+
+    @property
+    def live_blocks(self) -> int:
+        return self.options["live_blocks"]
+
+    @property
+    def weights(self) -> str:
+        return self.options.get("weights", "device")
+
+    @property
+    def activations(self) -> str:
+        return self.options.get("activations", "device")
+
+    def describe(self) -> str:
+        """One line: the plan, and its peak (and time) or why it does not fit."""
+        from slcompile.units import format_bytes
+
+        head = (f"K={self.num_subbatches} live_blocks={self.live_blocks} weights={self.weights} "
+                f"activations={self.activations}")
+        if self.peak_bytes is None:
+            return f"{head}: refused"
+        if not self.fits:
+            return f"{head}: needs {format_bytes(self.peak_bytes)}"
+        tail = f", {self.seconds * 1e3:.3f} ms a step" if self.seconds is not None else ""
+        return f"{head}: {format_bytes(self.peak_bytes)}, recompute={self.recompute}{tail}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,23 +106,25 @@ class TuneResult:
 
     Attributes:
         options: the backend options to compile with (`torch.compile(...,
-            options=result.options)`), the budget included.
+            options=result.options)`), the budget included (and, with `profile=`,
+            the profile as `machine_profile`, so that the planner decides as it did).
         memory: the chosen plan's MemoryPrediction.
-        tried: (num_subbatches, live_blocks, device peak bytes or None when refused)
-            of every candidate evaluated, in order.
+        tried: every `Candidate` evaluated, in order.
         time: with `profile=`, the chosen plan's predicted timeline
             (`slcompile.analysis.time.TimePrediction`), else None.
-        predicted_seconds: with `profile=`, (num_subbatches, live_blocks, predicted
-            step seconds) of every candidate that fits.
         why: why this plan was chosen, in words.
     """
 
     options: dict[str, Any]
     memory: Any
-    tried: tuple[tuple[int, int, int | None], ...]
+    tried: tuple[Candidate, ...]
     time: Any = None
-    predicted_seconds: tuple[tuple[int, int, float], ...] = ()
     why: str = ""
+
+    @property
+    def fitting(self) -> tuple[Candidate, ...]:
+        """The candidates that fit the budget, in the order evaluated."""
+        return tuple(c for c in self.tried if c.fits)
 
 
 def tune(
@@ -79,31 +139,39 @@ def tune(
     profile: Any = None,
     **options: Any,
 ) -> TuneResult:
-    """Chooses K, live_blocks and recomputation for `model(*args)` under a budget.
+    """Chooses K, live_blocks, recomputation and tiers for `model(*args)` under a budget.
 
     Args:
         model: the model; `args`/`kwargs` a full batch, as in training.
         memory_budget: the device's limit for one step (bytes or "2GiB").
         num_subbatches: the K to consider (default: every divisor of the batch).
-        live_blocks: the windows to consider, preferred first.
+        live_blocks: the windows to consider, preferred first (with weights on the
+            device, the first alone: nothing is fetched).
         optimizer, optimizer_options: the optimizer whose step the budget covers,
             as in `slcompile.explain` (default: the offloaded optimizer attached to
             the model, if any).
         profile: a machine profile, as `explain`'s (`"current"`, a named profile or a
             `MachineProfile`): every candidate that fits is then evaluated and the
             one the time model predicts fastest is chosen (`TuneResult.why` says
-            by how much); without, the first that fits, in the order above.
-        **options: other backend options, fixed (`weights="nvme"`, ...).
+            by how much), the activation planner deciding by the same profile
+            (the `machine_profile` option); without, the first that fits, in the
+            order above.
+        **options: other backend options, fixed (`lowering="aot_eager"`, ...);
+            `weights` and `activations` may each be a list of tiers to choose from,
+            preferred first (`weights=["device", "nvme"]`): every K and window is
+            tried with the first tiers before the next.
 
     Raises:
         BudgetError: no candidate fits; names the smallest budget any would need.
         RefusedError: the graph cannot be split into sub-batches at all.
+        OptionError: a bad option (a tier list among them).
     """
     from slcompile.compat import capture_graphs
     from slcompile.explain import check_optimizer
 
     budget = parse_bytes(memory_budget, "memory_budget")
     check_optimizer(optimizer, optimizer_options, "tune")
+    tiers = [(w, a) for w in _choices(options, "weights") for a in _choices(options, "activations")]
     captured = []
     capture_graphs(model, args, dict(kwargs or {}), lambda gm, example_inputs: captured.append((gm, example_inputs)),
                    fullgraph=True)
@@ -113,57 +181,77 @@ def tune(
         from slcompile.profile import machine_profile
 
         machine = machine_profile(profile, offload_dir=options.get("offload_dir"))
+        options = {**options, "machine_profile": machine}
     return _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimizer, optimizer_options,
-                       options, machine)
+                       options, machine, tiers)
+
+
+def _choices(options: Mapping[str, Any], key: str) -> list[str]:
+    """The tiers `options[key]` allows, preferred first."""
+    from slcompile.config import TIERS
+
+    value = options.get(key, SpeedLoaderConfig.__dataclass_fields__[key].default)
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not values or any(v not in TIERS for v in values):
+        raise OptionError(f"tune: {key} must be a tier or a list of tiers of {', '.join(TIERS)}, got {value!r}")
+    return list(dict.fromkeys(values))
 
 
 def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimizer, optimizer_options, options,
-                machine=None):
+                machine=None, tiers=None):
     from slcompile.backends.lowering import lower
     from slcompile.explain import plan_with_optimizer
     from slcompile.pipeline import run_pipeline
     from slcompile.report import CompileReport
 
+    tiers = tiers or [(options.get("weights", "device"), options.get("activations", "device"))]
     if num_subbatches is None:
-        probe = run_pipeline(gm, example_inputs, SpeedLoaderConfig.from_options({**options, "num_subbatches": 1}))
+        weights, activations = tiers[0]
+        probe = run_pipeline(gm, example_inputs, SpeedLoaderConfig.from_options(
+            {**options, "num_subbatches": 1, "weights": weights, "activations": activations}))
         batch = probe.batch.batch_size
         num_subbatches = [k for k in range(1, batch + 1) if batch % k == 0]
 
     tried, smallest, fitting = [], None, []
-    for k in sorted(num_subbatches):
-        for window in live_blocks:
-            chosen = {**options, "num_subbatches": k, "live_blocks": window, "memory_budget": budget}
-            config = SpeedLoaderConfig.from_options(chosen)
-            try:
-                state = run_pipeline(gm, example_inputs, config)
-                report = CompileReport(config=config)
-                lower(state.gm, example_inputs, "aot_eager", report,
-                      plan_with_optimizer(state, optimizer, optimizer_options))
-            except RefusedError:
-                tried.append((k, window, None))
-                continue
-            except BudgetError as err:
-                tried.append((k, window, err.smallest))
-                smallest = err.smallest if smallest is None else min(smallest, err.smallest)
-                continue
-            tried.append((k, window, report.memory.peak_bytes["device"]))
-            if machine is None:
-                return TuneResult(chosen, report.memory, tuple(tried),
-                                  why="the first candidate that fits: fewest sub-batches, then most live blocks")
-            from slcompile.explain import predict_step_time, transfer_tiers
+    for weights, activations in tiers:
+        windows = list(live_blocks) if weights != "device" else list(live_blocks)[:1]
+        for k in sorted(num_subbatches):
+            for window in windows:
+                chosen = {**options, "weights": weights, "activations": activations, "num_subbatches": k,
+                          "live_blocks": window, "memory_budget": budget}
+                config = SpeedLoaderConfig.from_options(chosen)
+                try:
+                    state = run_pipeline(gm, example_inputs, config)
+                    report = CompileReport(config=config)
+                    lower(state.gm, example_inputs, "aot_eager", report,
+                          plan_with_optimizer(state, optimizer, optimizer_options))
+                except RefusedError:
+                    tried.append(Candidate(chosen, None))
+                    continue
+                except BudgetError as err:
+                    tried.append(Candidate(chosen, err.smallest))
+                    smallest = err.smallest if smallest is None else min(smallest, err.smallest)
+                    continue
+                peak, recompute = report.memory.peak_bytes["device"], report.memory.recompute
+                if machine is None:
+                    tried.append(Candidate(chosen, peak, recompute))
+                    return TuneResult(chosen, report.memory, tuple(tried),
+                                      why="the first candidate that fits: tiers in the order given, then fewest "
+                                          "sub-batches, then most live blocks")
+                from slcompile.explain import predict_step_time, transfer_tiers
 
-            timeline = predict_step_time(report, state, example_inputs, machine,
-                                         transfer_tiers(config, optimizer_options))
-            fitting.append((timeline.step_seconds, len(fitting), chosen, report.memory, timeline))
+                timeline = predict_step_time(report, state, example_inputs, machine,
+                                             transfer_tiers(config, optimizer_options))
+                tried.append(Candidate(chosen, peak, recompute, timeline.step_seconds))
+                fitting.append((timeline.step_seconds, len(fitting), tried[-1], report.memory, timeline))
     if fitting:
-        seconds, _, chosen, memory, timeline = min(fitting, key=lambda item: item[:2])
-        predicted = tuple((f[2]["num_subbatches"], f[2]["live_blocks"], f[0]) for f in fitting)
-        others = sorted(f[0] for f in fitting if f[2] is not chosen)
+        seconds, _, best, memory, timeline = min(fitting, key=lambda item: item[:2])
+        others = sorted(f[0] for f in fitting if f[2] is not best)
         why = (f"predicted fastest on {machine.name} of {len(fitting)} plans that fit: "
                f"{seconds * 1e3:.3f} ms a step, bound by {timeline.bound}")
         if others:
             why += f"; the next {others[0] * 1e3:.3f} ms ({others[0] / seconds - 1:+.1%})"
-        return TuneResult(chosen, memory, tuple(tried), time=timeline, predicted_seconds=predicted, why=why)
+        return TuneResult(best.options, memory, tuple(tried), time=timeline, why=why)
     if smallest is None:
         raise RefusedError("no candidate number of sub-batches can split this model's batch", "tune")
     raise BudgetError(budget, smallest)

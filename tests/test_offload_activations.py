@@ -163,6 +163,55 @@ def test_budget_keeps_activations_when_they_fit():
     assert slcompile.compile_reports()[-1].memory.recompute == "none"
 
 
+def test_with_a_machine_profile_the_planner_stashes_only_what_hides_and_the_step_is_predicted_faster():
+    import dataclasses
+
+    from slcompile.analysis.machine import MachineProfile
+
+    cfg = GPTConfig(n_layers=3)
+    idx, targets = make_gpt_batch(cfg, 8)
+    options = {**OFFLOAD, "num_subbatches": 2}
+    keep_peak = slcompile.explain(TinyGPT(cfg), idx, targets, **options, memory_budget="1GiB").memory.peak_bytes[
+        "device"]
+    budget = int(0.8 * keep_peak)
+    cpu = MachineProfile("cpu", matmul_flops=2e10, memory_bandwidth=3e10, op_overhead_seconds=2e-6)
+    slow_disk = dataclasses.replace(cpu, name="slow disk", nvme_write=1e8, nvme_read=5e7)
+
+    def explained(machine_profile, profile):
+        return slcompile.explain(TinyGPT(cfg), idx, targets, **options, memory_budget=budget,
+                                 machine_profile=machine_profile, profile=profile)
+
+    # Counting steps stashes activations whose transfers this disk cannot hide; by
+    # time none hides, so the blocks are recomputed instead: no stall, a faster step.
+    by_steps, by_time = explained(None, slow_disk), explained(slow_disk, slow_disk)
+    assert by_steps.memory.recompute == "none" and by_steps.time.stall_seconds > 0
+    assert by_time.memory.recompute == "blocks" and by_time.time.stall_seconds == 0
+    assert by_time.time.step_seconds < by_steps.time.step_seconds
+    assert by_time.memory.peak_bytes["device"] <= budget
+    reset_runtime_stats()
+    assert_matches_eager(TinyGPT(cfg), lambda m: m(idx, targets), {**options, "memory_budget": budget,
+                                                                   "machine_profile": slow_disk})
+    report = slcompile.compile_reports()[-1]
+    assert report.schedule == by_time.graphs[0].schedule and _activation_bytes() == (0, 0)
+
+    # A disk ten times faster: the same units leave, their transfers placed where the
+    # compute around them covers their time, which stalls less than one step apart.
+    disk = dataclasses.replace(cpu, name="disk", nvme_write=1e9, nvme_read=5e8)
+    by_steps, by_time = explained(None, disk), explained(disk, disk)
+    assert by_time.memory.recompute == "none"
+    stashed = [[line.split(":")[0] for line in e.graphs[0].activation_plan if ": stash" in line]
+               for e in (by_steps, by_time)]
+    assert stashed[0] == stashed[1] and stashed[0]
+    assert by_time.time.stall_seconds < by_steps.time.stall_seconds
+    reset_runtime_stats()
+    assert_matches_eager(TinyGPT(cfg), lambda m: m(idx, targets), {**options, "memory_budget": budget,
+                                                                   "machine_profile": disk})
+    report = slcompile.compile_reports()[-1]
+    assert report.schedule == by_time.graphs[0].schedule
+    offloaded = int(report.offloaded_activations.bytes)
+    assert offloaded > 0 and _activation_bytes() == (offloaded, offloaded)
+
+
 def test_under_a_budget_the_planner_stashes_the_longest_idle_activations_it_needs():
     from slcompile.schedules.planner import unit_lifetimes
 

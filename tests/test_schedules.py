@@ -2,6 +2,8 @@
 its order implies (grad_accumulation: K times speedloader's; no_offload: none), and the
 schedule read back from the compiled graphs equal to the one the policy wrote."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -336,6 +338,63 @@ bwd blk0.sb0""")
     # Without a budget every activation that may leave does.
     everything = schedule.replan(offload_at_least=None)
     assert everything.stashes() == {block(b) for b in range(3)}
+
+
+def test_with_a_machine_profile_the_planner_hides_and_places_transfers_by_time():
+    from expecttest import assert_expected_inline
+
+    from slcompile.analysis.machine import MachineProfile
+    from slcompile.schedules.base import SavedActivation
+    from slcompile.schedules.planner import TransferTiming, describe
+
+    def block(b):
+        return ("block", b, 0)
+
+    # As above: each block saves 100 B read by its own backward and (blocks 0 and 1)
+    # 100 B read by the next block, forward and backward. Each compute step takes 1 s.
+    saved = tuple(SavedActivation(f"x{b}", block(b), 100, block(b), block(b)) for b in range(3)) + tuple(
+        SavedActivation(f"h{b}", block(b), 100, block(b + 1), block(b + 1)) for b in range(2))
+    compute = tuple(((phase, block(b)), 1.0) for phase in ("fwd", "bwd") for b in range(3))
+
+    def planned(write, read, offload_at_least=150, compute=compute):
+        disk = MachineProfile("disk", matmul_flops=1e12, memory_bandwidth=1e12, nvme_write=write, nvme_read=read)
+        request = ScheduleRequest(blocks=(0, 1, 2), num_subbatches=1, activations_offloaded=True, has_prefix=False,
+                                  has_suffix=False, saved=saved, offload_at_least=offload_at_least,
+                                  timing=TransferTiming(compute, disk, "nvme"))
+        return POLICIES["speedloader"](request)
+
+    # Block 0's 200 B store takes 2 s: the two forward steps after it cover it, so its
+    # wait goes to the forward's end; each 100 B load takes 1 s: one step ahead of
+    # its tensor's first backward use. Blocks 1 and 2 have too little compute after
+    # their stores.
+    schedule = planned(write=100, read=100)
+    assert_expected_inline("\n".join(describe(schedule)), """\
+blk0.sb0: stash (200 B, idle 2 steps, round trip 4000.000 ms)
+blk1.sb0: keep (its transfers would not hide) (200 B, idle 0 steps, round trip 4000.000 ms)
+blk2.sb0: keep (its transfers would not hide) (100 B, idle 0 steps, round trip 2000.000 ms)""")
+    # The loads are where counting steps puts them; the store waits two steps later.
+    by_steps = POLICIES["speedloader"](dataclasses.replace(schedule.request, timing=None))
+    assert schedule.phase("bwd") == by_steps.phase("bwd")
+    assert_expected_inline(schedule.phase("fwd").text(), """\
+fwd blk0.sb0
+fwd stash.issue blk0.sb0
+fwd blk1.sb0
+fwd blk2.sb0
+fwd stash.wait blk0.sb0""")
+    # When block 1's backward takes 0.5 s, block 0's own load (1 s) is issued two
+    # steps ahead, at the backward's start, with the other.
+    shorter = tuple((step, 0.5 if step == ("bwd", block(1)) else s) for step, s in compute)
+    assert planned(write=100, read=100, compute=shorter).phase("bwd").text() == "\n".join([
+        "bwd unstash.issue blk0.sb0", "bwd blk2.sb0", "bwd unstash.wait blk0.sb0", "bwd blk1.sb0",
+        "bwd unstash.wait blk0.sb0", "bwd blk0.sb0"])
+    # A store the forward's remaining compute cannot cover does not hide: kept, where
+    # counting steps (idle 2) would stash it.
+    slow = planned(write=50, read=100)
+    assert slow.stashes() == set()
+    assert describe(slow)[0].startswith("blk0.sb0: keep (its transfers would not hide)")
+    assert POLICIES["speedloader"](dataclasses.replace(slow.request, timing=None)).stashes() == {block(0)}
+    # Without a budget every unit leaves, hidden or not.
+    assert slow.replan(offload_at_least=None).stashes() == {block(b) for b in range(3)}
 
 
 def _transfers_early(request):

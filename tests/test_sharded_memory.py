@@ -113,7 +113,8 @@ def _worker(rank, rendezvous, offload_dir, results):
         assert one["device"] <= two["whole_device"] < two["device"], (one, two)
         chosen = _tune(rank, offload_dir, two["whole_device"], (2, 1) if rank == 0 else (2,))
         results["tune", rank] = (
-            (chosen.options["live_blocks"], chosen.memory.peak_bytes["device"], chosen.tried)
+            (chosen.options["live_blocks"], chosen.memory.peak_bytes["device"],
+             tuple((c.num_subbatches, c.live_blocks, c.peak_bytes) for c in chosen.tried))
             if not isinstance(chosen, BudgetError) else (None, chosen.smallest, str(chosen)))
         dist.barrier()  # no rank leaves while another still talks to it
     finally:

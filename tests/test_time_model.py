@@ -231,11 +231,10 @@ def test_tune_with_a_profile_chooses_the_plan_the_model_predicts_fastest():
     idx, targets = make_gpt_batch(cfg, 4)
     result = slcompile.tune(model, idx, targets, memory_budget="1GiB", num_subbatches=[1, 2], live_blocks=(2, 1),
                             profile="h100-pcie5-nvme", weights="nvme", lowering="aot_eager")
-    assert len(result.predicted_seconds) == 4
-    fastest = min(seconds for _, _, seconds in result.predicted_seconds)
-    assert result.time.step_seconds == fastest
-    chosen = (result.options["num_subbatches"], result.options["live_blocks"])
-    assert (*chosen, fastest) in result.predicted_seconds
+    assert len(result.fitting) == 4
+    fastest = min(result.fitting, key=lambda c: c.seconds)
+    assert result.time.step_seconds == fastest.seconds and result.options == fastest.options
+    assert result.options["machine_profile"].name == "h100-pcie5-nvme"
     assert result.why.startswith("predicted fastest on h100-pcie5-nvme of 4 plans that fit")
 
 

@@ -21,7 +21,9 @@ def test_tune_picks_the_first_candidate_that_fits_and_it_runs_under_the_budget()
     budget = roomy.memory.peak_bytes["device"] - 1
     tight = slcompile.tune(model, idx, targets, memory_budget=budget, **FIXED)
     assert tight.memory.peak_bytes["device"] <= budget
-    assert all(peak is None or peak > budget for *_, peak in tight.tried[:-1])
+    assert tight.tried[-1].fits and tight.tried[-1].options == tight.options
+    assert not any(c.fits for c in tight.tried[:-1])
+    assert all(c.peak_bytes is None or c.peak_bytes > budget for c in tight.tried[:-1])
     torch._dynamo.reset()
     assert_matches_eager(model, lambda m: m(idx, targets), tight.options)
     assert slcompile.compile_reports()[-1].memory.peak_bytes["device"] <= budget
@@ -34,3 +36,43 @@ def test_tune_names_the_smallest_budget_when_nothing_fits():
     smallest = caught.value.smallest
     result = slcompile.tune(TinyGPT(CFG), idx, targets, memory_budget=smallest, num_subbatches=[1, 2, 4], **FIXED)
     assert result.memory.peak_bytes["device"] == smallest
+
+
+def test_tune_chooses_the_tiers_resident_first_and_streams_the_weights_when_they_do_not_fit():
+    idx, targets = make_gpt_batch(CFG, 8)
+    model = TinyGPT(CFG)
+    options = {"lowering": "aot_eager", "min_offload_bytes": 0, "num_subbatches": [1, 2], "live_blocks": (2,)}
+    tiers = {"weights": ["device", "nvme"], "activations": ["device", "nvme"]}
+    roomy = slcompile.tune(model, idx, targets, memory_budget="1GiB", **tiers, **options)
+    assert (roomy.options["weights"], roomy.options["activations"]) == ("device", "device")
+    # The least any plan with resident weights needs, less one byte.
+    with pytest.raises(slcompile.BudgetError) as caught:
+        slcompile.tune(model, idx, targets, memory_budget=1000, weights="device", activations=["device", "nvme"],
+                       **options)
+    budget = caught.value.smallest - 1
+    tight = slcompile.tune(model, idx, targets, memory_budget=budget, **tiers, **options)
+    assert tight.options["weights"] == "nvme" and tight.memory.peak_bytes["device"] <= budget
+    assert not any(c.fits for c in tight.tried if c.weights == "device")
+    assert {(c.weights, c.activations) for c in tight.tried} >= {("device", "device"), ("device", "nvme")}
+    torch._dynamo.reset()
+    assert_matches_eager(model, lambda m: m(idx, targets), tight.options)
+    assert slcompile.compile_reports()[-1].memory.peak_bytes["device"] <= budget
+    with pytest.raises(slcompile.OptionError, match="tune: weights must be a tier or a list of tiers"):
+        slcompile.tune(model, idx, targets, memory_budget="1GiB", weights=["device", "disk"], **options)
+
+
+def test_tune_with_a_profile_times_every_tier_and_chooses_the_fastest():
+    idx, targets = make_gpt_batch(CFG, 8)
+    result = slcompile.tune(TinyGPT(CFG), idx, targets, memory_budget="1GiB", num_subbatches=[2], live_blocks=(2,),
+                            weights=["nvme", "device"], activations=["nvme", "device"], profile="h100-pcie5-nvme",
+                            lowering="aot_eager", min_offload_bytes=0)
+    assert {(c.weights, c.activations) for c in result.fitting} == {
+        ("nvme", "nvme"), ("nvme", "device"), ("device", "nvme"), ("device", "device")}
+    fastest = min(result.fitting, key=lambda c: c.seconds)
+    assert result.options == fastest.options and result.time.step_seconds == fastest.seconds
+    # Resident weights are fastest, whatever the order given; under a budget this
+    # roomy nothing is stashed, so the activations' tier makes no difference.
+    by_tiers = {(c.weights, c.activations): c.seconds for c in result.fitting}
+    assert fastest.weights == "device"
+    assert by_tiers["device", "nvme"] == by_tiers["device", "device"] == fastest.seconds
+    assert min(by_tiers["nvme", "nvme"], by_tiers["nvme", "device"]) > fastest.seconds

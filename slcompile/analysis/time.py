@@ -48,7 +48,7 @@ from slcompile.meta import get_slc_meta
 
 __all__ = [
     "ComputeCost", "TimedEvent", "BlockTime", "TimePrediction", "count_cost", "predict_time", "region_costs",
-    "LANE_RESOURCE", "PassAction", "predict_pass_time", "graph_cost",
+    "LANE_RESOURCE", "PassAction", "predict_pass_time", "graph_cost", "step_seconds",
 ]
 
 log = logging.getLogger(__name__)
@@ -331,6 +331,30 @@ def region_costs(gm: torch.fx.GraphModule, subs: Mapping[sympy.Symbol, int] | No
             region = _region(node)
             costs[region] = costs.get(region, ComputeCost()) + count_cost(node, subs)
     return costs
+
+
+def step_seconds(
+    gm: torch.fx.GraphModule, phase: str, profile, lowering: str = "aot_eager",
+    subs: Mapping[sympy.Symbol, int] | None = None,
+) -> dict[tuple[str, tuple], float]:
+    """Predicted seconds of each compute step of one graph: (phase, (region, block,
+    sub-batch)) -> the time of its compute nodes on `profile`. A node shared by
+    the sub-batches (a weight gradient summed over all of them) counts to the step
+    before it in program order, which the schedule's order puts first."""
+    from slcompile.vocabulary import is_compute
+
+    seconds: dict[tuple[str, tuple], float] = {}
+    current = None
+    for node in gm.graph.nodes:
+        if not is_compute(node):
+            continue
+        meta = get_slc_meta(node) if node.op == "call_function" else None
+        if meta is not None and meta.subbatch is not None:
+            current = (phase, (meta.region, meta.block, meta.subbatch))
+        if current is None:
+            continue
+        seconds[current] = seconds.get(current, 0.0) + profile.compute_seconds(count_cost(node, subs), lowering)
+    return seconds
 
 
 def graph_cost(gm: torch.fx.GraphModule, subs: Mapping[sympy.Symbol, int] | None = None) -> tuple[ComputeCost, ...]:

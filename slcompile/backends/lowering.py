@@ -81,6 +81,8 @@ class StepPlan:
             None: the budget then covers the forward and backward only.
         compile_regions: with Inductor, compile each distinct region once
             (`slcompile.backends.outline`) instead of the whole graph.
+        profile: the `MachineProfile` the activation planner places stashes by
+            (the `machine_profile` option), or None: by counting steps.
     """
 
     block_positions: dict[int, int]
@@ -99,6 +101,7 @@ class StepPlan:
     stash_everything: bool = False
     optimizer: Any = None
     compile_regions: bool = False
+    profile: Any = None
 
 
 def lower(

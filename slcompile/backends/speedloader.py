@@ -174,7 +174,16 @@ def step_plan(state) -> StepPlan:
         gradients=gradient_sink_for(config.gradients, state.streamer, state.streamed, state.inputs),
         optimizer=_optimizer_memory(state),
         compile_regions=config.compile_regions,
+        profile=_profile(config),
     )
+
+
+def _profile(config):
+    if config.machine_profile is None:
+        return None
+    from slcompile.profile import machine_profile
+
+    return machine_profile(config.machine_profile, offload_dir=config.offload_dir)
 
 
 def _optimizer_memory(state):

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from slcompile.meta import format_tag
 from slcompile.vocabulary import issued_visit
@@ -265,6 +266,9 @@ class ScheduleRequest:
             (`slcompile.schedules.planner`).
         stash_everything: stash every activation that may leave, hidden or not
             (the lowering's last resort under a budget).
+        timing: the time model's facts (`slcompile.schedules.planner.TransferTiming`)
+            when a machine profile is given: the planner then decides which
+            transfers hide, and places them, by time; None: by counting steps.
     """
 
     blocks: tuple[int, ...]
@@ -279,6 +283,7 @@ class ScheduleRequest:
     saved: tuple[SavedActivation, ...] | None = None
     offload_at_least: int | None = None
     stash_everything: bool = False
+    timing: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

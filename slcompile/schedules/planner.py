@@ -20,18 +20,109 @@ activations it saves:
 Without a budget (`offload_at_least` None) every unit the policy offers is stashed:
 the `activations` option asked for them to leave. `describe` writes the decision,
 per unit, for `explain()`.
+
+With the time model's facts (`request.timing`, a `TransferTiming`: each compute
+step's predicted seconds and the activation tier's rates, from the `profile`
+option), "hidden" is decided by time instead of by counting steps, and the
+transfers are placed by it (TERAIO's lifetime- and bandwidth-aware placement):
+
+- a store is waited for once the compute after its issue covers its time
+  (`store_wait_at`: the forward step after its last use at the earliest; the
+  forward's end at the latest);
+- a load is issued far enough ahead of its first backward use for the compute
+  between to cover its time (`load_issue_at`: one step ahead at the least; the
+  backward's start at the most);
+- a unit is hidden when every one of its transfers is covered so.
+
+Without it, a store is waited for just before the step after its last use and a
+load issued one step ahead, as `MIN_HIDDEN_STEPS` assumes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 from slcompile.meta import format_tag
 from slcompile.schedules.base import SavedActivation, ScheduleRequest, Step
 
-__all__ = ["MIN_HIDDEN_STEPS", "UnitLifetime", "unit_lifetimes", "choose_stashes", "kept_bytes", "describe"]
+__all__ = [
+    "MIN_HIDDEN_STEPS", "TransferTiming", "UnitLifetime", "unit_lifetimes", "choose_stashes", "kept_bytes",
+    "describe", "store_wait_at", "load_issue_at",
+]
 
 MIN_HIDDEN_STEPS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferTiming:
+    """What the time model predicts, for placing stashes by time.
+
+    Attributes:
+        compute: ((phase, (region, block, sub-batch)), seconds) of each compute step
+            (`slcompile.analysis.time.step_seconds`).
+        profile: the `MachineProfile` whose rates time the transfers.
+        tier: where the activations rest ("host" or "nvme").
+    """
+
+    compute: tuple[tuple[tuple[str, tuple], float], ...]
+    profile: Any
+    tier: str
+
+    @functools.cached_property
+    def _seconds(self) -> dict[tuple[str, tuple], float]:
+        return dict(self.compute)
+
+    def step(self, phase: str, key: tuple) -> float:
+        """Seconds of one compute step (0 for a step the graphs have no work of)."""
+        return self._seconds.get((phase, key), 0.0)
+
+    def transfer(self, direction: str, nbytes: int) -> float:
+        """Seconds of one store ("write") or load ("read") of `nbytes`."""
+        return self.profile.transfer_seconds(self.tier, direction, nbytes)[1]
+
+
+def store_wait_at(forward: list[tuple], owner: int, last: int, nbytes: int,
+                  timing: TransferTiming | None) -> tuple[int, bool]:
+    """Where the store of `nbytes`, issued after forward compute step `owner`, is
+    waited for: before the forward compute step at the returned position
+    (`len(forward)`: the forward's end), never before the step after `last`, its
+    tensor's last forward use. With `timing`, the first position at which the
+    compute since the issue covers the store's time.
+
+    Returns:
+        (position, whether the compute before it covers the store).
+    """
+    at = last + 1
+    if timing is None:
+        return at, True
+    need = timing.transfer("write", nbytes)
+    covered = sum(timing.step("fwd", forward[i]) for i in range(owner + 1, min(at, len(forward))))
+    while covered < need and at < len(forward):
+        covered += timing.step("fwd", forward[at])
+        at += 1
+    return min(at, len(forward)), covered >= need
+
+
+def load_issue_at(backward: list[tuple], use: int, nbytes: int, timing: TransferTiming | None) -> tuple[int, bool]:
+    """Where the load of `nbytes` waited for before backward compute step `use` is
+    issued: before the backward compute step at the returned position, one step
+    ahead at the least. With `timing`, the last position from which the compute up
+    to `use` covers the load's time (the backward's start when none does).
+
+    Returns:
+        (position, whether the compute between covers the load).
+    """
+    at = max(use - 1, 0)
+    if timing is None:
+        return at, True
+    need = timing.transfer("read", nbytes)
+    covered = sum(timing.step("bwd", backward[i]) for i in range(at, use))
+    while covered < need and at > 0:
+        at -= 1
+        covered += timing.step("bwd", backward[at])
+    return at, covered >= need
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,36 +134,57 @@ class UnitLifetime:
         nbytes: their bytes.
         idle_steps: the fewest compute steps between one's last forward use and its
             first backward use.
+        round_trip_seconds: with them, the predicted time of storing and loading
+            all of them; else None.
+        covered: with them, whether the compute around each transfer, placed by
+            `store_wait_at` and `load_issue_at`, covers its time; else None.
     """
 
     unit: tuple[str, int | None, int]
     nbytes: int
     idle_steps: int
+    round_trip_seconds: float | None = None
+    covered: bool | None = None
 
     @property
     def hidden(self) -> bool:
+        """Its store and load hide behind compute: by time when the time model's
+        facts are known (`covered`), else by `MIN_HIDDEN_STEPS`."""
+        if self.covered is not None:
+            return self.covered
         return self.idle_steps >= MIN_HIDDEN_STEPS
 
 
-def unit_lifetimes(steps: list[Step], saved: tuple[SavedActivation, ...]) -> dict[tuple, UnitLifetime]:
+def unit_lifetimes(steps: list[Step], saved: tuple[SavedActivation, ...],
+                   timing: TransferTiming | None = None) -> dict[tuple, UnitLifetime]:
     """unit -> its lifetime, for every unit with an activation that may leave."""
     forward = [s.key for s in steps if s.phase == "fwd" and s.kind == "compute"]
     backward = [s.key for s in steps if s.phase == "bwd" and s.kind == "compute"]
     fwd = {key: i for i, key in enumerate(forward)}
     bwd = {key: i for i, key in enumerate(backward)}
+    leaving = [a for a in saved if a.stays is None and a.owner in fwd]
+    unit_bytes: dict[tuple, int] = {}
+    for activation in leaving:
+        unit_bytes[activation.owner] = unit_bytes.get(activation.owner, 0) + activation.nbytes
     units: dict[tuple, UnitLifetime] = {}
-    for activation in saved:
-        if activation.stays is not None or activation.owner not in fwd:
-            continue
-        last = fwd.get(activation.last_forward_use, fwd[activation.owner])
+    for activation in leaving:
+        owner = fwd[activation.owner]
+        last = fwd.get(activation.last_forward_use, owner)
         first = bwd.get(activation.first_backward_use, 0)
         idle = (len(forward) - 1 - last) + first
+        timed: dict = {}
+        if timing is not None:
+            nbytes = unit_bytes[activation.owner]
+            _, stored = store_wait_at(forward, owner, last, nbytes, timing)
+            _, loaded = load_issue_at(backward, first, activation.nbytes, timing)
+            timed = dict(covered=stored and loaded,
+                         round_trip_seconds=timing.transfer("write", nbytes) + timing.transfer("read", nbytes))
         known = units.get(activation.owner)
-        units[activation.owner] = UnitLifetime(
-            activation.owner,
-            activation.nbytes + (known.nbytes if known else 0),
-            min(idle, known.idle_steps) if known else idle,
-        )
+        if known is not None:
+            idle = min(idle, known.idle_steps)
+            if timing is not None:
+                timed["covered"] = timed["covered"] and known.covered
+        units[activation.owner] = UnitLifetime(activation.owner, unit_bytes[activation.owner], idle, **timed)
     return units
 
 
@@ -97,7 +209,7 @@ def kept_bytes(schedule) -> int:
     if request is None or request.saved is None or not request.activations_offloaded:
         return 0
     stashed = schedule.stashes()
-    units = unit_lifetimes(list(schedule.steps), request.saved)
+    units = unit_lifetimes(list(schedule.steps), request.saved, request.timing)
     return sum(unit.nbytes for unit in units.values() if unit.unit not in stashed)
 
 
@@ -108,14 +220,17 @@ def describe(schedule) -> tuple[str, ...]:
         return ()
     stashed = schedule.stashes()
     lines = []
-    units = unit_lifetimes(list(schedule.steps), request.saved)
+    units = unit_lifetimes(list(schedule.steps), request.saved, request.timing)
     for unit in sorted(units.values(), key=lambda u: (-u.idle_steps, -u.nbytes)):
         region, block, subbatch = unit.unit
         why = f"{unit.nbytes} B, idle {unit.idle_steps} steps"
+        if unit.round_trip_seconds is not None:
+            why += f", round trip {unit.round_trip_seconds * 1e3:.3f} ms"
         if unit.unit in stashed:
             decision = "stash"
         elif not unit.hidden and request.offload_at_least:
-            decision = "keep (its reload would not hide)"
+            decision = "keep (its transfers would not hide)" if unit.covered is False else \
+                "keep (its reload would not hide)"
         else:
             decision = "keep"
         lines.append(f"{format_tag(region, block, subbatch)}: {decision} ({why})")

@@ -25,7 +25,7 @@ from slcompile.schedules.base import (
     add_gradient_stores,
     next_region,
 )
-from slcompile.schedules.planner import choose_stashes, unit_lifetimes
+from slcompile.schedules.planner import choose_stashes, load_issue_at, store_wait_at, unit_lifetimes
 
 __all__ = [
     "speedloader_schedule", "layer_major_compute", "add_stashes", "add_spills", "add_stores", "SPEEDLOADER",
@@ -66,7 +66,10 @@ def add_stashes(steps: list[Step], request: ScheduleRequest, keep=lambda step: F
     known (`request.saved`), their transfers are placed from their lifetimes: the
     store is waited for just before the compute step after the last forward use,
     the load waited for just before the first backward use and issued one compute
-    step before that; a step none of whose activations may leave writes no step.
+    step before that; with the time model's facts (`request.timing`) the store is
+    waited for and the load issued where the compute between covers their time
+    (`slcompile.schedules.planner.store_wait_at`, `load_issue_at`). A step none of
+    whose activations may leave writes no step.
     Transfers that run before a compute step come after its weight fetches.
     """
     if not (request.activations_offloaded and request.backward):
@@ -76,7 +79,7 @@ def add_stashes(steps: list[Step], request: ScheduleRequest, keep=lambda step: F
     if request.saved is None:
         leaving = []
     else:
-        lifetimes = unit_lifetimes(steps, request.saved)
+        lifetimes = unit_lifetimes(steps, request.saved, request.timing)
         chosen = choose_stashes([lifetimes[unit] for unit in units if unit in lifetimes], request)
         units = [unit for unit in units if unit in chosen]
         leaving = [a for a in request.saved if a.stays is None and a.owner in chosen]
@@ -89,16 +92,22 @@ def add_stashes(steps: list[Step], request: ScheduleRequest, keep=lambda step: F
         if step not in before.setdefault((phase, at), []):
             before[phase, at].append(step)
 
+    unit_bytes: dict[tuple, int] = {}
+    for activation in leaving:
+        unit_bytes[activation.owner] = unit_bytes.get(activation.owner, 0) + activation.nbytes
     for activation in leaving:
         region, block, subbatch = activation.owner
-        last = position["fwd"].get(activation.last_forward_use, position["fwd"][activation.owner])
-        place("fwd", last + 1, Step("fwd", region, block, subbatch, "stash.wait"))
+        owner = position["fwd"][activation.owner]
+        last = position["fwd"].get(activation.last_forward_use, owner)
+        at, _ = store_wait_at(compute["fwd"], owner, last, unit_bytes[activation.owner], request.timing)
+        place("fwd", at, Step("fwd", region, block, subbatch, "stash.wait"))
     for activation in leaving:
         region, block, subbatch = activation.owner
         use = position["bwd"].get(activation.first_backward_use)
         if use is None:
             continue
-        place("bwd", max(use - 1, 0), Step("bwd", region, block, subbatch, "unstash.issue"))
+        at, _ = load_issue_at(compute["bwd"], use, activation.nbytes, request.timing)
+        place("bwd", at, Step("bwd", region, block, subbatch, "unstash.issue"))
         place("bwd", use, Step("bwd", region, block, subbatch, "unstash.wait"))
     for transfers in before.values():  # stash waits, then issues, then waits, each in step order
         kinds = ("stash.wait", "unstash.issue", "unstash.wait")
