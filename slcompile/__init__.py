@@ -6,10 +6,13 @@ the next block, forward and backward, with the results of eager PyTorch.
 """
 
 from slcompile.config import SpeedLoaderConfig, options
+from slcompile.analysis.machine import MachineProfile
+from slcompile.analysis.memory import MemoryPrediction
+from slcompile.analysis.time import TimePrediction
 from slcompile import defaults
 from slcompile.errors import BudgetError, CompileError, OptionError, PolicyError, RefusedError, ReleasedWeightError
 from slcompile.explain import Explanation, GraphExplanation, explain
-from slcompile.generate import GenerationOutput, explain_generation, generate, generation
+from slcompile.generate import GenerationExplanation, GenerationOutput, explain_generation, generate, generation
 from slcompile.report import CompileReport, clear_compile_reports, compile_reports
 from slcompile.runtime.errors import CorruptDataError, DiskFullError, OffloadError
 from slcompile.runtime.stats import mark_step, reset_runtime_stats, runtime_stats
@@ -18,6 +21,7 @@ from slcompile.optim import OffloadedOptimizer, offload_optimizer
 from slcompile.checkpoint import load_sharded, save_sharded
 from slcompile.tune import Candidate, GenerationTuneResult, TuneResult, tune, tune_generation
 from slcompile.compare import PolicyComparison, PolicyRow, compare_policies
+from slcompile.schedules.base import Policy
 
 __all__ = [
     "SpeedLoaderConfig",
@@ -59,4 +63,9 @@ __all__ = [
     "compare_policies",
     "PolicyComparison",
     "PolicyRow",
+    "Policy",
+    "MachineProfile",
+    "MemoryPrediction",
+    "TimePrediction",
+    "GenerationExplanation",
 ]

@@ -53,3 +53,19 @@ def test_host_memory_is_bytes_or_none():
     for bad in ("lots", 0, True):
         with pytest.raises(ValueError, match="'host_memory'"):
             SpeedLoaderConfig(host_memory=bad)
+
+
+def test_machine_profile_takes_a_profile_a_name_or_a_file_and_nothing_else(tmp_path, monkeypatch):
+    from slcompile.analysis.machine import named_profile
+    from slcompile.backends.speedloader import _profile
+
+    h100 = named_profile("h100-pcie5-nvme")
+    path = tmp_path / "profile.json"
+    path.write_text(h100.to_json())
+    for value in ("h100-pcie5-nvme", str(path), h100):
+        assert _profile(SpeedLoaderConfig(machine_profile=value)) == h100
+    assert _profile(SpeedLoaderConfig()) is None
+    with pytest.raises(slcompile.OptionError, match="'machine_profile' must be 'current', a named profile"):
+        slcompile.options(machine_profile="h200")
+    monkeypatch.setenv("SLC_MACHINE_PROFILE", "h100-pcie5-nvme")
+    assert SpeedLoaderConfig.from_options({}).machine_profile == "h100-pcie5-nvme"
