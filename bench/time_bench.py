@@ -36,10 +36,11 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+
+from bench.timing import add_model_arguments, prediction_fields, spearman, time_round_robin  # noqa: E402
 
 CPU_CONFIGS = (  # (K, weights, activations, recompute)
     (1, "device", "device", "none"),
@@ -114,14 +115,7 @@ def cpu_rows(args, profile) -> list[dict]:
         prediction = predict_time(graphs["forward"], graphs["backward"], profile=profile, tiers=tiers,
                                   tokens=args.batch * args.seq_len)
         built.append(((k, weights, activations, recompute), step, prediction))
-    times: list[list[float]] = [[] for _ in built]
-    cpu: list[list[float]] = [[] for _ in built]
-    for _ in tqdm(range(args.rounds), desc="rounds"):
-        for i, (_, step, _) in enumerate(built):
-            start, thread_start = time.perf_counter(), time.thread_time()
-            step()
-            times[i].append(time.perf_counter() - start)
-            cpu[i].append(time.thread_time() - thread_start)
+    times, cpu = time_round_robin([step for _, step, _ in built], args.rounds)
     rows = []
     for ((k, weights, activations, recompute), _, prediction), measured, thread in zip(built, times, cpu):
         best, median = min(measured), statistics.median(measured)
@@ -130,15 +124,7 @@ def cpu_rows(args, profile) -> list[dict]:
             "measured_step_seconds": best, "measured_median_seconds": median, "measured_all": measured,
             # The compute thread's CPU time: what the compute lane did, whatever the load.
             "measured_compute_thread_cpu_seconds": min(thread),
-            "predicted_step_seconds": prediction.step_seconds,
-            "error": (prediction.step_seconds - best) / best,
-            "error_vs_median": (prediction.step_seconds - median) / median,
-            "predicted_compute_seconds": prediction.compute_seconds,
-            "predicted_stall_seconds": prediction.stall_seconds,
-            "predicted_lane_seconds": prediction.lane_seconds(),
-            "predicted_lane_bytes": prediction.lane_bytes(),
-            "predicted_bound": prediction.bound,
-            "predicted_gflop": prediction.flops / 1e9,
+            **prediction_fields(prediction, best, median),
         })
     return rows
 
@@ -175,15 +161,7 @@ def generation_rows(args, profile) -> list[dict]:
             rows.append({
                 "pass": phase, "k": 4, "weights": weights, "activations": kv, "recompute": "-",
                 "measured_step_seconds": best, "measured_median_seconds": median, "measured_all": times,
-                "predicted_step_seconds": timeline.step_seconds,
-                "error": (timeline.step_seconds - best) / best,
-                "error_vs_median": (timeline.step_seconds - median) / median,
-                "predicted_compute_seconds": timeline.compute_seconds,
-                "predicted_stall_seconds": timeline.stall_seconds,
-                "predicted_lane_seconds": timeline.lane_seconds(),
-                "predicted_lane_bytes": timeline.lane_bytes(),
-                "predicted_bound": timeline.bound,
-                "predicted_gflop": timeline.flops / 1e9,
+                **prediction_fields(timeline, best, median),
             })
     return rows
 
@@ -219,19 +197,6 @@ def h100_rows(args) -> list[dict]:
     return rows
 
 
-def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(values):
-        order = sorted(range(len(values)), key=values.__getitem__)
-        out = [0] * len(values)
-        for rank, i in enumerate(order):
-            out[i] = rank
-        return out
-
-    ra, rb = ranks(a), ranks(b)
-    n = len(a)
-    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
-
-
 def plot(record: dict, path: str) -> None:
     import matplotlib
 
@@ -264,13 +229,7 @@ def plot(record: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="compute threads (default 1: leaves a core to the I/O threads on 2 cores)")
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
+    add_model_arguments(parser, rounds=7, batch=8)
     parser.add_argument("--no-h100", action="store_true", help="skip the H100 rows on paper")
     parser.add_argument("--no-generation", action="store_true", help="skip the generation passes")
     parser.add_argument("--quick", action="store_true", help="smoke settings: 2 rounds, d_model 64, no H100 rows")

@@ -52,6 +52,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from bench.timing import add_model_arguments, spearman, time_round_robin  # noqa: E402
+
 LIVE_BLOCKS = (2, 1)  # tune's default windows, preferred first
 UNBOUNDED = 1 << 50  # a budget no candidate of these models comes near
 
@@ -124,14 +126,7 @@ def grid_rows(args, budget: int, result) -> list[dict]:
         # The options tune evaluated this candidate with: the same plan under the same budget.
         step, report = build_step(candidate.options, args)
         built.append((candidate, step, report))
-    times: list[list[float]] = [[] for _ in built]
-    cpu: list[list[float]] = [[] for _ in built]
-    for _ in tqdm(range(args.rounds), desc="rounds"):
-        for i, (_, step, _) in enumerate(built):
-            start, thread_start = time.perf_counter(), time.thread_time()
-            step()
-            times[i].append(time.perf_counter() - start)
-            cpu[i].append(time.thread_time() - thread_start)
+    times, cpu = time_round_robin([step for _, step, _ in built], args.rounds)
     rows = []
     for (candidate, _, report), measured, thread in zip(built, times, cpu):
         best, median = min(measured), statistics.median(measured)
@@ -203,13 +198,7 @@ def plot(record: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="compute threads (default 1: leaves a core to the I/O threads on 2 cores)")
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=16)
+    add_model_arguments(parser, rounds=9, batch=16)
     parser.add_argument("--weights", default="nvme", help="tier of the block weights (default nvme)")
     parser.add_argument("--activations", default="device", help="tier of the saved activations (default device)")
     parser.add_argument("--budget-fraction", type=float, default=0.6,
@@ -228,7 +217,6 @@ def main() -> None:
     import torch
 
     import slcompile
-    from bench.time_bench import spearman
     from slcompile.profile import measure_profile
 
     torch.set_num_threads(args.threads)
