@@ -324,7 +324,8 @@ def tune_generation(
         OptionError, RefusedError: as `generate` raises them.
     """
     from slcompile.config import TIERS
-    from slcompile.generate import _explain_generation, _plan
+    from slcompile.inference.explain import _explain_generation
+    from slcompile.inference.options import _plan
     from slcompile.runtime.engine import get_engine
     from slcompile.runtime.tiers import Tier
 

@@ -193,9 +193,8 @@ def test_finished_subbatches_are_skipped_and_generation_stops_when_all_are_done(
 
 
 def test_embeddings_masks_and_rotary_are_computed_once_per_pass(monkeypatch):
-    import importlib
+    from slcompile.inference import executor
 
-    generation = importlib.import_module("slcompile.generate")  # the attribute is the function
     model = FAMILIES["llama"]().eval()
     input_ids, mask = left_padded_batch()
     expected = eager_generate(model, input_ids, mask, 5, eos=[])
@@ -207,7 +206,7 @@ def test_embeddings_masks_and_rotary_are_computed_once_per_pass(monkeypatch):
     assert len(calls) == 2 * 5 + 2
     # Where they would differ, each sub-batch is captured alone: the same tokens.
     calls.clear()
-    monkeypatch.setattr(generation, "_same_arguments", lambda *args: False)
+    monkeypatch.setattr(executor, "_same_arguments", lambda *args: False)
     assert torch.equal(run_generate(model, input_ids, mask, 5, [], num_subbatches=4), expected)
     # (the first prefill and decode passes also ran the shared capture they checked)
     assert len(calls) == 2 * 4 * 5 + 2
@@ -218,10 +217,11 @@ def test_explain_generation_predicts_the_measured_schedules_and_bytes_of_every_p
     from slcompile.generate import explain_generation
     from slcompile.units import format_bytes
 
-    for family, prefill_k, k in (("llama", 2, 1), ("mistral", 4, 2)):
+    # (resident tiers: the schedules keep the cache, "store_kv", but fetch and load nothing)
+    for family, prefill_k, k, tier in (("llama", 1, 2, "device"), ("llama", 2, 1, "nvme"), ("mistral", 4, 2, "nvme")):
         model = FAMILIES[family]().eval()
         input_ids, mask = left_padded_batch(batch=4, length=6)
-        options = dict(num_subbatches=k, prefill_subbatches=prefill_k, weights="nvme", kv_cache="nvme",
+        options = dict(num_subbatches=k, prefill_subbatches=prefill_k, weights=tier, kv_cache=tier,
                        offload_dir=str(tmp_path))
         expected = eager_generate(model, input_ids, mask, 6, eos=[])
         explained = explain_generation(model, input_ids.shape, 6, **options)
@@ -235,25 +235,38 @@ def test_explain_generation_predicts_the_measured_schedules_and_bytes_of_every_p
     assert loaded == [kv_bytes(model, 4, n) for n in (0, 3, 4, 5, 3, 3)]
     # Four prefill sub-batches: each one's hidden states go to the KV tier between
     # the layers, and the next step's come back while a step runs.
-    assert explained.prefill_schedule == (
-        "load blk0.w | load blk1.w | blk0.sb0 | store blk0.h.sb0 | blk0.sb1 | store blk0.kv.sb0 | "
-        "store blk0.h.sb1 | blk0.sb2 | store blk0.h.sb2 | load blk0.h.sb0 | blk0.sb3 | store blk0.kv.sb1 | "
-        "store blk0.h.sb3 | load blk0.h.sb1 | blk1.sb0 | load blk0.h.sb2 | blk1.sb1 | store blk1.kv.sb0 | "
-        "load blk0.h.sb3 | blk1.sb2 | blk1.sb3 | store blk1.kv.sb1")
+    # Each layer's weights are fetched once, the next layer's issued before it runs;
+    # each part's tail runs just after its last layer.
+    assert explained.prefill_schedule.splitlines() == [
+        "prefill fetch.issue blk0", "prefill fetch.wait blk0", "prefill fetch.issue blk1",
+        "prefill blk0.sb0", "prefill spill.issue blk0.sb0",
+        "prefill blk0.sb1", "prefill store_kv.issue blk0.sb0", "prefill spill.issue blk0.sb1",
+        "prefill blk0.sb2", "prefill spill.issue blk0.sb2", "prefill fill.issue blk0.sb0",
+        "prefill blk0.sb3", "prefill store_kv.issue blk0.sb1", "prefill spill.issue blk0.sb3",
+        "prefill fetch.wait blk1", "prefill fill.issue blk0.sb1",
+        "prefill blk1.sb0", "prefill suffix.sb0", "prefill fill.issue blk0.sb2",
+        "prefill blk1.sb1", "prefill store_kv.issue blk1.sb0", "prefill suffix.sb1", "prefill fill.issue blk0.sb3",
+        "prefill blk1.sb2", "prefill suffix.sb2",
+        "prefill blk1.sb3", "prefill store_kv.issue blk1.sb1", "prefill suffix.sb3"]
     hidden = 4 * 6 * model.config.hidden_size * 4  # one layer's output, every sequence, float32
     assert explained.steps[0].bytes_of(TransferKind.ACTIVATION, Tier.DEVICE, Tier.NVME) == hidden
     assert explained.steps[0].bytes_of(TransferKind.ACTIVATION, Tier.NVME, Tier.DEVICE) == hidden
     assert not any(step.bytes_of(TransferKind.ACTIVATION, Tier.DEVICE, Tier.NVME) for step in explained.steps[1:])
     # Each (layer, sub-batch)'s cache loads while the two before it run.
-    assert explained.decode_schedule == (
-        "load blk0.w | load blk0.kv.sb0 | load blk1.w | load blk0.kv.sb1 | load blk1.kv.sb0 | blk0.sb0 | "
-        "store blk0.kv.sb0 | load blk1.kv.sb1 | blk0.sb1 | store blk0.kv.sb1 | blk1.sb0 | store blk1.kv.sb0 | "
-        "blk1.sb1 | store blk1.kv.sb1")
-    assert "store" not in explained.steps[-1].schedule and not explained.steps[-1].bytes_of(*KV_STORED)
+    assert explained.decode_schedule.splitlines() == [
+        "decode prefix", "decode fetch.issue blk0", "decode load_kv.issue blk0.sb0",
+        "decode fetch.wait blk0", "decode fetch.issue blk1", "decode load_kv.issue blk0.sb1",
+        "decode load_kv.issue blk1.sb0", "decode blk0.sb0", "decode store_kv.issue blk0.sb0",
+        "decode load_kv.issue blk1.sb1", "decode blk0.sb1", "decode store_kv.issue blk0.sb1",
+        "decode fetch.wait blk1", "decode blk1.sb0", "decode store_kv.issue blk1.sb0",
+        "decode blk1.sb1", "decode store_kv.issue blk1.sb1", "decode suffix"]
+    # The last pass keeps no cache: no pass reads it.
+    assert "store_kv" not in explained.steps[-1].schedule.text() and not explained.steps[-1].bytes_of(*KV_STORED)
     text = str(explained)
     assert "prefill: 4 sub-batches of 1; decode: 2 sub-batches of 2" in text
     assert f"prefill hidden states between layers on nvme: {format_bytes(hidden)} stored and loaded" in text
-    assert f"prefill schedule: {explained.prefill_schedule}" in text
+    assert "prefill schedule: blk0.sb0-3 blk1.sb0 suffix.sb0 " in text
+    assert "(28 steps; fetch.issue 2, fetch.wait 2, spill.issue 4, store_kv.issue 4, fill.issue 4)" in text
 
 
 def test_one_compile_for_the_prefill_and_one_for_every_decode_step():
@@ -559,15 +572,14 @@ def test_model_generate_inside_generation_runs_layer_major_with_the_tokens_of_ea
 
 
 def test_explain_without_a_traceable_forward_logs_and_tune_generation_refuses(monkeypatch, caplog):
-    import importlib
+    from slcompile.inference.memory import _MemoryModel
 
-    generation = importlib.import_module("slcompile.generate")
     model = FAMILIES["llama"]().eval()
 
     def untraceable(*args, **kwargs):
         raise RuntimeError("data-dependent branch")
 
-    monkeypatch.setattr(generation._MemoryModel, "_traced", untraceable)
+    monkeypatch.setattr(_MemoryModel, "_traced", untraceable)
     explained = explain_generation(model, (4, 6), 3, 2)
     assert explained.prefill_memory is None and explained.peak_bytes is None and len(explained.steps) == 3
     assert "not predicted: tracing its forward on fake tensors failed (RuntimeError" in caplog.text

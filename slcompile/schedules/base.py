@@ -33,6 +33,9 @@ line per step:
     fwd spill.wait blk2.sb0      that store is done (the output's memory may go)
     fwd fill.issue blk2.sb0      start loading it back
     fwd fill.wait blk2.sb0       it is needed now (by block 3, sub-batch 0)
+    decode load_kv.issue blk2.sb0   a generation pass: start loading the KV cache of
+                                 (2, 0) (`slcompile.schedules.generation`)
+    decode store_kv.issue blk2.sb0  store its new positions
 
 `<phase> <kind> <tag>`, where the tag names whose data moves (`blk4`: the weights of
 block 4 for all sub-batches; `blk2.sb0`: what (block 2, sub-batch 0) owns). Runs of the
@@ -57,10 +60,13 @@ __all__ = [
 TRANSFER_KINDS = (
     "fetch.issue", "fetch.wait", "stash.issue", "stash.wait", "unstash.issue", "unstash.wait",
     "store_grad.issue", "store_grad.wait", "spill.issue", "spill.wait", "fill.issue", "fill.wait",
+    "load_kv.issue", "store_kv.issue",
 )
 """Transfer step kinds: what moves (weights fetched, activations stashed and unstashed,
-gradients stored, boundary activations spilled and filled), and which half of its
-issue + wait pair the step is."""
+gradients stored, boundary activations spilled and filled, a generation's KV cache
+loaded and stored), and which half of its issue + wait pair the step is (a
+generation pass's layer step waits for its own cache, and the pass's end for every
+store: `slcompile.schedules.generation`)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,89 @@
+"""Generation's passes as schedules (`slcompile.schedules.generation`), alone: the
+steps a pass request asks for, in the order `generate` walks them. The end-to-end
+test of the same schedules (walked, measured, equal to eager) is in test_generate.py."""
+
+import itertools
+
+import pytest
+
+from slcompile.schedules import TRANSFER_KINDS
+from slcompile.schedules.generation import KV_AHEAD, PassRequest, generation_pass
+
+
+def _lines(request):
+    return generation_pass(request).text().splitlines()
+
+
+def test_a_decode_pass_with_resident_weights_and_cache_moves_nothing_and_skips_finished_subbatches():
+    # Sub-batch 1 has finished: only 0 and 2 run; the cache on the device is still
+    # kept (stored) after each step, but nothing is fetched or loaded.
+    request = PassRequest("decode", (0, 2), fetched=(False, False), kv_moves=False, stores=True)
+    assert _lines(request) == [
+        "decode prefix",
+        "decode blk0.sb0", "decode store_kv.issue blk0.sb0", "decode blk0.sb2", "decode store_kv.issue blk0.sb2",
+        "decode blk1.sb0", "decode store_kv.issue blk1.sb0", "decode blk1.sb2", "decode store_kv.issue blk1.sb2",
+        "decode suffix"]
+    # The last pass stores nothing.
+    last = PassRequest("decode", (0, 2), fetched=(False, False), kv_moves=False, stores=False)
+    assert _lines(last) == ["decode prefix", "decode blk0.sb0", "decode blk0.sb2", "decode blk1.sb0",
+                            "decode blk1.sb2", "decode suffix"]
+
+
+def test_a_prefill_of_one_part_stores_every_decode_subbatch_after_it_and_fetches_only_streamed_layers():
+    # One prefill part holds both decode sub-batches' rows; layer 1 has no streamed weights.
+    request = PassRequest("prefill", (0,), fetched=(True, False, True), kv_moves=True, stores=True, rows=(4, 2))
+    assert _lines(request) == [
+        "prefill prefix", "prefill fetch.issue blk0", "prefill fetch.wait blk0",
+        "prefill blk0.sb0", "prefill store_kv.issue blk0.sb0", "prefill store_kv.issue blk0.sb1",
+        "prefill fetch.issue blk2",
+        "prefill blk1.sb0", "prefill store_kv.issue blk1.sb0", "prefill store_kv.issue blk1.sb1",
+        "prefill fetch.wait blk2",
+        "prefill blk2.sb0", "prefill store_kv.issue blk2.sb0", "prefill store_kv.issue blk2.sb1",
+        "prefill suffix"]
+
+
+@pytest.mark.parametrize("phase,layers,parts,kv_moves,spill", [
+    (phase, layers, parts, kv_moves, spill)
+    for phase, layers, parts, kv_moves, spill in itertools.product(
+        ("prefill", "decode"), (1, 2, 5), (1, 2, 4), (False, True), (False, True))
+    if not spill or (phase == "prefill" and kv_moves and parts >= 3 and layers >= 2)])
+def test_every_pass_computes_each_step_once_with_its_transfers_issued_before_it_is_needed(
+        phase, layers, parts, kv_moves, spill):
+    subbatches = tuple(range(parts))
+    request = PassRequest(phase, subbatches, fetched=(True,) * layers, kv_moves=kv_moves, stores=True,
+                          rows=(2, 2), spill_hidden=spill)
+    steps = generation_pass(request).steps
+    assert {step.phase for step in steps} == {phase}
+    assert all(step.kind == "compute" or step.kind in TRANSFER_KINDS for step in steps)
+    at = {}
+    for position, step in enumerate(steps):
+        at.setdefault((step.kind, step.region, step.block, step.subbatch), []).append(position)
+    computes = [(s.block, s.subbatch) for s in steps if s.kind == "compute" and s.region == "block"]
+    # Layer-major: every sub-batch runs layer b before any runs layer b + 1; each once.
+    assert computes == [(b, s) for b in range(layers) for s in subbatches]
+    for block in range(layers):
+        first = at["compute", "block", block, 0][0]
+        # One fetch per layer per pass, issued before the previous layer runs.
+        assert len(at["fetch.issue", "block", block, None]) == 1
+        assert at["fetch.issue", "block", block, None][0] < at["fetch.wait", "block", block, None][0] < first
+        if block:
+            assert at["fetch.issue", "block", block, None][0] < at["compute", "block", block - 1, 0][0]
+        for sb in subbatches:
+            compute = at["compute", "block", block, sb][0]
+            if phase == "decode" and kv_moves:
+                # Each cache loads once, at most KV_AHEAD steps before its own.
+                load = at["load_kv.issue", "block", block, sb]
+                assert len(load) == 1 and load[0] < compute
+                steps_between = sum(1 for s in steps[load[0]:compute] if s.kind == "compute")
+                assert steps_between <= KV_AHEAD
+            else:
+                assert ("load_kv.issue", "block", block, sb) not in at
+            if spill and block < layers - 1:
+                # Its output leaves after it is made and comes back before the next layer needs it.
+                spill_at, fill_at = at["spill.issue", "block", block, sb][0], at["fill.issue", "block", block, sb][0]
+                assert compute < spill_at < fill_at < at["compute", "block", block + 1, sb][0]
+    stored = [(s.block, s.subbatch) for s in steps if s.kind == "store_kv.issue"]
+    assert sorted(stored) == [(b, d) for b in range(layers) for d in subbatches]
+    tails = [s for s in steps if s.region == "suffix"]
+    assert [s.subbatch for s in tails] == (list(subbatches) if spill else [None])
+    assert steps[-1].region == "suffix"
