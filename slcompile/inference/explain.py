@@ -296,12 +296,12 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
     try:
         memory = _MemoryModel(model, plan, engine, batch, length, streamed, load_granularity, load_overhead,
                               memo.setdefault("padded", {}) if padded else memo, padded)
-        prefill_memory = memory.pass_memory("prefill", 0, kv_moves and max_new_tokens > 1)
+        prefill_memory = memory.pass_memory(steps[0].schedule, 0)
         # Every decode pass's layer steps are traced with the last one's cache length:
         # the longest, so no step's temporaries are underestimated.
         longest = length + max_new_tokens - 2
-        decode_memory = max((memory.pass_memory("decode", length + step - 1, kv_moves and step < max_new_tokens - 1,
-                                                loaded_segments[step], longest)
+        decode_memory = max((memory.pass_memory(steps[step].schedule, length + step - 1, loaded_segments[step],
+                                                longest)
                              for step in range(1, max_new_tokens)), key=lambda m: m.peak_bytes, default=None)
     except Exception as error:  # noqa: BLE001 - the schedules and bytes stand without the memory
         log.warning("explain_generation: the device memory of %s's passes is not predicted: tracing its forward "

@@ -24,7 +24,8 @@ from slcompile.inference.capture import (
 from slcompile.inference.executor import HIDDEN_STORES_IN_FLIGHT
 from slcompile.inference.options import _Plan
 from slcompile.runtime.tiers import Tier
-from slcompile.schedules.generation import KV_AHEAD, offloads_hidden
+from slcompile.schedules.base import Schedule
+from slcompile.schedules.generation import offloads_hidden
 
 __all__ = ["PassMemory"]
 
@@ -101,9 +102,10 @@ class _MemoryModel:
       next, prefetched (`weights`), each tensor padded as loads pad it;
     - the KV cache (`kv`): on a tier that copies nothing, every cache (the caches
       already computed by this pass at their new length); on one that copies, the
-      cache of the (layer, sub-batch) computing and the loaded segments of the next
-      `KV_AHEAD` (each segment its own tensor, or one buffer for all where
-      `reads_in_place`), and the stores still in flight (the positions they write);
+      cache of the (layer, sub-batch) computing and the loaded segments of those
+      whose loads the schedule issued before its step (each segment its own tensor,
+      or one buffer for all where `reads_in_place`), and the stores still in flight
+      (the positions they write);
     - the temporaries of the compiled layer step (`step`): the peak of the values
       its graph makes (new cache included), from the lifetimes of the step's ATen
       graph traced on fake tensors, as `aot_eager` runs it (Inductor's fused
@@ -369,14 +371,17 @@ class _MemoryModel:
         self._tail_peak(inputs, hidden)
         return steps, self.costs[("tail", tuple(hidden.shape))]
 
-    def pass_memory(self, phase: str, past: int, stores: bool, segments: Sequence[Sequence[int]] = (),
+    def pass_memory(self, schedule: Schedule, past: int, segments: Sequence[Sequence[int]] = (),
                     traced_past: int | None = None) -> PassMemory:
-        """The device memory of the pass that follows `past` positions.
+        """The device memory of the pass that follows `past` positions, walked in
+        its `schedule` (the one `generate` walks): its stores in the order of its
+        `store_kv.issue` steps, the caches loading at a layer step those whose
+        `load_kv.issue` came before it, its hidden states on the KV tier where it
+        has `spill.issue` steps.
 
         Args:
-            phase: "prefill" or "decode".
+            schedule: the pass's schedule (`generation_pass`), of every sub-batch.
             past: positions each sequence has before the pass (0 for the prefill).
-            stores: whether the pass stores its caches (on a tier that copies).
             segments: per layer, the positions of each stored segment the decode
                 pass loads (on a tier that copies).
             traced_past: the past the capture and the layer steps are traced with
@@ -385,31 +390,34 @@ class _MemoryModel:
         from slcompile.runtime.kv import merged_segments
 
         plan, batch, n = self.plan, self.batch, len(self.layers)
+        phase = schedule.steps[0].phase
         parts = plan.prefill_subbatches if phase == "prefill" else plan.num_subbatches
         size, decode_size = batch // parts, batch // plan.num_subbatches
         query = self.length if phase == "prefill" else 1
         # An offloading prefill captures, and computes the logits of, one sub-batch at a time.
-        offloads = phase == "prefill" and offloads_hidden(self.kv_moves, parts, n)
+        offloads = any(step.kind == "spill.issue" for step in schedule.steps)
         captured, other, hidden_bytes, steps, tail = self._traced(
             phase, past if traced_past is None else traced_past, size, size if offloads else batch)
         part_hidden = hidden_bytes if offloads else hidden_bytes // parts
 
-        # 2. The stores' sources in the order they are issued (the last
-        # `stores_in_flight` (layer, sub-batch)s' are alive), and how many precede
-        # each layer step.
-        issued, before = [], {}
-        for index in range(n):
-            for part in range(parts):
-                before[index, part] = len(issued)
-                if not (stores and self.kv_moves):
-                    continue
+        # 2. From the schedule: the stores' sources in the order they are issued
+        # (the last `stores_in_flight` (layer, sub-batch)s' are alive), how many
+        # precede each layer step, and the caches loading while it runs.
+        issued, before, loading = [], {}, {}
+        pending: set[tuple[int, int]] = set()
+        for step in schedule.steps:
+            if step.kind == "store_kv.issue" and self.kv_moves:
                 if phase == "decode":
-                    written = merged_segments(segments[index], 1, self._kept(index, past + 1))[1]
-                    issued.append(self._cache_bytes(index, size, written))
+                    written = merged_segments(segments[step.block], 1, self._kept(step.block, past + 1))[1]
+                    issued.append(self._cache_bytes(step.block, size, written))
                 else:
-                    issued += [self._cache_bytes(index, decode_size, self._kept(index, self.length))
-                               for d in range(plan.num_subbatches)
-                               if part * size < (d + 1) * decode_size <= (part + 1) * size]
+                    issued.append(self._cache_bytes(step.block, decode_size, self._kept(step.block, self.length)))
+            elif step.kind == "load_kv.issue":
+                pending.add((step.block, step.subbatch))
+            elif step.kind == "compute" and step.region == "block":
+                before[step.block, step.subbatch] = len(issued)
+                pending.discard((step.block, step.subbatch))
+                loading[step.block, step.subbatch] = tuple(pending)
 
         def in_flight(count: int) -> int:
             return sum(issued[max(0, count - 4):count])
@@ -481,9 +489,7 @@ class _MemoryModel:
                             **common, "hidden": common["hidden"] + captured, "logits": logits,
                             "kv": in_flight(after) + filling(part + 1), "tail": tail}))
                     continue
-                step = index * parts + part
-                ahead = sum(self._loaded_bytes(later // parts, size, segments[later // parts])
-                            for later in range(step + 1, min(step + 1 + KV_AHEAD, n * parts)))
+                ahead = sum(self._loaded_bytes(block, size, segments[block]) for block, _ in loading[index, part])
                 own = segments[index]
                 if len(own) > 1 and not self._in_place(index, size):
                     joined = self._padded(self._cache_bytes(index, size, sum(own)))
