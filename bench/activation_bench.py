@@ -164,6 +164,7 @@ def run_one(spec: dict) -> dict:
     import torch._functorch.config
 
     import slcompile
+    from slcompile.analysis.machine import MachineFacts
     from slcompile.analysis.memory import measured_peak_bytes, predict_memory
     from slcompile.examples import GPTConfig, TinyGPT
     from slcompile.runtime import Tier, TransferKind, mark_step, reset_runtime_stats
@@ -282,7 +283,7 @@ def run_one(spec: dict) -> dict:
         # Off by default: predicting again takes about as long as compiling.
         seen = predict_memory(
             report.graphs["forward"], report.graphs["backward"], live_blocks=report.config.live_blocks,
-            load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES,
+            machine=MachineFacts(load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES),
         ) if spec.get("profiler_view") else None
         offloaded = report.offloaded_activations
         result.update({

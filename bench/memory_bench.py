@@ -38,6 +38,7 @@ def run(k: int, live_blocks: int, recompute: str, d_model: int) -> dict:
     import torch
 
     import slcompile
+    from slcompile.analysis.machine import MachineFacts
     from slcompile.analysis.memory import predict_memory
     from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
     from slcompile.runtime.nvme import buffers_seen_by_profiler
@@ -74,7 +75,7 @@ def run(k: int, live_blocks: int, recompute: str, d_model: int) -> dict:
     report = slcompile.compile_reports()[-1]
     with_slack = predict_memory(
         report.graphs["forward"], report.graphs["backward"], live_blocks=live_blocks,
-        load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES,
+        machine=MachineFacts(load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES),
     ).step_peak_bytes
     return {
         "k": k, "live_blocks": live_blocks, "recompute": recompute,

@@ -16,6 +16,7 @@ import pathlib
 import torch
 
 import slcompile
+from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import measured_peak_bytes, predict_memory
 from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.runtime import reset_runtime_stats, runtime_stats
@@ -43,8 +44,8 @@ def measure(model, idx, targets, schedule: str) -> dict:
         measured = measured_peak_bytes(step)
         moved = sum(runtime_stats().bytes_moved.values())
     report = slcompile.compile_reports()[-1]
-    predicted = predict_memory(report.graphs["inference"], graph_kind="inference", load_granularity=PAGE_BYTES,
-                               load_overhead=PAGE_BYTES).step_peak_bytes
+    pages = MachineFacts(load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES)
+    predicted = predict_memory(report.graphs["inference"], graph_kind="inference", machine=pages).step_peak_bytes
     return {"policy": schedule, "measured_peak_bytes": measured, "predicted_peak_bytes": predicted,
             "bytes_moved": moved, "spilled_outputs": len(report.spilled_boundaries.names)}
 

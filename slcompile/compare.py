@@ -58,7 +58,7 @@ class PolicyRow:
         predicted_peak_bytes: the device bytes the step allocates at its peak, as the
             memory model predicts it for the step as measured here: loads in
             allocator memory, one page of alignment slack each
-            (`predict_memory(..., load_overhead=PAGE_BYTES)`).
+            (`MachineFacts.load_overhead` of a page).
         measured_peak_bytes: the same, measured: the peak of torch's CPU allocator over
             one step, relative to its start (`analysis.memory.measured_peak_bytes`).
         plan_peak_bytes: the plan's own prediction, without the measurement's slack
@@ -399,12 +399,13 @@ def _with_time(row: PolicyRow, inputs: Sequence[Any], machine) -> PolicyRow:
 def _predicted_as_measured(report) -> int:
     """The memory model's step peak with loads placed as `buffers_seen_by_profiler`
     places them: whole pages, plus one page of slack each."""
+    from slcompile.analysis.machine import MachineFacts
     from slcompile.analysis.memory import predict_step_memory
     from slcompile.runtime.tiers import PAGE_BYTES
 
     live_blocks = report.config.live_blocks if report.streamed_bytes else 1
-    prediction = predict_step_memory(report.graphs, live_blocks=live_blocks, load_granularity=PAGE_BYTES,
-                                     load_overhead=PAGE_BYTES)
+    prediction = predict_step_memory(report.graphs, live_blocks=live_blocks,
+                                     machine=MachineFacts(load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES))
     return int(prediction.step_peak_bytes) if prediction is not None else 0
 
 

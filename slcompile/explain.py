@@ -386,9 +386,7 @@ def plan_with_optimizer(state, optimizer=None, optimizer_options=None):
     from slcompile.analysis.memory import optimizer_memory
     from slcompile.backends.speedloader import step_plan
     from slcompile.optim import OffloadedOptimizer
-    from slcompile.runtime.engine import get_engine
     from slcompile.runtime.gradients import gradient_sink_for
-    from slcompile.runtime.tiers import Tier
 
     plan = step_plan(state)
     if optimizer is None:
@@ -397,7 +395,7 @@ def plan_with_optimizer(state, optimizer=None, optimizer_options=None):
     blocks = state.streamed.blocks if state.streamed is not None else ()
     streamed = [[values[name] for name, _ in block] for block in blocks]
     if isinstance(optimizer, OffloadedOptimizer):
-        memory, gradients_tier = optimizer.memory(streamed), optimizer.gradient_tier.value
+        memory, gradients_tier = optimizer.memory(streamed, plan.machine), optimizer.gradient_tier.value
     else:
         options = dict(optimizer_options or {})
         states, gradients_tier = options.pop("states", "host"), options.pop("gradients", "host")
@@ -405,11 +403,9 @@ def plan_with_optimizer(state, optimizer=None, optimizer_options=None):
         off = {id(p) for block in streamed for p in block}
         resident = [i.value for i in state.inputs if i.kind == "param" and isinstance(i.value, torch.Tensor)
                     and i.value.requires_grad and id(i.value) not in off]
-        shards = state.streamer.shards if state.streamer is not None else None
         memory = optimizer_memory(
             optimizer, options, [resident], streamed, states=states, max_grad_norm=max_grad_norm,
-            host_is_device=get_engine(state.config.offload_dir).copies_nothing(Tier.HOST, Tier.DEVICE),
-            weight_shards=shards.world_size if shards is not None else 1,
+            machine=plan.machine,
         )
     sink = plan.gradients
     if sink is None and state.config.gradients == "auto":

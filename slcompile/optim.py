@@ -371,32 +371,33 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for graph_key in issues:
                 fetch_issue(graph_key, gather=False)  # sharded: the fetch all-gathers, in graph order
 
-    def memory(self, streamed: Iterable[Iterable[torch.Tensor]], host_is_device: bool | None = None):
+    def memory(self, streamed: Iterable[Iterable[torch.Tensor]], machine=None):
         """This optimizer's share of a step's memory per tier
         (`slcompile.analysis.memory.optimizer_memory`) when `streamed` are the
         model's streamed weights, per block; its other parameters step on the device.
 
         Args:
             streamed: the streamed parameters, grouped by block.
-            host_is_device: host memory is the device's; default: this machine's answer.
+            machine: the machine's facts (`MachineFacts`); default: this machine's,
+                with the streamed weights' shard group's ranks.
         """
         from slcompile.analysis.memory import optimizer_memory
 
         blocks = [list(block) for block in streamed]
         off = {id(p) for block in blocks for p in block}
         resident = [[p for p in group["params"] if id(p) not in off] for group in self.param_groups]
-        if host_is_device is None:
-            host_is_device = get_engine().copies_nothing(Tier.HOST, Tier.DEVICE)
         # The class's options as the first group has them; weight decay where any group has it.
         options = {key: self.param_groups[0][key] for key in self.defaults if key in self.param_groups[0]}
         decays = [group.get("weight_decay", 0) for group in self.param_groups]
         if any(decays):
             options["weight_decay"] = next(decay for decay in decays if decay)
-        shards = next((g for g in (shard_group_of(p) for block in blocks for p in block) if g is not None), None)
+        if machine is None:
+            from slcompile.pipeline import machine_facts
+
+            shards = next((g for g in (shard_group_of(p) for block in blocks for p in block) if g is not None), None)
+            machine = machine_facts(world_size=shards.world_size if shards is not None else 1)
         return optimizer_memory(self.optimizer_class, options, resident, blocks,
-                                states=self.states_tier.value, max_grad_norm=self.max_grad_norm,
-                                host_is_device=host_is_device,
-                                weight_shards=shards.world_size if shards is not None else 1)
+                                states=self.states_tier.value, max_grad_norm=self.max_grad_norm, machine=machine)
 
     def wait(self) -> None:
         """Blocks until the block steps submitted so far are done; re-raises their errors."""

@@ -36,6 +36,7 @@ import torch.fx
 
 from slcompile.analysis.batch_propagation import BatchPlan, propagate_batch
 from slcompile.analysis.inputs import GraphInput, classify_inputs
+from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import predict_memory
 from slcompile.analysis.time import step_seconds
 from slcompile.backends.outline import compile_regions
@@ -463,11 +464,26 @@ def _offload_gradients(step: StepState):
     return stored
 
 
-def load_granularity() -> int:
-    """On a CPU machine, loads read files straight into page-padded memory."""
-    from slcompile.runtime.tiers import PAGE_BYTES
+def machine_facts(offload_dir: str | None = None, world_size: int = 1, load_overhead: int = 0) -> MachineFacts:
+    """This machine's facts (`MachineFacts`), from the transfer engine of
+    `offload_dir`: the tiers whose memory is the device's, and how loads pad (on a
+    CPU machine loads read files straight into page-padded memory). `world_size`
+    and `load_overhead` are given: the ranks the weights shard over, and a loaded
+    tensor's bytes beyond its padded size (a page where the allocator's view is
+    measured, inside `slcompile.runtime.nvme.buffers_seen_by_profiler`)."""
+    from slcompile.config import TIERS
+    from slcompile.runtime.engine import get_engine
+    from slcompile.runtime.tiers import PAGE_BYTES, Tier
 
-    return 1 if torch.cuda.is_available() else PAGE_BYTES
+    engine = get_engine(offload_dir)
+    device = engine.device.type
+    return MachineFacts(
+        device=device,
+        resident_tiers=frozenset(tier for tier in TIERS if engine.copies_nothing(Tier(tier), Tier.DEVICE)),
+        load_granularity=PAGE_BYTES if device == "cpu" else 1,
+        load_overhead=load_overhead,
+        world_size=world_size,
+    )
 
 
 def _predict_memory(step: StepState):
@@ -476,9 +492,7 @@ def _predict_memory(step: StepState):
         return predict_memory(
             step.graphs["inference"], graph_kind="inference", live_blocks=plan.live_blocks,
             activations_tier=plan.activations_tier if plan.stash is not None else "device",
-            weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes,
-            load_granularity=load_granularity(), weight_shards=_weight_shards(plan),
-            zero_copy_shards=_zero_copy_shards(plan),
+            weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes, machine=plan.machine,
         )
     offloaded = step.results.get("offload_activations") or OffloadedActivations()
     return predict_memory(
@@ -486,36 +500,9 @@ def _predict_memory(step: StepState):
         live_blocks=plan.live_blocks if plan.streamer is not None else 1,
         weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes,
         activations_tier=plan.activations_tier, offloaded_bytes=offloaded.bytes,
-        recompute=step.recompute, load_granularity=load_granularity(),
-        optimizer=plan.optimizer, gradient_copies=_gradients_copied(plan), weight_shards=_weight_shards(plan),
-        zero_copy_shards=_zero_copy_shards(plan),
+        recompute=step.recompute, optimizer=plan.optimizer,
+        gradients_tier=plan.gradients.tier.value if plan.gradients is not None else None, machine=plan.machine,
     )
-
-
-def _weight_shards(plan) -> int:
-    """Over how many ranks the streamed weights are sharded (`shard_weights`)."""
-    shards = plan.streamer.shards if plan.streamer is not None else None
-    return shards.world_size if shards is not None else 1
-
-
-def _zero_copy_shards(plan) -> bool:
-    """Whether a sharded weight's shard is loaded without a copy (its tier is the
-    device's own memory: the host of a CPU-only machine)."""
-    from slcompile.runtime.tiers import Tier
-
-    streamer = plan.streamer
-    return streamer is not None and streamer.engine.copies_nothing(streamer.tier, Tier.DEVICE)
-
-
-def _gradients_copied(plan) -> bool:
-    """Whether the stores of gradients copy them on the device (`GradientSink.store`:
-    a tier that keeps the very memory, the host of a CPU-only machine)."""
-    from slcompile.runtime.tiers import Tier
-
-    sink = plan.gradients
-    if sink is None or getattr(sink, "shards", None) is not None:
-        return False
-    return sink.engine.copies_nothing(Tier.DEVICE, sink.tier)
 
 
 def _derive_schedule(step: StepState) -> Schedule:

@@ -299,8 +299,7 @@ def tune_generation(
     weights: str | None = None,
     kv_cache: str | None = None,
     offload_dir: str | None = None,
-    load_granularity: int | None = None,
-    load_overhead: int = 0,
+    machine=None,
     padded: bool = False,
 ) -> GenerationTuneResult:
     """Chooses `slcompile.generate`'s sub-batches and tiers under a device budget.
@@ -313,7 +312,7 @@ def tune_generation(
         weights, kv_cache: the tier, fixed; None: the first that fits of "device",
             "host" (where it is not the device's own memory) and "nvme".
         offload_dir: as for `generate`.
-        load_granularity, load_overhead, padded: as for `explain_generation` (pass
+        machine, padded: as for `explain_generation` (pass
             `padded=True` for left-padded prompts).
 
     Returns:
@@ -352,7 +351,7 @@ def tune_generation(
         key = (w, kv, phase, prefill_k if phase == "prefill" else None, decode_k)
         if key not in peaks:
             explained = _explain_generation(model, input_shape, max_new_tokens, decode_k, prefill_k, w, kv,
-                                            offload_dir, load_granularity, load_overhead, memo, padded)
+                                            offload_dir, machine, memo, padded)
             memory = getattr(explained, f"{phase}_memory")
             if memory is None:
                 raise RefusedError(f"the device memory of {type(model).__name__}'s generation cannot be predicted "
@@ -379,7 +378,7 @@ def tune_generation(
         if chosen is not None:
             prefill_k, decode_k = chosen
             explanation = _explain_generation(model, input_shape, max_new_tokens, decode_k, prefill_k, w, kv,
-                                              offload_dir, load_granularity, load_overhead, memo, padded)
+                                              offload_dir, machine, memo, padded)
             options = {"num_subbatches": decode_k, "prefill_subbatches": prefill_k, "weights": w, "kv_cache": kv}
             return GenerationTuneResult(options, explanation, tuple(tried))
     # The smallest budget: the least peak of any pass at which the choice succeeds.

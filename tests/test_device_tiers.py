@@ -73,6 +73,7 @@ def test_predicted_step_peak_within_ten_percent_of_the_cuda_allocators(activatio
     `torch.cuda.max_memory_allocated` above the same baseline, weights on pinned host
     memory; the CUDA allocator rounds each block to 512 bytes, which the prediction is
     told about."""
+    from slcompile.analysis.machine import MachineFacts
     from slcompile.analysis.memory import predict_memory
 
     device = device_under_test()
@@ -101,5 +102,5 @@ def test_predicted_step_peak_within_ten_percent_of_the_cuda_allocators(activatio
     measured = min(step(), step())
     report = slcompile.compile_reports()[-1]
     predicted = predict_memory(report.graphs["forward"], report.graphs["backward"], live_blocks=2,
-                               load_granularity=512).step_peak_bytes
+                               machine=MachineFacts(load_granularity=512)).step_peak_bytes
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured, report.memory.step_peak_bytes)

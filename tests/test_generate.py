@@ -13,10 +13,16 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import slcompile
 from slcompile.generate import explain_generation
-from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.pipeline import machine_facts
+from slcompile.runtime.tiers import PAGE_BYTES, Tier, TransferKind
 
 VOCAB = 96
 PAD = 0
+
+
+def _as_measured():
+    """This machine's facts with a page of slack per load, as `buffers_seen_by_profiler` measures loads."""
+    return machine_facts(load_overhead=PAGE_BYTES)
 
 
 def hf_mistral(sliding_window: int = 4):
@@ -399,14 +405,13 @@ MEMORY_CASES = [
 @pytest.mark.parametrize("prefill_k,k,weights,kv_cache,length,new_tokens,hidden", MEMORY_CASES)
 def test_explained_device_peak_of_prefill_and_decode_within_five_percent_of_measured(
         tmp_path, prefill_k, k, weights, kv_cache, length, new_tokens, hidden):
-    from slcompile.runtime.tiers import PAGE_BYTES
 
     model = hf_llama(num_hidden_layers=2, hidden_size=hidden, vocab_size=VOCAB).eval()
     input_ids = torch.randint(3, VOCAB, (8, length), generator=torch.Generator().manual_seed(0))
     options = dict(num_subbatches=k, prefill_subbatches=prefill_k, weights=weights, kv_cache=kv_cache,
                    offload_dir=str(tmp_path))
     # Inside `buffers_seen_by_profiler` each loaded tensor carries one page of slack.
-    explained = explain_generation(model, input_ids.shape, new_tokens, load_overhead=PAGE_BYTES, **options)
+    explained = explain_generation(model, input_ids.shape, new_tokens, machine=_as_measured(), **options)
     prefill, decode = explained.prefill_memory, explained.decode_memory
     assert (decode.peak_bytes > prefill.peak_bytes) == (new_tokens > 2), (prefill, decode)
     assert prefill.resident_bytes == decode.resident_bytes
@@ -423,7 +428,6 @@ def test_explained_device_peak_of_prefill_and_decode_within_five_percent_of_meas
 def test_explained_device_peak_of_left_padded_prompts_within_five_percent_of_measured(tmp_path):
     """Padded prompts make the model build a mask per sub-batch, which an offloading
     prefill holds for every sub-batch through the pass: `padded=True` counts them."""
-    from slcompile.runtime.tiers import PAGE_BYTES
 
     model = hf_llama(num_hidden_layers=2, hidden_size=64, vocab_size=VOCAB).eval()
     input_ids, mask = left_padded_batch(batch=16, length=60)
@@ -431,7 +435,7 @@ def test_explained_device_peak_of_left_padded_prompts_within_five_percent_of_mea
     options = dict(num_subbatches=2, prefill_subbatches=8, weights="device", kv_cache="nvme",
                    offload_dir=str(tmp_path))
     measured = measured_generate_peak(model, input_ids, 2, mask=mask, **options)
-    padded, unpadded = (explain_generation(model, input_ids.shape, 2, load_overhead=PAGE_BYTES, padded=p, **options)
+    padded, unpadded = (explain_generation(model, input_ids.shape, 2, machine=_as_measured(), padded=p, **options)
                         for p in (True, False))
     predicted = padded.peak_bytes - padded.prefill_memory.resident_bytes
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured, str(padded))
@@ -459,14 +463,13 @@ def test_offloading_prefill_device_memory_grows_with_the_batch_by_logits_and_pos
     grows by the last-position logits the pass returns for each sequence added and
     the position ids the model's inputs hold for it, nothing else (no hidden state,
     embedding, mask or cache of the whole batch); measured within 5% at both."""
-    from slcompile.runtime.tiers import PAGE_BYTES
 
     model = hf_llama(num_hidden_layers=2, hidden_size=64, vocab_size=VOCAB).eval()
     peaks = {}
     for batch in (32, 96):
         options = dict(num_subbatches=batch // 4, prefill_subbatches=batch, weights="device", kv_cache="nvme",
                        offload_dir=str(tmp_path))
-        explained = explain_generation(model, (batch, 32), 2, load_overhead=PAGE_BYTES, **options)
+        explained = explain_generation(model, (batch, 32), 2, machine=_as_measured(), **options)
         peaks[batch] = explained.prefill_memory.peak_bytes - explained.prefill_memory.resident_bytes
         input_ids = torch.randint(3, VOCAB, (batch, 32), generator=torch.Generator().manual_seed(batch))
         measured = measured_generate_peak(model, input_ids, 2, **options)

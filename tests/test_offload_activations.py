@@ -10,6 +10,7 @@ import torch
 import slcompile
 from conftest import assert_matches_eager
 from models import GPTConfig, TinyGPT, hf_gpt2, make_gpt_batch
+from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import measured_peak_bytes, predict_memory
 from slcompile.runtime import Tier, TransferKind, get_engine, reset_runtime_stats, runtime_stats
 from slcompile.runtime.nvme import buffers_seen_by_profiler
@@ -293,7 +294,7 @@ def test_predicted_peak_within_five_percent_with_weights_and_activations_on_nvme
     report = slcompile.compile_reports()[-1]
     predicted = predict_memory(
         report.graphs["forward"], report.graphs["backward"], live_blocks=live_blocks,
-        load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES,
+        machine=MachineFacts(load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES),
     ).step_peak_bytes
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
 

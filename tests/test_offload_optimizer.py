@@ -405,6 +405,7 @@ def _bytes(state):
 
 
 def test_model_four_times_the_budget_trains_under_it():
+    from slcompile.analysis.machine import MachineFacts
     from slcompile.analysis.memory import measured_peak_bytes, predict_memory
     from slcompile.runtime.nvme import buffers_seen_by_profiler
     from slcompile.runtime.tiers import PAGE_BYTES
@@ -473,7 +474,7 @@ def test_model_four_times_the_budget_trains_under_it():
             # is held to the same graphs predicted with it.
             graphs = report.graphs["forward"], report.graphs["backward"]
             predicted = predict_memory(
-                *graphs, live_blocks=2, load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES,
+                *graphs, live_blocks=2, machine=MachineFacts(load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES),
                 optimizer=report.memory.optimizer,
             ).peak_bytes["device"]
             assert report.memory.peak_bytes["device"] < predicted

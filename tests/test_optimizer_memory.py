@@ -8,6 +8,7 @@ import torch
 
 import slcompile
 from models import GPTConfig, TinyGPT, make_gpt_batch
+from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import measured_peak_bytes, optimizer_memory, predict_memory
 from slcompile.runtime.nvme import buffers_seen_by_profiler
 from slcompile.runtime.tiers import PAGE_BYTES
@@ -86,7 +87,7 @@ def test_predicted_peak_of_the_whole_step_within_five_percent(optimizer_class, o
     assert memory.optimizer.states_tier == states and (memory.optimizer.nvme_state_bytes > 0) == (states == "nvme")
     graphs = report.graphs["forward"], report.graphs["backward"]
     # In `buffers_seen_by_profiler` each loaded buffer carries one page of slack.
-    pages = {"live_blocks": 1, "load_granularity": PAGE_BYTES, "load_overhead": PAGE_BYTES}
+    pages = {"live_blocks": 1, "machine": MachineFacts(load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES)}
     predicted = predict_memory(*graphs, optimizer=memory.optimizer, **pages).step_peak_bytes
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
     if optimizer_class is torch.optim.AdamW:
@@ -103,11 +104,15 @@ def test_gradient_copies_to_the_host_tier_are_predicted_with_recompute_none():
     report, measured = _measured_step(cfg, torch.optim.SGD, {"lr": 0.1}, "host", "host", {"recompute": "none"})
     assert report.memory.gradient_copy_bytes > 0  # the prediction the compile made has them
     graphs = report.graphs["forward"], report.graphs["backward"]
-    options = {"live_blocks": 1, "load_granularity": PAGE_BYTES, "load_overhead": PAGE_BYTES,
-               "optimizer": report.memory.optimizer}
-    predicted = predict_memory(*graphs, gradient_copies=True, **options).step_peak_bytes
+    # The host tier is the device's memory here: a gradient stored there is copied first.
+    machine = MachineFacts("cpu", frozenset({"device", "host"}), load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES)
+    options = {"live_blocks": 1, "optimizer": report.memory.optimizer}
+    predicted = predict_memory(*graphs, gradients_tier="host", machine=machine, **options).step_peak_bytes
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
-    assert predict_memory(*graphs, **options).step_peak_bytes < 0.9 * measured
+    assert predict_memory(*graphs, machine=machine, **options).step_peak_bytes < 0.9 * measured
+    # A tier that copies (a GPU's host memory) needs no copy on the device first.
+    copying = MachineFacts(load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES)
+    assert predict_memory(*graphs, gradients_tier="host", machine=copying, **options).gradient_copy_bytes == 0
 
 
 def _explain(optimizer=None, **options):

@@ -7,6 +7,7 @@ that whole weights would fit but the all-gathers' window does not.
 One spawn checks everything that needs the process group, to pay its start-up once.
 """
 
+import dataclasses
 import datetime
 import gc
 
@@ -17,6 +18,7 @@ import torch.multiprocessing as mp
 
 import slcompile
 from models import GPTConfig, TinyGPT, make_gpt_batch, step_beside_eager
+from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import measured_peak_bytes, predict_memory
 from slcompile.errors import BudgetError
 from slcompile.runtime.nvme import buffers_seen_by_profiler
@@ -33,7 +35,7 @@ K = 2
 # One plan per window (no recomputation to fall back on under a budget).
 OPTIONS = {"lowering": "aot_eager", "weights": "nvme", "shard_weights": True, "recompute": "none"}
 # In `buffers_seen_by_profiler` each loaded buffer (a shard) carries one page of slack.
-PAGES = {"load_granularity": PAGE_BYTES, "load_overhead": PAGE_BYTES}
+PAGES = MachineFacts(load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES)
 
 
 def _measured_step(rank, live_blocks, offload_dir):
@@ -95,15 +97,17 @@ def _worker(rank, rendezvous, offload_dir, results):
         for live_blocks in (1, 2):
             report, measured = _measured_step(rank, live_blocks, offload_dir)
             graphs = report.graphs["forward"], report.graphs["backward"]
-            sharded = predict_memory(*graphs, live_blocks=live_blocks, weight_shards=WORLD, **PAGES)
+            sharded = predict_memory(*graphs, live_blocks=live_blocks,
+                                     machine=dataclasses.replace(PAGES, world_size=WORLD))
             # Without the shards' and the all-gathers' terms: whole weights, each loaded.
-            whole = predict_memory(*graphs, live_blocks=live_blocks, **PAGES)
+            whole = predict_memory(*graphs, live_blocks=live_blocks, machine=PAGES)
             compiled = report.memory  # the compile's own prediction (no page of slack per load)
             results[rank, live_blocks] = {
                 "measured": measured, "sharded": sharded.step_peak_bytes, "whole": whole.step_peak_bytes,
                 "text": str(sharded), "shard_bytes": sharded.shard_bytes, "gather_bytes": sharded.gather_bytes,
                 "device": compiled.peak_bytes["device"],
-                "whole_device": predict_memory(*graphs, live_blocks=live_blocks, load_granularity=PAGE_BYTES,
+                "whole_device": predict_memory(*graphs, live_blocks=live_blocks,
+                                               machine=MachineFacts(load_granularity=PAGE_BYTES),
                                                optimizer=compiled.optimizer).peak_bytes["device"],
             }
         # A budget live_blocks=2 fits with whole weights but not with its shards and
@@ -154,7 +158,8 @@ def _one_rank_worker(rank, rendezvous, offload_dir, results):
         for live_blocks in (1, 2):
             report, measured = _measured_step(0, live_blocks, offload_dir)
             graphs = report.graphs["forward"], report.graphs["backward"]
-            results[live_blocks] = (measured, predict_memory(*graphs, live_blocks=live_blocks, **PAGES).step_peak_bytes)
+            predicted = predict_memory(*graphs, live_blocks=live_blocks, machine=PAGES).step_peak_bytes
+            results[live_blocks] = (measured, predicted)
         # The same losses and parameters as eager over two SGD steps.
         torch._dynamo.reset()
         torch.manual_seed(0)

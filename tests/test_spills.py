@@ -12,6 +12,7 @@ import torch
 import slcompile
 from conftest import assert_matches_eager
 from models import GPTConfig, TinyGPT, hf_llama, make_gpt_batch
+from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import measured_peak_bytes, predict_memory
 from slcompile.runtime import Tier, TransferKind, reset_runtime_stats, runtime_stats
 from slcompile.runtime.nvme import buffers_seen_by_profiler
@@ -120,8 +121,8 @@ def _evaluate(model, idx, targets, schedule):
         nvme_peak = runtime_stats().cumulative.peak_bytes.get(Tier.NVME, 0) - nvme_before
         moved = _activation_bytes()
     report = slcompile.compile_reports()[-1]
-    predicted = predict_memory(report.graphs["inference"], graph_kind="inference", load_granularity=PAGE_BYTES,
-                               load_overhead=PAGE_BYTES).step_peak_bytes
+    pages = MachineFacts(load_granularity=PAGE_BYTES, load_overhead=PAGE_BYTES)
+    predicted = predict_memory(report.graphs["inference"], graph_kind="inference", machine=pages).step_peak_bytes
     return step()[0], predicted, measured, report, moved, nvme_peak
 
 

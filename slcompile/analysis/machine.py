@@ -1,5 +1,7 @@
 """Machine profiles: the rates the time model (`slcompile.analysis.time`) scales
-FLOPs and bytes by.
+FLOPs and bytes by; and machine facts (`MachineFacts`): what the memory model
+depends on about the machine (which tiers copy, how loads pad, how many ranks the
+weights shard over), found once per compile.
 
 A `MachineProfile` is plain data: measured on the current machine once
 (`slcompile.profile.measure_profile`, a few seconds, cached on disk), or one of
@@ -15,12 +17,48 @@ import json
 import math
 from collections.abc import Mapping
 
-__all__ = ["MachineProfile", "NAMED_PROFILES", "named_profile", "LARGE_OUTPUT"]
+__all__ = ["MachineProfile", "MachineFacts", "NAMED_PROFILES", "named_profile", "LARGE_OUTPUT"]
 
 LARGE_OUTPUT = 64 << 10
 """Outputs of at least this many bytes pay `MachineProfile.output_seconds_per_byte`."""
 
 _INF = math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineFacts:
+    """What a plan's memory depends on about the machine, found once
+    (`slcompile.pipeline.machine_facts`) and handed to the analyses as plain data.
+    The defaults are a GPU's with one rank: only the device tier is the device's
+    memory, loads take their own size.
+
+    Attributes:
+        device: the compute device's type ("cpu", "cuda").
+        resident_tiers: the tiers whose memory is the device's own, so a transfer
+            between them copies nothing ("device"; "host" too on a CPU-only machine).
+        load_granularity: a tensor loaded from a tier that copies takes its size
+            rounded up to this (a page on a CPU machine, whose loads read files
+            straight into page-padded memory; 1 on a GPU).
+        load_overhead: bytes each loaded tensor takes beyond that (0; a page where the
+            allocator's own view is measured: `slcompile.runtime.nvme.buffers_seen_by_profiler`).
+        world_size: the ranks the streamed weights are sharded over (`shard_weights`;
+            1: not sharded).
+    """
+
+    device: str = "cuda"
+    resident_tiers: frozenset[str] = frozenset({"device"})
+    load_granularity: int = 1
+    load_overhead: int = 0
+    world_size: int = 1
+
+    def copies(self, tier: str) -> bool:
+        """Whether moving a tensor between the device and `tier` copies it."""
+        return tier not in self.resident_tiers
+
+    @property
+    def host_is_device(self) -> bool:
+        """The host tier is the device's own memory (a CPU-only machine)."""
+        return not self.copies("host")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,8 +23,8 @@ of the size symbols, evaluated for the example inputs.
 
 A gradient stored to a tier that copies nothing (the host tier of a CPU-only
 machine) is copied first, since the graph may reuse its buffer
-(`slcompile.runtime.gradients`): with `gradient_copies`, the backward also holds
-each copy from the store's issue to its wait, beside the graph's own buffer.
+(`slcompile.runtime.gradients`): the backward then also holds each copy from the
+store's issue to its wait, beside the graph's own buffer.
 
 With an optimizer (`optimizer_memory`: the offloaded optimizer's step, or the one
 `explain`/`tune` are told of), the step ends with `optimizer.step()`: the device
@@ -36,13 +36,13 @@ parameters. The host's and nvme's shares of the optimizer (master weights, the
 streamed weights' states, the gradients a block step reads) are reported apart
 (`OptimizerMemory`), not in `peak_bytes`, which sizes the transfer engine's tiers.
 
-With the streamed weights sharded over W ranks (`shard_weights`, `weight_shards=W`)
+With the streamed weights sharded over W ranks (`shard_weights`, `MachineFacts.world_size`)
 each figure is one rank's: the weights' tier holds this rank's shard of every
 streamed weight, `ceil(numel / W)` elements each (the padding included), and the
 optimizer's host copies, states and gradients of streamed weights are shards of
 that size too. On the device (`slcompile.runtime.weights`) a fetch of a weight
 takes its loaded shard (page-rounded like any load; nothing where the tier is the
-device's own memory, `zero_copy_shards`) and the all-gather's buffer, the padded
+device's own memory) and the all-gather's buffer, the padded
 weight, `ceil(numel / W) * W` elements: both from the issue `live_blocks - 1`
 visits ahead (with the prefetched weights) to the fetch, or for a fetch issued by
 itself both at its node; the buffer then is the fetched weight, to its last use.
@@ -61,8 +61,13 @@ import torch
 import torch.fx
 
 from slcompile.analysis.lifetimes import (
-    LifetimeTable, analyze_lifetimes, analyze_training_step, max_of, tensor_bytes,
+    LifetimeTable,
+    analyze_lifetimes,
+    analyze_training_step,
+    max_of,
+    tensor_bytes,
 )
+from slcompile.analysis.machine import MachineFacts
 from slcompile.meta import get_slc_meta
 from slcompile.units import format_bytes
 from slcompile.vocabulary import UNSTASH_WAIT, StashKey, is_stash, prefetched_visits
@@ -98,8 +103,8 @@ class GraphMemory:
             sharded, their all-gathers' buffers) and "outputs_held" (in the
             backward, the forward's outputs the caller holds), with sharded
             weights "shard" (shards loaded and not yet fetched, ahead or in a fetch),
-            and in a backward with `gradient_copies`, "gradient_copy" (copies of
-            stored gradients until their store's wait).
+            and in a backward whose stored gradients are copied first,
+            "gradient_copy" (copies of stored gradients until their store's wait).
             Inputs the caller holds through the step are not per node
             (`MemoryPrediction.held_bytes`).
     """
@@ -188,8 +193,7 @@ def optimizer_memory(
     *,
     states: str = "host",
     max_grad_norm: float | None = None,
-    host_is_device: bool = False,
-    weight_shards: int = 1,
+    machine: MachineFacts = MachineFacts(),
 ) -> OptimizerMemory:
     """The memory an optimizer step of `optimizer_class` takes, per tier, as
     `slcompile.offload_optimizer` runs it: the resident parameters stepped on the
@@ -216,10 +220,11 @@ def optimizer_memory(
         states: where the streamed weights' state rests: "host" or "nvme".
         max_grad_norm: the clip of `offload_optimizer`: every streamed gradient then
             waits in host memory for `step()`.
-        host_is_device: host memory is the device's (a CPU-only machine).
-        weight_shards: the streamed weights are sharded over this many ranks
-            (`shard_weights`): the host steps this rank's shard of each.
+        machine: the machine's facts: whether host memory is the device's (a
+            CPU-only machine), and the ranks the streamed weights are sharded over
+            (`world_size`; `shard_weights`): the host steps this rank's shard of each.
     """
+    weight_shards = machine.world_size
     per_element, scalar_bytes = _state_layout(optimizer_class, options)
 
     def state_bytes(nbytes: int) -> int:
@@ -256,7 +261,7 @@ def optimizer_memory(
         host_gradient_bytes=gradients if blocks else 0,
         host_step_bytes=host_step,
         nvme_state_bytes=nvme,
-        host_is_device=host_is_device,
+        host_is_device=machine.host_is_device,
     )
 
 
@@ -355,7 +360,8 @@ class MemoryPrediction:
             step's temporaries); part of `step_peak_bytes` when it is the largest.
         optimizer_gradient_bytes: of those, the gradients the backward returned.
         gradient_copy_bytes: the most bytes of gradient copies on their way to the
-            optimizer's tier at once (`gradient_copies`), part of the backward.
+            optimizer's tier at once (see `predict_memory`'s `gradients_tier`), part
+            of the backward.
         weight_shards: the ranks the streamed weights are sharded over (1: not sharded).
         shard_bytes: sharded, the most device bytes of loaded shards at once
             (waiting for their all-gather and fetch).
@@ -608,12 +614,9 @@ def predict_memory(
     offloaded_bytes: sympy.Expr = sympy.Integer(0),
     recompute: str = "none",
     sizes: Mapping[sympy.Symbol, int] | None = None,
-    load_granularity: int = 1,
-    load_overhead: int = 0,
     optimizer: OptimizerMemory | None = None,
-    gradient_copies: bool = False,
-    weight_shards: int = 1,
-    zero_copy_shards: bool = False,
+    gradients_tier: str | None = None,
+    machine: MachineFacts = MachineFacts(),
 ) -> MemoryPrediction:
     """Predicts a step's memory per tier (the graphs are not changed).
 
@@ -626,20 +629,23 @@ def predict_memory(
         activations_tier: where offloaded activations rest; `offloaded_bytes` of them.
         recompute: recorded in the prediction.
         sizes: values of the size symbols; default: the example inputs'.
-        load_granularity: loaded tensors take their size rounded up to this (see
-            `analyze_lifetimes`), plus `load_overhead` bytes each.
         optimizer: the optimizer's share (`optimizer_memory`): a training step then
             ends with its step, and the device holds its resident state.
-        gradient_copies: each gradient stored by `slc::offload_grad` is copied on the
-            device first, the copy held until the store's wait (the host tier of a
-            CPU-only machine).
-        weight_shards: the streamed weights are sharded over this many ranks: their
-            tier holds this rank's shard of each (`sharded_weight_bytes`), not
-            `streamed_bytes`, and the device each fetch's loaded shard and padded
-            all-gather buffer (see the module docstring).
-        zero_copy_shards: sharded, a shard's load takes no device memory of its own
-            (the weights' tier is the device's memory: the host of a CPU-only machine).
+        gradients_tier: where `slc::offload_grad` stores the streamed weights'
+            gradients (None: they stay). Where that tier copies nothing and the
+            weights are not sharded, each gradient is copied on the device first,
+            the copy held until the store's wait.
+        machine: the machine's facts (`MachineFacts`): loaded tensors take their size
+            rounded up to its `load_granularity` (see `analyze_lifetimes`), plus
+            `load_overhead` bytes each; with `world_size` W > 1 the streamed weights
+            are sharded over W ranks: their tier holds this rank's shard of each
+            (`sharded_weight_bytes`), not `streamed_bytes`, and the device each
+            fetch's loaded shard (none where the weights' tier is the device's
+            memory) and padded all-gather buffer (see the module docstring).
     """
+    load_granularity, load_overhead = machine.load_granularity, machine.load_overhead
+    weight_shards = machine.world_size
+    gradient_copies = gradients_tier is not None and weight_shards == 1 and not machine.copies(gradients_tier)
     subs = dict(sizes if sizes is not None else size_hints(forward, *(g for g in (backward,) if g)))
     tables: list[LifetimeTable]
     if backward is not None:
@@ -653,6 +659,8 @@ def predict_memory(
             forward, graph_kind, load_granularity=load_granularity, load_overhead=load_overhead
         )], [forward]
         before = [sympy.Integer(0)]
+    # A shard loaded from a tier that is the device's memory (the host of a CPU-only machine) is no copy.
+    zero_copy_shards = weights_tier != "device" and not machine.copies(weights_tier)
     layout = _FetchLayout(weight_shards, load_granularity, load_overhead, zero_copy_shards)
     extra = _prefetched(tables, graphs, live_blocks, layout.weight)
     # Sharded weights' terms (zeros without): the loaded shards, and what the

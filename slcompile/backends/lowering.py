@@ -26,6 +26,7 @@ model deleted or `torch._dynamo.reset()` lets them go.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ import torch.fx
 
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn, get_hash_for_files
 
+from slcompile.analysis.machine import MachineFacts
 from slcompile.errors import BudgetError
 from slcompile.passes.offload_activations import OffloadedActivations
 from slcompile.passes.manager import StepState, pass_modules, run_passes
@@ -83,6 +85,7 @@ class StepPlan:
             (`slcompile.backends.outline`) instead of the whole graph.
         profile: the `MachineProfile` the activation planner places stashes by
             (the `machine_profile` option), or None: by counting steps.
+        machine: the machine's facts (`MachineFacts`) the memory model predicts with.
     """
 
     block_positions: dict[int, int]
@@ -102,6 +105,7 @@ class StepPlan:
     optimizer: Any = None
     compile_regions: bool = False
     profile: Any = None
+    machine: MachineFacts = MachineFacts()
 
 
 def lower(

@@ -30,7 +30,7 @@ from slcompile.errors import (
     BudgetError, NoBlocksError, OffloadError, OptionError, RefusedError, as_refusal, compile_error,
     passes_through_fallback,
 )
-from slcompile.pipeline import run_pipeline
+from slcompile.pipeline import machine_facts, run_pipeline
 from slcompile.report import CompileReport, add_report
 from slcompile.runtime.gradients import gradient_sink_for
 from slcompile.runtime.weights import loading_released_weights, parameter_name
@@ -175,6 +175,9 @@ def step_plan(state) -> StepPlan:
         optimizer=_optimizer_memory(state),
         compile_regions=config.compile_regions,
         profile=_profile(config),
+        machine=machine_facts(config.offload_dir, world_size=(
+            state.streamer.shards.world_size if state.streamer is not None and state.streamer.shards is not None
+            else 1)),
     )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from slcompile.analysis.machine import MachineFacts
 from slcompile.inference.capture import _cache_windows
 from slcompile.inference.executor import _fetched, _streamed_parameters
 from slcompile.inference.memory import PassMemory, _hidden_row_bytes, _kv_row_bytes, _MemoryModel
@@ -167,8 +168,7 @@ def explain_generation(
     weights: str = "device",
     kv_cache: str = "device",
     offload_dir: str | None = None,
-    load_granularity: int | None = None,
-    load_overhead: int = 0,
+    machine: MachineFacts | None = None,
     padded: bool = False,
     profile: Any = None,
     backend: str = "inductor",
@@ -182,11 +182,9 @@ def explain_generation(
         model, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
             offload_dir: as for `generate`.
         input_shape: `input_ids.shape`, `(batch, length)`.
-        load_granularity: a tensor loaded from a tier that copies takes its size
-            rounded up to this (default: the page on a CPU machine, whose loads read
-            files straight into page-padded memory; 1 on a GPU).
-        load_overhead: bytes each loaded tensor takes beyond that (one page inside
-            `slcompile.runtime.nvme.buffers_seen_by_profiler`).
+        machine: the machine's facts the memory is predicted with (`MachineFacts`:
+            which tiers copy, how a loaded tensor is padded); default: this
+            machine's (`slcompile.pipeline.machine_facts(offload_dir)`).
         padded: predict the memory for left-padded prompts, every sequence padded
             (the masks the model then builds for each sub-batch are counted); the
             bound for any `attention_mask`.
@@ -206,28 +204,28 @@ def explain_generation(
     Raises:
         OptionError, RefusedError: as `generate` raises them.
     """
-    machine = None
+    rates = None
     if profile is not None:
         from slcompile.profile import machine_profile
 
-        machine = machine_profile(profile, offload_dir=offload_dir)
+        rates = machine_profile(profile, offload_dir=offload_dir)
     return _explain_generation(model, input_shape, max_new_tokens, num_subbatches, prefill_subbatches, weights,
-                               kv_cache, offload_dir, load_granularity, load_overhead, {}, padded, machine, backend)
+                               kv_cache, offload_dir, machine, {}, padded, rates, backend)
 
 
 def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
-                        offload_dir, load_granularity, load_overhead, memo: dict,
-                        padded: bool = False, machine=None, backend: str = "inductor") -> GenerationExplanation:
+                        offload_dir, machine: MachineFacts | None, memo: dict,
+                        padded: bool = False, rates=None, backend: str = "inductor") -> GenerationExplanation:
     """`explain_generation`; `memo` keeps the traced memory of the capture, the layer
     steps and the tail between calls for one model and input shape (they do not
     depend on the tiers)."""
-    from slcompile.pipeline import load_granularity as default_granularity
+    from slcompile.pipeline import machine_facts
     from slcompile.runtime.engine import get_engine
     from slcompile.runtime.kv import forgettable_segments, merged_segments
     from slcompile.runtime.weights import weight_home
 
-    if load_granularity is None:
-        load_granularity = default_granularity()
+    if machine is None:
+        machine = machine_facts(offload_dir)
     plan = _plan(model, tuple(input_shape), None, max_new_tokens, num_subbatches, prefill_subbatches, weights,
                  kv_cache, False, 1.0, None, 1.0, [], None, offload_dir)
     engine = get_engine(offload_dir)
@@ -294,7 +292,7 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
         steps.append(GenerationStep("decode", tuple(range(kd)), schedule("decode", not last),
                                     moved(0 if last else stored, loaded)))
     try:
-        memory = _MemoryModel(model, plan, engine, batch, length, streamed, load_granularity, load_overhead,
+        memory = _MemoryModel(model, plan, engine, batch, length, streamed, machine,
                               memo.setdefault("padded", {}) if padded else memo, padded)
         prefill_memory = memory.pass_memory(steps[0].schedule, 0)
         # Every decode pass's layer steps are traced with the last one's cache length:
@@ -308,7 +306,7 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
                     "on fake tensors failed (%s: %s)", type(model).__name__, type(error).__name__, error)
         prefill_memory = decode_memory = memory = None
     prefill_time = decode_time = None
-    if machine is not None and memory is not None:
+    if rates is not None and memory is not None:
         from slcompile.runtime.weights import weight_home
 
         layer_loads = [tuple(param.numel() * param.element_size() for _, param in params
@@ -341,7 +339,7 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
                             index, written_positions[step][index]),))
             costs, tail = memory.pass_costs(phase, past)
             return predict_pass_time(_pass_actions(steps[step].schedule, transfers, costs, tail),
-                                     profile=machine, phase=phase, lowering=backend,
+                                     profile=rates, phase=phase, lowering=backend,
                                      tokens=batch * (length if step == 0 else 1))
 
         from slcompile.analysis.time import predict_pass_time

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slcompile.analysis.machine import MachineFacts
 from slcompile.inference.capture import (
     _cache_windows,
     _capture,
@@ -124,15 +125,15 @@ class _MemoryModel:
     sampling warpers' temporaries, and the transients of the capture itself.
     """
 
-    def __init__(self, model, plan: _Plan, engine, batch: int, length: int, streamed, load_granularity: int,
-                 load_overhead: int, memo: dict, padded: bool = False):
+    def __init__(self, model, plan: _Plan, engine, batch: int, length: int, streamed, machine: MachineFacts,
+                 memo: dict, padded: bool = False):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from slcompile.runtime.weights import weight_home
 
         self.model, self.plan, self.batch, self.length, self.padded = model, plan, batch, length, padded
         self.layers = plan.layers
-        self.granularity, self.overhead = max(1, load_granularity), load_overhead
+        self.granularity, self.overhead = max(1, machine.load_granularity), machine.load_overhead
         self.kv_moves = not engine.copies_nothing(Tier(plan.kv_cache), Tier.DEVICE)
         loaded = set()
         self.weights = []
