@@ -6,7 +6,7 @@ the next block, forward and backward, with the results of eager PyTorch.
 """
 
 from slcompile.config import SpeedLoaderConfig, options
-from slcompile.analysis.machine import MachineProfile
+from slcompile.analysis.machine import MachineFacts, MachineProfile
 from slcompile.analysis.memory import MemoryPrediction
 from slcompile.analysis.time import TimePrediction
 from slcompile import defaults
@@ -65,6 +65,7 @@ __all__ = [
     "PolicyRow",
     "Policy",
     "MachineProfile",
+    "MachineFacts",
     "MemoryPrediction",
     "TimePrediction",
     "GenerationExplanation",
