@@ -116,9 +116,6 @@ def _bytes_moved_since(before: Mapping[TransferKey, int]) -> dict[TransferKey, i
     return {key: n - before.get(key, 0) for key, n in after.items() if n - before.get(key, 0)}
 
 
-# -- the engine ----------------------------------------------------------------------
-
-
 class _Generation:
     """One call of `generate`: the plan, the tiers, the cache and the records."""
 

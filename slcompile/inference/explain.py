@@ -27,9 +27,6 @@ __all__ = ["GenerationExplanation", "explain_generation"]
 log = logging.getLogger(__name__)
 
 
-# -- explain ---------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class GenerationExplanation:
     """What `generate` would do, predicted from the model's config and the options,

@@ -53,9 +53,6 @@ def _hidden_row_bytes(model: nn.Module, layers: Sequence[nn.Module]) -> int:
     return model.config.hidden_size * dtype.itemsize
 
 
-# -- device memory -----------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class PassMemory:
     """The device memory of one forward pass of a generation, predicted.

@@ -22,9 +22,6 @@ _ENGINE_OPTIONS = ("num_subbatches", "prefill_subbatches", "weights", "kv_cache"
 _CALL_OPTIONS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id")
 
 
-# -- checks and the plan -------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     layers: tuple[nn.Module, ...]
