@@ -80,7 +80,6 @@ __all__ = ["generate", "explain_generation", "find_decoder_layers", "generation"
 log = logging.getLogger(__name__)
 
 
-
 def generate(
     model: nn.Module,
     input_ids: torch.Tensor,

@@ -52,6 +52,7 @@ def _prefill_layer(template, tensors, window, kwargs, cache_argument):
 def _decode_layer(template, tensors, past_keys, past_values, window, kwargs, cache_argument):
     return _layer_step(template, tensors, past_keys, past_values, window, kwargs, cache_argument)
 
+
 _COMPILED: dict[tuple[str, str], Callable] = {}
 
 

@@ -84,6 +84,8 @@ class _HiddenStash:
             self.engine.wait(self._stores.popleft())
         for block, sb in list(self._loads):
             self.take(block, sb)
+
+
 # One weight streamer per (engine, tier), shared by every call: streamers register
 # themselves process-wide.
 _STREAMERS: dict[tuple[int, str], Any] = {}
