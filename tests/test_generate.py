@@ -4,6 +4,7 @@ sub-batches, with weights and KV cache on tiers; exact byte counts; compiles."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -446,16 +447,24 @@ def test_explained_device_peak_of_left_padded_prompts_within_five_percent_of_mea
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt2"])
 def test_prefill_with_hidden_states_on_the_kv_tier_gives_the_tokens_of_eager(tmp_path, family):
     """Four prefill sub-batches, each captured alone before each layer step and its
-    logits computed after the last, its hidden states on nvme in between; left
-    padding, early EOS."""
+    logits computed after the last, its hidden states on nvme in between (moved by
+    the spill ops a compiled graph uses, every one freed once taken); left padding,
+    early EOS."""
+    from slcompile.runtime.engine import get_engine
+    from slcompile.runtime.ops import pending_tokens
+
     model = FAMILIES[family]().eval()
     input_ids, mask = left_padded_batch(batch=8, length=7)
     eos = early_eos(model, input_ids, mask, 5)
     expected = eager_generate(model, input_ids, mask, 5, eos=[eos])
+    tokens = pending_tokens()
     out = run_generate(model, input_ids, mask, 5, [eos], num_subbatches=2, prefill_subbatches=4, kv_cache="nvme",
                        offload_dir=str(tmp_path), return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
     assert out.steps[0].bytes_of(TransferKind.ACTIVATION, Tier.NVME, Tier.DEVICE) == 8 * 7 * 32 * 4
+    gc.collect()
+    assert pending_tokens() == tokens
+    assert not [key for key in get_engine(str(tmp_path)).keys() if ".spill." in key]
 
 
 def test_offloading_prefill_device_memory_grows_with_the_batch_by_logits_and_positions_alone(tmp_path):

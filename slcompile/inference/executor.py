@@ -30,10 +30,12 @@ from slcompile.inference.options import _Plan
 from slcompile.inference.records import GenerationStep
 from slcompile.meta import format_tag
 from slcompile.runtime.stats import TransferKey
-from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.runtime.tiers import Tier
 from slcompile.schedules.base import Schedule
 from slcompile.schedules.generation import PassRequest, generation_pass, offloads_hidden
-from slcompile.vocabulary import region_label
+from slcompile.runtime import activations, ops
+from slcompile.runtime.weights import fetch_issue, fetch_weight
+from slcompile.vocabulary import SPILL_MARK, region_label
 
 log = logging.getLogger(__name__)
 
@@ -49,41 +51,44 @@ def _fetched(weights_move: bool, streamed: Sequence[bool]) -> tuple[bool, ...]:
 
 
 class _HiddenStash:
-    """The prefill's hidden states between layers, on the KV cache's tier: the
-    output of (layer, sub-batch) is stored when the layer makes it and loaded, one
-    (layer, sub-batch) ahead, as the input of the next layer's step of that
-    sub-batch. At most `HIDDEN_STORES_IN_FLIGHT` stores keep their sources alive."""
+    """The prefill's hidden states between layers, on the KV cache's tier, moved by
+    what the ops of a compiled training graph's spills run (`slc::stash` at a
+    `spill.issue` step, `slc::wait` for a store, `slc::unstash` at a `fill.issue`
+    step, `slc::unstash_wait` in the layer step that takes it; called as Python
+    functions, without the dispatcher). At most `HIDDEN_STORES_IN_FLIGHT` stores keep their sources
+    alive; a stored state is freed once taken (its stash token dropped)."""
 
-    def __init__(self, engine, tier: Tier, name: str):
+    def __init__(self, engine, tier: Tier):
         import collections
 
-        self.engine, self.tier, self.name = engine, tier, name
-        self._stores: collections.deque = collections.deque()
-        self._loads: dict[tuple[int, int], Any] = {}
-
-    def _key(self, block: int, sb: int) -> str:
-        return f"{self.name}:blk{block}.h.sb{sb}"
+        self.stash = activations.ActivationStash(engine, tier)
+        self._stored: dict[tuple[int, int], tuple] = {}  # token, shape, dtype, device
+        self._storing: collections.deque = collections.deque()
+        self._loads: dict[tuple[int, int], torch.Tensor] = {}
 
     def store(self, block: int, sb: int, hidden: torch.Tensor) -> None:
-        self._stores.append(self.engine.store(self._key(block, sb), hidden, self.tier, TransferKind.ACTIVATION,
-                                              forget_source=True))
-        while len(self._stores) > HIDDEN_STORES_IN_FLIGHT:
-            self.engine.wait(self._stores.popleft())
+        token = activations.stash(hidden, self.stash.graph_key(f"blk{block}.sb{sb}.{SPILL_MARK}.hidden"))
+        self._stored[block, sb] = token, tuple(hidden.shape), hidden.dtype, hidden.device
+        self._storing.append(token)
+        while len(self._storing) > HIDDEN_STORES_IN_FLIGHT:
+            ops.wait(self._storing.popleft(), [])
 
     def issue(self, block: int, sb: int) -> None:
-        self._loads[block, sb] = self.engine.load(self._key(block, sb), TransferKind.ACTIVATION)
+        self._loads[block, sb] = activations.unstash(self._stored[block, sb][0])
 
     def take(self, block: int, sb: int) -> torch.Tensor:
-        hidden = self.engine.wait(self._loads.pop((block, sb)))
-        self.engine.free(self._key(block, sb))
+        token, shape, dtype, device = self._stored.pop((block, sb))
+        hidden = activations.unstash_wait(self._loads.pop((block, sb)), shape, dtype, device)
+        del token  # the stored copy goes with it
         return hidden
 
     def close(self) -> None:
         """Waits for the transfers in flight and frees what is still stored."""
-        while self._stores:
-            self.engine.wait(self._stores.popleft())
+        while self._storing:
+            ops.wait(self._storing.popleft(), [])
         for block, sb in list(self._loads):
             self.take(block, sb)
+        self._stored.clear()
 
 
 # One weight streamer per (engine, tier), shared by every call: streamers register
@@ -179,16 +184,17 @@ class _Generation:
                    for name, param in layer.named_parameters() if name in names)
 
     # -- weights --------------------------------------------------------------
+    # The weights move by what a compiled graph's `slc::fetch_issue` and
+    # `slc::fetch_weight` run (called as Python functions, without the dispatcher).
     def _issue_weights(self, index: int) -> None:
         for key in self.streamed[index].values():
-            self.streamer.issue(key)
+            fetch_issue(key.format())
 
     def _weights(self, index: int) -> dict[str, torch.Tensor]:
-        layer = self.layers[index]
-        tensors = {name: p.detach() for name, p in layer.named_parameters() if name not in self.streamed[index]}
-        tensors.update((name, b) for name, b in layer.named_buffers())
-        if self.streamer is not None:
-            tensors.update((name, self.streamer.fetch(key)) for name, key in self.streamed[index].items())
+        streamed = self.streamed[index]
+        tensors = {name: fetch_weight(p, streamed[name].format()) if name in streamed else p.detach()
+                   for name, p in self.layers[index].named_parameters()}
+        tensors.update((name, b) for name, b in self.layers[index].named_buffers())
         return tensors
 
     def _request(self, phase: str, parts: list[tuple[int, int, int]], stores: bool) -> PassRequest:
@@ -247,7 +253,7 @@ class _Generation:
             # makes, such as masks, is not held for every sub-batch through the
             # pass) and its logits computed just after its last: nothing of the
             # whole batch is held at once.
-            stash = self.stash = _HiddenStash(self.engine, self.kv.tier, f"{self.kv.name}.prefill")
+            stash = self.stash = _HiddenStash(self.engine, self.kv.tier)
         arguments, shared = None, False
         hidden: dict[int, Any] = {}  # sub-batch -> its input to its next layer step
         outputs: dict[int, Any] = {}  # sub-batch -> its last layer's output, for the tail
