@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from slcompile.inference.capture import (
+    _grow_cache_layer,
     _cache_windows,
     _capture,
     _compiled,
@@ -338,8 +339,7 @@ class _Generation:
         # The model's cache object learns the new shapes (values stay on the tier),
         # after the pass: captures during it see the cache as it was before.
         for layer, (heads, head_dim, dtype) in zip(cache.layers, layouts):
-            meta = torch.empty((self.batch, heads, added, head_dim), dtype=dtype, device="meta")
-            layer.update(meta, meta)
+            _grow_cache_layer(layer, (self.batch, heads, added, head_dim), dtype)
         self.kv.flush()
         if stash is not None:
             stash.close()
