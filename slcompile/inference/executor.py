@@ -152,6 +152,12 @@ class _Generation:
         self.streamer, self.streamed = None, [{} for _ in self.layers]
         self._stream_weights(offload=not self.engine.copies_nothing(Tier(plan.weights), Tier.DEVICE))
         self.weights_move = self._weights_move()
+        # Per layer, once: each parameter's graph key where it is streamed, else the
+        # tensor itself, and the buffers (walking the modules each pass costs more).
+        self.layer_tensors = [
+            ([(name, p, streamed[name].format()) if name in streamed else (name, p.detach(), None)
+              for name, p in layer.named_parameters()], list(layer.named_buffers()))
+            for layer, streamed in zip(self.layers, self.streamed)]
         # Whether one capture of all sub-batches gives each its layer arguments, per
         # phase (checked against a capture of one sub-batch alone on the first pass).
         self.shared_capture: dict[str, bool] = {}
@@ -192,10 +198,9 @@ class _Generation:
             fetch_issue(key.format())
 
     def _weights(self, index: int) -> dict[str, torch.Tensor]:
-        streamed = self.streamed[index]
-        tensors = {name: fetch_weight(p, streamed[name].format()) if name in streamed else p.detach()
-                   for name, p in self.layers[index].named_parameters()}
-        tensors.update((name, b) for name, b in self.layers[index].named_buffers())
+        params, buffers = self.layer_tensors[index]
+        tensors = {name: p if key is None else fetch_weight(p, key) for name, p, key in params}
+        tensors.update(buffers)
         return tensors
 
     def _request(self, phase: str, parts: list[tuple[int, int, int]], stores: bool) -> PassRequest:
