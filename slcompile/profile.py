@@ -111,7 +111,10 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
             small GPTs on the device and one on nvme, aot_eager; about 8 s more,
             and three entries in Dynamo's cache of the example model): the time per
             op and per byte of large outputs beyond the roofline, and per transfer
-            op (instead of the transfer engine's own calls alone).
+            op (instead of the transfer engine's own calls alone); and, where
+            transformers is installed, a generation's costs per layer step and per
+            pass beyond its ops (`_measure_generation`: a few seconds more, and
+            entries in the cache of `slcompile.generate`'s Inductor layer steps).
     """
     began = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -178,10 +181,14 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
     per_byte = 0.0
     if steps and nvme:
         op_overhead, per_byte, transfer_op = _measure_steps(offload_dir, profile)
+    profile = dataclasses.replace(profile, op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op,
+                                  output_seconds_per_byte=per_byte)
+    if steps:
+        layer_step, per_pass = _measure_generation(profile, offload_dir)
+        profile = dataclasses.replace(profile, layer_step_seconds=layer_step, pass_seconds=per_pass)
     source = (f"measured on {socket.gethostname()} ({device.type}, {torch.get_num_threads()} threads, "
               f"{dtype}) in {time.perf_counter() - began:.1f} s")
-    return dataclasses.replace(profile, op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op,
-                               output_seconds_per_byte=per_byte, source=source)
+    return dataclasses.replace(profile, source=source)
 
 
 def _measure_call(device) -> float:
@@ -313,3 +320,40 @@ def _measure_steps(offload_dir, profile: MachineProfile) -> tuple[float, float, 
     op_seconds = max((rest0 - per_byte * large0) / max(ops0, 1), 0.0)
     transfers = sum(transfer_kind(node) is not None for gm in graphs[2] for node in gm.graph.nodes)
     return op_seconds, per_byte, max(cpu_seconds[2] - cpu_seconds[0], 0.0) / max(transfers, 1)
+
+
+def _measure_generation(profile: MachineProfile, offload_dir) -> tuple[float, float]:
+    """(seconds per layer step, seconds per pass) that a generation's decode passes
+    take beyond what `profile` predicts for them (their ops and compiled calls).
+
+    Decode passes of a small Hugging Face Llama (random weights) with one layer and
+    with five, one sub-batch, weights and cache on the device, layer steps
+    compiled with Inductor (`generate`'s default): each model's median decode pass
+    less its predicted one (`explain_generation(profile=...)`) is
+    `passes * b + layer steps * a`; the two give a and b. (0, 0) without
+    transformers."""
+    import statistics
+
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return 0.0, 0.0
+    from slcompile.generate import explain_generation, generate
+
+    rests = []
+    for layers in (1, 5):
+        torch.manual_seed(0)
+        config = LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+        model = LlamaForCausalLM(config).eval()
+        ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+        options = dict(num_subbatches=1, backend="inductor", offload_dir=offload_dir)
+        tokens = dict(eos_token_id=[], pad_token_id=0, progress=False)
+        generate(model, ids, max_new_tokens=3, **tokens, **options)  # compiles the layer steps
+        out = generate(model, ids, max_new_tokens=24, return_dict_in_generate=True, **tokens, **options)
+        measured = statistics.median(step.seconds for step in out.steps[1:])
+        predicted = explain_generation(model, ids.shape, 24, profile=profile, **options).decode_time.step_seconds
+        rests.append(measured - predicted)
+    per_step = max((rests[1] - rests[0]) / 4, 0.0)
+    return per_step, max(rests[0] - per_step, 0.0)
+

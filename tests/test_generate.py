@@ -619,6 +619,24 @@ def test_kv_store_keeps_no_stored_tensor_alive_once_its_store_is_done(tmp_path):
     engine.close()
 
 
+def test_each_layer_step_and_each_pass_pay_the_profile_s_generation_costs():
+    """`MachineProfile.layer_step_seconds` per (layer, sub-batch) step and
+    `pass_seconds` per pass, on top of the ops: with everything on the device (no
+    transfer to wait for) they add exactly that to each pass."""
+    import dataclasses
+
+    from slcompile.analysis.machine import MachineProfile
+
+    model = FAMILIES["llama"]().eval()  # two layers
+    bare = MachineProfile(name="synthetic", matmul_flops=1e9, memory_bandwidth=1e10, call_overhead_seconds=1e-5)
+    costly = dataclasses.replace(bare, layer_step_seconds=0.5, pass_seconds=2.0)
+    options = dict(num_subbatches=2, prefill_subbatches=4)
+    without, with_costs = (explain_generation(model, (4, 6), 5, profile=p, **options) for p in (bare, costly))
+    assert with_costs.prefill_time.step_seconds - without.prefill_time.step_seconds == pytest.approx(2 * 4 * 0.5 + 2)
+    assert with_costs.decode_time.step_seconds - without.decode_time.step_seconds == pytest.approx(2 * 2 * 0.5 + 2)
+    assert with_costs.seconds - without.seconds == pytest.approx(6 + 4 * 4)
+
+
 def test_explain_generation_times_the_bytes_each_pass_moves_and_generate_measures_each_pass(tmp_path):
     from slcompile.analysis.machine import MachineProfile
 

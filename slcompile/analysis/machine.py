@@ -81,6 +81,15 @@ class MachineProfile:
         call_overhead_seconds: fixed time of one call of a compiled region from
             Python (Dynamo's guards and the compiled wrapper): what each layer step
             of a generation pays beyond its ops.
+        layer_step_seconds: what each (layer, sub-batch) step of a generation pass
+            pays beyond its ops and its call: the executor's bookkeeping, the layer's
+            arguments and the guards of a real layer's inputs, its cache taken and
+            kept. Fitted from generation passes of a small Hugging Face Llama
+            (`measure_profile(steps=True)`); 0 where unknown.
+        pass_seconds: what each generation pass pays once beyond its predicted
+            ops: the capture of the layers' arguments through the model's own
+            forward, the tail's Python, the pass's records. Fitted with
+            `layer_step_seconds`; 0 where unknown.
         link_h2d, link_d2h: host <-> device bytes/s (pinned copies); `inf` where the
             host's memory is the device's (a CPU-only machine: nothing is copied).
         link_latency_seconds: fixed cost of one host transfer.
@@ -104,6 +113,8 @@ class MachineProfile:
     transfer_op_seconds: float = 0.0
     call_overhead_seconds: float = 0.0
     output_seconds_per_byte: float = 0.0
+    layer_step_seconds: float = 0.0
+    pass_seconds: float = 0.0
     link_h2d: float = _INF
     link_d2h: float = _INF
     link_latency_seconds: float = 0.0

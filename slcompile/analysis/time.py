@@ -582,6 +582,9 @@ class PassAction:
         waits: the loads a compute step waits for first (their names).
         calls: compiled regions the compute step calls (each pays
             `MachineProfile.call_overhead_seconds`).
+        layer_steps: executor layer steps it stands for (each pays
+            `MachineProfile.layer_step_seconds`).
+        passes: passes whose fixed cost it carries (`MachineProfile.pass_seconds`).
     """
 
     kind: str
@@ -591,6 +594,8 @@ class PassAction:
     nodes: tuple[ComputeCost, ...] = ()
     waits: tuple[str, ...] = ()
     calls: int = 0
+    layer_steps: int = 0
+    passes: int = 0
 
 
 def predict_pass_time(
@@ -608,7 +613,8 @@ def predict_pass_time(
     and the lane is free (`MachineProfile.transfer_seconds`, one transfer per
     tensor); a compute step first waits for the loads it names, then takes its
     ops' time as a compiled graph's (`MachineProfile.compute_seconds` for the
-    lowering) plus `call_overhead_seconds` per compiled call; each issue and each
+    lowering) plus `call_overhead_seconds` per compiled call, `layer_step_seconds`
+    per executor layer step and `pass_seconds` per pass; each issue and each
     wait pays `transfer_op_seconds` on the compute lane. The pass ends when its
     compute and every store have finished (a pass flushes its stores).
     """
@@ -637,6 +643,9 @@ def predict_pass_time(
                 plan.append(("compute", action.name, profile.transfer_op_seconds, 0, 0))
         seconds = sum(profile.compute_seconds(cost, lowering) for cost in action.nodes)
         seconds += action.calls * profile.call_overhead_seconds
+        seconds += action.layer_steps * profile.layer_step_seconds + action.passes * profile.pass_seconds
+        if not seconds and not action.nodes and not plan:
+            continue  # nothing to wait for, nothing to do
         total = sum(action.nodes, ComputeCost())
         plan.append(("compute", action.name, seconds, total.flops, total.nbytes))
         _walk(plan, phase, lanes)

@@ -365,11 +365,12 @@ def _pass_actions(schedule: Schedule, transfers: Mapping[str, tuple[str, tuple[i
     store of the sizes `transfers` gives (by name, `blk2.kv.sb1`, or by "load
     name"/"store name" where the two differ), each layer step a compiled step of
     `costs[layer]` that waits for the layer's weights, its cache and its input, and
-    each suffix step the tail (`tail`'s ops). The prefix (the capture) and the
-    weights' waits (a layer step waits for them) add no action."""
+    each suffix step the tail (`tail`'s ops), and the pass's fixed cost first (at
+    its prefix, the capture, where it has one). The weights' waits add no action
+    (a layer step waits for them)."""
     from slcompile.analysis.time import PassAction
 
-    actions = []
+    actions = [PassAction("compute", "prefix", passes=1)]
     for step in schedule.steps:
         if step.kind in _ACTION_OF:
             kind, what = _ACTION_OF[step.kind]
@@ -379,7 +380,8 @@ def _pass_actions(schedule: Schedule, transfers: Mapping[str, tuple[str, tuple[i
         elif step.kind == "compute" and step.region == "block":
             block, sb = step.block, step.subbatch
             waits = (f"blk{block}.w", f"blk{block}.kv.sb{sb}") + ((f"blk{block - 1}.h.sb{sb}",) if block else ())
-            actions.append(PassAction("compute", f"blk{block}", nodes=costs[block], waits=waits, calls=1))
+            actions.append(PassAction("compute", f"blk{block}", nodes=costs[block], waits=waits, calls=1,
+                                      layer_steps=1))
         elif step.kind == "compute" and step.region == "suffix":
             actions.append(PassAction("compute", "suffix", nodes=tail, calls=0))
     return actions
