@@ -50,7 +50,7 @@ freed; generation stops when every sequence has finished.
 pass and the bytes each pass moves, from the model's config, without running the model;
 `generate(..., return_dict_in_generate=True)` returns the same records measured. It
 also predicts the device memory of the prefill and of the decode passes
-(`PassMemory`; `_MemoryModel` lists what it counts), which
+(`PassMemory`; `slcompile.inference.memory._MemoryModel` lists what it counts), which
 `slcompile.tune_generation` chooses options from.
 
 `with generation(model, ...)` routes `model.generate(...)` through `generate` for
