@@ -194,8 +194,9 @@ class _Generation:
     # The weights move by what a compiled graph's `slc::fetch_issue` and
     # `slc::fetch_weight` run (called as Python functions, without the dispatcher).
     def _issue_weights(self, index: int) -> None:
-        for key in self.streamed[index].values():
-            fetch_issue(key.format())
+        for _, _, key in self.layer_tensors[index][0]:
+            if key is not None:
+                fetch_issue(key)
 
     def _weights(self, index: int) -> dict[str, torch.Tensor]:
         params, buffers = self.layer_tensors[index]

@@ -217,7 +217,6 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
     steps and the tail between calls for one model and input shape (they do not
     depend on the tiers)."""
     from slcompile.pipeline import machine_facts
-    from slcompile.runtime.engine import get_engine
     from slcompile.runtime.kv import forgettable_segments, merged_segments
     from slcompile.runtime.weights import weight_home
 
@@ -225,24 +224,27 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
         machine = machine_facts(offload_dir)
     plan = _plan(model, tuple(input_shape), None, max_new_tokens, num_subbatches, prefill_subbatches, weights,
                  kv_cache, False, 1.0, None, 1.0, [], None, offload_dir)
-    engine = get_engine(offload_dir)
     batch, length = tuple(input_shape)
     layers = plan.layers
-    streamed = _streamed_parameters(model, plan, not engine.copies_nothing(Tier(weights), Tier.DEVICE))
+    streamed = _streamed_parameters(model, plan, machine.copies(weights))
     weight_loads: dict[TransferKey, int] = {}
     weight_store_bytes = 0
+    layer_loads = []  # per layer, the bytes of each parameter a fetch copies onto the device
     for params in streamed:
+        sizes = []
         for _, param in params:
             home = weight_home(param)
             tier = home[2] if home is not None else Tier(weights)
+            if not machine.copies(tier.value):
+                continue
             nbytes = param.numel() * param.element_size()
-            if home is None and not engine.copies_nothing(Tier.DEVICE, tier):
-                weight_store_bytes += nbytes
-            if not engine.copies_nothing(tier, Tier.DEVICE):
-                key = (TransferKind.WEIGHT, tier, Tier.DEVICE)
-                weight_loads[key] = weight_loads.get(key, 0) + nbytes
+            weight_store_bytes += nbytes if home is None else 0
+            key = (TransferKind.WEIGHT, tier, Tier.DEVICE)
+            weight_loads[key] = weight_loads.get(key, 0) + nbytes
+            sizes.append(nbytes)
+        layer_loads.append(tuple(sizes))
     weights_move = bool(weight_loads)
-    kv_moves = not engine.copies_nothing(Tier(kv_cache), Tier.DEVICE)
+    kv_moves = machine.copies(kv_cache)
     windows = _cache_windows(model, len(layers))
     caps = [length + max_new_tokens if window is None else window - 1 for window in windows]
     position_bytes = [2 * batch * per_row for per_row in _kv_row_bytes(model, layers)]
@@ -289,7 +291,7 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
         steps.append(GenerationStep("decode", tuple(range(kd)), schedule("decode", not last),
                                     moved(0 if last else stored, loaded)))
     try:
-        memory = _MemoryModel(model, plan, engine, batch, length, streamed, machine,
+        memory = _MemoryModel(model, plan, batch, length, layer_loads, machine,
                               memo.setdefault("padded", {}) if padded else memo, padded)
         prefill_memory = memory.pass_memory(steps[0].schedule, 0)
         # Every decode pass's layer steps are traced with the last one's cache length:
@@ -304,12 +306,6 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
         prefill_memory = decode_memory = memory = None
     prefill_time = decode_time = None
     if rates is not None and memory is not None:
-        from slcompile.runtime.weights import weight_home
-
-        layer_loads = [tuple(param.numel() * param.element_size() for _, param in params
-                             if not engine.copies_nothing(
-                                 (weight_home(param) or (None, None, Tier(weights)))[2], Tier.DEVICE))
-                       for params in streamed]
         hidden_part = size_p * length * _hidden_row_bytes(model, layers)
         row_bytes = _kv_row_bytes(model, layers)
 

@@ -24,7 +24,6 @@ from slcompile.inference.capture import (
 )
 from slcompile.inference.executor import HIDDEN_STORES_IN_FLIGHT
 from slcompile.inference.options import _Plan
-from slcompile.runtime.tiers import Tier
 from slcompile.schedules.base import Schedule
 from slcompile.schedules.generation import offloads_hidden
 
@@ -122,28 +121,18 @@ class _MemoryModel:
     sampling warpers' temporaries, and the transients of the capture itself.
     """
 
-    def __init__(self, model, plan: _Plan, engine, batch: int, length: int, streamed, machine: MachineFacts,
-                 memo: dict, padded: bool = False):
+    def __init__(self, model, plan: _Plan, batch: int, length: int, layer_loads: Sequence[Sequence[int]],
+                 machine: MachineFacts, memo: dict, padded: bool = False):
         from torch._subclasses.fake_tensor import FakeTensorMode
-
-        from slcompile.runtime.weights import weight_home
 
         self.model, self.plan, self.batch, self.length, self.padded = model, plan, batch, length, padded
         self.layers = plan.layers
         self.granularity, self.overhead = max(1, machine.load_granularity), machine.load_overhead
-        self.kv_moves = not engine.copies_nothing(Tier(plan.kv_cache), Tier.DEVICE)
-        loaded = set()
-        self.weights = []
-        for params in streamed:
-            nbytes = 0
-            for _, param in params:
-                home = weight_home(param)
-                if not engine.copies_nothing(home[2] if home is not None else Tier(plan.weights), Tier.DEVICE):
-                    loaded.add(id(param))
-                    nbytes += self._padded(param.numel() * param.element_size())
-            self.weights.append(nbytes)
-        self.resident = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in loaded) + sum(
-            b.numel() * b.element_size() for b in model.buffers())
+        self.kv_moves = machine.copies(plan.kv_cache)
+        # Each layer's fetched weights, padded as loads pad them; the rest rests on the device.
+        self.weights = [sum(self._padded(nbytes) for nbytes in sizes) for sizes in layer_loads]
+        self.resident = sum(p.numel() * p.element_size() for p in model.parameters()) - sum(map(sum, layer_loads)) \
+            + sum(b.numel() * b.element_size() for b in model.buffers())
         self.windows = _cache_windows(model, len(self.layers))
         self.caps = [None if window is None else window - 1 for window in self.windows]
         self.key_bytes = _kv_row_bytes(model, self.layers)  # one position of one sequence's keys
