@@ -386,7 +386,7 @@ def plan_with_optimizer(state, optimizer=None, optimizer_options=None):
     from slcompile.analysis.memory import optimizer_memory
     from slcompile.backends.speedloader import step_plan
     from slcompile.optim import OffloadedOptimizer
-    from slcompile.runtime.gradients import gradient_sink_for
+    from slcompile.runtime.gradients import sink_plan_for
 
     plan = step_plan(state)
     if optimizer is None:
@@ -409,6 +409,6 @@ def plan_with_optimizer(state, optimizer=None, optimizer_options=None):
         )
     sink = plan.gradients
     if sink is None and state.config.gradients == "auto":
-        sink = gradient_sink_for(gradients_tier, state.streamer, state.streamed, state.inputs)
+        sink = sink_plan_for(gradients_tier, state.streamer, state.streamed, state.inputs, state.config.offload_dir)
     return dataclasses.replace(plan, optimizer=memory, gradients=sink)
 

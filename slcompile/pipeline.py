@@ -27,6 +27,7 @@ the stage's list; the Inductor cache key covers its module.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -61,6 +62,7 @@ from slcompile.passes.offload_gradients import offload_gradients
 from slcompile.passes.order_layer_major import order_layer_major
 from slcompile.passes.spill_boundaries import SpilledBoundaries, spill_boundaries
 from slcompile.passes.stream_weights import StreamedWeights, place_prefetches, stream_weights, tag_fetch_views
+from slcompile.plans import StreamerPlan, new_name
 from slcompile.schedules.base import Schedule
 from slcompile.schedules.derive import schedule_of
 from slcompile.schedules.planner import TransferTiming
@@ -97,7 +99,8 @@ class PipelineState:
         plan: how each node runs over sub-batches.
         schedule: the policy's schedule for this graph, the order the rewrite emits.
         interleaved: what `interleave` emitted, if it ran.
-        streamer: the runtime's WeightStreamer when weights rest off the device.
+        streamer: the weight streamer's plan (`StreamerPlan`) when weights rest off
+            the device.
         streamed: which weights `stream_weights` fetches per block.
         passes_run: names of the passes run, with their time, in order.
         notes: what the passes changed of the options, in words (shown by
@@ -113,7 +116,7 @@ class PipelineState:
     plan: BatchPlan | None = None
     schedule: Schedule | None = None
     interleaved: InterleaveReport | None = None
-    streamer: Any = None
+    streamer: StreamerPlan | None = None
     streamed: StreamedWeights | None = None
     passes_run: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
@@ -225,7 +228,7 @@ def _plan_schedule(state: PipelineState) -> PipelineState:
 
 def gradients_leave(config: SpeedLoaderConfig, blocks: BlockGraph, inputs) -> bool:
     """Whether the backward sends the block weights' gradients off the device, as
-    `slcompile.runtime.gradients.gradient_sink_for` decides when the graph lowers:
+    `slcompile.runtime.gradients.sink_plan_for` decides when the graph lowers:
     `gradients` names a tier, or ("auto") an offloaded optimizer holds a block weight."""
     from slcompile.runtime.gradients import consumer_of
 
@@ -257,7 +260,7 @@ def moves_off_device(config: SpeedLoaderConfig, tier: str) -> bool:
 def _stream(state: PipelineState) -> PipelineState:
     from slcompile.runtime.engine import get_engine
     from slcompile.runtime.tiers import Tier
-    from slcompile.runtime.weights import WeightStreamer
+    from slcompile.runtime.weights import mark_sharded, stored_key_for
 
     if state.interleaved is None or state.config.weights == "device":
         return state
@@ -271,14 +274,18 @@ def _stream(state: PipelineState) -> PipelineState:
         from slcompile.runtime.collectives import shard_group
 
         shards = shard_group()
-    streamer = WeightStreamer(engine, state.config.weights, state.config.live_blocks, shards=shards)
+    streamer = StreamerPlan(
+        new_name("w"), state.config.weights, state.config.live_blocks, offload_dir=state.config.offload_dir,
+        world_size=shards.world_size if shards is not None else 1, sharded=sharded,
+    )
     gm, streamed = stream_weights(
-        state.gm, state.blocks, state.inputs, streamer.stored_key_for, streamer.graph_key,
+        state.gm, state.blocks, state.inputs, functools.partial(stored_key_for, streamer.name), streamer.graph_key,
         per_subbatch=state.schedule.fetches_per_subbatch(),
     )
     if sharded:
+        # Before the lowering, so an offloaded optimizer prepares shard-sized copies.
         values = {i.name: i.value for i in state.inputs}
-        streamer.shard([values[name] for block in streamed.blocks for name, _ in block])
+        mark_sharded([values[name] for block in streamed.blocks for name, _ in block], shards)
     return dataclasses.replace(state, gm=gm, streamer=streamer, streamed=streamed)
 
 
@@ -460,7 +467,6 @@ def _offload_gradients(step: StepState):
     _, stored = offload_gradients(
         step.graphs["forward"], step.graphs["backward"], gradients.graph_key, gradients.wants, step_schedule(step)
     )
-    gradients.expect(stored)
     return stored
 
 
@@ -501,7 +507,7 @@ def _predict_memory(step: StepState):
         weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes,
         activations_tier=plan.activations_tier, offloaded_bytes=offloaded.bytes,
         recompute=step.recompute, optimizer=plan.optimizer,
-        gradients_tier=plan.gradients.tier.value if plan.gradients is not None else None, machine=plan.machine,
+        gradients_tier=plan.gradients.tier if plan.gradients is not None else None, machine=plan.machine,
     )
 
 
@@ -588,8 +594,8 @@ def _annotate_streams(step: StepState):
     gradients = plan.gradients if plan is not None else None
     return annotate_streams(
         step.graphs[step.kind], key=stream_key(step.lowering),
-        sharded_weights=getattr(streamer, "shards", None) is not None,
-        sharded_gradients=getattr(gradients, "shards", None) is not None,
+        sharded_weights=streamer is not None and streamer.sharded,
+        sharded_gradients=gradients is not None and gradients.sharded,
     )
 
 

@@ -54,6 +54,8 @@ class CompileReport:
         offloaded_activations: which saved activations rest off the device.
         spilled_boundaries: which boundary activations rest off the device while they
             wait for their sub-batch's next region (`SpilledBoundaries`).
+        offloaded_gradients: which weight gradients the backward stores off the
+            device, per block (`GradientReport`), or None.
         regions: per AOT graph kind, what `compile_regions` did to it
             (`slcompile.backends.outline.RegionCompilation`); empty when the
             graphs were compiled whole.
@@ -75,6 +77,7 @@ class CompileReport:
     memory: object = None
     offloaded_activations: object = None
     spilled_boundaries: object = None
+    offloaded_gradients: object = None
     regions: dict[str, object] = dataclasses.field(default_factory=dict)
 
     @property

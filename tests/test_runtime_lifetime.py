@@ -4,6 +4,7 @@ long as the compiled step that owns them: repeated compiles, `explain()` and
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 
@@ -92,12 +93,15 @@ def test_a_backward_outliving_its_compiled_step_still_finds_its_runtime_objects(
 
 
 @pytest.mark.slow
-def test_fifty_explains_leave_what_one_leaves_and_memory_stays_flat(tmp_path):
+def test_fifty_explains_make_no_runtime_object_and_memory_stays_flat(tmp_path):
     model = TinyGPT(CFG)
     idx, targets = make_gpt_batch(CFG, 4)
     options = {**OFFLOADED, "offload_dir": str(tmp_path)}
+    before = live_objects()
     slcompile.explain(model, idx, targets, **options)
     after_one = live_objects()
+    # The plans name a streamer, a stash and a sink; nothing makes them.
+    assert own(after_one, before) == {"streamers": 0, "stashes": 0, "sinks": 0, "engines": 1}
     for _ in range(4):  # warm-up: Dynamo's and the allocator's caches fill
         slcompile.explain(model, idx, targets, **options)
     gc.collect()
@@ -115,3 +119,46 @@ def test_fifty_explains_leave_what_one_leaves_and_memory_stays_flat(tmp_path):
     compiled(idx, targets)[1].backward()
     report = slcompile.compile_reports()[-1]
     assert report.fallback_reason is None and report.streamed_bytes > 0
+
+
+def _runtime_objects_in(value, path: str = "plan") -> list[str]:
+    """Where in `value` (dataclasses, mappings and collections walked) an object of
+    the runtime, or a lock, sits."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [found for field in dataclasses.fields(value)
+                for found in _runtime_objects_in(getattr(value, field.name), f"{path}.{field.name}")]
+    if isinstance(value, dict):
+        return [found for key, item in value.items() for found in _runtime_objects_in(item, f"{path}[{key!r}]")]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [found for i, item in enumerate(value) for found in _runtime_objects_in(item, f"{path}[{i}]")]
+    module = type(value).__module__
+    return [f"{path}: {type(value).__name__}"] if module.startswith(("slcompile.runtime", "_thread")) else []
+
+
+def test_a_step_plan_names_its_runtime_objects_and_holds_none(tmp_path):
+    from slcompile.backends.speedloader import step_plan
+    from slcompile.config import SpeedLoaderConfig
+    from slcompile.explain import plan_with_optimizer
+    from slcompile.pipeline import run_pipeline
+
+    model = TinyGPT(CFG)
+    idx, targets = make_gpt_batch(CFG, 4)
+    captured = []
+
+    def capture(gm, example_inputs):
+        captured.append((gm, example_inputs))
+        return gm.forward
+
+    torch.compile(model, backend=capture, fullgraph=True)(idx, targets)
+    gm, example_inputs = captured[0]
+    config = SpeedLoaderConfig.from_options({**OFFLOADED, "offload_dir": str(tmp_path), "gradients": "nvme"})
+    before = live_objects()
+    state = run_pipeline(gm, example_inputs, config)
+    plans = [step_plan(state), plan_with_optimizer(state, torch.optim.AdamW, {"lr": 1e-3})]
+    assert own(live_objects(), before) == {"streamers": 0, "stashes": 0, "sinks": 0, "engines": 1}
+    for plan in plans:
+        assert _runtime_objects_in(plan) == []
+        assert (plan.streamer.tier, plan.stash.tier, plan.gradients.tier) == ("nvme", "nvme", "nvme")
+        # The graph's fetches carry the streamer's name, and every streamed weight's gradient leaves.
+        assert f"'{plan.streamer.name}|" in state.gm.code
+        assert plan.gradients.leaving == {key for block in state.streamed.blocks for _, key in block}

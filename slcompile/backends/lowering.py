@@ -16,11 +16,15 @@ CompileReport, so tests can read the order that is compiled. The Inductor cache 
 of the wrapped partitioner hashes every module a declared pass lives in
 (`partition_key`).
 
-The runtime objects of a plan (its weight streamer, activation stash and gradient
-sink) live as long as the compiled graphs that call them: the registries their
-`slc::` ops look them up in hold them weakly, and every compiled graph, as well as
-the callable `lower` returns, holds them (`hold_runtime`). A step compiled again, a
-model deleted or `torch._dynamo.reset()` lets them go.
+A plan is plain data: its weight streamer, activation stash and gradient sink are
+named by their plans (`slcompile.plans`), which the passes write into the graphs'
+keys. The objects themselves are made from those plans by a `StepRuntime`
+(`slcompile.runtime.step`) once the lowering has succeeded, and live as long as the
+compiled graphs that call them: the registries their `slc::` ops look them up in
+hold them weakly, and every compiled graph, as well as the callable `lower` returns,
+holds the `StepRuntime` (`hold_runtime`). A step compiled again, a model deleted or
+`torch._dynamo.reset()` lets them go. Lowered without one (`explain`, `tune`), a
+step makes no runtime object.
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ from slcompile.pipeline import (
     PARTITIONED_PASSES,
     all_passes,
 )
+from slcompile.plans import SinkPlan, StashPlan, StreamerPlan
 from slcompile.report import CompileReport
+from slcompile.runtime.step import StepRuntime
 from slcompile.schedules.planner import kept_bytes
 
 __all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES", "failed_stage", "hold_runtime"]
@@ -65,8 +71,10 @@ class StepPlan:
     Attributes:
         block_positions: block index -> position in forward execution order.
         num_subbatches: K.
-        streamer: the WeightStreamer when block weights rest off the device.
-        stash: the ActivationStash when saved activations rest off the device.
+        streamer: the weight streamer's `StreamerPlan` when block weights rest off
+            the device.
+        stash: the activation stash's `StashPlan` when saved activations rest off
+            the device.
         recompute: "auto", "none" or "blocks" (see `SpeedLoaderConfig`).
         min_offload_bytes: saved tensors smaller than this stay on the device.
         memory_budget: the device's limit in bytes, or None.
@@ -75,8 +83,8 @@ class StepPlan:
         streamed_bytes: bytes of the streamed weights (P).
         schedule: the policy's Schedule: the order of the graphs, which saved
             activations leave the device.
-        gradients: the GradientSink when streamed weights' gradients leave the
-            device (`offload_gradients`), else None.
+        gradients: the gradient sink's `SinkPlan` when streamed weights' gradients
+            leave the device (`offload_gradients`), else None.
         stash_everything: stash every saved activation that may leave, instead of
             what the planner chooses under the budget (the last resort).
         optimizer: the optimizer step's share of the memory (`OptimizerMemory`), or
@@ -90,8 +98,8 @@ class StepPlan:
 
     block_positions: dict[int, int]
     num_subbatches: int
-    streamer: Any = None
-    stash: Any = None
+    streamer: StreamerPlan | None = None
+    stash: StashPlan | None = None
     recompute: str = "auto"
     min_offload_bytes: int = 0
     memory_budget: int | None = None
@@ -100,7 +108,7 @@ class StepPlan:
     activations_tier: str = "device"
     streamed_bytes: int = 0
     schedule: Any = None
-    gradients: Any = None
+    gradients: SinkPlan | None = None
     stash_everything: bool = False
     optimizer: Any = None
     compile_regions: bool = False
@@ -114,6 +122,7 @@ def lower(
     lowering: str,
     report: CompileReport,
     plan: StepPlan | None = None,
+    runtime: StepRuntime | None = None,
 ) -> Callable:
     """Compiles `gm` with the chosen lowering; records the AOT graphs in `report`.
 
@@ -127,7 +136,9 @@ def lower(
     recomputation with `recompute="auto"`, then every activation stashed); when
     nothing fits it raises `BudgetError` with the smallest budget that would. Every
     graph handed to a compiler goes through `COMPILED_PASSES` first. Each stage's
-    passes are listed in `report.passes_run`.
+    passes are listed in `report.passes_run`. Every compiled graph and the returned
+    callable hold `runtime`, the `StepRuntime` of `plan`'s runtime objects, when
+    one is given (the caller starts it).
 
     Raises:
         BudgetError: no plan fits `plan.memory_budget`.
@@ -136,7 +147,7 @@ def lower(
     region_cache: dict = {}  # one compiled callable per distinct region, across the step's graphs
 
     def hold(compiled: Callable) -> Callable:
-        return compiled if plan is None else hold_runtime(compiled, plan)
+        return compiled if runtime is None else hold_runtime(compiled, runtime)
 
     def prepare(kind: str, graph: torch.fx.GraphModule) -> StepState:
         """Runs the compiled stage on `graph`; its `graphs[kind]` is what to compile."""
@@ -167,8 +178,8 @@ def lower(
     raise ValueError(f"unknown lowering {lowering!r}")
 
 
-def hold_runtime(compiled: Callable, plan: StepPlan) -> Callable:
-    """`compiled`, made to keep `plan`'s runtime objects alive while it lives.
+def hold_runtime(compiled: Callable, runtime: StepRuntime) -> Callable:
+    """`compiled`, made to keep `runtime`'s objects alive while it lives.
 
     A compiled forward or backward graph calls `slc::` ops that find the streamer,
     stash or sink by the name in their key; the registries only point at them, so
@@ -177,11 +188,8 @@ def hold_runtime(compiled: Callable, plan: StepPlan) -> Callable:
     Returns:
         `compiled` itself, or a function calling it when it takes no attributes.
     """
-    held = tuple(obj for obj in (plan.streamer, plan.stash, plan.gradients) if obj is not None)
-    if not held:
-        return compiled
     try:
-        compiled._slc_runtime = held
+        compiled._slc_runtime = runtime
     except (AttributeError, TypeError):
         inner = compiled
 
@@ -189,7 +197,7 @@ def hold_runtime(compiled: Callable, plan: StepPlan) -> Callable:
         def compiled(*args, **kwargs):
             return inner(*args, **kwargs)
 
-        compiled._slc_runtime = held
+        compiled._slc_runtime = runtime
     return compiled
 
 
@@ -275,6 +283,7 @@ class _PlannedPartition:
                 self.report.memory = prediction
                 self.report.offloaded_activations = offloaded if offloaded is not None else OffloadedActivations()
                 self.report.spilled_boundaries = step.results.get("spill_boundaries")
+                self.report.offloaded_gradients = step.results.get("offload_gradients")
                 if "derive_schedule" in step.results:
                     self.report.schedule = step.results["derive_schedule"].text()
                 if step.results.get("plan_transfers") is not None:
@@ -342,8 +351,8 @@ class _InductorPartition(CustomPartitionerFn):
         self.hook = hook
 
     def __deepcopy__(self, memo):
-        # Inductor copies its config for cache keys; the plan (a streamer with its
-        # locks) is shared, and the key comes from `uuid`.
+        # Inductor copies its config for cache keys; the partition hook (with the
+        # report it records into) is shared, and the key comes from `uuid`.
         return self
 
     def __call__(self, gm, joint_inputs, **kwargs):
@@ -369,11 +378,16 @@ def partition_key(plan: StepPlan) -> bytes:
 
 
 def _plan_key(plan: StepPlan):
-    # The schedule by its policy's name and its text: a function's repr names its address.
+    # The schedule by its policy's name and its text: a function's repr names its
+    # address. The holders without their names, which the graphs' keys carry.
     schedule = plan.schedule
     if schedule is not None:
         schedule = (schedule.policy.name if schedule.policy is not None else None, schedule.text())
-    return dataclasses.replace(plan, streamer=None, stash=None, gradients=None, schedule=schedule)
+    return dataclasses.replace(
+        plan, schedule=schedule,
+        **{field: dataclasses.replace(holder, name="") for field in ("streamer", "stash", "gradients")
+           if (holder := getattr(plan, field)) is not None},
+    )
 
 
 def _compile_region(module: torch.fx.GraphModule, inputs, kind: str):

@@ -31,8 +31,10 @@ from slcompile.errors import (
     passes_through_fallback,
 )
 from slcompile.pipeline import machine_facts, run_pipeline
+from slcompile.plans import StashPlan, new_name
 from slcompile.report import CompileReport, add_report
-from slcompile.runtime.gradients import gradient_sink_for
+from slcompile.runtime.gradients import sink_plan_for
+from slcompile.runtime.step import StepRuntime
 from slcompile.runtime.weights import loading_released_weights, parameter_name
 from slcompile.units import format_bytes
 
@@ -90,7 +92,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     # fails there, unless it is the user's to fix, compiles the graph plainly instead.
     try:
         state = run_pipeline(gm, example_inputs, config, passes_log=report.pass_log)
-        compiled = lower(state.gm, example_inputs, config.lowering, report, step_plan(state))
+        plan = step_plan(state)
+        runtime = StepRuntime(plan.streamer, plan.stash, plan.gradients)
+        compiled = lower(state.gm, example_inputs, config.lowering, report, plan, runtime)
         _size_host_pool(state, report)
     except Exception as err:  # noqa: BLE001  (any failure: see `as_refusal`)
         if passes_through_fallback(err):
@@ -111,9 +115,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     if not report.schedule:
         report.schedule = state.schedule.text() if state.schedule is not None else ""
     # Past this point nothing falls back: the streamed weights leave the device.
-    if state.streamed is not None:
-        _offload_weights(state)
-        report.streamed_bytes = state.streamed.streamed_bytes
+    _start(runtime, state, report)
     if not state.batch.dynamic or config.num_subbatches == 1:
         return compiled
     return _DivisibleBatchGuard(compiled, original, state, report)
@@ -162,7 +164,7 @@ def step_plan(state) -> StepPlan:
         block_positions={block.index: pos for pos, block in enumerate(state.blocks.blocks)},
         num_subbatches=config.num_subbatches,
         streamer=state.streamer,
-        stash=_activation_stash(config),
+        stash=_stash_plan(config),
         recompute=config.recompute,
         min_offload_bytes=config.min_offload_bytes,
         memory_budget=config.memory_budget,
@@ -171,13 +173,13 @@ def step_plan(state) -> StepPlan:
         activations_tier=config.activations,
         streamed_bytes=state.streamed.streamed_bytes if state.streamed is not None else 0,
         schedule=state.schedule,
-        gradients=gradient_sink_for(config.gradients, state.streamer, state.streamed, state.inputs),
+        gradients=sink_plan_for(config.gradients, state.streamer, state.streamed, state.inputs, config.offload_dir),
         optimizer=_optimizer_memory(state),
         compile_regions=config.compile_regions,
         profile=_profile(config),
-        machine=machine_facts(config.offload_dir, world_size=(
-            state.streamer.shards.world_size if state.streamer is not None and state.streamer.shards is not None
-            else 1)),
+        machine=machine_facts(
+            config.offload_dir, world_size=state.streamer.world_size if state.streamer is not None else 1
+        ),
     )
 
 
@@ -198,19 +200,17 @@ def _optimizer_memory(state):
     return attached_optimizer_memory((i.value for i in state.inputs if i.kind == "param"), streamed)
 
 
-def _activation_stash(config: SpeedLoaderConfig):
-    """An ActivationStash on the configured tier, or None when activations stay."""
+def _stash_plan(config: SpeedLoaderConfig) -> StashPlan | None:
+    """The activation stash on the configured tier, or None when activations stay."""
     from slcompile.runtime.engine import get_engine
-    from slcompile.runtime.activations import ActivationStash
     from slcompile.runtime.tiers import Tier
 
     if config.activations == "device":
         return None
-    engine = get_engine(config.offload_dir)
-    if engine.copies_nothing(Tier(config.activations), Tier.DEVICE):
+    if get_engine(config.offload_dir).copies_nothing(Tier(config.activations), Tier.DEVICE):
         log.debug("activations=%s copies nothing on this machine: they stay on the device", config.activations)
         return None
-    return ActivationStash(engine, config.activations)
+    return StashPlan(new_name("a"), config.activations, offload_dir=config.offload_dir)
 
 
 def _size_host_pool(state, report) -> None:
@@ -237,18 +237,21 @@ def _size_host_pool(state, report) -> None:
     )
 
 
-def _offload_weights(state) -> None:
-    """After lowering (which traced with the real values), move the streamed weights
-    to their tier and release the parameters' memory."""
-    streamer = state.streamer
-    values = {i.name: i.value for i in state.inputs}
-    sources = {i.name: parameter_name(i.source) for i in state.inputs}
-    for block in state.streamed.blocks:
-        for name, key in block:
-            streamer.offload(key, values[name], sources[name] or name)
-    log.info(
-        "speedloader: %d bytes of block weights now rest on %s", state.streamed.streamed_bytes, streamer.tier.value
-    )
+def _start(runtime: StepRuntime, state, report: CompileReport) -> None:
+    """After lowering (which traced with the real values), makes the step's runtime
+    objects: the streamed weights move to their tier and release the parameters'
+    memory."""
+    weights = []
+    if state.streamed is not None:
+        values = {i.name: i.value for i in state.inputs}
+        sources = {i.name: parameter_name(i.source) for i in state.inputs}
+        weights = [(key, values[name], sources[name] or name) for block in state.streamed.blocks
+                   for name, key in block]
+        report.streamed_bytes = state.streamed.streamed_bytes
+    runtime.start(weights, report.offloaded_gradients)
+    if weights:
+        log.info("speedloader: %d bytes of block weights now rest on %s", report.streamed_bytes,
+                 state.streamer.tier)
 
 
 class _DivisibleBatchGuard:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from slcompile.plans import new_name
 from slcompile.runtime import ops
 from slcompile.runtime.engine import TransferEngine
 from slcompile.runtime.errors import OffloadError
@@ -39,7 +40,6 @@ __all__ = ["ActivationStash"]
 # compiled graphs that call them hold their stash).
 _STASHES: weakref.WeakValueDictionary[str, ActivationStash] = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()
-_NUMBERS = itertools.count()
 _STORES = itertools.count()
 
 
@@ -49,12 +49,13 @@ class ActivationStash:
     Args:
         engine: the transfer engine that stores and loads them.
         tier: the tier they rest on.
+        name: its name in stash keys (its `StashPlan`'s); a new one when None.
     """
 
-    def __init__(self, engine: TransferEngine, tier: Tier | str):
+    def __init__(self, engine: TransferEngine, tier: Tier | str, name: str | None = None):
         self.engine = engine
         self.tier = Tier(tier)
-        self.name = f"a{next(_NUMBERS)}"
+        self.name = name or new_name("a")
         with _LOCK:
             _STASHES[self.name] = self
 

@@ -29,7 +29,6 @@ moves the gradient's bytes both ways.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import weakref
@@ -40,6 +39,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from slcompile.errors import OptionError
+from slcompile.plans import SinkPlan, new_name
 from slcompile.runtime import ops
 from slcompile.runtime.engine import TransferEngine, TransferHandle
 from slcompile.runtime.errors import OffloadError
@@ -53,7 +53,7 @@ __all__ = [
     "attach_consumer",
     "consumer_of",
     "gradient_key_of",
-    "gradient_sink_for",
+    "sink_plan_for",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,6 @@ log = logging.getLogger(__name__)
 _SINKS: weakref.WeakValueDictionary[str, GradientSink] = weakref.WeakValueDictionary()
 _CONSUMERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> consumer
 _LOCK = threading.Lock()
-_NUMBERS = itertools.count()
 
 
 class GradientConsumer(Protocol):
@@ -111,16 +110,17 @@ class GradientSink:
             gradient leaves); False for "auto" (only those a consumer holds).
         shards: the `ShardGroup` the weights are sharded over: the gradients are
             reduce-scattered and this rank's shard is stored (None: whole gradients).
+        name: its name in gradient keys (its `SinkPlan`'s); a new one when None.
     """
 
     def __init__(self, engine: TransferEngine, tier: Tier | str, params: Mapping[str, torch.nn.Parameter],
-                 *, explicit: bool, shards=None):
+                 *, explicit: bool, shards=None, name: str | None = None):
         self.shards = shards
         self.engine = engine
         self.tier = Tier(tier)
         self.params = dict(params)
         self.explicit = explicit
-        self.name = f"g{next(_NUMBERS)}"
+        self.name = name or new_name("g")
         self.report: Any = None  # the GradientReport of the compiled backward
         self.expected: dict[int | None, frozenset[str]] = {}
         self.block_of: dict[str, int | None] = {}
@@ -234,35 +234,37 @@ def _release(grad: torch.Tensor) -> None:
     """Called with the last reference to a stored gradient, which then dies."""
 
 
-def gradient_sink_for(gradients: str, streamer, streamed, inputs) -> GradientSink | None:
-    """The sink of a graph being compiled, or None when its gradients stay on the device.
+def sink_plan_for(gradients: str, streamer, streamed, inputs, offload_dir: str | None = None) -> SinkPlan | None:
+    """The gradient sink of a graph being compiled, as a plan (`SinkPlan`), or None
+    when its gradients stay on the device.
 
     Args:
         gradients: the `gradients` option ("auto", "device", "host", "nvme").
-        streamer: the graph's WeightStreamer, or None when no weight is streamed.
+        streamer: the graph's `StreamerPlan`, or None when no weight is streamed.
         streamed: the `StreamedWeights` of `stream_weights`.
         inputs: the classified placeholders (parameters carry their real values).
+        offload_dir: the transfer engine's directory.
     """
     if streamer is None or streamed is None or gradients == "device":
         return None
     values = {i.name: i.value for i in inputs}
     params = {key: values[name] for block in streamed.blocks for name, key in block}
-    if streamer.shards is not None:
-        holders = [c for c in map(consumer_of, params.values()) if c is not None]
-        if gradients == "auto" and not holders:
-            raise OptionError(
-                "speedloader option 'shard_weights' sends each rank's shard of the weight gradients to an "
-                "offloaded optimizer, but none holds the model's parameters: create "
-                "slcompile.offload_optimizer(model, ...) before the compiled model's first call"
-            )
-        tier = gradients if gradients != "auto" else holders[0].gradient_tier
-        return GradientSink(streamer.engine, tier, params, explicit=True, shards=streamer.shards)
-    if gradients != "auto":
-        return GradientSink(streamer.engine, gradients, params, explicit=True)
-    holders = [c for c in map(consumer_of, params.values()) if c is not None]
-    if not holders:
+    holders = {key: consumer_of(param) for key, param in params.items()}
+    held = [consumer for consumer in holders.values() if consumer is not None]
+    if streamer.sharded and gradients == "auto" and not held:
+        raise OptionError(
+            "speedloader option 'shard_weights' sends each rank's shard of the weight gradients to an "
+            "offloaded optimizer, but none holds the model's parameters: create "
+            "slcompile.offload_optimizer(model, ...) before the compiled model's first call"
+        )
+    explicit = gradients != "auto" or streamer.sharded
+    if not explicit and not held:
         return None
-    return GradientSink(streamer.engine, holders[0].gradient_tier, params, explicit=False)
+    return SinkPlan(
+        new_name("g"), gradients if gradients != "auto" else held[0].gradient_tier.value,
+        leaving=frozenset(params if explicit else (key for key, holder in holders.items() if holder is not None)),
+        explicit=explicit, offload_dir=offload_dir, sharded=streamer.sharded,
+    )
 
 
 def _sink_of(key: GradientKey) -> GradientSink:

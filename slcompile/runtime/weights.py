@@ -57,7 +57,6 @@ the phase.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import weakref
@@ -69,6 +68,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils.weak import WeakIdKeyDictionary
 
 from slcompile.errors import ReleasedWeightError
+from slcompile.plans import new_name
 from slcompile.runtime import ops
 from slcompile.runtime.engine import TransferEngine, TransferHandle
 from slcompile.runtime.errors import OffloadError
@@ -76,7 +76,8 @@ from slcompile.runtime.tiers import Tier, TransferKind
 from slcompile.vocabulary import WeightKey
 
 __all__ = [
-    "WeightStreamer", "gathered_weights", "offloaded_parameters", "weight_home", "update_weights",
+    "WeightStreamer", "stored_key_for", "mark_sharded", "gathered_weights", "offloaded_parameters", "weight_home",
+    "update_weights",
     "stage_weights", "commit_weights", "discard_weights", "StagedWeight", "drain_prefetches", "shard_group_of",
     "release", "restore", "parameter_name", "loading_released_weights", "forget_weights",
 ]
@@ -94,7 +95,22 @@ _SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # Released parameter -> (its class before the release, its name for messages).
 _RELEASED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _REGISTRY_LOCK = threading.Lock()
-_NUMBERS = itertools.count()
+
+
+def mark_sharded(params, shards) -> None:
+    """Marks `params` as sharded over the `ShardGroup` `shards` (before the lowering,
+    so an offloaded optimizer prepares shard-sized copies)."""
+    with _REGISTRY_LOCK:
+        for param in params:
+            _SHARDS[param] = shards
+
+
+def stored_key_for(streamer: str, name: str, param: torch.Tensor) -> str:
+    """The key `param` is stored under when the streamer named `streamer` streams it
+    as `name`: the key it already has if another graph offloaded it."""
+    with _REGISTRY_LOCK:
+        owner = _OWNERS.get(param)
+    return f"{streamer}:{name}" if owner is None else owner[1]
 
 
 def _metadata_functions() -> frozenset:
@@ -280,12 +296,13 @@ class WeightStreamer:
         shards: the `ShardGroup` the weights are sharded over (None: whole weights).
     """
 
-    def __init__(self, engine: TransferEngine, tier: Tier | str, live_blocks: int, shards=None):
+    def __init__(self, engine: TransferEngine, tier: Tier | str, live_blocks: int, shards=None,
+                 name: str | None = None):
         self.shards = shards
         self.engine = engine
         self.tier = Tier(tier)
         self.live_blocks = live_blocks
-        self.name = f"w{next(_NUMBERS)}"
+        self.name = name or new_name("w")
         self.pending: dict[str, TransferHandle] = {}  # graph key -> issued load (or all-gather)
         # Sharded: graph key -> the load of the shard a pending all-gather reads,
         # held until the fetch so the shard is freed there, on the graph's thread.
@@ -299,26 +316,15 @@ class WeightStreamer:
         with _REGISTRY_LOCK:
             _STREAMERS[self.name] = self
 
-    # -- set-up, at compile time ------------------------------------------
+    # -- set-up, when the compiled step starts (`StepRuntime.start`) -----
     def stored_key_for(self, name: str, param: torch.Tensor) -> str:
         """The stored key of `param`: its existing one if it is already offloaded."""
-        with _REGISTRY_LOCK:
-            owner = _OWNERS.get(param)
-        if owner is None:
-            return f"{self.name}:{name}"
-        self.homes[owner[1]] = owner[0]
-        return owner[1]
+        return stored_key_for(self.name, name, param)
 
     def graph_key(self, stored_key: str) -> WeightKey:
         """The key of a fetch of `stored_key` in this streamer's graphs."""
         return WeightKey(self.name, stored_key)
 
-    def shard(self, params) -> None:
-        """Marks `params` as sharded over `shards` (before the lowering, so an offloaded
-        optimizer prepares shard-sized copies)."""
-        with _REGISTRY_LOCK:
-            for param in params:
-                _SHARDS[param] = self.shards
 
     def offload(self, stored_key: str, param: torch.Tensor, name: str | None = None) -> None:
         """Stores `param`'s values (this rank's shard when sharded) and releases its
@@ -327,8 +333,10 @@ class WeightStreamer:
         self.shapes[stored_key] = param.shape
         self.dtypes[stored_key] = param.dtype
         with _REGISTRY_LOCK:
-            if param in _OWNERS:
-                return
+            owner = _OWNERS.get(param)
+        if owner is not None:
+            self.homes[owner[1]] = owner[0]
+            return
         values = param.detach() if self.shards is None else self.shards.shard(param)
         self.engine.wait(self.engine.store(stored_key, values, self.tier, TransferKind.WEIGHT))
         release(param, name or stored_key, self.tier)

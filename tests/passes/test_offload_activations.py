@@ -6,8 +6,8 @@ import torch
 from expecttest import assert_expected_inline
 
 from slcompile.passes.offload_activations import offload_saved, saved_activations
-from slcompile.runtime.engine import get_engine
-from slcompile.runtime.activations import ActivationStash
+from slcompile.plans import StashPlan
+from slcompile.runtime.step import StepRuntime
 from slcompile.schedules.derive import schedule_of
 
 
@@ -36,28 +36,27 @@ detach_3: ('block', 1, 1) 64 B, last fwd use ('block', 1, 1), first bwd use ('su
 t_6: None 32 B, last fwd use ('suffix', None, 0), first bwd use ('suffix', None, 1), stays: a graph input or a view of one
 t_7: None 32 B, last fwd use ('suffix', None, 1), first bwd use None, stays: a graph input or a view of one""")
     schedule = state.schedule.replan(saved=saved, activations_offloaded=True)
-    stash = ActivationStash(get_engine(None), "nvme")
+    stash = StashPlan("golden", "nvme")
     before = printer.lines(forward), printer.lines(backward)
     offloaded = offload_saved(forward, backward, 1, stash.graph_key, saved, schedule)
     assert offloaded.names
-    # Stashes are numbered per process; the text names this one a0 whatever ran before.
-    assert_expected_inline(printer.diff(before[0], printer.lines(forward)).replace(f"'{stash.name}|", "'a0|"), """\
-+stash_default = stash.default(addmm, 'a0|prefix.sb0.addmm')  # prefix.sb0
-+stash_default_1 = stash.default(addmm_1, 'a0|prefix.sb1.addmm_1')  # prefix.sb1
-+stash_default_2 = stash.default(relu, 'a0|blk0.sb0.relu')  # blk0.sb0
-+stash_default_3 = stash.default(detach, 'a0|blk0.sb0.detach')  # blk0.sb0
+    assert_expected_inline(printer.diff(before[0], printer.lines(forward)), """\
++stash_default = stash.default(addmm, 'golden|prefix.sb0.addmm')  # prefix.sb0
++stash_default_1 = stash.default(addmm_1, 'golden|prefix.sb1.addmm_1')  # prefix.sb1
++stash_default_2 = stash.default(relu, 'golden|blk0.sb0.relu')  # blk0.sb0
++stash_default_3 = stash.default(detach, 'golden|blk0.sb0.detach')  # blk0.sb0
 +wait_default = wait.default(stash_default, [addmm])  # prefix.sb0
 +wait_default_1 = wait.default(stash_default_3, [detach])  # blk0.sb0
-+stash_default_4 = stash.default(relu_1, 'a0|blk0.sb1.relu_1')  # blk0.sb1
-+stash_default_5 = stash.default(detach_1, 'a0|blk0.sb1.detach_1')  # blk0.sb1
++stash_default_4 = stash.default(relu_1, 'golden|blk0.sb1.relu_1')  # blk0.sb1
++stash_default_5 = stash.default(detach_1, 'golden|blk0.sb1.detach_1')  # blk0.sb1
 +wait_default_2 = wait.default(stash_default_1, [addmm_1])  # prefix.sb1
 +wait_default_3 = wait.default(stash_default_5, [detach_1])  # blk0.sb1
-+stash_default_6 = stash.default(relu_2, 'a0|blk1.sb0.relu_2')  # blk1.sb0
-+stash_default_7 = stash.default(detach_2, 'a0|blk1.sb0.detach_2')  # blk1.sb0
++stash_default_6 = stash.default(relu_2, 'golden|blk1.sb0.relu_2')  # blk1.sb0
++stash_default_7 = stash.default(detach_2, 'golden|blk1.sb0.detach_2')  # blk1.sb0
 +wait_default_4 = wait.default(stash_default_2, [relu])  # blk0.sb0
 +wait_default_5 = wait.default(stash_default_7, [detach_2])  # blk1.sb0
-+stash_default_8 = stash.default(relu_3, 'a0|blk1.sb1.relu_3')  # blk1.sb1
-+stash_default_9 = stash.default(detach_3, 'a0|blk1.sb1.detach_3')  # blk1.sb1
++stash_default_8 = stash.default(relu_3, 'golden|blk1.sb1.relu_3')  # blk1.sb1
++stash_default_9 = stash.default(detach_3, 'golden|blk1.sb1.detach_3')  # blk1.sb1
 +wait_default_6 = wait.default(stash_default_4, [relu_1])  # blk0.sb1
 +wait_default_7 = wait.default(stash_default_9, [detach_3])  # blk1.sb1
 +wait_default_8 = wait.default(stash_default_6, [relu_2])  # blk1.sb0
@@ -107,6 +106,9 @@ t_7: None 32 B, last fwd use ('suffix', None, 1), first bwd use None, stays: a g
 +mm_11 = mm.default(t_29, unstash_wait_default_9)  # blk0.sb0""")
     assert schedule_of(forward, backward).text() == schedule.text()
 
+    # The stash the plan names, as a compiled step makes it when it starts.
+    runtime = StepRuntime(None, stash, None)
+    runtime.start(weights=())
     outputs = torch.fx.Interpreter(forward).run(*state.example_inputs)
     loss, saved_values = outputs[0], outputs[1:]
     grads = torch.fx.Interpreter(backward).run(*saved_values, torch.ones_like(loss))

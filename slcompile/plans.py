@@ -1,0 +1,108 @@
+"""What a compiled step's runtime will hold, as plain data.
+
+A compiled graph reaches its weight streamer, activation stash and gradient sink
+through the keys its `slc::` ops carry (`slcompile.vocabulary`): `w3|w0:fc_weight`,
+`a2|blk1.sb0.relu`, `g1|w0:fc_weight`. The passes write those keys from the plans
+here, which name the holder and say where it rests; nothing in them moves data,
+holds a lock or registers itself. `slcompile.runtime.step.StepRuntime` makes the
+runtime objects from them when the compiled step is about to run, so `explain`,
+`tune` and every plan a budget search discards make none.
+
+Names are unique in the process (`new_name`), since the runtime finds a holder by
+the name in a key; a runtime object made without a plan (generation's) draws its
+name from the same counter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+
+from slcompile.vocabulary import GradientKey, StashKey, WeightKey
+
+__all__ = ["StreamerPlan", "StashPlan", "SinkPlan", "new_name"]
+
+_NUMBERS = itertools.count()
+_LOCK = threading.Lock()
+
+
+def new_name(prefix: str) -> str:
+    """A holder name no other holder of the process has: `prefix` and a number."""
+    with _LOCK:
+        return f"{prefix}{next(_NUMBERS)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamerPlan:
+    """The weight streamer of a compiled step.
+
+    Attributes:
+        name: the streamer's name in fetch keys (`w3`).
+        tier: where the streamed weights rest ("host" or "nvme").
+        live_blocks: how many blocks' weights may be on the device at once.
+        offload_dir: the transfer engine's directory (None: the default).
+        world_size: the ranks the weights are sharded over (`shard_weights`); 1 with
+            whole weights, and also for sharding over one rank.
+        sharded: whether the weights are sharded (`shard_weights`), over any ranks.
+    """
+
+    name: str
+    tier: str
+    live_blocks: int
+    offload_dir: str | None = None
+    world_size: int = 1
+    sharded: bool = False
+
+    def graph_key(self, stored_key: str) -> WeightKey:
+        """The key of a fetch of `stored_key` in this streamer's graphs."""
+        return WeightKey(self.name, stored_key)
+
+
+@dataclasses.dataclass(frozen=True)
+class StashPlan:
+    """The activation stash of a compiled step.
+
+    Attributes:
+        name: the stash's name in stash keys (`a2`).
+        tier: where the stashed activations rest ("host" or "nvme").
+        offload_dir: the transfer engine's directory (None: the default).
+    """
+
+    name: str
+    tier: str
+    offload_dir: str | None = None
+
+    def graph_key(self, name: str) -> str:
+        """The key of the stash of the saved tensor `name` (its tag and node name)."""
+        return StashKey(self.name, name).format()
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkPlan:
+    """The gradient sink of a compiled step: where the streamed weights' gradients go.
+
+    Attributes:
+        name: the sink's name in gradient keys (`g1`).
+        tier: the tier they are stored to ("host" or "nvme").
+        leaving: the stored keys of the weights whose gradients leave the device.
+        explicit: True when the user named the tier (every streamed weight's
+            gradient leaves); False for "auto" (those an offloaded optimizer holds).
+        offload_dir: the transfer engine's directory (None: the default).
+        sharded: whether each rank stores its shard of a reduce-scattered gradient.
+    """
+
+    name: str
+    tier: str
+    leaving: frozenset[str]
+    explicit: bool
+    offload_dir: str | None = None
+    sharded: bool = False
+
+    def graph_key(self, stored_key: str) -> str:
+        """The key of the store of the gradient of the weight `stored_key`."""
+        return GradientKey(self.name, stored_key).format()
+
+    def wants(self, stored_key: str) -> bool:
+        """Whether the gradient of the weight `stored_key` leaves the device."""
+        return stored_key in self.leaving

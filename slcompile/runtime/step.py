@@ -1,0 +1,78 @@
+"""The runtime objects of one compiled step, made from its plan.
+
+A `StepPlan` names its weight streamer, activation stash and gradient sink as plain
+data (`slcompile.plans`). The backend makes a `StepRuntime` of those plans before
+the lowering, every graph the lowering compiles holds it, and once the lowering
+has succeeded (the step is about to run for the first time: Dynamo compiles on a
+call) `start` makes the objects, registers them under their plans' names for the
+graphs' `slc::` ops, and moves the streamed weights to their tier. The objects
+then live as long as the last graph or callable holding the `StepRuntime` (a
+backward can outlive the step's callable): the registries only point at them.
+
+`explain`, `tune` and every plan a budget search discards lower without a
+`StepRuntime` and make none of these objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from slcompile.plans import SinkPlan, StashPlan, StreamerPlan
+from slcompile.runtime.activations import ActivationStash
+from slcompile.runtime.engine import get_engine
+from slcompile.runtime.gradients import GradientSink
+from slcompile.runtime.weights import WeightStreamer
+
+__all__ = ["StepRuntime"]
+
+
+class StepRuntime:
+    """The runtime objects of a compiled step's plans, made by `start`.
+
+    Args:
+        streamer: the step's `StreamerPlan`, or None when no weight is streamed.
+        stash: its `StashPlan`, or None when saved activations stay on the device.
+        sink: its `SinkPlan`, or None when weight gradients stay on the device.
+    """
+
+    def __init__(self, streamer: StreamerPlan | None, stash: StashPlan | None, sink: SinkPlan | None):
+        self.plans = (streamer, stash, sink)
+        self.streamer: WeightStreamer | None = None
+        self.stash: ActivationStash | None = None
+        self.sink: GradientSink | None = None
+
+    def start(self, weights: Sequence[tuple[str, torch.Tensor, str]], gradients=None) -> None:
+        """Makes the runtime objects and moves the streamed weights to their tier.
+
+        Args:
+            weights: (stored key, parameter, its name) of each streamed weight, in
+                the blocks' order.
+            gradients: the compiled backward's `GradientReport` (which gradients
+                each block stores), when the plan has a sink.
+        """
+        streamer_plan, stash_plan, sink_plan = self.plans
+        if stash_plan is not None:
+            self.stash = ActivationStash(get_engine(stash_plan.offload_dir), stash_plan.tier, name=stash_plan.name)
+        if streamer_plan is None:
+            return
+        shards = None
+        if streamer_plan.sharded:
+            from slcompile.runtime.collectives import shard_group
+
+            shards = shard_group()
+        engine = get_engine(streamer_plan.offload_dir)
+        self.streamer = WeightStreamer(
+            engine, streamer_plan.tier, streamer_plan.live_blocks, shards=shards, name=streamer_plan.name
+        )
+        if sink_plan is not None:
+            self.sink = GradientSink(
+                engine, sink_plan.tier, {key: param for key, param, _ in weights},
+                explicit=sink_plan.explicit, shards=shards, name=sink_plan.name,
+            )
+            if gradients is not None:
+                # The offloaded optimizer copies the weights while they still hold their values.
+                self.sink.expect(gradients)
+        for key, param, name in weights:
+            self.streamer.offload(key, param, name)
