@@ -85,9 +85,9 @@ class SinkPlan:
     Attributes:
         name: the sink's name in gradient keys (`g1`).
         tier: the tier they are stored to ("host" or "nvme").
-        leaving: the stored keys of the weights whose gradients leave the device.
-        explicit: True when the user named the tier (every streamed weight's
-            gradient leaves); False for "auto" (those an offloaded optimizer holds).
+        leaving: the stored keys of the weights whose gradients leave the device:
+            every streamed weight's when the user named the tier, those an
+            offloaded optimizer holds for "auto".
         offload_dir: the transfer engine's directory (None: the default).
         sharded: whether each rank stores its shard of a reduce-scattered gradient.
     """
@@ -95,7 +95,6 @@ class SinkPlan:
     name: str
     tier: str
     leaving: frozenset[str]
-    explicit: bool
     offload_dir: str | None = None
     sharded: bool = False
 

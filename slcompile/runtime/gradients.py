@@ -106,20 +106,17 @@ class GradientSink:
         engine: the transfer engine that stores them.
         tier: the tier they go to ("host" or "nvme").
         params: stored weight key -> the parameter, for every streamed weight.
-        explicit: True when the user asked for this tier (every streamed weight's
-            gradient leaves); False for "auto" (only those a consumer holds).
         shards: the `ShardGroup` the weights are sharded over: the gradients are
             reduce-scattered and this rank's shard is stored (None: whole gradients).
         name: its name in gradient keys (its `SinkPlan`'s); a new one when None.
     """
 
     def __init__(self, engine: TransferEngine, tier: Tier | str, params: Mapping[str, torch.nn.Parameter],
-                 *, explicit: bool, shards=None, name: str | None = None):
+                 *, shards=None, name: str | None = None):
         self.shards = shards
         self.engine = engine
         self.tier = Tier(tier)
         self.params = dict(params)
-        self.explicit = explicit
         self.name = name or new_name("g")
         self.report: Any = None  # the GradientReport of the compiled backward
         self.expected: dict[int | None, frozenset[str]] = {}
@@ -129,16 +126,6 @@ class GradientSink:
         self._stored: dict[str, list[tuple[str, TransferHandle]]] = {}  # this backward's shares so far
         with _LOCK:
             _SINKS[self.name] = self
-
-    def graph_key(self, stored_key: str) -> str:
-        return GradientKey(self.name, stored_key).format()
-
-    def wants(self, stored_key: str) -> bool:
-        """Whether the gradient of the weight `stored_key` leaves the device."""
-        param = self.params.get(stored_key)
-        if param is None:
-            return False
-        return self.explicit or consumer_of(param) is not None
 
     def expect(self, report) -> None:
         """Takes the `GradientReport` of the compiled backward: which gradients each
@@ -263,7 +250,7 @@ def sink_plan_for(gradients: str, streamer, streamed, inputs, offload_dir: str |
     return SinkPlan(
         new_name("g"), gradients if gradients != "auto" else held[0].gradient_tier.value,
         leaving=frozenset(params if explicit else (key for key, holder in holders.items() if holder is not None)),
-        explicit=explicit, offload_dir=offload_dir, sharded=streamer.sharded,
+        offload_dir=offload_dir, sharded=streamer.sharded,
     )
 
 

@@ -69,7 +69,7 @@ class StepRuntime:
         if sink_plan is not None:
             self.sink = GradientSink(
                 engine, sink_plan.tier, {key: param for key, param, _ in weights},
-                explicit=sink_plan.explicit, shards=shards, name=sink_plan.name,
+                shards=shards, name=sink_plan.name,
             )
             if gradients is not None:
                 # The offloaded optimizer copies the weights while they still hold their values.
