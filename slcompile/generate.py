@@ -50,7 +50,7 @@ freed; generation stops when every sequence has finished.
 pass and the bytes each pass moves, from the model's config, without running the model;
 `generate(..., return_dict_in_generate=True)` returns the same records measured. It
 also predicts the device memory of the prefill and of the decode passes
-(`PassMemory`; `slcompile.inference.memory._MemoryModel` lists what it counts), which
+(`PassMemory`; `slcompile.analysis.memory.predict_pass_memory` lists what it counts), which
 `slcompile.tune_generation` chooses options from.
 
 `with generation(model, ...)` routes `model.generate(...)` through `generate` for
@@ -67,10 +67,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from slcompile.analysis.memory import PassMemory
 from slcompile.errors import OptionError
 from slcompile.inference.executor import _Generation
 from slcompile.inference.explain import GenerationExplanation, explain_generation
-from slcompile.inference.memory import PassMemory
 from slcompile.inference.options import _CALL_OPTIONS, _ENGINE_OPTIONS, _plan, find_decoder_layers
 from slcompile.inference.records import GenerationOutput, GenerationStep
 

@@ -55,6 +55,10 @@ class MachineFacts:
         """Whether moving a tensor between the device and `tier` copies it."""
         return tier not in self.resident_tiers
 
+    def loaded_bytes(self, nbytes: int) -> int:
+        """The device bytes a tensor of `nbytes` loaded from a tier that copies takes."""
+        return -(-nbytes // self.load_granularity) * self.load_granularity + self.load_overhead
+
     @property
     def host_is_device(self) -> bool:
         """The host tier is the device's own memory (a CPU-only machine)."""

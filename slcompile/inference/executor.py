@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slcompile.analysis.memory import spills_hidden
 from slcompile.inference.capture import (
     _grow_cache_layer,
     _cache_windows,
@@ -255,7 +256,7 @@ class _Generation:
         n, phase = len(self.layers), schedule.steps[0].phase
         where = {sb: (position, start, rows) for position, (sb, start, rows) in enumerate(parts)}
         stash = None
-        if any(step.kind == "spill.issue" for step in schedule.steps):
+        if spills_hidden(schedule):
             # Each sub-batch is captured just before each layer step (what a capture
             # makes, such as masks, is not held for every sub-batch through the
             # pass) and its logits computed just after its last: nothing of the

@@ -12,9 +12,10 @@ from typing import Any
 from torch import nn
 
 from slcompile.analysis.machine import MachineFacts
+from slcompile.analysis.memory import PassMemory
 from slcompile.inference.capture import _cache_windows
 from slcompile.inference.executor import _fetched, _streamed_parameters
-from slcompile.inference.memory import PassMemory, _hidden_row_bytes, _kv_row_bytes, _MemoryModel
+from slcompile.inference.memory import _hidden_row_bytes, _kv_row_bytes, _MemoryModel
 from slcompile.inference.options import _plan
 from slcompile.inference.records import GenerationStep
 from slcompile.runtime.stats import TransferKey
@@ -217,7 +218,7 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
     steps and the tail between calls for one model and input shape (they do not
     depend on the tiers)."""
     from slcompile.pipeline import machine_facts
-    from slcompile.runtime.kv import forgettable_segments, merged_segments
+    from slcompile.kv_segments import forgettable_segments, merged_segments
     from slcompile.runtime.weights import weight_home
 
     if machine is None:

@@ -44,69 +44,19 @@ import collections
 import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
-
 import torch
+
+from slcompile.kv_segments import KV_STORES_IN_FLIGHT, forgettable_segments, merged_segments, reads_in_place
 
 from .engine import TransferEngine, TransferHandle
 from .nvme import PageBufferCache
 from .tiers import PAGE_BYTES, Tier, TransferKind
 
-__all__ = ["KVStore", "PartRows", "forgettable_segments", "merged_segments", "reads_in_place"]
+__all__ = ["KVStore", "PartRows"]
 
 log = logging.getLogger(__name__)
 
 _NUMBERS = itertools.count()
-
-
-def forgettable_segments(positions: Sequence[int], length: int) -> int:
-    """How many leading segments of a cache hold none of its last `length` positions.
-
-    Args:
-        positions: the positions each segment holds, oldest first.
-        length: the positions the cache keeps (the last ones).
-
-    Returns:
-        The number of segments, from the front, that can be forgotten.
-    """
-    dropped, later = 0, sum(positions)
-    for size in positions[:-1]:
-        if later - size < length:
-            break
-        later -= size
-        dropped += 1
-    return dropped
-
-
-def merged_segments(positions: Sequence[int], new: int, length: int) -> tuple[int, int]:
-    """How a store of `new` positions joins a cache's stored segments: the run of
-    new positions takes in the last segment as long as that is not longer than the
-    run (as a binary counter carries), and is written as one segment.
-
-    Args:
-        positions: the positions each stored segment holds, oldest first.
-        new: the positions the store adds (at most `length`).
-        length: the positions the cache keeps.
-
-    Returns:
-        How many segments, from the end, the written one replaces, and the
-        positions it holds (the run's last `length` at most).
-    """
-    run, replaced = new, 0
-    for size in reversed(positions):
-        if size > run:
-            break
-        run += size
-        replaced += 1
-    return replaced, min(run, length)
-
-
-def reads_in_place(row_bytes: int, granularity: int) -> bool:
-    """Whether the segments of a cache whose rows (one position's keys and values)
-    take `row_bytes` are read straight into their rows of one buffer: where every
-    segment starts and ends on the loads' `granularity` (the page on a CPU machine,
-    whose loads read whole pages; 1 on a GPU)."""
-    return row_bytes % granularity == 0
 
 
 class PartRows:
@@ -187,7 +137,7 @@ class KVStore:
             (older ones are waited for before a new one is issued).
     """
 
-    def __init__(self, engine: TransferEngine, tier: Tier | str, stores_in_flight: int = 4):
+    def __init__(self, engine: TransferEngine, tier: Tier | str, stores_in_flight: int = KV_STORES_IN_FLIGHT):
         self.engine = engine
         self.tier = Tier(tier)
         self.name = f"kv{next(_NUMBERS)}"
