@@ -161,6 +161,34 @@ def test_nvme_kv_cache_stores_new_positions_in_merged_segments_loads_what_it_use
     assert torch.equal(run_generate(model, input_ids, mask, new_tokens, [], num_subbatches=k), expected)
 
 
+def test_each_call_makes_its_streamer_and_stash_from_plans_and_leaves_none_behind(tmp_path, monkeypatch):
+    from slcompile.runtime import activations, weights
+    from slcompile.runtime.step import StepRuntime
+
+    model = FAMILIES["llama"]().eval()
+    input_ids, mask = left_padded_batch()
+    expected = eager_generate(model, input_ids, mask, 4, eos=[])
+    started, start = [], StepRuntime.start
+
+    def recorded(runtime, *args, **kwargs):
+        started.append(runtime)
+        return start(runtime, *args, **kwargs)
+
+    monkeypatch.setattr(StepRuntime, "start", recorded)
+    gc.collect()
+    before = len(weights._STREAMERS), len(activations._STASHES)
+    for _ in range(3):
+        # Four prefill parts with the cache on nvme: the prefill's hidden states rest there too.
+        out = run_generate(model, input_ids, mask, 4, [], num_subbatches=2, prefill_subbatches=4, weights="nvme",
+                           kv_cache="nvme", offload_dir=str(tmp_path), return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        assert any(kind is TransferKind.ACTIVATION for kind, _, _ in out.steps[0].bytes_moved)
+    assert [(runtime.streamer.tier, runtime.stash.tier) for runtime in started] == [(Tier.NVME, Tier.NVME)] * 3
+    del started, out
+    gc.collect()
+    assert (len(weights._STREAMERS), len(activations._STASHES)) == before
+
+
 @pytest.mark.parametrize("family,prefill_k,k", [("llama", 4, 2), ("mistral", 1, 4), ("gpt2", 2, 4)])
 def test_prefill_and_decode_split_the_batch_differently_with_the_same_tokens(tmp_path, family, prefill_k, k):
     model = FAMILIES[family]().eval()

@@ -31,13 +31,15 @@ from slcompile.inference.capture import (
 from slcompile.inference.options import _Plan
 from slcompile.inference.records import GenerationStep
 from slcompile.meta import format_tag
+from slcompile.plans import StashPlan, StreamerPlan, new_name
+from slcompile.runtime import activations, ops
 from slcompile.runtime.stats import TransferKey
+from slcompile.runtime.step import StepRuntime
 from slcompile.runtime.tiers import Tier
+from slcompile.runtime.weights import fetch_issue, fetch_weight, stored_key_for
 from slcompile.schedules.base import Schedule
 from slcompile.schedules.generation import PassRequest, generation_pass, offloads_hidden
-from slcompile.runtime import activations, ops
-from slcompile.runtime.weights import fetch_issue, fetch_weight
-from slcompile.vocabulary import SPILL_MARK, region_label
+from slcompile.vocabulary import SPILL_MARK, WeightKey, region_label
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +55,18 @@ def _fetched(weights_move: bool, streamed: Sequence[bool]) -> tuple[bool, ...]:
 
 
 class _HiddenStash:
-    """The prefill's hidden states between layers, on the KV cache's tier, moved by
-    what the ops of a compiled training graph's spills run (`slc::stash` at a
-    `spill.issue` step, `slc::wait` for a store, `slc::unstash` at a `fill.issue`
-    step, `slc::unstash_wait` in the layer step that takes it; called as Python
-    functions, without the dispatcher). At most `HIDDEN_STORES_IN_FLIGHT` stores keep their sources
-    alive; a stored state is freed once taken (its stash token dropped)."""
+    """The prefill's hidden states between layers, in the generation's activation
+    stash (on the KV cache's tier), moved by what the ops of a compiled training
+    graph's spills run (`slc::stash` at a `spill.issue` step, `slc::wait` for a
+    store, `slc::unstash` at a `fill.issue` step, `slc::unstash_wait` in the layer
+    step that takes it; called as Python functions, without the dispatcher). At
+    most `HIDDEN_STORES_IN_FLIGHT` stores keep their sources alive; a stored state
+    is freed once taken (its stash token dropped)."""
 
-    def __init__(self, engine, tier: Tier):
+    def __init__(self, stash: activations.ActivationStash):
         import collections
 
-        self.stash = activations.ActivationStash(engine, tier)
+        self.stash = stash
         self._stored: dict[tuple[int, int], tuple] = {}  # token, shape, dtype, device
         self._storing: collections.deque = collections.deque()
         self._loads: dict[tuple[int, int], torch.Tensor] = {}
@@ -91,11 +94,6 @@ class _HiddenStash:
         for block, sb in list(self._loads):
             self.take(block, sb)
         self._stored.clear()
-
-
-# One weight streamer per (engine, tier), shared by every call: streamers register
-# themselves process-wide.
-_STREAMERS: dict[tuple[int, str], Any] = {}
 
 
 def _streamed_parameters(model: nn.Module, plan: _Plan, offload: bool) -> list[list[tuple[str, nn.Parameter]]]:
@@ -150,8 +148,8 @@ class _Generation:
         for layer, window in zip(self.layers, self.windows):
             group = (type(layer), getattr(layer, "attention_type", None), window)
             self.templates.append(first_of.setdefault(group, layer))
-        self.streamer, self.streamed = None, [{} for _ in self.layers]
-        self._stream_weights(offload=not self.engine.copies_nothing(Tier(plan.weights), Tier.DEVICE))
+        self.streamed: list[dict[str, WeightKey]] = [{} for _ in self.layers]
+        self.runtime = self._start(offload=not self.engine.copies_nothing(Tier(plan.weights), Tier.DEVICE))
         self.weights_move = self._weights_move()
         # Per layer, once: each parameter's graph key where it is streamed, else the
         # tensor itself, and the buffers (walking the modules each pass costs more).
@@ -166,22 +164,29 @@ class _Generation:
         self.trace: list[str] = []
         self.stash: _HiddenStash | None = None  # the prefill's hidden states, while it runs
 
-    def _stream_weights(self, offload: bool) -> None:
-        """Offloads the parameters that only one layer uses (when `offload`), and
-        streams those already offloaded (by an earlier call or a compiled graph)."""
-        from slcompile.runtime.weights import WeightStreamer
-
-        prefix = f"{self.plan.layers_name}."
-        for index, params in enumerate(_streamed_parameters(self.model, self.plan, offload)):
+    def _start(self, offload: bool) -> StepRuntime:
+        """The call's runtime objects, made from plans as a compiled step's are: a
+        weight streamer where a layer has streamed weights (those already offloaded,
+        by an earlier call or a compiled graph, and when `offload` those that only
+        one layer uses, offloaded now), and an activation stash on the KV cache's
+        tier where the prefill keeps its hidden states there. They go with the call."""
+        plan = self.plan
+        prefix = f"{plan.layers_name}."
+        streamed = _streamed_parameters(self.model, plan, offload)
+        streamer = StreamerPlan(new_name("w"), plan.weights, live_blocks=2, offload_dir=plan.offload_dir) \
+            if any(streamed) else None
+        spills = offloads_hidden(self.kv.appends, plan.prefill_subbatches, len(self.layers))
+        stash = StashPlan(new_name("a"), plan.kv_cache, plan.offload_dir) if spills else None
+        weights = []
+        for index, params in enumerate(streamed):
             for name, param in params:
-                if self.streamer is None:
-                    key = (id(self.engine), self.plan.weights)
-                    if key not in _STREAMERS or _STREAMERS[key].engine is not self.engine:
-                        _STREAMERS[key] = WeightStreamer(self.engine, self.plan.weights, live_blocks=2)
-                    self.streamer = _STREAMERS[key]
-                stored = self.streamer.stored_key_for(f"{prefix}{index}.{name}", param)
-                self.streamer.offload(stored, param, f"{prefix}{index}.{name}")
-                self.streamed[index][name] = self.streamer.graph_key(stored)
+                full = f"{prefix}{index}.{name}"
+                stored = stored_key_for(streamer.name, full, param)
+                weights.append((stored, param, full))
+                self.streamed[index][name] = streamer.graph_key(stored)
+        runtime = StepRuntime(streamer, stash, None)
+        runtime.start(weights)
+        return runtime
 
     def _weights_move(self) -> bool:
         """Whether a fetched weight is copied (it rests on a tier other than the device's memory)."""
@@ -261,7 +266,7 @@ class _Generation:
             # makes, such as masks, is not held for every sub-batch through the
             # pass) and its logits computed just after its last: nothing of the
             # whole batch is held at once.
-            stash = self.stash = _HiddenStash(self.engine, self.kv.tier)
+            stash = self.stash = _HiddenStash(self.runtime.stash)
         arguments, shared = None, False
         hidden: dict[int, Any] = {}  # sub-batch -> its input to its next layer step
         outputs: dict[int, Any] = {}  # sub-batch -> its last layer's output, for the tail

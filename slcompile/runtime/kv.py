@@ -44,9 +44,11 @@ import collections
 import dataclasses
 import itertools
 import logging
+
 import torch
 
 from slcompile.kv_segments import KV_STORES_IN_FLIGHT, forgettable_segments, merged_segments, reads_in_place
+from slcompile.plans import new_name
 
 from .engine import TransferEngine, TransferHandle
 from .nvme import PageBufferCache
@@ -55,8 +57,6 @@ from .tiers import PAGE_BYTES, Tier, TransferKind
 __all__ = ["KVStore", "PartRows"]
 
 log = logging.getLogger(__name__)
-
-_NUMBERS = itertools.count()
 
 
 class PartRows:
@@ -140,7 +140,7 @@ class KVStore:
     def __init__(self, engine: TransferEngine, tier: Tier | str, stores_in_flight: int = KV_STORES_IN_FLIGHT):
         self.engine = engine
         self.tier = Tier(tier)
-        self.name = f"kv{next(_NUMBERS)}"
+        self.name = new_name("kv")
         self.stores_in_flight = stores_in_flight
         # A tier that copies nothing keeps the layer's whole cache by reference;
         # appending would copy it into one tensor again at every load.
