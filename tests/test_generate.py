@@ -184,7 +184,8 @@ def test_each_call_makes_its_streamer_and_stash_from_plans_and_leaves_none_behin
         assert torch.equal(out.sequences, expected)
         assert any(kind is TransferKind.ACTIVATION for kind, _, _ in out.steps[0].bytes_moved)
     assert [(runtime.streamer.tier, runtime.stash.tier) for runtime in started] == [(Tier.NVME, Tier.NVME)] * 3
-    del started, out
+    started.clear()
+    del out
     gc.collect()
     assert (len(weights._STREAMERS), len(activations._STASHES)) == before
 

@@ -1,7 +1,6 @@
 """The optimizer's share of a step's memory: predicted against what the CPU allocator
 did over forward, backward and `opt.step()`, printed by `explain`, held to the budget."""
 
-import copy
 
 import pytest
 import torch

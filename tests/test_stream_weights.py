@@ -328,5 +328,5 @@ def test_a_dynamic_batch_not_divisible_by_k_at_run_time_runs_plainly_with_the_we
                 expected_logits, expected_loss = model(odd_idx, odd_targets)
             torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-5)
-    assert f"batch size 7 is not divisible by num_subbatches=2; running this call with plain" in caplog.text
+    assert "batch size 7 is not divisible by num_subbatches=2; running this call with plain" in caplog.text
     assert len(slcompile.compile_reports()) == 1  # no recompile: the guard ran the plain graph
