@@ -1,4 +1,4 @@
-"""The runtime objects of one compiled step, made from its plan.
+"""The runtime objects of one compiled step (or one call of `generate`), made from its plans.
 
 A `StepPlan` names its weight streamer, activation stash and gradient sink as plain
 data (`slcompile.plans`). The backend makes a `StepRuntime` of those plans before
@@ -10,7 +10,9 @@ then live as long as the last graph or callable holding the `StepRuntime` (a
 backward can outlive the step's callable): the registries only point at them.
 
 `explain`, `tune` and every plan a budget search discards lower without a
-`StepRuntime` and make none of these objects.
+`StepRuntime` and make none of these objects. A call of `generate` makes its weight
+streamer and activation stash the same way, from plans, when it starts; they go
+with the call.
 """
 
 from __future__ import annotations
