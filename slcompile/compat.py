@@ -38,6 +38,7 @@ analysis matches such states to the forward's outputs (``analysis/lifetimes.py``
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 
@@ -179,8 +180,6 @@ def _full_collections_allowed():
     pipeline and its predictions inside the compile, and back-to-back captures
     (`explain`, `tune`) would then never collect the cycles each leaves: about 5 MiB
     of native memory per `explain` kept. Earlier versions have no such setting."""
-    import contextlib
-
     config = torch._dynamo.config
     if not hasattr(config, "gc_gen2_threshold_during_compile"):
         return contextlib.nullcontext()

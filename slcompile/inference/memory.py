@@ -30,17 +30,23 @@ from slcompile.schedules.generation import offloads_hidden
 __all__: list[str] = []
 
 
-def _kv_row_bytes(model: nn.Module, layers: Sequence[nn.Module]) -> list[int]:
-    """Per layer, the bytes of one position of one sequence's keys (as many again
-    for its values), from the model's config: key-value heads times head size in
-    the layers' floating-point type."""
+def _kv_layout(model: nn.Module, layer: nn.Module) -> tuple[int, int, torch.dtype]:
+    """A layer's cache layout, from the model's config: its key-value heads, head
+    size, and the layer's floating-point type."""
     config = model.config
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = next((p.dtype for p in layer.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    return kv_heads, head_dim, dtype
+
+
+def _kv_row_bytes(model: nn.Module, layers: Sequence[nn.Module]) -> list[int]:
+    """Per layer, the bytes of one position of one sequence's keys (as many again
+    for its values): key-value heads times head size in the layer's type."""
     rows = []
     for layer in layers:
-        dtype = next((p.dtype for p in layer.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        kv_heads, head_dim, dtype = _kv_layout(model, layer)
         rows.append(kv_heads * head_dim * dtype.itemsize)
     return rows
 
@@ -98,18 +104,9 @@ class _MemoryModel:
         self.captures: dict[tuple, tuple] = memo.setdefault("captures", {})
         self.outputs: dict[str, Any] = memo.setdefault("output", {})
 
-    def _layout(self, index: int) -> tuple[int, int, torch.dtype]:
-        config = self.model.config
-        heads = getattr(config, "num_attention_heads", None)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        dtype = next((p.dtype for p in self.layers[index].parameters() if p.is_floating_point()),
-                     torch.get_default_dtype())
-        return kv_heads, head_dim, dtype
-
     def _grow(self, cache, sequences: int, positions: int) -> None:
         for index, layer in enumerate(cache.layers[:len(self.layers)]):
-            heads, head_dim, dtype = self._layout(index)
+            heads, head_dim, dtype = _kv_layout(self.model, self.layers[index])
             meta = torch.empty((sequences, heads, positions, head_dim), dtype=dtype, device="meta")
             layer.update(meta, meta)
 
@@ -153,7 +150,7 @@ class _MemoryModel:
             kwargs = _rows({k: v for k, v in call.items() if k != cache_argument}, 0, sequences, self.batch)
             tensors = {name: self._fake_like(t) for name, t in (*template.named_parameters(),
                                                                  *template.named_buffers())}
-            heads, head_dim, dtype = self._layout(group)
+            heads, head_dim, dtype = _kv_layout(self.model, self.layers[group])
             with self.mode:
                 pasts = [torch.empty((sequences, heads, past, head_dim), dtype=dtype, device=self.device)
                          if past else None for _ in range(2)]
