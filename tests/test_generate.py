@@ -270,19 +270,23 @@ def test_explain_generation_predicts_the_measured_schedules_and_bytes_of_every_p
     loaded = [step.bytes_of(*KV_LOADED) for step in explained.steps]
     assert loaded == [kv_bytes(model, 4, n) for n in (0, 3, 4, 5, 3, 3)]
     # Four prefill sub-batches: each one's hidden states go to the KV tier between
-    # the layers, and the next step's come back while a step runs.
+    # the layers, and the next step's come back while a step runs; a store is waited
+    # for two spills later, or once its state is loaded back.
     # Each layer's weights are fetched once, the next layer's issued before it runs;
     # each part's tail runs just after its last layer.
     assert explained.prefill_schedule.splitlines() == [
         "prefill fetch.issue blk0", "prefill fetch.wait blk0", "prefill fetch.issue blk1",
         "prefill blk0.sb0", "prefill spill.issue blk0.sb0",
         "prefill blk0.sb1", "prefill store_kv.issue blk0.sb0", "prefill spill.issue blk0.sb1",
-        "prefill blk0.sb2", "prefill spill.issue blk0.sb2", "prefill fill.issue blk0.sb0",
+        "prefill blk0.sb2", "prefill spill.issue blk0.sb2", "prefill spill.wait blk0.sb0",
+        "prefill fill.issue blk0.sb0",
         "prefill blk0.sb3", "prefill store_kv.issue blk0.sb1", "prefill spill.issue blk0.sb3",
-        "prefill fetch.wait blk1", "prefill fill.issue blk0.sb1",
-        "prefill blk1.sb0", "prefill suffix.sb0", "prefill fill.issue blk0.sb2",
+        "prefill spill.wait blk0.sb1",
+        "prefill fetch.wait blk1", "prefill fill.issue blk0.sb1", "prefill fill.wait blk0.sb0",
+        "prefill blk1.sb0", "prefill suffix.sb0", "prefill fill.issue blk0.sb2", "prefill fill.wait blk0.sb1",
         "prefill blk1.sb1", "prefill store_kv.issue blk1.sb0", "prefill suffix.sb1", "prefill fill.issue blk0.sb3",
-        "prefill blk1.sb2", "prefill suffix.sb2",
+        "prefill fill.wait blk0.sb2", "prefill spill.wait blk0.sb2",
+        "prefill blk1.sb2", "prefill suffix.sb2", "prefill fill.wait blk0.sb3", "prefill spill.wait blk0.sb3",
         "prefill blk1.sb3", "prefill store_kv.issue blk1.sb1", "prefill suffix.sb3"]
     hidden = 4 * 6 * model.config.hidden_size * 4  # one layer's output, every sequence, float32
     assert explained.steps[0].bytes_of(TransferKind.ACTIVATION, Tier.DEVICE, Tier.NVME) == hidden
@@ -302,7 +306,8 @@ def test_explain_generation_predicts_the_measured_schedules_and_bytes_of_every_p
     assert "prefill: 4 sub-batches of 1; decode: 2 sub-batches of 2" in text
     assert f"prefill hidden states between layers on nvme: {format_bytes(hidden)} stored and loaded" in text
     assert "prefill schedule: blk0.sb0-3 blk1.sb0 suffix.sb0 " in text
-    assert "(28 steps; fetch.issue 2, fetch.wait 2, spill.issue 4, store_kv.issue 4, fill.issue 4)" in text
+    assert ("(36 steps; fetch.issue 2, fetch.wait 2, spill.issue 4, store_kv.issue 4, spill.wait 4, fill.issue 4, "
+            "fill.wait 4)") in text
 
 
 def test_one_compile_for_the_prefill_and_one_for_every_decode_step():

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from slcompile.schedules import TRANSFER_KINDS
-from slcompile.schedules.generation import KV_AHEAD, PassRequest, generation_pass
+from slcompile.schedules.generation import HIDDEN_STORES_IN_FLIGHT, KV_AHEAD, PassRequest, generation_pass
 
 
 def _lines(request):
@@ -80,8 +80,21 @@ def test_every_pass_computes_each_step_once_with_its_transfers_issued_before_it_
                 assert ("load_kv.issue", "block", block, sb) not in at
             if spill and block < layers - 1:
                 # Its output leaves after it is made and comes back before the next layer needs it.
+                # Its store is waited for once, after it is issued, and its load just
+                # before the next layer takes it.
                 spill_at, fill_at = at["spill.issue", "block", block, sb][0], at["fill.issue", "block", block, sb][0]
-                assert compute < spill_at < fill_at < at["compute", "block", block + 1, sb][0]
+                [spill_wait], [fill_wait] = at["spill.wait", "block", block, sb], at["fill.wait", "block", block, sb]
+                assert compute < spill_at < fill_at < fill_wait < at["compute", "block", block + 1, sb][0]
+                assert spill_at < spill_wait
+                assert steps[fill_wait + 1 + (spill_wait == fill_wait + 1)].key == ("block", block + 1, sb)
+            else:
+                assert not any(("spill." + half, "block", block, sb) in at for half in ("issue", "wait"))
+    # No more than HIDDEN_STORES_IN_FLIGHT spills keep their sources alive past a step.
+    storing = 0
+    for step in steps:
+        storing += {"spill.issue": 1, "spill.wait": -1}.get(step.kind, 0)
+        assert 0 <= storing <= HIDDEN_STORES_IN_FLIGHT + (step.kind == "spill.issue")
+    assert storing == 0
     stored = [(s.block, s.subbatch) for s in steps if s.kind == "store_kv.issue"]
     assert sorted(stored) == [(b, d) for b in range(layers) for d in subbatches]
     tails = [s for s in steps if s.region == "suffix"]

@@ -14,7 +14,7 @@ CPU = MachineFacts(device="cpu", resident_tiers=frozenset({"device", "host"}), l
 def _sizes(layer_loads, kv_tier="device"):
     return GenerationSizes(batch=4, length=6, num_subbatches=2, prefill_subbatches=2, resident=1000,
                            layer_loads=layer_loads, key_bytes=(64, 64), caps=(None, None), vocab=10,
-                           kv_tier=kv_tier, machine=CPU, hidden_stores_in_flight=2)
+                           kv_tier=kv_tier, machine=CPU)
 
 
 def test_a_decode_pass_with_the_cache_on_the_device_peaks_where_its_terms_sum_highest():

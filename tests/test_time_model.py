@@ -273,3 +273,22 @@ def test_a_pass_of_actions_overlaps_the_next_layers_load_and_flushes_its_stores(
     timeline = predict_pass_time(resident, profile=called, phase="decode", lowering="aot_eager")
     assert timeline.step_seconds == pytest.approx(2 * (2.0 + 0.25))
     assert timeline.lane_bytes() == {}
+
+
+def test_a_pass_that_waits_for_a_store_stalls_its_compute_until_the_store_is_done():
+    """Layer 0's output (3 MB, 3 s on nvme) is stored after it computes (1 s) and
+    waited for before layer 1 computes: layer 1 starts at 4 s, not 1 s."""
+    one_second = (ComputeCost(flops=10**9),)
+    actions = [
+        PassAction("compute", "blk0", nodes=one_second, calls=1),
+        PassAction("store", "blk0.h.sb0", "nvme", (3 * 10**6,)),
+        PassAction("wait", "blk0.h.sb0"),
+        PassAction("compute", "blk1", nodes=one_second, calls=1),
+    ]
+    timeline = predict_pass_time(actions, profile=PROFILE, phase="prefill", lowering="aot_eager")
+    assert timeline.step_seconds == pytest.approx(5.0)
+    [stall] = [event for event in timeline.events if event.kind == "stall"]
+    assert (stall.start, stall.end) == (pytest.approx(1.0), pytest.approx(4.0))
+    # Without the wait, layer 1 overlaps the store, and the pass ends with it.
+    assert predict_pass_time(actions[:2] + actions[3:], profile=PROFILE, phase="prefill",
+                             lowering="aot_eager").step_seconds == pytest.approx(4.0)

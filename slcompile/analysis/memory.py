@@ -895,8 +895,6 @@ class GenerationSizes:
         vocab: the logits of one sequence.
         kv_tier: where the KV cache rests between passes.
         machine: which tiers copy, and how loads pad what they read.
-        hidden_stores_in_flight: stores of an offloading prefill's hidden states
-            whose sources may be alive at once.
         kv_stores_in_flight: likewise for the stores of the KV cache.
     """
 
@@ -911,7 +909,6 @@ class GenerationSizes:
     vocab: int
     kv_tier: str
     machine: MachineFacts
-    hidden_stores_in_flight: int
     kv_stores_in_flight: int = KV_STORES_IN_FLIGHT
 
     @property
@@ -1033,7 +1030,17 @@ def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, pa
     # layer step, and the caches loading while it runs.
     issued, before, loading = [], {}, {}
     pending: set[tuple[int, int]] = set()
+    # An offloading prefill: at each layer step, the spills not yet waited for
+    # (their sources alive) and the fills issued but not yet waited for.
+    spilling: set[tuple[int, int]] = set()
+    filling: set[tuple[int, int]] = set()
+    spills_alive, fills_loading = {}, {}
     for step in schedule.steps:
+        where = (step.block, step.subbatch)
+        if step.kind in ("spill.issue", "fill.issue"):
+            (spilling if step.kind == "spill.issue" else filling).add(where)
+        elif step.kind in ("spill.wait", "fill.wait"):
+            (spilling if step.kind == "spill.wait" else filling).discard(where)
         if step.kind == "store_kv.issue" and kv_moves:
             if phase == "decode":
                 written = merged_segments(segments[step.block], 1, sizes.kept(step.block, past + 1))[1]
@@ -1043,9 +1050,10 @@ def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, pa
         elif step.kind == "load_kv.issue":
             pending.add((step.block, step.subbatch))
         elif step.kind == "compute" and step.region == "block":
-            before[step.block, step.subbatch] = len(issued)
-            pending.discard((step.block, step.subbatch))
-            loading[step.block, step.subbatch] = tuple(pending)
+            before[where] = len(issued)
+            pending.discard(where)
+            loading[where] = tuple(pending)
+            spills_alive[where], fills_loading[where] = len(spilling), len(filling)
 
     def in_flight(count: int) -> int:
         return sum(issued[max(0, count - sizes.kv_stores_in_flight):count])
@@ -1058,12 +1066,10 @@ def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, pa
         """The hidden states an offloading prefill holds at a layer step: what the
         step's capture keeps but its hidden states, the step's input, the next
         step's input loading, and the sources of the stores in flight."""
-        step = index * parts + part
         loaded = sizes.machine.loaded_bytes(part_hidden)  # a load pads what it reads
-        loading = 1 <= (step + 1) // parts < n
-        storing = min(sizes.hidden_stores_in_flight, step, (n - 1) * parts)
-        return (traced.inputs + other + (part_hidden if index == 0 else loaded) + loading * loaded
-                + storing * part_hidden)
+        where = (index, part)
+        return (traced.inputs + other + (part_hidden if index == 0 else loaded)
+                + fills_loading[where] * loaded + spills_alive[where] * part_hidden)
 
     # Every moment of the pass.
     held = 0 if kv_moves else sum(sizes.cache_bytes(i, batch, sizes.kept(i, past)) for i in range(n))

@@ -573,7 +573,8 @@ class PassAction:
 
     Attributes:
         kind: "load" (a transfer to the device is issued), "store" (one from it is
-            issued) or "compute".
+            issued), "wait" (the compute lane waits for a store issued earlier, by
+            name) or "compute".
         name: a transfer's name (`blk2.kv.sb1`), or a compute step's region
             (`blk2`, "prefix", "suffix").
         tier: where a transfer's data rests ("device", "host", "nvme").
@@ -615,12 +616,24 @@ def predict_pass_time(
     ops' time as a compiled graph's (`MachineProfile.compute_seconds` for the
     lowering) plus `call_overhead_seconds` per compiled call, `layer_step_seconds`
     per executor layer step and `pass_seconds` per pass; each issue and each
-    wait pays `transfer_op_seconds` on the compute lane. The pass ends when its
+    wait pays `transfer_op_seconds` on the compute lane; a "wait" action stalls the
+    compute lane until the store it names is done. The pass ends when its
     compute and every store have finished (a pass flushes its stores).
     """
     lanes = _Lanes()
     stores: list[float] = []
+    stored: dict[str, float] = {}  # a store's name -> when it is done
     for action in actions:
+        if action.kind == "wait":
+            done = stored.pop(action.name, None)
+            if done is None:
+                continue  # nothing moved (a store to the device's memory)
+            if done > lanes.clock:
+                lanes.events.append(TimedEvent("compute", "stall", action.name.split(".")[0], phase, lanes.clock,
+                                               done))
+                lanes.clock = done
+            lanes.clock += profile.transfer_op_seconds
+            continue
         if action.kind in ("load", "store"):
             direction = "read" if action.kind == "load" else "write"
             seconds, lane = 0.0, "compute"
@@ -634,6 +647,7 @@ def predict_pass_time(
             _issue(("issue", action.name, lane, seconds, what, region, sum(action.transfers)), phase, lanes)
             if action.kind == "store":
                 stores.append(lanes.pending.pop(action.name)[0])
+                stored[action.name] = stores[-1]
             lanes.clock += profile.transfer_op_seconds
             continue
         plan: list[tuple] = []

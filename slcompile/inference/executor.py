@@ -44,10 +44,6 @@ from slcompile.vocabulary import SPILL_MARK, WeightKey, region_label
 log = logging.getLogger(__name__)
 
 
-# Stores of the prefill's hidden states whose sources may be alive at once.
-HIDDEN_STORES_IN_FLIGHT = 2
-
-
 def _fetched(weights_move: bool, streamed: Sequence[bool]) -> tuple[bool, ...]:
     """Per layer, whether a pass fetches its weights: it has streamed weights, and
     they rest on a tier that copies."""
@@ -57,26 +53,28 @@ def _fetched(weights_move: bool, streamed: Sequence[bool]) -> tuple[bool, ...]:
 class _HiddenStash:
     """The prefill's hidden states between layers, in the generation's activation
     stash (on the KV cache's tier), moved by what the ops of a compiled training
-    graph's spills run (`slc::stash` at a `spill.issue` step, `slc::wait` for a
-    store, `slc::unstash` at a `fill.issue` step, `slc::unstash_wait` in the layer
-    step that takes it; called as Python functions, without the dispatcher). At
-    most `HIDDEN_STORES_IN_FLIGHT` stores keep their sources alive; a stored state
-    is freed once taken (its stash token dropped)."""
+    graph's spills run, at the schedule's steps: `slc::stash` at a `spill.issue`,
+    `slc::wait` at a `spill.wait` (the stored output is kept alive until then, as a
+    graph keeps a wait's `keepalive`), `slc::unstash` at a `fill.issue` and
+    `slc::unstash_wait` at a `fill.wait` (called as Python functions, without the
+    dispatcher). A stored state is freed once taken (its stash token dropped)."""
 
     def __init__(self, stash: activations.ActivationStash):
-        import collections
-
         self.stash = stash
         self._stored: dict[tuple[int, int], tuple] = {}  # token, shape, dtype, device
-        self._storing: collections.deque = collections.deque()
+        # Each store's token and source, until it is waited for (perhaps after the
+        # state was taken: the last layer's loads overtake the last stores).
+        self._storing: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._loads: dict[tuple[int, int], torch.Tensor] = {}
 
     def store(self, block: int, sb: int, hidden: torch.Tensor) -> None:
         token = activations.stash(hidden, self.stash.graph_key(f"blk{block}.sb{sb}.{SPILL_MARK}.hidden"))
         self._stored[block, sb] = token, tuple(hidden.shape), hidden.dtype, hidden.device
-        self._storing.append(token)
-        while len(self._storing) > HIDDEN_STORES_IN_FLIGHT:
-            ops.wait(self._storing.popleft(), [])
+        self._storing[block, sb] = token, hidden
+
+    def wait(self, block: int, sb: int) -> None:
+        token, source = self._storing.pop((block, sb))
+        ops.wait(token, [source])
 
     def issue(self, block: int, sb: int) -> None:
         self._loads[block, sb] = activations.unstash(self._stored[block, sb][0])
@@ -89,10 +87,10 @@ class _HiddenStash:
 
     def close(self) -> None:
         """Waits for the transfers in flight and frees what is still stored."""
-        while self._storing:
-            ops.wait(self._storing.popleft(), [])
-        for block, sb in list(self._loads):
-            self.take(block, sb)
+        for where in list(self._storing):
+            self.wait(*where)
+        for where in list(self._loads):
+            self.take(*where)
         self._stored.clear()
 
 
@@ -289,6 +287,10 @@ class _Generation:
                 stash.issue(block, sb)
             elif kind == "spill.issue":
                 stash.store(block, sb, hidden.pop(sb))
+            elif kind == "spill.wait":
+                stash.wait(block, sb)
+            elif kind == "fill.wait":
+                hidden[sb] = stash.take(block, sb)
             elif kind != "compute":
                 raise ValueError(f"generate: a generation pass has no step {step.text()!r}")
             elif step.region == "prefix":
@@ -310,8 +312,9 @@ class _Generation:
                     tensors, current = self._weights(block), block
                 if stash is not None:
                     call = self._capture(_rows(inputs, start, rows, batch))[block]
-                    embedded = call.pop(self.hidden_name)  # the layer's input past the first: loaded
-                    hidden[sb] = embedded if block == 0 else stash.take(block - 1, sb)
+                    embedded = call.pop(self.hidden_name)  # the layer's input past the first: filled
+                    if block == 0:
+                        hidden[sb] = embedded
                     del embedded
                 else:
                     call = arguments[position][block]

@@ -351,9 +351,11 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
 
 _ACTION_OF = {
     "fetch.issue": ("load", "w"), "load_kv.issue": ("load", "kv"), "store_kv.issue": ("store", "kv"),
-    "fill.issue": ("load", "h"), "spill.issue": ("store", "h"),
+    "fill.issue": ("load", "h"), "spill.issue": ("store", "h"), "spill.wait": ("wait", "h"),
 }
-"""A pass's transfer step -> (`PassAction` kind, what moves: weights, cache or hidden states)."""
+"""A pass's transfer step -> (`PassAction` kind, what moves: weights, cache or hidden
+states). A fill's wait adds no action: the layer step that takes the state waits
+for its load."""
 
 
 def _pass_actions(schedule: Schedule, transfers: Mapping[str, tuple[str, tuple[int, ...]]], costs,
@@ -372,6 +374,9 @@ def _pass_actions(schedule: Schedule, transfers: Mapping[str, tuple[str, tuple[i
         if step.kind in _ACTION_OF:
             kind, what = _ACTION_OF[step.kind]
             name = f"blk{step.block}.{what}" + ("" if step.subbatch is None else f".sb{step.subbatch}")
+            if kind == "wait":
+                actions.append(PassAction(kind, name))
+                continue
             tier, sizes = transfers.get(f"{kind} {name}", transfers.get(name, ("device", ())))
             actions.append(PassAction(kind, name, tier, tuple(sizes)))
         elif step.kind == "compute" and step.region == "block":

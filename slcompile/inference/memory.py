@@ -22,7 +22,6 @@ from slcompile.inference.capture import (
     _position_ids,
     _rows,
 )
-from slcompile.inference.executor import HIDDEN_STORES_IN_FLIGHT
 from slcompile.inference.options import _Plan
 from slcompile.schedules.base import Schedule
 from slcompile.schedules.generation import offloads_hidden
@@ -87,7 +86,7 @@ class _MemoryModel:
             key_bytes=tuple(_kv_row_bytes(model, self.layers)),
             caps=tuple(None if window is None else window - 1 for window in self.windows),
             vocab=head.weight.shape[0] if head is not None else model.config.vocab_size,
-            kv_tier=plan.kv_cache, machine=machine, hidden_stores_in_flight=HIDDEN_STORES_IN_FLIGHT)
+            kv_tier=plan.kv_cache, machine=machine)
         signature = inspect.signature(type(self.layers[0]).forward)
         self.hidden_name = list(signature.parameters)[1]
         first_of: dict[tuple, int] = {}

@@ -18,14 +18,18 @@ The steps are training's (`slcompile.schedules.base`), with phase "prefill" or
     decode store_kv.issue blk1.sb0  store the new cache of (1, 0) (in the prefill, the
                                  sub-batch is the decode sub-batch that owns the rows)
     prefill spill.issue blk1.sb2   store layer 1's output for sub-batch 2 until layer 2
+    prefill spill.wait blk1.sb2    that store is done (the output's memory may go)
     prefill fill.issue blk1.sb2    start loading it back
+    prefill fill.wait blk1.sb2     it is needed now (by layer 2, sub-batch 2)
     prefill suffix               the last position's logits of every sub-batch (with
                                  spilled hidden states: `suffix.sb2`, one per sub-batch)
 
 A transfer step is written only where its tier copies (`fetched`, `kv_moves`,
 `spill_hidden`); a cache kept on the device is still "stored" (`store_kv.issue`:
-the pass's new positions join it) wherever a later pass reads it. The pass's end
-waits for every store issued.
+the pass's new positions join it) wherever a later pass reads it. A spilled output
+stays alive until its `spill.wait`, `HIDDEN_STORES_IN_FLIGHT` spills later or just
+after its `fill.wait` (loaded back, it is stored), whichever comes first; the
+pass's end waits for every KV store issued.
 """
 
 from __future__ import annotations
@@ -34,10 +38,14 @@ import dataclasses
 
 from slcompile.schedules.base import Schedule, Step
 
-__all__ = ["PassRequest", "generation_pass", "KV_AHEAD", "offloads_hidden"]
+__all__ = ["PassRequest", "generation_pass", "KV_AHEAD", "HIDDEN_STORES_IN_FLIGHT", "offloads_hidden"]
 
 KV_AHEAD = 2
 """Decode: the caches of the next `KV_AHEAD` (layer, sub-batch) steps load while one runs."""
+
+HIDDEN_STORES_IN_FLIGHT = 2
+"""An offloading prefill: the spills whose stores are not yet waited for (their
+sources alive) when the next is issued."""
 
 
 def offloads_hidden(kv_moves: bool, parts: int, layers: int) -> bool:
@@ -83,9 +91,13 @@ def generation_pass(request: PassRequest) -> Schedule:
     """The schedule of one pass: each layer's weights fetched once for every
     sub-batch (the next layer's issued before the layer runs), each (layer,
     sub-batch) computed in layer-major order, its cache stored just after it, and
-    in a decode pass each step's cache loaded `KV_AHEAD` steps ahead."""
+    in a decode pass each step's cache loaded `KV_AHEAD` steps ahead. A prefill
+    that spills its hidden states stores each layer's output after the step, loads
+    it back while the step before its next one runs, and waits for it just before
+    that step."""
     phase, n, parts = request.phase, request.layers, request.subbatches
     steps: list[Step] = []
+    storing: list[tuple[int, int]] = []  # the spills not yet waited for, oldest first
 
     def add(kind: str, block: int | None, subbatch: int | None = None, region: str = "block") -> None:
         steps.append(Step(phase, region, block, subbatch, kind))
@@ -113,6 +125,11 @@ def generation_pass(request: PassRequest) -> Schedule:
                 first = at + KV_AHEAD if at else 1  # those not issued before
                 for ahead in range(first, min(at + 1 + KV_AHEAD, n * len(parts))):
                     add("load_kv.issue", ahead // len(parts), parts[ahead % len(parts)])
+            if request.spill_hidden and block:
+                add("fill.wait", block - 1, subbatch)
+                if (block - 1, subbatch) in storing:  # loaded back: its store is done
+                    storing.remove((block - 1, subbatch))
+                    add("spill.wait", block - 1, subbatch)
             add("compute", block, subbatch)
             if request.stores:
                 for owner in _owners(request, position, subbatch):
@@ -120,6 +137,9 @@ def generation_pass(request: PassRequest) -> Schedule:
             if request.spill_hidden:
                 if block < n - 1:
                     add("spill.issue", block, subbatch)
+                    storing.append((block, subbatch))
+                    if len(storing) > HIDDEN_STORES_IN_FLIGHT:
+                        add("spill.wait", *storing.pop(0))
                 else:
                     add("compute", None, subbatch, region="suffix")
     if not request.spill_hidden:
