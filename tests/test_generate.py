@@ -540,8 +540,8 @@ def test_prefill_with_hidden_states_on_the_kv_tier_fits_a_budget_a_device_cache_
     assert result.memory.peak_bytes <= budget
 
     def prefill_peak(k, prefill_k):
-        return explain_generation(model, shape, new_tokens, k, prefill_subbatches=prefill_k, weights="device",
-                                  kv_cache="nvme").prefill_memory.peak_bytes
+        return explain_generation(model, shape, new_tokens, num_subbatches=k, prefill_subbatches=prefill_k,
+                                  weights="device", kv_cache="nvme").prefill_memory.peak_bytes
 
     # The fewest that fit: half the prefill's sub-batches would not; with half the
     # decode's, the decode would not, or no prefill would (it fills the rows of each
@@ -549,7 +549,7 @@ def test_prefill_with_hidden_states_on_the_kv_tier_fits_a_budget_a_device_cache_
     k, prefill_k = options["num_subbatches"], options["prefill_subbatches"]
     assert prefill_k > 1 and prefill_peak(k, prefill_k // 2) > budget
     assert k > 1
-    half = explain_generation(model, shape, new_tokens, k // 2, prefill_subbatches=32, weights="device",
+    half = explain_generation(model, shape, new_tokens, num_subbatches=k // 2, prefill_subbatches=32, weights="device",
                               kv_cache="nvme")
     assert half.decode_memory.peak_bytes > budget or all(prefill_peak(k // 2, p) > budget for p in (1, 2, 4, 8, 16, 32))
     input_ids = torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(2))
@@ -566,7 +566,7 @@ def test_tune_generation_picks_the_fewest_subbatches_that_fit_and_refuses_a_budg
 
     model = hf_llama(num_hidden_layers=2, hidden_size=64, vocab_size=VOCAB).eval()
     shape, new_tokens = (8, 32), 2
-    peaks = {k: explain_generation(model, shape, new_tokens, k).peak_bytes for k in (1, 2, 4)}
+    peaks = {k: explain_generation(model, shape, new_tokens, num_subbatches=k).peak_bytes for k in (1, 2, 4)}
     # Past two sub-batches the tail (the whole batch's last hidden states) is the peak.
     assert peaks[1] > peaks[2] >= peaks[4]
     budget = (peaks[2] + peaks[1]) // 2
@@ -577,11 +577,11 @@ def test_tune_generation_picks_the_fewest_subbatches_that_fit_and_refuses_a_budg
                        "weights": "device", "kv_cache": "device"}
     assert result.memory.peak_bytes <= budget
     # A smaller K would not fit, as predicted.
-    smaller = explain_generation(model, shape, new_tokens, options["num_subbatches"], prefill_subbatches=1)
+    k = options["num_subbatches"]
+    smaller = explain_generation(model, shape, new_tokens, num_subbatches=k, prefill_subbatches=1)
     assert smaller.prefill_memory.peak_bytes > budget
-    if options["num_subbatches"] > 1:
-        assert explain_generation(model, shape, new_tokens, options["num_subbatches"] // 2).decode_memory.peak_bytes \
-            > budget
+    if k > 1:
+        assert explain_generation(model, shape, new_tokens, num_subbatches=k // 2).decode_memory.peak_bytes > budget
     # The chosen options fit as measured.
     input_ids = torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(1))
     measured = measured_generate_peak(model, input_ids, new_tokens, **options)
@@ -626,7 +626,7 @@ def test_explain_without_a_traceable_forward_logs_and_tune_generation_refuses(mo
         raise RuntimeError("data-dependent branch")
 
     monkeypatch.setattr(_MemoryModel, "_traced", untraceable)
-    explained = explain_generation(model, (4, 6), 3, 2)
+    explained = explain_generation(model, (4, 6), 3, num_subbatches=2)
     assert explained.prefill_memory is None and explained.peak_bytes is None and len(explained.steps) == 3
     assert "not predicted: tracing its forward on fake tensors failed (RuntimeError" in caplog.text
     with pytest.raises(slcompile.RefusedError, match="cannot be predicted"):

@@ -160,8 +160,8 @@ def explain_generation(
     model: nn.Module,
     input_shape: Sequence[int],
     max_new_tokens: int = 20,
-    num_subbatches: int = 1,
     *,
+    num_subbatches: int = 1,
     prefill_subbatches: int | None = None,
     weights: str = "device",
     kv_cache: str = "device",
@@ -178,7 +178,8 @@ def explain_generation(
 
     Args:
         model, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
-            offload_dir: as for `generate`.
+            offload_dir: as for `generate`; the problem's size (the shape and
+            `max_new_tokens`) may be given by position, the options by keyword only.
         input_shape: `input_ids.shape`, `(batch, length)`.
         machine: the machine's facts the memory is predicted with (`MachineFacts`:
             which tiers copy, how a loaded tensor is padded); default: this
