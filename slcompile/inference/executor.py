@@ -62,8 +62,8 @@ class _HiddenStash:
     def __init__(self, stash: activations.ActivationStash):
         self.stash = stash
         self._stored: dict[tuple[int, int], tuple] = {}  # token, shape, dtype, device
-        # Each store's token and source, until it is waited for (perhaps after the
-        # state was taken: the last layer's loads overtake the last stores).
+        # Each store's token and source until its `spill.wait`, which may come just
+        # after the state was taken (`fill.wait`): loaded back, it was stored.
         self._storing: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._loads: dict[tuple[int, int], torch.Tensor] = {}
 
