@@ -29,9 +29,11 @@ def test_a_decode_pass_with_the_cache_on_the_device_peaks_where_its_terms_sum_hi
     assert (memory.moment, dict(memory.terms)) == (
         "blk1.sb1", {"parameters": 1000, "weights": 0, "hidden": 500, "kv": 8192 + 768, "step": 900})
     assert memory.peak_bytes == 11360 and memory.resident_bytes == 1000
-    # A larger tail: the capture and the hidden states twice, the whole grown cache.
-    memory = predict_pass_memory(schedule, sizes, TracedPass(400, 300, 100, (700, 900), tail=300), past=8)
-    assert (memory.moment, memory.peak_bytes) == ("tail", 1000 + 1000 + 8192 + 1024 + 300)
+    # A larger tail: what its forward makes before the layers, as the capture did
+    # (the layers' capture is gone by then), the hidden states twice (the outputs and
+    # their concatenation), the whole grown cache.
+    memory = predict_pass_memory(schedule, sizes, TracedPass(400, 300, 100, (700, 900), tail=700), past=8)
+    assert (memory.moment, memory.peak_bytes) == ("tail", 1000 + 400 + 200 + 8192 + 1024 + 700)
 
 
 def test_fetched_weights_count_as_loads_pad_them_for_the_layer_computing_and_the_next():

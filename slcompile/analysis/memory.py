@@ -986,7 +986,7 @@ def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, pa
 
     - the parameters and buffers that are not streamed (`parameters`);
     - what the capture made for all sub-batches (embeddings, rotary tables, masks),
-      until the pass ends, and each sub-batch's hidden states between layers
+      until the last layer step, and each sub-batch's hidden states between layers
       (`hidden`); in a prefill that offloads them, what the computing sub-batch's
       capture made but its hidden states, its hidden states, the next one's loading
       and the sources of the stores in flight;
@@ -1133,9 +1133,10 @@ def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, pa
             moments.append((f"blk{index}.sb{part}", {**common, "kv": stored + ahead + joined,
                                                      "step": steps[index]}))
     # The tail: every sub-batch's last output, their concatenation, and the
-    # forward again, holding what it computes before the layers as the capture does.
+    # forward again, holding what it computes before the layers as the capture did
+    # (the capture's own is gone after the last layer step).
     if not offloads:
-        moments.append(("tail", {"parameters": sizes.resident, "hidden": 2 * captured + 2 * traced.hidden,
+        moments.append(("tail", {"parameters": sizes.resident, "hidden": captured + 2 * traced.hidden,
                                  "kv": 0 if kv_moves else held + grown, "tail": tail}))
     moment, terms = max(moments, key=lambda item: sum(item[1].values()))
     return PassMemory(phase, sum(terms.values()), sizes.resident, moment, terms)

@@ -1,7 +1,8 @@
-"""The executor of `generate`: it walks each pass's schedule
-(`slcompile.schedules.generation`) over the sub-batches, fetching weights, loading
-and storing the KV cache and the prefill's hidden states on their tiers, and
-records each pass (`GenerationStep`)."""
+"""The executor of `generate`: the token loop, in which each pass's schedule
+(`slcompile.schedules.generation`) is lowered to an FX graph
+(`slcompile.inference.pass_graph`) that runs the layers over the sub-batches,
+fetching weights, loading and storing the KV cache and the prefill's hidden states
+on their tiers; it records each pass (`GenerationStep`)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from slcompile.analysis.memory import spills_hidden
 from slcompile.inference.capture import (
     _grow_cache_layer,
     _cache_windows,
     _capture,
     _compiled,
-    _mark_length_dynamic,
     _pass_inputs,
     _position_ids,
     _rows,
@@ -29,17 +28,17 @@ from slcompile.inference.capture import (
     _tail,
 )
 from slcompile.inference.options import _Plan
+from slcompile.inference.pass_graph import PassLayout, lower_pass
 from slcompile.inference.records import GenerationStep
 from slcompile.meta import format_tag
 from slcompile.plans import StashPlan, StreamerPlan, new_name
-from slcompile.runtime import activations, ops
 from slcompile.runtime.stats import TransferKey
 from slcompile.runtime.step import StepRuntime
 from slcompile.runtime.tiers import Tier
-from slcompile.runtime.weights import fetch_issue, fetch_weight, stored_key_for
+from slcompile.runtime.weights import stored_key_for
 from slcompile.schedules.base import Schedule
 from slcompile.schedules.generation import PassRequest, generation_pass, offloads_hidden
-from slcompile.vocabulary import SPILL_MARK, WeightKey, region_label
+from slcompile.vocabulary import WeightKey
 
 log = logging.getLogger(__name__)
 
@@ -48,50 +47,6 @@ def _fetched(weights_move: bool, streamed: Sequence[bool]) -> tuple[bool, ...]:
     """Per layer, whether a pass fetches its weights: it has streamed weights, and
     they rest on a tier that copies."""
     return tuple(weights_move and layer for layer in streamed)
-
-
-class _HiddenStash:
-    """The prefill's hidden states between layers, in the generation's activation
-    stash (on the KV cache's tier), moved by what the ops of a compiled training
-    graph's spills run, at the schedule's steps: `slc::stash` at a `spill.issue`,
-    `slc::wait` at a `spill.wait` (the stored output is kept alive until then, as a
-    graph keeps a wait's `keepalive`), `slc::unstash` at a `fill.issue` and
-    `slc::unstash_wait` at a `fill.wait` (called as Python functions, without the
-    dispatcher). A stored state is freed once taken (its stash token dropped)."""
-
-    def __init__(self, stash: activations.ActivationStash):
-        self.stash = stash
-        self._stored: dict[tuple[int, int], tuple] = {}  # token, shape, dtype, device
-        # Each store's token and source until its `spill.wait`, which may come just
-        # after the state was taken (`fill.wait`): loaded back, it was stored.
-        self._storing: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._loads: dict[tuple[int, int], torch.Tensor] = {}
-
-    def store(self, block: int, sb: int, hidden: torch.Tensor) -> None:
-        token = activations.stash(hidden, self.stash.graph_key(f"blk{block}.sb{sb}.{SPILL_MARK}.hidden"))
-        self._stored[block, sb] = token, tuple(hidden.shape), hidden.dtype, hidden.device
-        self._storing[block, sb] = token, hidden
-
-    def wait(self, block: int, sb: int) -> None:
-        token, source = self._storing.pop((block, sb))
-        ops.wait(token, [source])
-
-    def issue(self, block: int, sb: int) -> None:
-        self._loads[block, sb] = activations.unstash(self._stored[block, sb][0])
-
-    def take(self, block: int, sb: int) -> torch.Tensor:
-        token, shape, dtype, device = self._stored.pop((block, sb))
-        hidden = activations.unstash_wait(self._loads.pop((block, sb)), shape, dtype, device)
-        del token  # the stored copy goes with it
-        return hidden
-
-    def close(self) -> None:
-        """Waits for the transfers in flight and frees what is still stored."""
-        for where in list(self._storing):
-            self.wait(*where)
-        for where in list(self._loads):
-            self.take(*where)
-        self._stored.clear()
 
 
 def _streamed_parameters(model: nn.Module, plan: _Plan, offload: bool) -> list[list[tuple[str, nn.Parameter]]]:
@@ -149,18 +104,19 @@ class _Generation:
         self.streamed: list[dict[str, WeightKey]] = [{} for _ in self.layers]
         self.runtime = self._start(offload=not self.engine.copies_nothing(Tier(plan.weights), Tier.DEVICE))
         self.weights_move = self._weights_move()
-        # Per layer, once: each parameter's graph key where it is streamed, else the
-        # tensor itself, and the buffers (walking the modules each pass costs more).
-        self.layer_tensors = [
-            ([(name, p, streamed[name].format()) if name in streamed else (name, p.detach(), None)
-              for name, p in layer.named_parameters()], list(layer.named_buffers()))
-            for layer, streamed in zip(self.layers, self.streamed)]
+        # Per layer, once: (name, tensor, graph key where it is streamed) of each
+        # parameter, then each buffer (walking the modules each pass costs more).
+        self.layer_tensors = tuple(
+            tuple((name, p, streamed[name].format()) if name in streamed else (name, p.detach(), None)
+                  for name, p in layer.named_parameters())
+            + tuple((name, b, None) for name, b in layer.named_buffers())
+            for layer, streamed in zip(self.layers, self.streamed))
+        self.passes: dict[PassRequest, tuple[Schedule, Any]] = {}
         # Whether one capture of all sub-batches gives each its layer arguments, per
         # phase (checked against a capture of one sub-batch alone on the first pass).
         self.shared_capture: dict[str, bool] = {}
         self.steps: list[GenerationStep] = []
         self.trace: list[str] = []
-        self.stash: _HiddenStash | None = None  # the prefill's hidden states, while it runs
 
     def _start(self, offload: bool) -> StepRuntime:
         """The call's runtime objects, made from plans as a compiled step's are: a
@@ -193,20 +149,6 @@ class _Generation:
         return any(not self.engine.copies_nothing(weight_home(param)[2], Tier.DEVICE)
                    for layer, names in zip(self.layers, self.streamed)
                    for name, param in layer.named_parameters() if name in names)
-
-    # -- weights --------------------------------------------------------------
-    # The weights move by what a compiled graph's `slc::fetch_issue` and
-    # `slc::fetch_weight` run (called as Python functions, without the dispatcher).
-    def _issue_weights(self, index: int) -> None:
-        for _, _, key in self.layer_tensors[index][0]:
-            if key is not None:
-                fetch_issue(key)
-
-    def _weights(self, index: int) -> dict[str, torch.Tensor]:
-        params, buffers = self.layer_tensors[index]
-        tensors = {name: p if key is None else fetch_weight(p, key) for name, p, key in params}
-        tensors.update(buffers)
-        return tensors
 
     def _request(self, phase: str, parts: list[tuple[int, int, int]], stores: bool) -> PassRequest:
         n = len(self.layers)
@@ -248,117 +190,28 @@ class _Generation:
                 return [[_rows(call, start, count, batch) for call in calls] for _, start, count in parts], True
         return [first if index == 0 and first is not None else alone(part) for index, part in enumerate(parts)], False
 
-    def _forward(self, schedule: Schedule, inputs: dict, parts: list[tuple[int, int, int]], batch: int,
-                 cache, new_cache: _NewCache | None) -> torch.Tensor:
-        """Runs one pass by walking its `schedule` (`generation_pass`) over the
-        `parts` (sub-batch, first row, rows) of the `batch` rows of `inputs`; the last
-        position's logits of those rows. `new_cache` holds each step's new cache
-        from its layer step to its `store_kv.issue` step (None: the pass keeps none)."""
-        from slcompile.runtime.stats import compute_region
+    def _pass(self, request: PassRequest, parts: list[tuple[int, int, int]]) -> tuple[Schedule, Any]:
+        """The schedule of a pass (`generation_pass`) and its FX graph (`lower_pass`),
+        lowered once per request in a call."""
+        if request not in self.passes:
+            schedule = generation_pass(request)
+            stash = self.runtime.stash.name if request.spill_hidden else None
+            self.passes[request] = schedule, lower_pass(schedule, PassLayout(tuple(parts), self.layer_tensors, stash))
+        return self.passes[request]
 
-        n, phase = len(self.layers), schedule.steps[0].phase
-        where = {sb: (position, start, rows) for position, (sb, start, rows) in enumerate(parts)}
-        stash = None
-        if spills_hidden(schedule):
-            # Each sub-batch is captured just before each layer step (what a capture
-            # makes, such as masks, is not held for every sub-batch through the
-            # pass) and its logits computed just after its last: nothing of the
-            # whole batch is held at once.
-            stash = self.stash = _HiddenStash(self.runtime.stash)
-        arguments, shared = None, False
-        hidden: dict[int, Any] = {}  # sub-batch -> its input to its next layer step
-        outputs: dict[int, Any] = {}  # sub-batch -> its last layer's output, for the tail
-        logits = None
-        layouts: list[tuple[int, int, torch.dtype]] = []
-        tensors, current = None, None  # the weights of the layer being computed
-        added = 0
-        for step in schedule.steps:
-            kind, block, sb = step.kind, step.block, step.subbatch
-            if kind == "fetch.issue":
-                self._issue_weights(block)
-            elif kind == "fetch.wait":
-                tensors = None
-                tensors, current = self._weights(block), block
-            elif kind == "load_kv.issue":
-                self.kv.issue(block, sb)
-            elif kind == "store_kv.issue":
-                new_cache.store(block, sb)
-            elif kind == "fill.issue":
-                stash.issue(block, sb)
-            elif kind == "spill.issue":
-                stash.store(block, sb, hidden.pop(sb))
-            elif kind == "spill.wait":
-                stash.wait(block, sb)
-            elif kind == "fill.wait":
-                hidden[sb] = stash.take(block, sb)
-            elif kind != "compute":
-                raise ValueError(f"generate: a generation pass has no step {step.text()!r}")
-            elif step.region == "prefix":
-                arguments, shared = self._arguments(phase, inputs, parts, batch)
-                hidden = {sb: calls[0][self.hidden_name] for (sb, _, _), calls in zip(parts, arguments)}
-            elif step.region == "suffix" and sb is not None:
-                _, start, rows = where[sb]
-                part = self._tail(_rows(inputs, start, rows, batch), outputs.pop(sb))
-                if logits is None:
-                    logits = part.new_empty((batch, part.shape[-1]))
-                logits[start:start + rows] = part
-                del part
-            elif step.region == "suffix":
-                logits = self._tails(inputs, parts, batch, [outputs.pop(sb) for sb, _, _ in parts], shared)
-            else:
-                position, start, rows = where[sb]
-                if current != block:
-                    tensors = None
-                    tensors, current = self._weights(block), block
-                if stash is not None:
-                    call = self._capture(_rows(inputs, start, rows, batch))[block]
-                    embedded = call.pop(self.hidden_name)  # the layer's input past the first: filled
-                    if block == 0:
-                        hidden[sb] = embedded
-                    del embedded
-                else:
-                    call = arguments[position][block]
-                kwargs = dict(call)
-                kwargs[self.hidden_name] = hidden.pop(sb)
-                kwargs.pop(self.plan.layer_cache_argument)
-                window = self.windows[block]
-                if phase == "prefill":
-                    with compute_region(region_label(f"blk{block}.sb{sb}", "prefill")):
-                        output, keys, values = self.prefill_step(self.templates[block], tensors, window, kwargs,
-                                                                 self.plan.layer_cache_argument)
-                else:
-                    past = self.kv.take(block, sb)
-                    _mark_length_dynamic(past, kwargs)
-                    with compute_region(region_label(f"blk{block}.sb{sb}", "decode")):
-                        output, keys, values = self.decode_step(self.templates[block], tensors, *past, window,
-                                                                kwargs, self.plan.layer_cache_argument)
-                    del past
-                computed = output if isinstance(output, torch.Tensor) else output[0]
-                added = computed.shape[-2]
-                if block == n - 1:
-                    outputs[sb] = output
-                else:
-                    hidden[sb] = computed
-                del computed
-                if new_cache is not None:
-                    new_cache.collect(block, position, sb, keys, values, added)
-                if len(layouts) == block:
-                    layouts.append((keys.shape[1], keys.shape[-1], keys.dtype))
-                # The layer's input, past and new cache are dropped now, not when the
-                # next sub-batch overwrites them (the memory model counts one of each).
-                del kwargs, call, keys, values, output
-        tensors = None
+    def _forward(self, graph, inputs: dict, cache, new_cache: _NewCache | None) -> torch.Tensor:
+        """Runs one pass's graph on `inputs`; the last position's logits of its rows.
+        `new_cache` holds each step's new cache from its layer step to its
+        `store_kv.issue` step (None: the pass keeps none)."""
+        logits, layouts = graph(self, inputs, self.kv, new_cache)
         if new_cache is not None and new_cache.ready:
-            raise RuntimeError(f"generate: the {phase} schedule stores no cache for "
+            raise RuntimeError(f"generate: the pass's schedule stores no cache for "
                                f"{', '.join(format_tag('block', *where) for where in new_cache.ready)}")
         # The model's cache object learns the new shapes (values stay on the tier),
         # after the pass: captures during it see the cache as it was before.
-        for layer, (heads, head_dim, dtype) in zip(cache.layers, layouts):
+        for layer, (heads, head_dim, dtype, added) in zip(cache.layers, layouts):
             _grow_cache_layer(layer, (self.batch, heads, added, head_dim), dtype)
         self.kv.flush()
-        if stash is not None:
-            stash.close()
-            self.stash = None
         return logits
 
     def _tails(self, inputs: dict, parts: list[tuple[int, int, int]], batch: int, outputs: list, shared: bool):
@@ -410,7 +263,7 @@ class _Generation:
                     parts = [(sb, position * size, size) for position, sb in enumerate(active)]
                 # No pass reads the cache of the last one.
                 stores = step < plan.max_new_tokens - 1
-                schedule = generation_pass(self._request(phase, parts, stores))
+                schedule, graph = self._pass(self._request(phase, parts, stores), parts)
                 new_cache = _NewCache(self.kv, parts[0][2], size if phase == "prefill" else None) if stores else None
 
                 def of_active(tensor):
@@ -420,7 +273,7 @@ class _Generation:
                                       of_active(position_ids), step == 0)
                 before = dict(runtime_stats().cumulative.bytes_moved)
                 began = time.perf_counter()
-                computed = self._forward(schedule, inputs, parts, len(parts) * parts[0][2], cache, new_cache)
+                computed = self._forward(graph, inputs, cache, new_cache)
                 self.steps.append(GenerationStep(phase, tuple(sb for sb, _, _ in parts), schedule,
                                                  _bytes_moved_since(before), time.perf_counter() - began))
                 if rows is None:
@@ -456,8 +309,6 @@ class _Generation:
                             self.kv.drop(index, sb)
         finally:
             bar.close()
-            if self.stash is not None:
-                self.stash.close()
             self.kv.close()
         return sequences
 

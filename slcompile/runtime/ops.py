@@ -48,6 +48,7 @@ __all__ = [
     "wait",
     "mark",
     "implement",
+    "bind_implementations",
     "set_region_listener",
     "fake_token",
     "transfer_of",
@@ -60,10 +61,26 @@ _IMPL = torch.library.Library("slc", "IMPL")
 fake_token = vocabulary.fake_token
 
 
+_PYTHON: dict[str, Callable] = {}  # op name -> its implementation
+
+
 def implement(name: str, function: Callable) -> None:
     """Registers `function` as what `slc::name` (defined in `slcompile.vocabulary`)
     does at run time, on every device."""
     _IMPL.impl(name, function, "CompositeExplicitAutograd")
+    _PYTHON[name] = function
+
+
+def bind_implementations(graph: torch.fx.Graph) -> None:
+    """Makes every `slc::` op node of `graph` call the op's implementation as a
+    Python function, without the dispatcher: for a graph that is run as it is,
+    neither traced nor differentiated (a generation pass), where the dispatcher's
+    autograd wrapper and the offloaded parameters' `__torch_function__` cost more
+    than the op at small sizes."""
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                and node.target.namespace == "slc":
+            node.target = _PYTHON[node.target._schema.name.split("::")[1]]
 
 
 # A token's value is the id of its transfer, so copies of a token (opcheck clones
