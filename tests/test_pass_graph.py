@@ -135,3 +135,18 @@ def test_a_schedule_that_leaves_a_spilled_state_unwaited_or_unloaded_is_refused(
         kept = [step for step in kept if not (step.kind == "fill.wait" and (step.block, step.subbatch) == (0, 1))]
     with pytest.raises(ValueError, match=message):
         lower_pass(Schedule(tuple(kept)), LAYOUT)
+
+
+def test_lowering_passes_leaves_no_source_behind_in_the_process():
+    # FX's GraphModule keeps every module's source for tracebacks; a process that
+    # calls `generate` again and again would keep every pass it lowered.
+    import linecache
+
+    request = PassRequest("decode", (0, 2), fetched=(True, False), kv_moves=True, stores=True)
+    layout = PassLayout(((0, 0, 2), (2, 2, 2)), LAYOUT.tensors)
+    lower_pass(generation_pass(request), layout)
+    before = len(linecache.cache)
+    for _ in range(20):
+        graph = lower_pass(generation_pass(request), layout)
+    assert len(linecache.cache) == before
+    assert "kv.issue(1, 2)" in graph.code

@@ -28,7 +28,7 @@ from slcompile.inference.capture import (
     _tail,
 )
 from slcompile.inference.options import _Plan
-from slcompile.inference.pass_graph import PassLayout, lower_pass
+from slcompile.inference.pass_graph import PassGraph, PassLayout, lower_pass
 from slcompile.inference.records import GenerationStep
 from slcompile.meta import format_tag
 from slcompile.plans import StashPlan, StreamerPlan, new_name
@@ -111,7 +111,7 @@ class _Generation:
                   for name, p in layer.named_parameters())
             + tuple((name, b, None) for name, b in layer.named_buffers())
             for layer, streamed in zip(self.layers, self.streamed))
-        self.passes: dict[PassRequest, tuple[Schedule, Any]] = {}
+        self.passes: dict[PassRequest, tuple[Schedule, PassGraph]] = {}
         # Whether one capture of all sub-batches gives each its layer arguments, per
         # phase (checked against a capture of one sub-batch alone on the first pass).
         self.shared_capture: dict[str, bool] = {}
@@ -190,7 +190,7 @@ class _Generation:
                 return [[_rows(call, start, count, batch) for call in calls] for _, start, count in parts], True
         return [first if index == 0 and first is not None else alone(part) for index, part in enumerate(parts)], False
 
-    def _pass(self, request: PassRequest, parts: list[tuple[int, int, int]]) -> tuple[Schedule, Any]:
+    def _pass(self, request: PassRequest, parts: list[tuple[int, int, int]]) -> tuple[Schedule, PassGraph]:
         """The schedule of a pass (`generation_pass`) and its FX graph (`lower_pass`),
         lowered once per request in a call."""
         if request not in self.passes:
@@ -199,7 +199,7 @@ class _Generation:
             self.passes[request] = schedule, lower_pass(schedule, PassLayout(tuple(parts), self.layer_tensors, stash))
         return self.passes[request]
 
-    def _forward(self, graph, inputs: dict, cache, new_cache: _NewCache | None) -> torch.Tensor:
+    def _forward(self, graph: PassGraph, inputs: dict, cache, new_cache: _NewCache | None) -> torch.Tensor:
         """Runs one pass's graph on `inputs`; the last position's logits of its rows.
         `new_cache` holds each step's new cache from its layer step to its
         `store_kv.issue` step (None: the pass keeps none)."""

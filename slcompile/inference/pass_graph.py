@@ -1,7 +1,7 @@
 """One generation pass lowered to an FX graph of its schedule's steps.
 
-`lower_pass(schedule, layout)` writes a `torch.fx.GraphModule` with one node (or a
-few) per step of a pass's `Schedule` (`slcompile.schedules.generation`), in the
+`lower_pass(schedule, layout)` writes a `torch.fx.Graph` (in a `PassGraph`) with one
+node (or a few) per step of a pass's `Schedule` (`slcompile.schedules.generation`), in the
 schedule's order; a call of `generate` runs it, as a compiled training step runs
 the graph its schedule was lowered to. The weights and the prefill's hidden states
 move by the `slc::` ops of training's graphs, which call their implementations
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import types
 from collections.abc import Sequence
 
 import torch
@@ -48,7 +49,7 @@ from slcompile.runtime.stats import compute_region
 from slcompile.schedules.base import Schedule
 from slcompile.vocabulary import SPILL_MARK, StashKey, region_label
 
-__all__ = ["PassLayout", "lower_pass"]
+__all__ = ["PassLayout", "PassGraph", "lower_pass"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +221,7 @@ class _Lowering:
             added = self.call(operator.getitem, (self.layouts[block], 3))
             self.graph.call_method("collect", (self.new_cache, block, self.position[sb], sb, keys, values, added))
 
-    def lower(self) -> torch.fx.GraphModule:
+    def lower(self) -> PassGraph:
         steps = self.schedule.steps
         self.schedule_stores = any(step.kind == "store_kv.issue" for step in steps)
         batch, parts = self.layout.batch, self.layout.parts
@@ -279,10 +280,45 @@ class _Lowering:
             raise ValueError(f"generate: the {self.phase} schedule has no step {', '.join(left)}")
         self.graph.output((self.logits, tuple(self.layouts)))
         ops.bind_implementations(self.graph)
-        return torch.fx.GraphModule(self.attributes, self.graph, class_name=f"{self.phase.capitalize()}Pass")
+        return PassGraph(self.graph, self.attributes, f"<{self.phase} pass>")
 
 
-def lower_pass(schedule: Schedule, layout: PassLayout) -> torch.fx.GraphModule:
+class PassGraph:
+    """A lowered pass: its FX graph and the Python function FX writes for it, called
+    as `pass_graph(run, inputs, kv, new_cache)`.
+
+    The function is compiled here rather than by a `torch.fx.GraphModule`, which
+    keeps every module's source in a process-wide cache for tracebacks: a call of
+    `generate` lowers a few passes, and a long-running process would keep them all.
+
+    Attributes:
+        graph: the `torch.fx.Graph`.
+        code: the Python source of its function.
+    """
+
+    def __init__(self, graph: torch.fx.Graph, attributes: dict[str, torch.Tensor], filename: str):
+        self.graph = graph
+        python = graph.python_code(root_module="self")
+        self.code = python.src
+        namespace = dict(python.globals)
+        exec(compile(self.code, filename, "exec"), namespace)  # noqa: S102 - FX's own code for the graph
+        self._forward = namespace["forward"]
+        # What `get_attr` nodes read (`self.blk0.mlp.weight`), as nested namespaces.
+        self._root = types.SimpleNamespace()
+        for target, tensor in attributes.items():
+            *path, name = target.split(".")
+            owner = self._root
+            for part in path:
+                if not hasattr(owner, part):
+                    setattr(owner, part, types.SimpleNamespace())
+                owner = getattr(owner, part)
+            setattr(owner, name, tensor)
+
+    def __call__(self, run, inputs: dict, kv, new_cache):
+        return self._forward(self._root, run, inputs, kv, new_cache)
+
+
+def lower_pass(schedule: Schedule, layout: PassLayout) -> PassGraph:
     """The FX graph of one generation pass: its schedule's steps in order (module
     docstring). Raises ValueError where the schedule has a step generation does not
     run, or lacks one a value needs (a spill's wait, a spilled state's fill, the
