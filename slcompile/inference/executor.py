@@ -116,7 +116,6 @@ class _Generation:
         # phase (checked against a capture of one sub-batch alone on the first pass).
         self.shared_capture: dict[str, bool] = {}
         self.steps: list[GenerationStep] = []
-        self.trace: list[str] = []
 
     def _start(self, offload: bool) -> StepRuntime:
         """The call's runtime objects, made from plans as a compiled step's are: a

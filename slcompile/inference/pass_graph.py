@@ -165,6 +165,8 @@ class _Lowering:
         self.filled: set[tuple[int, int]] = set()  # spills loaded back and waited for
         self.layouts: list[torch.fx.Node] = []
         self.logits: torch.fx.Node | None = None
+        # Whether the pass keeps its new cache (every layer step's is collected).
+        self.stores = any(step.kind == "store_kv.issue" for step in schedule.steps)
 
     def call(self, target, args: tuple, name: str | None = None) -> torch.fx.Node:
         return self.graph.create_node("call_function", target, args, name=name)
@@ -217,13 +219,12 @@ class _Lowering:
         keys, values = self.call(operator.getitem, (step, 2)), self.call(operator.getitem, (step, 3))
         if len(self.layouts) == block:
             self.layouts.append(self.call(cache_layout, (keys, output)))
-        if self.schedule_stores:
+        if self.stores:
             added = self.call(operator.getitem, (self.layouts[block], 3))
             self.graph.call_method("collect", (self.new_cache, block, self.position[sb], sb, keys, values, added))
 
     def lower(self) -> PassGraph:
         steps = self.schedule.steps
-        self.schedule_stores = any(step.kind == "store_kv.issue" for step in steps)
         batch, parts = self.layout.batch, self.layout.parts
         for step in steps:
             kind, block, sb = step.kind, step.block, step.subbatch
