@@ -102,11 +102,11 @@ def layer_weights(names: tuple[str, ...], *tensors: torch.Tensor) -> dict[str, t
 def layer_step(run, phase: str, block: int, subbatch: int, weights: dict, hidden, call: dict):
     """One (layer, sub-batch) step; (its output, the output's hidden states, the
     layer's keys and values). A decode step takes its cache from the `KVStore`."""
+    window, template, cache_argument = run.windows[block], run.templates[block], run.plan.layer_cache_argument
     kwargs = dict(call)
     kwargs[run.hidden_name] = hidden
     del hidden
-    kwargs.pop(run.plan.layer_cache_argument)
-    window, template, cache_argument = run.windows[block], run.templates[block], run.plan.layer_cache_argument
+    kwargs.pop(cache_argument)
     if phase == "prefill":
         with compute_region(region_label(f"blk{block}.sb{subbatch}", "prefill")):
             output, keys, values = run.prefill_step(template, weights, window, kwargs, cache_argument)
