@@ -41,15 +41,13 @@ class SpeedLoaderConfig:
             sub-batch (layer-major is then the plain order).
         lowering: what compiles the rewritten graph: "inductor" (default) or
             "aot_eager" (AOTAutograd without code generation; fast to compile).
-        compile_regions: with Inductor, compile each distinct (block, sub-batch)
-            region of the step once and call it wherever it runs, instead of
-            lowering the whole step, which holds K copies of every block
-            (`slcompile.backends.outline`): compile time then no longer grows with
-            K x depth. The transfers, the glue between regions (gradient sums
-            across sub-batches) and the parts outside the blocks (embeddings, the
-            head, the loss) run as Python in program order, eagerly. False hands
-            the whole step to Inductor (a faster steady step on small models; see
-            bench/README.md).
+        compile_regions: with Inductor, outline each (block, sub-batch) region of
+            the step as a call of a subgraph (PyTorch's `invoke_subgraph`), one
+            subgraph per distinct region, which Inductor lowers once wherever it
+            runs (`slcompile.passes.outline_regions`): compile time then no longer
+            grows with K x depth. The step, transfers, glue, embeddings, head and
+            loss included, is still one Inductor program. False lowers every copy
+            of every block (compile time grows with K x depth).
         schedule: the policy that orders compute and moves weights; the three share
             every pass and runtime op, so a comparison differs only in the schedule.
             "speedloader": layer-major over sub-batches: each block runs all K

@@ -40,7 +40,6 @@ from slcompile.analysis.inputs import GraphInput, classify_inputs
 from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import predict_memory
 from slcompile.analysis.time import step_seconds
-from slcompile.backends.outline import compile_regions
 from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import PolicyError, RefusedError
 from slcompile.passes.check_splittable import check_splittable
@@ -52,6 +51,7 @@ from slcompile.passes.interleave import InterleaveReport, interleave
 from slcompile.passes.manager import Pass, PassLog, StepState, disabled_passes, run_passes
 from slcompile.passes.annotate_streams import annotate_streams, stream_key
 from slcompile.passes.mark_regions import drop_marks, mark_regions
+from slcompile.passes.outline_regions import outline_regions
 from slcompile.passes.offload_activations import (
     OffloadedActivations,
     offload_saved,
@@ -600,8 +600,8 @@ def _annotate_streams(step: StepState):
 
 
 def _mark_regions(step: StepState):
-    # Inductor fuses kernels across markers (see `mark_regions`), unless each region
-    # is compiled alone (`compile_regions`): the markers then stay in the step graph.
+    # Inductor fuses kernels across markers (see `mark_regions`), unless the regions
+    # are outlined subgraphs (`compile_regions`): the markers then bracket the calls.
     if step.lowering != "aot_eager" and (step.plan is None or not step.plan.compile_regions):
         return None
     _, marks = mark_regions(step.graphs[step.kind], step.kind)
@@ -610,20 +610,14 @@ def _mark_regions(step: StepState):
 
 def _compile_regions(step: StepState):
     plan = step.plan
-    if step.lowering != "inductor" or plan is None or not plan.compile_regions or step.compile_region is None:
+    if step.lowering != "inductor" or plan is None or not plan.compile_regions:
         return None
-    try:
-        cut = compile_regions(step.graphs[step.kind], step.compile_region, step.region_cache)
-    except Exception as error:  # noqa: BLE001  (any failure: the whole graph still compiles)
-        log.warning("speedloader: compiling the %s graph region by region failed (%s: %s); "
-                    "compiling it whole", step.kind, type(error).__name__, error)
+    outlined = outline_regions(step.graphs[step.kind])
+    if outlined is None:
         return None
-    if cut is None:
-        return None
-    # The step graph, calling the compiled regions, is what the lowering runs.
-    step.graphs[step.kind], compiled = cut
-    step.report.regions[step.kind] = compiled
-    return compiled
+    step.graphs[step.kind], done = outlined
+    step.report.regions[step.kind] = done
+    return done
 
 
 def _drop_marks(step: StepState) -> int:
@@ -640,14 +634,14 @@ COMPILED_PASSES: tuple[Pass, ...] = (
         code=(annotate_streams,),
     ),
     Pass("mark_regions", "compiled", "rewrite", _mark_regions, graphs=("compiled",), code=(mark_regions,)),
-    # With Inductor: each distinct (block, sub-batch) region compiled once, called
-    # from a step graph that replaces the graph.
+    # With Inductor: each (block, sub-batch) region a call of its subgraph, one per
+    # distinct region, which Inductor lowers once.
     Pass(
         "compile_regions", "compiled", "rewrite", _compile_regions, graphs=("compiled",),
-        code=(compile_regions,),
+        code=(outline_regions,),
     ),
-    # Inductor fuses kernels across markers (see `mark_regions`): a graph it compiles
-    # whole keeps none.
+    # Inductor fuses kernels across markers (see `mark_regions`): a graph it lowers
+    # flat keeps none.
     Pass("drop_marks", "compiled", "rewrite", _drop_marks, graphs=("compiled",), required=True, code=(drop_marks,)),
 )
 

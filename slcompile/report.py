@@ -57,8 +57,8 @@ class CompileReport:
         offloaded_gradients: which weight gradients the backward stores off the
             device, per block (`GradientReport`), or None.
         regions: per AOT graph kind, what `compile_regions` did to it
-            (`slcompile.backends.outline.RegionCompilation`); empty when the
-            graphs were compiled whole.
+            (`slcompile.passes.outline_regions.RegionOutline`); empty when the
+            graphs were compiled flat.
     """
 
     config: object

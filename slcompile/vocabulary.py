@@ -99,7 +99,7 @@ _SCHEMAS = {
     "wait": "(Tensor token, Tensor[] keepalive) -> Tensor",
     "unstash": "(Tensor stash_token) -> Tensor",
     "unstash_wait": "(Tensor load_token, SymInt[] size, ScalarType dtype, Device device) -> Tensor",
-    "mark": "(str label, bool begin) -> ()",
+    "mark": "(str label, bool begin) -> Tensor",
     "offload_grad": "(Tensor grad, str key) -> Tensor",
 }
 _ORDERED = ("fetch_issue", "stash", "wait", "unstash", "unstash_wait", "mark", "offload_grad")
@@ -147,7 +147,7 @@ def _(load_token, size, dtype, device):
 
 @torch.library.register_fake("slc::mark", lib=_LIB)
 def _(label, begin):
-    return None
+    return fake_token()
 
 
 @torch.library.register_fake("slc::offload_grad", lib=_LIB)

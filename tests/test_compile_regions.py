@@ -1,6 +1,8 @@
-"""With Inductor, each distinct (block, sub-batch) region compiles once
-(`slcompile.backends.outline`): the count of compiles does not grow with depth or K,
-the step computes what eager does, and its compute regions reach the timeline."""
+"""With Inductor, each (block, sub-batch) region is a call of a subgraph, one per
+distinct region (`slcompile.passes.outline_regions`), and the step is one Inductor
+program: the subgraphs lowered do not grow with depth or K, the step computes what
+eager does, nothing of it runs op by op outside compiled code, and its compute
+regions reach the timeline."""
 
 import collections
 
@@ -8,103 +10,97 @@ import pytest
 import torch
 
 import slcompile
-from slcompile.backends import lowering
 from slcompile.runtime.stats import reset_runtime_stats, timeline
+from slcompile.step_profile import profile_step
 from slcompile.vocabulary import MARK
 from conftest import assert_matches_eager, check_layer_major
 from models import GPTConfig, TinyGPT, make_gpt_batch
 
-
-class _EagerRegions:
-    """Stands in for Inductor's compile of one region: runs it eagerly, counting
-    the compiles and the calls of each."""
-
-    def __init__(self):
-        self.compiled = collections.Counter()
-        self.calls = collections.Counter()
-
-    def __call__(self, module, inputs, kind):
-        index = len(self.compiled)
-        self.compiled[kind] += 1
-
-        def run(args):
-            self.calls[index] += 1
-            return module(*args)
-
-        return run
+_INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
 
-def _compile_counting(monkeypatch, n_layers, k):
-    counter = _EagerRegions()
-    monkeypatch.setattr(lowering, "_compile_region", counter)
-    cfg = GPTConfig(n_layers=n_layers)
-    idx, targets = make_gpt_batch(cfg, 8)
-    torch.manual_seed(0)
-    assert_matches_eager(TinyGPT(cfg), lambda m: m(idx, targets), {"num_subbatches": k, "lowering": "inductor"})
-    report = slcompile.compile_reports()[-1]
-    return counter, report
+def _lowered_subgraphs(monkeypatch) -> collections.Counter:
+    """Counts the subgraphs Inductor lowers, by module, as the step compiles."""
+    from torch._inductor.graph import GraphLowering
+
+    lowered = collections.Counter()
+    make_subgraph = GraphLowering.make_subgraph
+
+    def counting(self, gm, example_inputs, subgraph_name):
+        lowered[id(gm)] += 1
+        return make_subgraph(self, gm, example_inputs, subgraph_name)
+
+    monkeypatch.setattr(GraphLowering, "make_subgraph", counting)
+    return lowered
 
 
 @pytest.mark.slow
-def test_each_distinct_region_compiles_once_whatever_the_depth_and_k(monkeypatch):
+def test_each_distinct_region_lowers_once_whatever_the_depth_and_k(monkeypatch):
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
     counts = {}
+    # A cached graph is not lowered again.
+    caches_off = (inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False))
     for n_layers, k in ((2, 2), (4, 2), (2, 4)):
-        counter, report = _compile_counting(monkeypatch, n_layers, k)
+        torch._dynamo.reset()
+        lowered = _lowered_subgraphs(monkeypatch)
+        cfg = GPTConfig(n_layers=n_layers)
+        idx, targets = make_gpt_batch(cfg, 8)
+        torch.manual_seed(0)
+        with caches_off[0], caches_off[1]:
+            assert_matches_eager(TinyGPT(cfg), lambda m: m(idx, targets), {"num_subbatches": k, "lowering": "inductor"})
+        report = slcompile.compile_reports()[-1]
         assert set(report.regions) == {"forward", "backward"}
-        for kind, done in report.regions.items():
-            assert done.compiled == counter.compiled[kind]
-        assert sum(counter.calls.values()) == sum(done.regions for done in report.regions.values())
-        counts[n_layers, k] = {kind: done.compiled for kind, done in report.regions.items()}
-        # Each forward block copy is a region of its own.
+        # One lowering per distinct subgraph of each graph, whatever calls it.
+        assert sum(lowered.values()) == sum(done.subgraphs for done in report.regions.values())
+        assert set(lowered.values()) == {1}
+        # Each forward block copy is a call of its own.
         assert report.regions["forward"].regions == n_layers * k
-    # Deeper: the same regions. More sub-batches: no more compiles (the blocks'
-    # regions are shared; the parts outside the blocks run eagerly).
+        counts[n_layers, k] = {kind: done.subgraphs for kind, done in report.regions.items()}
+    # Deeper: the same subgraphs. More sub-batches: no more.
     assert counts[2, 2] == counts[4, 2]
     assert sum(counts[2, 4].values()) <= sum(counts[2, 2].values())
 
 
-def test_compile_regions_false_hands_the_whole_step_to_inductor(monkeypatch):
+def _recording_compile_fx_inner(monkeypatch, refuse_outlined=False):
     from torch._dynamo.backends.debugging import boxed_nop
     from torch._inductor import compile_fx
 
-    counter = _EagerRegions()
-    monkeypatch.setattr(lowering, "_compile_region", counter)
-    whole = []
+    lowered = []
 
     def compile_whole(graph, inputs, **kwargs):
-        whole.append(graph)
+        if refuse_outlined and any(node.target is _INVOKE_SUBGRAPH for node in graph.graph.nodes):
+            raise RuntimeError("no kernel for this subgraph")
+        lowered.append(graph)
         return boxed_nop(graph, inputs)
 
     monkeypatch.setattr(compile_fx, "compile_fx_inner", compile_whole)
+    return lowered
+
+
+def test_compile_regions_false_lowers_the_step_flat(monkeypatch):
+    lowered = _recording_compile_fx_inner(monkeypatch)
     cfg = GPTConfig(n_layers=2)
     idx, targets = make_gpt_batch(cfg, 4)
     assert_matches_eager(TinyGPT(cfg), lambda m: m(idx, targets),
                          {"num_subbatches": 2, "lowering": "inductor", "compile_regions": False})
-    assert not counter.compiled and len(whole) == 2 and slcompile.compile_reports()[-1].regions == {}
-    # No region markers in a graph Inductor compiles whole (it fuses across them).
-    assert not any(node.target is MARK for graph in whole for node in graph.graph.nodes)
+    assert len(lowered) == 2 and slcompile.compile_reports()[-1].regions == {}
+    # No subgraph, and no region markers in a graph Inductor lowers flat (it fuses across them).
+    assert not any(node.target in (MARK, _INVOKE_SUBGRAPH) for graph in lowered for node in graph.graph.nodes)
     with pytest.raises(slcompile.OptionError, match="compile_regions"):
         slcompile.options(compile_regions="yes")
 
 
-def test_a_region_that_fails_to_compile_leaves_the_graph_whole(monkeypatch, caplog):
-    from torch._dynamo.backends.debugging import boxed_nop
-    from torch._inductor import compile_fx
-
-    def broken(module, inputs, kind):
-        raise RuntimeError("no kernel for this region")
-
-    whole = []
-    monkeypatch.setattr(lowering, "_compile_region", broken)
-    monkeypatch.setattr(compile_fx, "compile_fx_inner",
-                        lambda graph, inputs, **kwargs: whole.append(graph) or boxed_nop(graph, inputs))
+def test_inductor_failing_on_the_outlined_regions_lowers_the_step_flat(monkeypatch, caplog):
+    lowered = _recording_compile_fx_inner(monkeypatch, refuse_outlined=True)
     cfg = GPTConfig(n_layers=2)
     idx, targets = make_gpt_batch(cfg, 4)
     with caplog.at_level("WARNING", logger="slcompile.backends.lowering"):
         assert_matches_eager(TinyGPT(cfg), lambda m: m(idx, targets), {"num_subbatches": 2, "lowering": "inductor"})
-    assert len(whole) == 2 and slcompile.compile_reports()[-1].regions == {}
-    assert not any(node.target is MARK for graph in whole for node in graph.graph.nodes)
-    assert "region by region failed (RuntimeError: no kernel for this region)" in caplog.text
+    assert len(lowered) == 2 and slcompile.compile_reports()[-1].regions == {}
+    assert not any(node.target is MARK for graph in lowered for node in graph.graph.nodes)
+    assert "outlined regions (RuntimeError: no kernel for this subgraph); compiling it flat" in caplog.text
 
 
 @pytest.mark.slow
@@ -116,30 +112,38 @@ def test_inductor_regions_match_eager_and_reach_the_timeline():
                                     {"num_subbatches": 2, "lowering": "inductor"})
     report = slcompile.compile_reports()[-1]
     check_layer_major(report, 2)
-    assert report.regions["forward"].compiled < report.regions["forward"].regions
+    assert report.regions["forward"].subgraphs < report.regions["forward"].regions
     labels = {event.label for event in timeline() if event.lane == "compute"}
     assert {f"blk{b}.sb{s} {phase}" for b in range(2) for s in range(2) for phase in ("fwd", "bwd")} <= labels
-    # A second step reuses the compiled regions.
+    # A second step reuses the compiled graphs.
     before = len(slcompile.compile_reports())
     compiled(idx, targets)[1].backward()
     assert len(slcompile.compile_reports()) == before
 
 
-def test_glue_views_take_the_layout_a_compiled_region_returns(monkeypatch, tmp_path):
-    """A compiled region may return its outputs in a layout of its own (Inductor makes
-    a permuted view contiguous); the eager glue of the step graph, whose views were
-    traced on the partitioned graph's strides, still computes eager's step."""
-
-    def contiguous_outputs(module, inputs, kind):
-        def run(args):
-            return [out.contiguous() if isinstance(out, torch.Tensor) else out for out in module(*args)]
-
-        return run
-
-    monkeypatch.setattr(lowering, "_compile_region", contiguous_outputs)
-    cfg = GPTConfig(n_layers=2, d_model=32, seq_len=16, vocab_size=128)
-    options = {"lowering": "inductor", "num_subbatches": 4, "weights": "nvme", "activations": "nvme",
-               "min_offload_bytes": 0, "offload_dir": str(tmp_path), "on_refusal": "raise"}
+@pytest.mark.slow
+def test_nothing_of_the_step_runs_eagerly(tmp_path):
+    """Embeddings, head, loss and the glue between regions run inside the compiled
+    programs: outside them and the transfer ops the step dispatches no prims op and
+    no operator that plain Inductor's step does not dispatch as well."""
+    cfg = GPTConfig(n_layers=2)
     idx, targets = make_gpt_batch(cfg, 8)
-    assert_matches_eager(TinyGPT(cfg), lambda m: m(idx, targets), options)
-    assert slcompile.compile_reports()[-1].regions["backward"].regions > 0
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    options = {"num_subbatches": 4, "lowering": "inductor", "weights": "nvme", "activations": "nvme",
+               "min_offload_bytes": 0, "offload_dir": str(tmp_path), "on_refusal": "raise"}
+    dispatched = {}
+    for name, compiled in (("plain", torch.compile(model)),
+                           ("speedloader", torch.compile(model, backend="speedloader", options=options))):
+        def step():
+            compiled(idx, targets)[1].backward()
+            model.zero_grad(set_to_none=True)
+
+        step()
+        dispatched[name] = profile_step(step)
+        torch._dynamo.reset()
+    ours, plain = dispatched["speedloader"], dispatched["plain"]
+    assert ours.compiled_calls == plain.compiled_calls == 2
+    assert ours.eager_count("prims") == 0
+    assert set(ours.slc_host_us) >= {"slc::fetch_issue", "slc::fetch_weight", "slc::stash", "slc::unstash_wait"}
+    assert {name: n for name, n in ours.eager.items() if n > plain.eager.get(name, 0)} == {}

@@ -66,6 +66,25 @@ def test_every_tier_combination_equals_eager_and_moves_the_bytes_of_its_graphs(w
     assert (stored, loaded) == (expected, expected)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("activations", ["host", "nvme"])
+def test_strided_saved_activations_come_back_where_inductor_code_expects_them(activations, tmp_path):
+    """Under Inductor, what attention saves for its backward is strided: the log-sum-exp
+    of CPU flash attention, the output of cuDNN attention ((B, S, H, D) memory seen as
+    (B, H, S, D)). Stored on a tier and loaded back, each must reach the compiled
+    backward with the layout its code was compiled for."""
+    device = device_under_test()
+    idx, targets = (t.to(device) for t in make_gpt_batch(CFG, 4))
+    options = {"lowering": "inductor", "num_subbatches": 2, "activations": activations, "recompute": "none",
+               "min_offload_bytes": 0, "offload_dir": str(tmp_path), "on_refusal": "raise"}
+    assert_matches_eager(TinyGPT(CFG).to(device), lambda m: m(idx, targets), options)
+    stashed = [node.args[0].meta["val"] for node in slcompile.compile_reports()[-1].graphs["forward"].graph.nodes
+               if node.target is torch.ops.slc.stash.default]
+    assert bool(stashed) == _copies(activations)
+    if on_cuda():  # cuDNN's transposed output (CPU attention's saved tensors are dense)
+        assert any(not value.is_contiguous() for value in stashed)
+
+
 @pytest.mark.skipif(not on_cuda(), reason="the CUDA caching allocator's peak (the CPU one: test_offload_activations)")
 @pytest.mark.parametrize("activations,recompute", [("device", "none"), ("host", "none"), ("host", "blocks")])
 def test_predicted_step_peak_within_ten_percent_of_the_cuda_allocators(activations, recompute):

@@ -10,9 +10,10 @@ pass manager (`slcompile.passes.manager`; the passes are declared in
 `slcompile.pipeline`): the joint graph's before the partitioner, the partitioned
 forward and backward's after it (among them `order_layer_major`: the partitioner
 moves some saved values to the end of the forward), and every graph's just before it
-is compiled (with Inductor, `compile_regions` there may replace the graph by a step
-graph calling regions it compiled). Each graph is then recorded in the
-CompileReport, so tests can read the order that is compiled. The Inductor cache key
+is compiled (with Inductor, `compile_regions` there outlines each (block, sub-batch)
+region as a call of a subgraph, one per distinct region, and Inductor compiles the
+step as one program). Each graph is then recorded in the CompileReport, so tests can
+read the order that is compiled. The Inductor cache key
 of the wrapped partitioner hashes every module a declared pass lives in
 (`partition_key`).
 
@@ -42,6 +43,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 
 from slcompile.analysis.machine import MachineFacts
 from slcompile.errors import BudgetError
+from slcompile.passes.mark_regions import drop_marks
 from slcompile.passes.offload_activations import OffloadedActivations
 from slcompile.passes.manager import StepState, pass_modules, run_passes
 from slcompile.pipeline import (
@@ -89,8 +91,9 @@ class StepPlan:
             what the planner chooses under the budget (the last resort).
         optimizer: the optimizer step's share of the memory (`OptimizerMemory`), or
             None: the budget then covers the forward and backward only.
-        compile_regions: with Inductor, compile each distinct region once
-            (`slcompile.backends.outline`) instead of the whole graph.
+        compile_regions: with Inductor, outline each distinct region as a subgraph
+            compiled once (`slcompile.passes.outline_regions`) instead of lowering
+            every copy.
         profile: the `MachineProfile` the activation planner places stashes by
             (the `machine_profile` option), or None: by counting steps.
         machine: the machine's facts (`MachineFacts`) the memory model predicts with.
@@ -144,7 +147,6 @@ def lower(
         BudgetError: no plan fits `plan.memory_budget`.
     """
     partition_hook = None if plan is None else _PlannedPartition(plan, report, lowering)
-    region_cache: dict = {}  # one compiled callable per distinct region, across the step's graphs
 
     def hold(compiled: Callable) -> Callable:
         return compiled if runtime is None else hold_runtime(compiled, runtime)
@@ -160,13 +162,7 @@ def lower(
             report.memory = step.results["predict_memory"]
             report.spilled_boundaries = step.results.get("spill_boundaries")
 
-        def compile_region(module: torch.fx.GraphModule, inputs) -> Callable:
-            return _compile_region(module, inputs, kind)
-
-        step = StepState(
-            plan, report, {kind: graph}, kind=kind, lowering=lowering,
-            compile_region=compile_region if lowering == "inductor" else None, region_cache=region_cache,
-        )
+        step = StepState(plan, report, {kind: graph}, kind=kind, lowering=lowering)
         run_passes(COMPILED_PASSES, step, report.pass_log, label=kind)
         report.record_graph(kind, graph)
         return step
@@ -390,18 +386,8 @@ def _plan_key(plan: StepPlan):
     )
 
 
-def _compile_region(module: torch.fx.GraphModule, inputs, kind: str):
-    """One region, compiled by Inductor under a tracing context of its own (the
-    step's records the step graph's output strides, not a region's)."""
-    from torch._guards import TracingContext, detect_fake_mode, tracing
-    from torch._inductor.compile_fx import compile_fx_inner
-
-    with tracing(TracingContext(detect_fake_mode(inputs))):
-        return compile_fx_inner(module, inputs, is_backward=kind == "backward", is_inference=kind == "inference")
-
-
 def _inductor(gm, example_inputs, prepare, partition_hook, hold):
-    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -412,16 +398,25 @@ def _inductor(gm, example_inputs, prepare, partition_hook, hold):
             kind = "inference"
         else:
             kind = "forward"
-        # The regions `compile_regions` compiles are compiled under the same patches.
         with inductor_config.patch(INDUCTOR_PATCHES):
             step = prepare(kind, graph)
-            if step.results.get("compile_regions") is not None:
-                return hold(boxed_nop(step.graphs[kind], inputs))
-            return hold(compile_fx_inner(graph, inputs, **kwargs))
+            if step.results.get("compile_regions") is None:
+                return hold(compile_fx_inner(graph, inputs, **kwargs))
+            try:
+                return hold(compile_fx_inner(step.graphs[kind], inputs, **kwargs))
+            except Exception as error:  # noqa: BLE001  (any failure: the flat graph still compiles)
+                log.warning("speedloader: Inductor failed on the %s graph's outlined regions (%s: %s); "
+                            "compiling it flat", kind, type(error).__name__, error)
+                step.report.regions.pop(kind, None)
+                drop_marks(graph)
+                return hold(compile_fx_inner(graph, inputs, **kwargs))
 
     patches = dict(INDUCTOR_PATCHES)
     if partition_hook is not None:
         patches["custom_partitioner_fn"] = _InductorPartition(partition_hook)
         patches["joint_custom_pre_pass"] = _TagJoint(partition_hook)
-    with inductor_config.patch(patches):
+    # A backward may reuse the memory of a saved tensor once it is dead ("donated
+    # buffers"); Inductor (torch 2.13) counts a read by an outlined region's call
+    # too late and overwrote a saved input a later region still read.
+    with inductor_config.patch(patches), functorch_config.patch(donated_buffer=False):
         return compile_fx(gm, example_inputs, inner_compile=inner)

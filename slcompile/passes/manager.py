@@ -137,11 +137,6 @@ class StepState:
         num_fwd_outputs: the partitioner's count of the forward's user outputs.
         lowering: "aot_eager" or "inductor".
         results: pass name -> the record it returned, for the passes after it.
-        compile_region: in the "compiled" stage under Inductor, compiles one region
-            module on its example inputs to a boxed callable (`compile_regions`,
-            `slcompile.backends.outline`); else None.
-        region_cache: the compiled regions by signature, shared by the graphs of one
-            step (a backward region is not compiled again for the inference graph).
     """
 
     plan: Any
@@ -152,8 +147,6 @@ class StepState:
     num_fwd_outputs: int | None = None
     lowering: str = "aot_eager"
     results: dict[str, Any] = dataclasses.field(default_factory=dict)
-    compile_region: Callable | None = None
-    region_cache: dict = dataclasses.field(default_factory=dict)
 
     @property
     def config(self):

@@ -9,7 +9,8 @@ runtime's timeline, as `compute_region(label)` does, labelled `"blk3.sb1 fwd"`.
 
 Needs: nodes tagged with `SlcMeta` (untagged graphs get no markers).
 Guarantees:
-- Markers never change results: `slc::mark` reads no tensor and returns nothing.
+- Markers never change results: `slc::mark` reads no tensor and returns a
+  dependency token nothing reads.
 - It is an ORDERED effectful op, like the transfer ops: AOTAutograd, Inductor and
   FX dead-code elimination keep it, in program order, although nothing uses it.
 - Untagged nodes (gradient sums across sub-batches) and bookkeeping nodes (getitem,
@@ -18,14 +19,16 @@ Guarantees:
 - A marker costs a few microseconds (about 5 µs per call on this machine's CPU, two
   per region); `SLC_DISABLE=mark_regions` leaves graphs unmarked.
 
-The lowering marks graphs it runs with `aot_eager`, and graphs Inductor compiles
-region by region (`compile_regions`, `slcompile.backends.outline`: the markers stay
-in the step graph, between compiled regions). Handed a whole marked graph, Inductor
-(torch 2.13) fuses kernels of neighbouring regions across a marker while it frees a
-graph input where the unfused order last used it: the generated code deleted
-`primals_3` before the fused prefix kernel that reads it (UnboundLocalError at the
-first call). `drop_marks`, the pass after `compile_regions`, therefore removes the
-markers from a graph Inductor compiles whole; its transfers are still recorded.
+The lowering marks graphs it runs with `aot_eager`, and graphs whose regions
+Inductor calls as outlined subgraphs (`compile_regions`,
+`slcompile.passes.outline_regions`: the markers stay around each call). A marker
+returns a token because, when `slc::mark` returned nothing, Inductor (torch 2.13)
+fused kernels of neighbouring regions across it while it freed a graph input where
+the unfused order last used it: the generated code deleted `primals_3` before the
+fused prefix kernel that reads it (UnboundLocalError at the first call). A graph
+Inductor lowers flat (`compile_regions=False`) fuses kernels across the markers, so
+they would bracket nothing: `drop_marks`, the pass after `compile_regions`, removes
+them there; its transfers are still recorded.
 
 `slcompile.runtime.ops.set_region_listener(callback)` lets the visualizer sample
 other figures (resident bytes per tier) at every region boundary; with no listener, a
@@ -41,7 +44,7 @@ import torch
 import torch.fx
 
 from slcompile.meta import get_slc_meta
-from slcompile.vocabulary import MARK, is_bookkeeping, parse_region_label, region_label
+from slcompile.vocabulary import MARK, fake_token, is_bookkeeping, parse_region_label, region_label
 
 __all__ = [
     "MARK",
@@ -104,7 +107,7 @@ def mark_regions(gm: torch.fx.GraphModule, kind: str) -> tuple[torch.fx.GraphMod
         with graph.inserting_after(last):
             end = graph.call_function(MARK, (label, False))
         for node in (begin, end):
-            node.meta["val"] = None
+            node.meta["val"] = fake_token()
     gm.recompile()
     marks = RegionMarks(phase, marked_regions(graph))
     log.debug("mark_regions: %d regions in the %s graph", len(marks.regions), kind)

@@ -140,8 +140,9 @@ def wait(token: torch.Tensor, keepalive: Sequence[torch.Tensor]) -> torch.Tensor
     return _dependency_token()
 
 
-def mark(label: str, begin: bool) -> None:
-    """Opens (`begin`) or closes the compute region `label` on the timeline."""
+def mark(label: str, begin: bool) -> torch.Tensor:
+    """Opens (`begin`) or closes the compute region `label` on the timeline; returns
+    a dependency token."""
     now = time.perf_counter()
     if begin:
         _open.label, _open.start = label, now
@@ -150,6 +151,7 @@ def mark(label: str, begin: bool) -> None:
         _open.label = None
     if _listener is not None:
         _listener(label, begin, now)
+    return _dependency_token()
 
 
 def set_region_listener(listener: Callable[[str, bool, float], None] | None) -> None:

@@ -1,33 +1,20 @@
-"""compile_regions alone on the partitioned graphs of a two-block MLP: each (block,
-sub-batch) run becomes a region module, the copies of one block share one compile,
-and the step graph calls them where their nodes were, keeping the rest."""
-
-import copy
+"""outline_regions alone on the partitioned graphs of a two-block MLP: each (block,
+sub-batch) run becomes a call of a subgraph, the copies of one block call the same
+subgraph, and the graph computes what it did; then the compiled stage's pass table
+around it."""
 
 import torch
 from expecttest import assert_expected_inline
 
-from slcompile.backends.outline import compile_regions
+from slcompile.passes.outline_regions import outline_regions
 
 
-class _Eager:
-    """Stands in for Inductor: a region 'compiles' to itself, run eagerly."""
-
-    def __init__(self):
-        self.modules = []
-
-    def __call__(self, module, inputs):
-        self.modules.append(module)
-        return lambda args: module(*args)
-
-
-def test_compile_regions_compiles_each_distinct_region_once(partitioned, printer, mlp):
+def test_outline_regions_calls_one_subgraph_per_distinct_region(partitioned, printer, mlp):
     forward, backward, state = partitioned()
     before = printer.lines(forward)
-    compiler, cache = _Eager(), {}
-    step, done = compile_regions(forward, compiler, cache)
+    step, done = outline_regions(forward)
     assert printer.lines(forward) == before  # the graph is read, not changed
-    assert_expected_inline(str(done), """RegionCompilation(regions=4, compiled=1, eager_nodes=7)""")
+    assert_expected_inline(str(done), """RegionOutline(regions=4, subgraphs=1, outside_nodes=7)""")
     assert_expected_inline("\n".join(printer.lines(step)), """\
 slice_1 = slice.Tensor(primals_3, 0, 0, 2)  # prefix.sb0
 t = t.default(primals_1)  # prefix.sb0
@@ -36,21 +23,21 @@ slice_2 = slice.Tensor(primals_3, 0, 2, 4)  # prefix.sb1
 t_1 = t.default(primals_1)  # prefix.sb1
 addmm_1 = addmm.default(primals_2, slice_2, t_1)  # prefix.sb1
 t_2 = t.default(primals_4)  # blk0.sb0
-region_blk0_sb0_0 = region_blk0_sb0_0(primals_5, addmm, t_2)
-getitem = getitem(region_blk0_sb0_0, 0)  # blk0.sb0
-getitem_1 = getitem(region_blk0_sb0_0, 1)  # blk0.sb0
+invoke_subgraph = invoke_subgraph(slc_region_0, 'slc_region_0', primals_5, addmm, t_2)
+getitem = getitem(invoke_subgraph, 0)  # blk0.sb0
+getitem_1 = getitem(invoke_subgraph, 1)  # blk0.sb0
 t_3 = t.default(primals_4)  # blk0.sb1
-region_blk0_sb1_1 = region_blk0_sb1_1(primals_5, addmm_1, t_3)
-getitem_2 = getitem(region_blk0_sb1_1, 0)  # blk0.sb1
-getitem_3 = getitem(region_blk0_sb1_1, 1)  # blk0.sb1
+invoke_subgraph_1 = invoke_subgraph(slc_region_0, 'slc_region_0', primals_5, addmm_1, t_3)
+getitem_2 = getitem(invoke_subgraph_1, 0)  # blk0.sb1
+getitem_3 = getitem(invoke_subgraph_1, 1)  # blk0.sb1
 t_4 = t.default(primals_6)  # blk1.sb0
-region_blk1_sb0_2 = region_blk1_sb0_2(primals_7, getitem, t_4)
-getitem_4 = getitem(region_blk1_sb0_2, 0)  # blk1.sb0
-getitem_5 = getitem(region_blk1_sb0_2, 1)  # blk1.sb0
+invoke_subgraph_2 = invoke_subgraph(slc_region_0, 'slc_region_0', primals_7, getitem, t_4)
+getitem_4 = getitem(invoke_subgraph_2, 0)  # blk1.sb0
+getitem_5 = getitem(invoke_subgraph_2, 1)  # blk1.sb0
 t_5 = t.default(primals_6)  # blk1.sb1
-region_blk1_sb1_3 = region_blk1_sb1_3(primals_7, getitem_2, t_5)
-getitem_6 = getitem(region_blk1_sb1_3, 0)  # blk1.sb1
-getitem_7 = getitem(region_blk1_sb1_3, 1)  # blk1.sb1
+invoke_subgraph_3 = invoke_subgraph(slc_region_0, 'slc_region_0', primals_7, getitem_2, t_5)
+getitem_6 = getitem(invoke_subgraph_3, 0)  # blk1.sb1
+getitem_7 = getitem(invoke_subgraph_3, 1)  # blk1.sb1
 t_6 = t.default(primals_8)  # suffix.sb0
 addmm_6 = addmm.default(primals_9, getitem_4, t_6)  # suffix.sb0
 sum_1 = sum.default(addmm_6)  # suffix.sb0
@@ -59,17 +46,18 @@ addmm_7 = addmm.default(primals_9, getitem_6, t_7)  # suffix.sb1
 sum_2 = sum.default(addmm_7)  # suffix.sb1
 add = add.Tensor(sum_1, sum_2)  # suffix
 return [add, slice_1, addmm, slice_2, addmm_1, t_2, getitem, getitem_1, t_3, getitem_2, getitem_3, t_4, getitem_4, getitem_5, t_5, getitem_6, getitem_7, t_6, t_7]""")
-    assert_expected_inline(compiler.modules[0].code.strip(), """\
+    assert_expected_inline(step.slc_region_0.code.strip(), """\
 def forward(self, arg0, arg1, arg2):
     addmm_default = torch.ops.aten.addmm.default(arg0, arg1, arg2);  arg0 = arg1 = arg2 = None
     relu_default = torch.ops.aten.relu.default(addmm_default);  addmm_default = None
     detach_default = torch.ops.aten.detach.default(relu_default)
     return (relu_default, detach_default)""")
 
-    # The backward's regions are compiled with the same cache; the step computes
-    # what the graphs did.
-    backward_step, backward_done = compile_regions(copy.deepcopy(backward), compiler, cache)
-    assert_expected_inline(str(backward_done), """RegionCompilation(regions=4, compiled=2, eager_nodes=14)""")
+    # The backward's regions differ from the forward's (two subgraphs: the first
+    # block's backward computes no input gradient); the step computes what the
+    # graphs did.
+    backward_step, backward_done = outline_regions(backward)
+    assert_expected_inline(str(backward_done), """RegionOutline(regions=4, subgraphs=2, outside_nodes=14)""")
     outputs = step(*state.example_inputs)
     loss, saved = outputs[0], outputs[1:]
     grads = backward_step(*saved, torch.ones_like(loss))
@@ -79,8 +67,8 @@ def forward(self, arg0, arg1, arg2):
     torch.testing.assert_close([g for g in grads if g is not None], list(eager))
 
 
-def test_compile_regions_leaves_a_graph_without_block_regions():
-    assert compile_regions(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)), _Eager()) is None
+def test_outline_regions_leaves_a_graph_without_block_regions():
+    assert outline_regions(torch.fx.symbolic_trace(torch.nn.Linear(2, 2))) is None
 
 
 def _compiled_stage(forward, monkeypatch, disable=""):
@@ -95,24 +83,23 @@ def _compiled_stage(forward, monkeypatch, disable=""):
     monkeypatch.setenv("SLC_DISABLE", disable)
     plan = StepPlan(block_positions={0: 0, 1: 1}, num_subbatches=2, compile_regions=True)
     report = CompileReport(SpeedLoaderConfig.from_options({"num_subbatches": 2, "lowering": "inductor"}))
-    step = StepState(plan, report, {"forward": forward}, kind="forward", lowering="inductor",
-                     compile_region=_Eager())
+    step = StepState(plan, report, {"forward": forward}, kind="forward", lowering="inductor")
     log = PassLog()
     run_passes(COMPILED_PASSES, step, log, label="forward")
     return step, " ".join(entry.split(" (")[0] for entry in log.entries)
 
 
-def test_the_pass_table_cuts_marked_graphs_into_regions(partitioned, monkeypatch):
+def test_the_pass_table_outlines_marked_graphs(partitioned, monkeypatch):
     forward, _, _ = partitioned()
     step, ran = _compiled_stage(forward, monkeypatch)
     assert_expected_inline(ran, """compiled[forward]/annotate_streams compiled[forward]/mark_regions compiled[forward]/compile_regions compiled[forward]/drop_marks""")
-    # The step graph replaces the graph; its markers stay between the regions.
+    # The outlined graph replaces the graph; its markers stay around the calls.
     assert step.graphs["forward"] is not forward
     assert step.report.regions["forward"] == step.results["compile_regions"]
     assert (step.results["drop_marks"], _marks(step.graphs["forward"])) == (0, 18)
 
 
-def test_a_graph_compiled_whole_loses_its_markers(partitioned, monkeypatch, caplog):
+def test_a_graph_lowered_flat_loses_its_markers(partitioned, monkeypatch, caplog):
     forward, _, _ = partitioned()
     with caplog.at_level("WARNING"):
         step, ran = _compiled_stage(forward, monkeypatch, disable="compile_regions")
