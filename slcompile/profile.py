@@ -179,10 +179,11 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
         nvme_read=read, nvme_write=write, nvme_latency_seconds=latency, matmul_curve=tuple(curve),
     )
     per_byte = 0.0
+    op_costs: tuple[tuple[str, float], ...] = ()
     if steps and nvme:
-        op_overhead, per_byte, transfer_op = _measure_steps(offload_dir, profile)
+        op_overhead, per_byte, transfer_op, op_costs = _measure_steps(offload_dir, profile)
     profile = dataclasses.replace(profile, op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op,
-                                  output_seconds_per_byte=per_byte)
+                                  output_seconds_per_byte=per_byte, transfer_op_costs=op_costs)
     if steps:
         layer_step, per_pass = _measure_generation(profile, offload_dir)
         profile = dataclasses.replace(profile, layer_step_seconds=layer_step, pass_seconds=per_pass)
@@ -249,7 +250,7 @@ def _measure_disk(offload_dir) -> tuple[float, float, float, float]:
         handles = [engine.load(key) for key in keys]
         issued = time.perf_counter() - start
         for handle in handles:
-            handle._done.wait()
+            handle.wait_done()
         start = time.perf_counter()
         for handle in handles:
             engine.wait(handle)
@@ -265,27 +266,33 @@ def _measure_disk(offload_dir) -> tuple[float, float, float, float]:
         engine.close()
 
 
-def _measure_steps(offload_dir, profile: MachineProfile) -> tuple[float, float, float]:
+def _measure_steps(offload_dir, profile: MachineProfile) -> tuple[float, float, float, tuple]:
     """(seconds per op, seconds per byte of large outputs, seconds per `slc::`
-    transfer op) on the compute thread of compiled steps (aot_eager).
+    transfer op, the host seconds of each kind of transfer op) on the compute
+    thread of compiled steps (aot_eager).
 
     Two GPTs' steps run with everything on the device: a tiny one (many small ops)
     and a wider one (fewer ops, large outputs). The thread's CPU time of each, less
     the roofline of its ops at the profile's rates, is `ops * a + large output
     bytes * c`: the two steps give a and c. The tiny one's step with its weights
     and activations on nvme, less that on the device, over its transfer ops gives
-    the third."""
+    the third; that step run once more under `torch.profiler`
+    (`slcompile.step_profile`) gives each op's median host time, the fourth."""
     import slcompile
     from slcompile.analysis.time import count_cost
     from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
+    from slcompile.step_profile import profile_step
     from slcompile.vocabulary import is_compute, transfer_kind
 
-    runs = (  # (config, batch, K, tier)
-        (GPTConfig(d_model=64, seq_len=32, n_layers=2, n_heads=2), 4, 2, "device"),
+    tiny = GPTConfig(d_model=64, seq_len=32, n_layers=2, n_heads=2)
+    runs = [  # (config, batch, K, tier)
+        (tiny, 4, 2, "device"),
         (GPTConfig(d_model=192, seq_len=64, n_layers=2, n_heads=4), 4, 1, "device"),
-        (GPTConfig(d_model=64, seq_len=32, n_layers=2, n_heads=2), 4, 2, "nvme"),
-    )
-    cpu_seconds, graphs = [], []
+        (tiny, 4, 2, "nvme"),
+    ]
+    if not profile.host_is_device:
+        runs.append((tiny, 4, 2, "host"))  # host copies cost the host otherwise than disk reads
+    cpu_seconds, graphs, op_costs = [], [], []
     for cfg, batch, k, tier in runs:
         idx, targets = make_gpt_batch(cfg, batch)
         model = TinyGPT(cfg)
@@ -306,6 +313,9 @@ def _measure_steps(offload_dir, profile: MachineProfile) -> tuple[float, float, 
             best = min(best, time.thread_time() - start)
         cpu_seconds.append(best)
         graphs.append(list(slcompile.compile_reports()[-1].partitioned.values()))
+        if tier != "device":
+            op_costs += [(f"{name.split('::')[1]}@{tier}", us * 1e-6)
+                         for name, us in profile_step(step).slc_median_us().items()]
     bare = dataclasses.replace(profile, op_overhead_seconds=0.0, output_seconds_per_byte=0.0)
     rows = []
     for gms, seconds in zip(graphs[:2], cpu_seconds[:2]):
@@ -319,7 +329,8 @@ def _measure_steps(offload_dir, profile: MachineProfile) -> tuple[float, float, 
         per_byte = 0.0
     op_seconds = max((rest0 - per_byte * large0) / max(ops0, 1), 0.0)
     transfers = sum(transfer_kind(node) is not None for gm in graphs[2] for node in gm.graph.nodes)
-    return op_seconds, per_byte, max(cpu_seconds[2] - cpu_seconds[0], 0.0) / max(transfers, 1)
+    return (op_seconds, per_byte, max(cpu_seconds[2] - cpu_seconds[0], 0.0) / max(transfers, 1),
+            tuple(sorted(op_costs)))
 
 
 def _measure_generation(profile: MachineProfile, offload_dir) -> tuple[float, float]:

@@ -76,7 +76,13 @@ class MachineProfile:
         op_overhead_seconds: fixed time per op (eager dispatch on a CPU; a kernel
             launch on a GPU).
         transfer_op_seconds: fixed compute-lane time of each `slc::` transfer op
-            (issuing or waiting: Python and bookkeeping on the compute thread).
+            (issuing or waiting: Python and bookkeeping on the compute thread),
+            where `transfer_op_costs` names no time of its own for the op.
+        transfer_op_costs: ("op@tier", seconds) pairs: the host time of each kind
+            of `slc::` op as a compiled step runs it, by the tier its data rests on
+            (`fetch_issue@nvme`, `unstash_wait@host`, `mark@nvme`), measured by
+            `slcompile.profile.measure_profile` (`steps=True`) with
+            `slcompile.step_profile`; an op not listed costs `transfer_op_seconds`.
         output_seconds_per_byte: time per byte of an op's large output (at least
             `LARGE_OUTPUT` bytes) beyond its roofline: writing fresh memory (on a
             CPU, first touches of pages the allocator maps anew). Fitted from
@@ -129,6 +135,17 @@ class MachineProfile:
     network_latency_seconds: float = 0.0
     source: str = ""
     matmul_curve: tuple[tuple[float, float], ...] = ()
+    transfer_op_costs: tuple[tuple[str, float], ...] = ()
+
+    def transfer_op_cost(self, op: str, tier: str) -> float:
+        """Host seconds of one call of the `slc::` op named `op` ("fetch_issue") on
+        data resting on `tier`: measured on that tier, else on any, else
+        `transfer_op_seconds`."""
+        measured = dict(self.transfer_op_costs)
+        if f"{op}@{tier}" in measured:
+            return measured[f"{op}@{tier}"]
+        return next((seconds for name, seconds in self.transfer_op_costs if name.split("@")[0] == op),
+                    self.transfer_op_seconds)
 
     @property
     def host_is_device(self) -> bool:
@@ -196,6 +213,7 @@ class MachineProfile:
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: (_INF if v is None else v) for k, v in data.items() if k in known}
         values["matmul_curve"] = tuple(tuple(point) for point in values.get("matmul_curve", ()))
+        values["transfer_op_costs"] = tuple(tuple(pair) for pair in values.get("transfer_op_costs", ()))
         return cls(**values)
 
 

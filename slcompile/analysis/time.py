@@ -461,8 +461,9 @@ def _graph_plan(gm, subs, profile, tiers, lowering, fetch_bytes) -> list[tuple]:
                     lane, seconds = profile.transfer_seconds(tiers.get("fetch", "host"), "read", nbytes)
                     fallback = ("issue", key, lane, seconds, what, region, nbytes)
                 actions.append(("wait", key, region, fallback))
-            if profile.transfer_op_seconds:
-                actions.append(("compute", region, profile.transfer_op_seconds, 0, 0))
+            seconds = profile.transfer_op_cost(node.target._schema.name.split("::")[1], tiers.get(what, "host"))
+            if seconds:
+                actions.append(("compute", region, seconds, 0, 0))
         elif is_compute(node):
             cost = count_cost(node, subs)
             seconds = profile.compute_seconds(cost, lowering)

@@ -19,6 +19,7 @@ backward's saved buffers, and torch refuses the second backward of such a graph.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -63,10 +64,15 @@ class ActivationStash:
         return StashKey(self.name, name).format()
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _parsed_key(key: str) -> StashKey:
+    """A graph's keys are few and fixed: each is parsed once, not at every call."""
+    return StashKey.parse(key)
+
+
 def _stash_of(key: str) -> ActivationStash:
-    name = StashKey.parse(key).stash
-    with _LOCK:
-        stash = _STASHES.get(name)
+    name = _parsed_key(key).stash
+    stash = _STASHES.get(name)
     if stash is None:
         raise OffloadError(f"no activation stash {name!r} for key {key!r}", key=key)
     return stash
@@ -84,7 +90,7 @@ def stash(x: torch.Tensor, key: str) -> torch.Tensor:
     if engine.copies_nothing(engine.tier_of(x), owner.tier):
         x = x.detach().clone(memory_format=torch.contiguous_format)
         RECORDER.local_copy(x.numel() * x.element_size())
-    stored_key = f"{StashKey.parse(key).name}#{next(_STORES)}"
+    stored_key = f"{_parsed_key(key).name}#{next(_STORES)}"
     # The handle must not keep the source as its result for as long as the token
     # lives (until the backward): that memory is what offloading frees.
     handle = engine.store(stored_key, x, owner.tier, TransferKind.ACTIVATION, forget_source=True)

@@ -138,7 +138,7 @@ class TransferHandle:
 
     __slots__ = (
         "id", "key", "kind", "source", "destination", "nbytes", "direction",
-        "zero_copy", "issued", "_done", "_error", "_result", "_cuda_event",
+        "zero_copy", "issued", "_finished", "_event", "_error", "_result", "_cuda_event",
         "_callbacks", "_lock", "_keep", "forget_source", "__weakref__",
     )
 
@@ -152,7 +152,10 @@ class TransferHandle:
         self.direction = direction
         self.zero_copy = False
         self.issued = time.perf_counter()
-        self._done = threading.Event()
+        self._finished = False
+        # Made by the first thread that waits while the transfer runs: most finish
+        # before anyone waits (host copies are issued, not awaited, on the I/O side).
+        self._event: threading.Event | None = None
         self._error: OffloadError | None = None
         self._result: torch.Tensor | None = None
         self._cuda_event = None
@@ -169,7 +172,19 @@ class TransferHandle:
 
     def done(self) -> bool:
         """True once the transfer finished (successfully or not)."""
-        return self._done.is_set()
+        return self._finished
+
+    def wait_done(self) -> None:
+        """Blocks until the transfer finished (successfully or not)."""
+        if self._finished:
+            return
+        with self._lock:
+            if self._finished:
+                return
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        event.wait()
 
     def _finish(self, result: torch.Tensor | None, error: OffloadError | None) -> None:
         with self._lock:
@@ -180,14 +195,17 @@ class TransferHandle:
                 # thread (`TransferEngine.wait`): released here, on an I/O thread,
                 # it could be the last reference and free the source there.
                 self._keep = None
-            self._done.set()
+            self._finished = True
+            event = self._event
             callbacks, self._callbacks = self._callbacks, []
+        if event is not None:
+            event.set()
         for callback in callbacks:
             callback()
 
     def _when_done(self, callback: Callable[[], None]) -> None:
         with self._lock:
-            if not self._done.is_set():
+            if not self._finished:
                 self._callbacks.append(callback)
                 return
         callback()
@@ -494,9 +512,9 @@ class TransferEngine:
         Raises:
             OffloadError: whatever made the transfer fail.
         """
-        if not handle._done.is_set():
+        if not handle._finished:
             start = time.perf_counter()
-            handle._done.wait()
+            handle.wait_done()
             self._recorder.stalled(start, time.perf_counter(), f"wait {handle.label}")
         if handle.forget_source:
             handle._keep = None

@@ -57,6 +57,7 @@ the phase.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import weakref
@@ -344,10 +345,11 @@ class WeightStreamer:
             _OWNERS[param] = (self.engine, stored_key, self.tier)
 
     # -- at run time ------------------------------------------------------
-    def issue(self, key: WeightKey, *, gather: bool = True) -> None:
+    def issue(self, key: WeightKey, *, gather: bool = True, graph_key: str | None = None) -> None:
         """Starts the load `key` names, unless one is already pending under it.
-        Sharded, `gather` also issues its all-gather (only the graphs' issues do)."""
-        graph_key = key.format()
+        Sharded, `gather` also issues its all-gather (only the graphs' issues do).
+        `graph_key` is `key.format()`, when the caller has it."""
+        graph_key = graph_key or key.format()
         with self.lock:
             if graph_key in self.pending:
                 return
@@ -357,11 +359,13 @@ class WeightStreamer:
                 self.shard_loads[graph_key] = self.pending[graph_key]
                 self.pending[graph_key] = self._gather(key, self.pending[graph_key])
 
-    def fetch(self, key: WeightKey) -> torch.Tensor:
-        """The weight `key` names: its pending load's result, or a load now."""
+    def fetch(self, key: WeightKey, graph_key: str | None = None) -> torch.Tensor:
+        """The weight `key` names: its pending load's result, or a load now.
+        `graph_key` is `key.format()`, when the caller has it."""
+        graph_key = graph_key or key.format()
         with self.lock:
-            handle = self.pending.pop(key.format(), None)
-            load = self.shard_loads.pop(key.format(), None)
+            handle = self.pending.pop(graph_key, None)
+            load = self.shard_loads.pop(graph_key, None)
         engine = self._engine_of(key.stored)
         if handle is None:
             handle = engine.load(key.stored, TransferKind.WEIGHT)
@@ -571,26 +575,33 @@ def loading_released_weights(compiled: Callable) -> Callable:
 
 
 def _streamer_of(key: WeightKey) -> WeightStreamer:
-    with _REGISTRY_LOCK:
-        streamer = _STREAMERS.get(key.streamer)
+    streamer = _STREAMERS.get(key.streamer)
     if streamer is None:
         raise KeyError(f"no weight streamer {key.streamer!r} for key {key.format()!r}")
     return streamer
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _parsed_key(key: str) -> tuple[WeightKey, str]:
+    """The key and its canonical form; a graph's keys are few and fixed, so each is
+    parsed once, not at every call."""
+    parsed = WeightKey.parse(key)
+    return parsed, parsed.format()
 
 
 def fetch_issue(key: str, gather: bool = True) -> torch.Tensor:
     """Starts loading the weight `key` names; `fetch_weight` of that key takes it.
     Returns a dependency token. A sharded weight's all-gather is issued too unless
     `gather` is False (an issue from outside the graphs: the fetch issues it)."""
-    parsed = WeightKey.parse(key)
-    _streamer_of(parsed).issue(parsed, gather=gather)
+    parsed, graph_key = _parsed_key(key)
+    _streamer_of(parsed).issue(parsed, gather=gather, graph_key=graph_key)
     return ops._dependency_token()
 
 
 def fetch_weight(param: torch.Tensor, key: str) -> torch.Tensor:
     """The values of an offloaded parameter, as a new tensor on the device."""
-    parsed = WeightKey.parse(key)
-    return _streamer_of(parsed).fetch(parsed)
+    parsed, graph_key = _parsed_key(key)
+    return _streamer_of(parsed).fetch(parsed, graph_key=graph_key)
 
 
 def shard_group_of(param: torch.Tensor):
