@@ -27,8 +27,10 @@ step), tokens/s, % of resident Inductor, first-step seconds (compile included), 
 ``torch.cuda.max_memory_allocated`` over the timed steps, bytes moved per step per
 (kind, source, destination) and per tier from ``slcompile.runtime_stats()``, pinned
 host bytes, and the bound max(resident compute time, host<->device bytes / measured
-bandwidth). The pinned host->device and device->host copy bandwidth is measured once,
-in the parent process, before the rows.
+bandwidth); from one more step under ``torch.profiler`` (``slcompile.step_profile``),
+the operators run outside compiled code and each ``slc::`` op's median host
+microseconds (``host``). The pinned host->device and device->host copy bandwidth is
+measured once, in the parent process, before the rows.
 
 Writes the JSON record to ``--out`` and a plot beside it (``.png``); prints the JSON.
 Without CUDA it exits with status 2 and says so, unless ``--cpu-smoke`` is given: that
@@ -228,6 +230,7 @@ def run_row(spec: dict) -> dict:
     window = windows[times.index(median)]
     stats = slcompile.runtime_stats()
     moved = tier_bytes(window.bytes_moved)
+    host = _host_profile(step) if row != "fsdp2_cpu_offload" else None
     return {
         "spec": spec,
         "step_seconds": median,
@@ -241,7 +244,19 @@ def run_row(spec: dict) -> dict:
         "stall_seconds": window.stall_seconds,
         "pinned_host_bytes": stats.pinned_host_bytes,
         "parameters": sum(p.numel() for p in model.parameters()),
+        "host": host,
     }
+
+
+def _host_profile(step) -> dict:
+    """One more step under `torch.profiler` (`slcompile.step_profile`): the operators
+    run outside compiled code and each `slc::` op's median host microseconds."""
+    from slcompile.step_profile import profile_step
+
+    ops = profile_step(step)
+    return {"eager_ops": ops.eager, "eager_prims": ops.eager_count("prims"), "eager_aten": ops.eager_count("aten"),
+            "compiled_calls": ops.compiled_calls, "slc_op_host_us": ops.slc_median_us(),
+            "slc_op_calls": {name: len(times) for name, times in ops.slc_host_us.items()}}
 
 
 def run_isolated(spec: dict) -> dict:

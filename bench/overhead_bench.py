@@ -1,0 +1,246 @@
+"""Host time of a training step where compute is small: speedloader against plain
+Inductor on a launch-bound model, the CPU counterpart of the GPU's host-bound step.
+
+Usage:
+    python bench/overhead_bench.py [--steps 15] [--out bench/results/overhead_bench.json]
+    python bench/overhead_bench.py --quick        # 5 steps a row, results in a temp dir
+
+Model: a Hugging Face Llama from a config (2 layers, hidden 64, intermediate 128, 4
+heads, vocabulary 32000), batch 8 x 32, float32, Inductor, one compute thread: the
+step is milliseconds, most of it the head and the loss over the real vocabulary, so
+every piece the backend adds on the host shows.
+
+Rows, compiled in one process and timed round-robin (one step of each a round, so
+that a burst of load falls on all of them alike): plain `torch.compile`
+(Inductor); speedloader K=1 and K=4 with everything on the device;
+K=4 with the block weights on host (the device's own memory on a CPU machine: no
+transfer) and on nvme; K=4 with every saved activation on nvme.
+
+Per row: the median (and the least) over `--steps` rounds of the compute thread's
+CPU time (`time.thread_time`, what the host spends whatever else runs) and the
+median wall time;
+from one step under `torch.profiler` (`slcompile.step_profile`), the operators run
+outside compiled code by namespace (eager prims and aten ops; autograd's `.grad`
+accumulation apart) and the median host microseconds of each `slc::` op; and, for
+speedloader rows, the step the time model predicts (`predict_time`, lowering
+"inductor", on a profile measured first in the parent process with one thread and
+`steps=True`).
+
+Goals (ratios within the run): K=1 within 1.15x plain Inductor's CPU time, K=4 on any
+tier within 1.3x; no prims op outside compiled code; every transfer op within 20 us
+of host time (median); predicted step within 25% of measured.
+
+Writes the JSON record and a plot beside it (.png); prints the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+SHAPE = dict(layers=2, hidden=64, intermediate=128, heads=4, vocab=32000, batch=8, seq=32)
+ROWS = (  # (name, speedloader options or None for plain Inductor)
+    ("plain_inductor", None),
+    ("k1_device", {"num_subbatches": 1}),
+    ("k4_device", {"num_subbatches": 4}),
+    ("k4_weights_host", {"num_subbatches": 4, "weights": "host"}),
+    ("k4_weights_nvme", {"num_subbatches": 4, "weights": "nvme"}),
+    ("k4_activations_nvme", {"num_subbatches": 4, "activations": "nvme", "min_offload_bytes": 0,
+                             "recompute": "none"}),
+)
+GOALS = {"k1_ratio": 1.15, "k4_ratio": 1.3, "transfer_op_us": 20.0, "prediction_error": 0.25}
+
+
+def build(spec: dict):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=SHAPE["layers"], hidden_size=SHAPE["hidden"],
+                         intermediate_size=SHAPE["intermediate"], num_attention_heads=SHAPE["heads"],
+                         num_key_value_heads=SHAPE["heads"], vocab_size=SHAPE["vocab"],
+                         max_position_embeddings=SHAPE["seq"], use_cache=False)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, SHAPE["vocab"], (SHAPE["batch"], SHAPE["seq"]), generator=torch.Generator().manual_seed(1))
+    options = spec["options"]
+    if options is None:
+        compiled = torch.compile(model)
+    else:
+        options = {"lowering": "inductor", "on_refusal": "raise", "offload_dir": spec["offload_dir"], **options}
+        compiled = torch.compile(model, backend="speedloader", options=options)
+
+    def step():
+        compiled(ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def run_rows(specs: list[dict], steps: int, profile_path: str) -> list[dict]:
+    """Every row in this process: each compiled and warmed up, then their steps timed
+    round-robin, one step of every row a round, so that a burst of load from another
+    process falls on all of them alike."""
+    import torch
+    from tqdm import tqdm
+
+    import slcompile
+    from slcompile.analysis.time import predict_time
+    from slcompile.profile import machine_profile
+    from slcompile.step_profile import profile_step
+
+    torch.set_num_threads(1)
+    profile = machine_profile(profile_path)
+    built = []
+    for spec in tqdm(specs, desc="compiling"):
+        step = build(spec)
+        start = time.perf_counter()
+        step()
+        first = time.perf_counter() - start
+        report = slcompile.compile_reports()[-1] if spec["options"] is not None else None
+        for _ in range(3):
+            step()
+        built.append((spec, step, first, report))
+    cpu: list[list[float]] = [[] for _ in built]
+    wall: list[list[float]] = [[] for _ in built]
+    for _ in tqdm(range(steps), desc="rounds"):
+        for i, (_, step, _, _) in enumerate(built):
+            start, thread_start = time.perf_counter(), time.thread_time()
+            step()
+            cpu[i].append(time.thread_time() - thread_start)
+            wall[i].append(time.perf_counter() - start)
+    records = []
+    for (spec, step, first, report), row_cpu, row_wall in zip(built, cpu, wall):
+        ops = profile_step(step)
+        record = {
+            "row": spec["row"], "options": spec["options"], "first_step_seconds": first,
+            "cpu_seconds": statistics.median(row_cpu), "min_cpu_seconds": min(row_cpu),
+            "wall_seconds": statistics.median(row_wall), "all_cpu_seconds": row_cpu,
+            "eager_ops": ops.eager, "eager_prims": ops.eager_count("prims"), "eager_aten": ops.eager_count("aten"),
+            "accumulate_grad_ops": ops.accumulate_grad, "compiled_calls": ops.compiled_calls,
+            "slc_op_host_us": ops.slc_median_us(),
+            "slc_op_calls": {name: len(times) for name, times in ops.slc_host_us.items()},
+        }
+        if report is not None:
+            options = spec["options"]
+            tiers = {"fetch": options.get("weights", "device"), "stash": options.get("activations", "device"),
+                     "unstash": options.get("activations", "device"), "store_grad": "device"}
+            graphs = report.partitioned
+            prediction = predict_time(graphs["forward"], graphs["backward"], profile=profile, tiers=tiers,
+                                      lowering="inductor")
+            record["predicted_step_seconds"] = prediction.step_seconds
+            record["prediction_error"] = (prediction.step_seconds - record["cpu_seconds"]) / record["cpu_seconds"]
+            record["regions"] = {kind: vars(done) for kind, done in report.regions.items()}
+        records.append(record)
+    return records
+
+
+def goals(rows: list[dict]) -> dict:
+    by_name = {row["row"]: row for row in rows if "cpu_seconds" in row}
+    plain = by_name.get("plain_inductor")
+    result = {}
+    if plain is not None:
+        for name, row in by_name.items():
+            row["cpu_ratio_to_plain"] = row["cpu_seconds"] / plain["cpu_seconds"]
+        k1 = by_name.get("k1_device")
+        if k1 is not None:
+            result["k1_within_1.15x"] = {"ratio": k1["cpu_ratio_to_plain"], "met": k1["cpu_ratio_to_plain"] <= 1.15}
+        k4 = {name: row["cpu_ratio_to_plain"] for name, row in by_name.items() if name.startswith("k4")}
+        result["k4_within_1.3x"] = {"ratios": k4, "met": all(r <= GOALS["k4_ratio"] for r in k4.values())}
+    prims = {name: row["eager_prims"] for name, row in by_name.items()}
+    result["no_eager_prims"] = {"per_row": prims, "met": not any(prims.values())}
+    slowest = {name: max(row["slc_op_host_us"].items(), key=lambda item: item[1], default=(None, 0.0))
+               for name, row in by_name.items() if row["slc_op_host_us"]}
+    result["transfer_ops_within_20us"] = {
+        "slowest_per_row": slowest,
+        "met": all(us <= GOALS["transfer_op_us"] for op, us in slowest.values() if op != "slc::mark"),
+    }
+    errors = {name: row["prediction_error"] for name, row in by_name.items() if "prediction_error" in row}
+    result["prediction_within_25%"] = {"errors": errors,
+                                       "met": all(abs(e) <= GOALS["prediction_error"] for e in errors.values())}
+    return result
+
+
+def plot(record: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in record["rows"] if "cpu_seconds" in r]
+    names = [r["row"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 2.5))
+    positions = range(len(rows))
+    left.barh(positions, [r["cpu_seconds"] * 1e3 for r in rows], label="measured (compute thread CPU)")
+    left.scatter([r.get("predicted_step_seconds", float("nan")) * 1e3 for r in rows], positions, color="black",
+                 marker="|", s=250, zorder=3, label="predicted")
+    left.set_yticks(list(positions), names)
+    left.invert_yaxis()
+    left.set_xlabel("ms per step (median)")
+    left.legend(loc="lower right")
+    ops = sorted({op for r in rows for op in r["slc_op_host_us"]})
+    width = 0.8 / max(len(ops), 1)
+    for i, op in enumerate(ops):
+        right.barh([p + i * width for p in positions], [r["slc_op_host_us"].get(op, 0.0) for r in rows],
+                   height=width, label=op)
+    right.axvline(GOALS["transfer_op_us"], color="red", linestyle="--", label="goal 20 us")
+    right.set_yticks(list(positions), [""] * len(rows))
+    right.invert_yaxis()
+    right.set_xlabel("host us per slc:: op (median)")
+    right.legend(loc="lower right", fontsize=7)
+    fig.suptitle(f"launch-bound step on {record['machine']} (torch {record['torch']}, 1 thread)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--quick", action="store_true", help="5 steps a row, results in a temp dir")
+    parser.add_argument("--only", default=None, help="comma-separated row names")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import platform
+
+    import torch
+
+    from slcompile.profile import measure_profile
+
+    steps = 5 if args.quick else args.steps
+    out = args.out or (os.path.join(tempfile.mkdtemp(prefix="slc-overhead-"), "overhead_bench.json") if args.quick
+                       else os.path.join(HERE, "results", "overhead_bench.json"))
+    offload_dir = tempfile.mkdtemp(prefix="slc-overhead-nvme-")
+    torch.set_num_threads(1)
+    profile = measure_profile(offload_dir=offload_dir, steps=True)
+    profile_path = os.path.join(offload_dir, "profile.json")
+    with open(profile_path, "w") as f:
+        f.write(profile.to_json())
+    wanted = set(args.only.split(",")) if args.only else None
+    specs = [{"row": name, "options": options, "offload_dir": offload_dir}
+             for name, options in ROWS if wanted is None or name in wanted]
+    rows = run_rows(specs, steps, profile_path)
+    record = {
+        "machine": platform.node() or "cpu", "torch": torch.__version__, "model": SHAPE, "steps": steps,
+        "profile": json.loads(profile.to_json()), "rows": rows,
+    }
+    record["goals"] = goals(rows)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1)
+    plot(record, os.path.splitext(out)[0] + ".png")
+    print(json.dumps(record))
+    print(f"overhead_bench: wrote {out} and its .png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
