@@ -276,7 +276,7 @@ def _stream(state: PipelineState) -> PipelineState:
         shards = shard_group()
     streamer = StreamerPlan(
         new_name("w"), state.config.weights, state.config.live_blocks, offload_dir=state.config.offload_dir,
-        world_size=shards.world_size if shards is not None else 1, sharded=sharded,
+        world_size=shards.world_size if shards is not None else 1, sharded=sharded, issues_in_groups=True,
     )
     gm, streamed = stream_weights(
         state.gm, state.blocks, state.inputs, functools.partial(stored_key_for, streamer.name), streamer.graph_key,

@@ -45,6 +45,13 @@ class StreamerPlan:
         world_size: the ranks the weights are sharded over (`shard_weights`); 1 with
             whole weights, and also for sharding over one rank.
         sharded: whether the weights are sharded (`shard_weights`), over any ranks.
+        issues_in_groups: every run of `slc::fetch_issue` calls in the graphs is
+            followed by a `slc::fetch_weight` before any other op reads a weight
+            (`place_prefetches` puts each visit's issues just before its own
+            fetches): the streamer may then hold the issues of a run and start
+            their loads together at that fetch (`TransferEngine.load_many`). False
+            where an issue must start at once (a generation pass issues the next
+            layer's weights, then computes).
     """
 
     name: str
@@ -53,6 +60,7 @@ class StreamerPlan:
     offload_dir: str | None = None
     world_size: int = 1
     sharded: bool = False
+    issues_in_groups: bool = False
 
     def graph_key(self, stored_key: str) -> WeightKey:
         """The key of a fetch of `stored_key` in this streamer's graphs."""

@@ -69,10 +69,10 @@ def test_every_tier_combination_equals_eager_and_moves_the_bytes_of_its_graphs(w
 @pytest.mark.slow
 @pytest.mark.parametrize("activations", ["host", "nvme"])
 def test_strided_saved_activations_come_back_where_inductor_code_expects_them(activations, tmp_path):
-    """Under Inductor, what attention saves for its backward is strided: the log-sum-exp
-    of CPU flash attention, the output of cuDNN attention ((B, S, H, D) memory seen as
-    (B, H, S, D)). Stored on a tier and loaded back, each must reach the compiled
-    backward with the layout its code was compiled for."""
+    """Under Inductor, what attention saves for its backward may be strided (the
+    output of cuDNN attention: (B, S, H, D) memory seen as (B, H, S, D)) or a view at
+    an offset into a fused projection. Stored on a tier and loaded back, each must
+    reach the compiled backward with the layout its code was compiled for."""
     device = device_under_test()
     idx, targets = (t.to(device) for t in make_gpt_batch(CFG, 4))
     options = {"lowering": "inductor", "num_subbatches": 2, "activations": activations, "recompute": "none",
@@ -81,8 +81,6 @@ def test_strided_saved_activations_come_back_where_inductor_code_expects_them(ac
     stashed = [node.args[0].meta["val"] for node in slcompile.compile_reports()[-1].graphs["forward"].graph.nodes
                if node.target is torch.ops.slc.stash.default]
     assert bool(stashed) == _copies(activations)
-    if on_cuda():  # cuDNN's transposed output (CPU attention's saved tensors are dense)
-        assert any(not value.is_contiguous() for value in stashed)
 
 
 @pytest.mark.skipif(not on_cuda(), reason="the CUDA caching allocator's peak (the CPU one: test_offload_activations)")

@@ -220,7 +220,13 @@ class MachineProfile:
 _GB = 1e9
 _H100_SOURCE = ("assumed, not measured: H100 bf16 dense 989 TFLOP/s peak at 65%, HBM3 3.35 TB/s at 80%, "
                 "a CUDA kernel launch 5 us, a compiled call from Python 50 us, PCIe Gen5 x16 at 52 GB/s each way, NVMe 6.5 GB/s read, "
-                "5 GB/s write")
+                "5 GB/s write; the host time of each slc:: op on the host tier as measured by torch.profiler in "
+                "training steps of a 4-layer Llama on an H100 and an H200 (torch 2.11, 2026-11-26)")
+# Host microseconds per slc:: op on the host tier (bench/results/gpu_bench_h200.json): the
+# issues of a visit are held and loaded together at its first fetch.
+_HOPPER_HOST_OPS = tuple((f"{op}@host", us * 1e-6) for op, us in (
+    ("fetch_issue", 12.7), ("fetch_weight", 31.0), ("mark", 13.2), ("stash", 269.9), ("wait", 28.5),
+    ("unstash", 121.4), ("unstash_wait", 14.9)))
 
 NAMED_PROFILES: dict[str, MachineProfile] = {
     "h100-pcie5-nvme": MachineProfile(
@@ -228,14 +234,14 @@ NAMED_PROFILES: dict[str, MachineProfile] = {
         op_overhead_seconds=5e-6, transfer_op_seconds=10e-6, call_overhead_seconds=50e-6,
         link_h2d=52 * _GB, link_d2h=52 * _GB, link_latency_seconds=10e-6,
         nvme_read=6.5 * _GB, nvme_write=5 * _GB, nvme_latency_seconds=80e-6,
-        source=_H100_SOURCE,
+        source=_H100_SOURCE, transfer_op_costs=_HOPPER_HOST_OPS,
     ),
     "8xh100-ib": MachineProfile(
         name="8xh100-ib", matmul_flops=989e12 * 0.65, memory_bandwidth=3.35e12 * 0.8,
         op_overhead_seconds=5e-6, transfer_op_seconds=10e-6, call_overhead_seconds=50e-6,
         link_h2d=52 * _GB, link_d2h=52 * _GB, link_latency_seconds=10e-6,
         nvme_read=6.5 * _GB, nvme_write=5 * _GB, nvme_latency_seconds=80e-6,
-        network=40 * _GB, network_latency_seconds=20e-6,
+        network=40 * _GB, network_latency_seconds=20e-6, transfer_op_costs=_HOPPER_HOST_OPS,
         source=_H100_SOURCE + "; per GPU one 400 Gb/s InfiniBand NIC at 80% (40 GB/s) for collectives "
         "across machines",
     ),

@@ -195,11 +195,14 @@ def saved_activations(
     for node in fw_nodes:
         if fw_step[node] is not None:
             fw_order.setdefault(fw_step[node], len(fw_order))
+    saved = [node for node in dict.fromkeys(outputs[num_fwd_outputs:])
+             if isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)]
+    # On a GPU, a saved tensor on the CPU (attention's random seed and offset) is
+    # already off the device.
+    accelerated = any(node.meta["val"].device.type not in ("cpu", "meta") for node in saved)
     found = []
-    for node in dict.fromkeys(outputs[num_fwd_outputs:]):
-        value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-        if not isinstance(value, torch.Tensor):
-            continue
+    for node in saved:
+        value = node.meta["val"]
         group = _group(node)
         owner = _step_key(group) if group is not None else None
         reason = None
@@ -207,6 +210,8 @@ def saved_activations(
             reason = "a graph input or a view of one"
         elif node in model_outputs:
             reason = "also a model output"
+        elif accelerated and value.device.type == "cpu":
+            reason = "on the host, not the compute device"
         elif group is None:
             reason = "not of one sub-batch of the prefix or a block"
         elif node.name not in bw_inputs:

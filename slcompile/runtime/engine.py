@@ -469,6 +469,47 @@ class TransferEngine:
             UnknownKeyError: nothing is stored under ``key``.
             TransferFailedError: the last store of ``key`` failed.
         """
+        handle, entry, pending_store = self._start_load(key, kind, into)
+        if entry is not None:
+            self._dispatch_load(handle, entry, pending_store, into)
+        return handle
+
+    @property
+    def batches_loads(self) -> bool:
+        """Whether `load_many` issues loads together at a lower cost than one by one:
+        on a CUDA machine, the host tier's copies share one switch to the copy stream
+        and one event."""
+        return self._cuda
+
+    def load_many(self, keys, kind: TransferKind | str | None = None) -> list[TransferHandle]:
+        """Issues loads of `keys` (as `load` does, in order) together: on a CUDA
+        machine the host tier's copies go to the copy stream in one switch and are
+        awaited by one event; other loads are issued one by one.
+
+        Raises:
+            UnknownKeyError, TransferFailedError: as `load` (the loads of the keys
+                before the failing one are issued).
+        """
+        started: list[tuple[TransferHandle, _Entry | None, TransferHandle | None]] = []
+        try:
+            for key in keys:
+                started.append(self._start_load(key, kind, None))
+        finally:
+            together = []
+            for handle, entry, pending_store in started:
+                if entry is None:
+                    continue
+                if self._cuda and entry.tier is Tier.HOST and entry.host_block is not None:
+                    together.append((handle, entry))
+                else:
+                    self._dispatch_load(handle, entry, pending_store, None)
+            if together:
+                self._load_host_cuda_together(together)
+        return [handle for handle, _, _ in started]
+
+    def _start_load(self, key, kind, into) -> tuple[TransferHandle, _Entry | None, TransferHandle | None]:
+        """(the load's handle, its entry or None when it finished without copying,
+        the store it must follow)."""
         key = normalize_key(key)
         with self._lock:
             entry = self._entries.get(key)
@@ -486,13 +527,15 @@ class TransferEngine:
             if entry.tensor is not None and self.copies_nothing(entry.tier, Tier.DEVICE):
                 handle.zero_copy = True
                 handle._finish(entry.tensor, None)
-                return handle
+                return handle, None, None
             if into is not None and not self._cuda and into.data_ptr() % PAGE_BYTES:
                 raise ValueError(f"load of {key!r} into a tensor that does not start on a page: on a CPU machine "
                                  "O_DIRECT reads need page-aligned memory; pass a view of a page-aligned buffer "
                                  "(PageBufferCache.tensor) or leave into=None")
             entry.readers += 1
-            pending_store = entry.store_handle
+            return handle, entry, entry.store_handle
+
+    def _dispatch_load(self, handle, entry, pending_store, into) -> None:
         if entry.tier is Tier.NVME:
             if pending_store is not None:
                 # Read only what the store wrote: start after its last chunk landed.
@@ -501,7 +544,6 @@ class TransferEngine:
                 self._load_nvme(handle, entry, into)
         else:
             self._load_host_cuda(handle, entry, into)
-        return handle
 
     def wait(self, handle: TransferHandle) -> torch.Tensor:
         """Blocks until ``handle``'s transfer is done; may be called again.
@@ -944,6 +986,39 @@ class TransferEngine:
         except OffloadError as error:
             self._load_finished(handle, entry, None, error)
             raise
+
+
+    def _load_host_cuda_together(self, loads: list[tuple[TransferHandle, _Entry]]) -> None:
+        """Host-tier loads of pinned blocks onto the device, issued as one: each
+        result allocated on the compute stream, then one wait of the copy stream for
+        it, every copy, and one event that all the loads' waits wait on."""
+        results = []
+        try:
+            for _, entry in loads:
+                result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+                self._track_delivered(result, Tier.DEVICE, entry.nbytes)
+                results.append(result)
+            stream = self._copy_stream
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for (_, entry), result in zip(loads, results):
+                    result.copy_(_typed_view(entry.host_block.buffer, entry), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+        except Exception as error:  # noqa: BLE001 - every load must finish
+            failure = error if isinstance(error, OffloadError) else \
+                TransferFailedError(f"load could not start: {error!r}", key=loads[0][0].key)
+            for handle, entry in loads:
+                self._load_finished(handle, entry, None, failure)
+            raise failure from error
+        now = time.perf_counter()
+        for (handle, entry), result in zip(loads, results):
+            entry.last_event = event
+            handle._cuda_event = event
+            self._recorder.transfer_finished(
+                (handle.kind, Tier.HOST, Tier.DEVICE), entry.nbytes, now, now, "load", handle.label,
+            )
+            self._load_finished(handle, entry, result, None)
 
 
 _ENGINE: TransferEngine | None = None

@@ -66,7 +66,8 @@ class StepRuntime:
             shards = shard_group()
         engine = get_engine(streamer_plan.offload_dir)
         self.streamer = WeightStreamer(
-            engine, streamer_plan.tier, streamer_plan.live_blocks, shards=shards, name=streamer_plan.name
+            engine, streamer_plan.tier, streamer_plan.live_blocks, shards=shards, name=streamer_plan.name,
+            group_issues=streamer_plan.issues_in_groups and engine.batches_loads,
         )
         if sink_plan is not None:
             self.sink = GradientSink(

@@ -298,8 +298,12 @@ class WeightStreamer:
     """
 
     def __init__(self, engine: TransferEngine, tier: Tier | str, live_blocks: int, shards=None,
-                 name: str | None = None):
+                 name: str | None = None, group_issues: bool = False):
         self.shards = shards
+        # Issues held until the next fetch, then loaded together (`load_many`): the
+        # graphs put every run of issues just before a fetch (`StreamerPlan`).
+        self.group_issues = group_issues and shards is None
+        self.queued: dict[str, str] = {}  # graph key -> stored key, not yet issued to the engine
         self.engine = engine
         self.tier = Tier(tier)
         self.live_blocks = live_blocks
@@ -351,7 +355,10 @@ class WeightStreamer:
         `graph_key` is `key.format()`, when the caller has it."""
         graph_key = graph_key or key.format()
         with self.lock:
-            if graph_key in self.pending:
+            if graph_key in self.pending or graph_key in self.queued:
+                return
+            if self.group_issues:
+                self.queued[graph_key] = key.stored
                 return
             engine = self._engine_of(key.stored)
             self.pending[graph_key] = engine.load(key.stored, TransferKind.WEIGHT)
@@ -364,6 +371,8 @@ class WeightStreamer:
         `graph_key` is `key.format()`, when the caller has it."""
         graph_key = graph_key or key.format()
         with self.lock:
+            if self.queued:
+                self._issue_queued()
             handle = self.pending.pop(graph_key, None)
             load = self.shard_loads.pop(graph_key, None)
         engine = self._engine_of(key.stored)
@@ -391,7 +400,20 @@ class WeightStreamer:
     def _engine_of(self, stored_key: str) -> TransferEngine:
         return self.homes.get(stored_key, self.engine)
 
+    def _issue_queued(self) -> None:
+        """Starts the held issues' loads, those of one engine together (the caller
+        holds the lock)."""
+        queued, self.queued = self.queued, {}
+        by_engine: dict[int, tuple[TransferEngine, list[str]]] = {}
+        for graph_key, stored in queued.items():
+            engine = self._engine_of(stored)
+            by_engine.setdefault(id(engine), (engine, []))[1].append(graph_key)
+        for engine, graph_keys in by_engine.values():
+            handles = engine.load_many([queued[k] for k in graph_keys], TransferKind.WEIGHT)
+            self.pending.update(zip(graph_keys, handles))
+
     def _drop_pending(self) -> None:
+        self.queued.clear()  # never issued: nothing to wait for
         pending, self.pending = self.pending, {}
         shard_loads, self.shard_loads = self.shard_loads, {}
         for graph_key, handle in pending.items():

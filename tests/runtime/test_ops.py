@@ -107,8 +107,8 @@ def test_zero_copy_tiers_hand_the_graph_its_own_copy(global_engine):
     assert stats.local_copy_bytes == 2 * 256 * 4
 
 
-def _streamed(engine, values):
-    streamer = WeightStreamer(engine, "nvme", live_blocks=2)
+def _streamed(engine, values, group_issues=False):
+    streamer = WeightStreamer(engine, "nvme", live_blocks=2, group_issues=group_issues)
     keys = []
     for name, value in values.items():
         stored = streamer.stored_key_for(name, value)
@@ -135,6 +135,32 @@ def test_fetch_is_served_by_its_issued_load_or_loads_once(global_engine):
     torch.ops.slc.fetch_issue(key_b.format())
     streamer.drain()  # what gathered_weights does before the weights change
     assert streamer.pending == {}
+
+
+def test_grouped_issues_load_together_at_the_next_fetch(global_engine, monkeypatch):
+    """A streamer that groups its issues (the graphs put each run of issues just
+    before a fetch) holds them until that fetch, then starts their loads in one
+    `load_many` call; a drain drops what it still holds."""
+    values = {name: torch.randn(16, 4) for name in "abc"}
+    expected = {name: value.clone() for name, value in values.items()}
+    streamer, keys = _streamed(global_engine, values, group_issues=True)
+    together = []
+    load_many = global_engine.load_many
+    monkeypatch.setattr(global_engine, "load_many", lambda stored, kind: together.append(list(stored)) or
+                        load_many(stored, kind))
+    for key in keys[1:]:
+        torch.ops.slc.fetch_issue(key.format())
+    assert streamer.pending == {} and list(streamer.queued) == [k.format() for k in keys[1:]]
+    before = runtime_stats().cumulative.bytes_moved.get((WEIGHT, NVME, DEVICE), 0)
+    torch.testing.assert_close(torch.ops.slc.fetch_weight(values["a"], keys[0].format()), expected["a"])
+    assert together == [[k.stored for k in keys[1:]]] and streamer.queued == {}
+    for name, key in zip("bc", keys[1:]):
+        torch.testing.assert_close(torch.ops.slc.fetch_weight(values[name], key.format()), expected[name])
+    loads = runtime_stats().cumulative.bytes_moved[WEIGHT, NVME, DEVICE] - before
+    assert loads == 3 * 16 * 4 * 4  # each weight loaded once
+    torch.ops.slc.fetch_issue(keys[0].format())
+    streamer.drain()
+    assert streamer.queued == {} and streamer.pending == {}
 
 
 def test_fetch_weight_passes_the_gradient_to_its_parameter(global_engine):
