@@ -12,6 +12,7 @@ Usage:
     python -m bench generate ...              # bench/generate_bench.py
     python -m bench distributed ...           # bench/distributed_bench.py
     python -m bench compile ...               # bench/compile_bench.py
+    python -m bench overhead ...              # bench/overhead_bench.py
     python -m bench time ...                  # bench/time_bench.py
     python -m bench tune ...                  # bench/tune_bench.py
     python -m bench soak [--steps 1000]       # bench/soak_bench.py
@@ -85,6 +86,9 @@ SCENARIOS = (
     Scenario("tune", "tune_bench.py", ("--rounds", "9"), ("--quick",),
              "slcompile.tune's choice under a memory budget (with the machine's profile) vs the fastest measured "
              "plan that fits"),
+    Scenario("overhead", "overhead_bench.py", ("--steps", "15"), ("--quick",),
+             "host time of a launch-bound step: speedloader vs plain Inductor, ops outside compiled code, "
+             "host us per slc:: op"),
     Scenario("compile", "compile_bench.py", (), ("--quick",),
              "compile seconds of a training step: speedloader + Inductor at K and depth vs plain Inductor"),
     Scenario("soak", "soak_bench.py", ("--steps", "300"), ("--steps", "20", "--warmup", "5"),

@@ -184,7 +184,7 @@ def plot(record: dict, path: str) -> None:
     left.set_yticks(list(positions), names)
     left.invert_yaxis()
     left.set_xlabel("ms per step (median)")
-    left.legend(loc="lower right")
+    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     ops = sorted({op for r in rows for op in r["slc_op_host_us"]})
     width = 0.8 / max(len(ops), 1)
     for i, op in enumerate(ops):
@@ -194,7 +194,7 @@ def plot(record: dict, path: str) -> None:
     right.set_yticks(list(positions), [""] * len(rows))
     right.invert_yaxis()
     right.set_xlabel("host us per slc:: op (median)")
-    right.legend(loc="lower right", fontsize=7)
+    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=7)
     fig.suptitle(f"launch-bound step on {record['machine']} (torch {record['torch']}, 1 thread)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
