@@ -314,4 +314,3 @@ def test_inductor_with_weights_and_activations_on_nvme_and_block_recompute_match
     offloaded = slcompile.compile_reports()[-1].offloaded_activations
     assert offloaded.names
     assert _activation_bytes() == (int(offloaded.bytes), int(offloaded.bytes))
-

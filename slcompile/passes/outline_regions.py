@@ -273,7 +273,7 @@ def outline_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, Reg
                 raise _OutOfOrder(node)
             env[node] = step.node_copy(node, emit)
             if node.op == "get_attr":
-                attributes[node.target] = _fetch_attr(gm, node.target)
+                attributes[node.target] = operator.attrgetter(node.target)(gm)
         return env[node]
 
     try:
@@ -303,9 +303,3 @@ def outline_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, Reg
              *dataclasses.astuple(done))
     return module, done
 
-
-def _fetch_attr(gm: torch.fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
