@@ -35,8 +35,8 @@ class StepOps:
     Attributes:
         eager: operator name -> calls outside compiled code and transfer ops.
         slc_host_us: `slc::` op name -> the host microseconds of each call, its own
-            time plus the operators it dispatched (the profiler's self CPU time of
-            the op and its children: what the step waits on the host).
+            time plus that of the operators it dispatched (the profiler's total CPU
+            time of the op: what the step waits on the host).
         compiled_calls: calls of compiled programs.
         accumulate_grad: operators dispatched by autograd's `.grad` accumulation.
     """

@@ -141,11 +141,13 @@ class MachineProfile:
         """Host seconds of one call of the `slc::` op named `op` ("fetch_issue") on
         data resting on `tier`: measured on that tier, else on any, else
         `transfer_op_seconds`."""
-        measured = dict(self.transfer_op_costs)
-        if f"{op}@{tier}" in measured:
-            return measured[f"{op}@{tier}"]
-        return next((seconds for name, seconds in self.transfer_op_costs if name.split("@")[0] == op),
-                    self.transfer_op_seconds)
+        on_any = None
+        for name, seconds in self.transfer_op_costs:
+            if name == f"{op}@{tier}":
+                return seconds
+            if on_any is None and name.split("@")[0] == op:
+                on_any = seconds
+        return self.transfer_op_seconds if on_any is None else on_any
 
     @property
     def host_is_device(self) -> bool:
