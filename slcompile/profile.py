@@ -3,8 +3,12 @@
 `machine_profile()` returns the rates the time model scales by
 (`slcompile.analysis.machine.MachineProfile`): the one named by the environment
 variable `SLC_PROFILE` (a named profile or a JSON file), else the cached
-measurement of this machine (`~/.cache/slcompile/profile-<host>.json`), else a new
-measurement (`measure_profile`), which is then cached. `machine_profile("h100-pcie5-nvme")`
+measurement of this machine as it runs now, else a new measurement
+(`measure_profile`), which is then cached. A measurement holds for what it ran on
+(`profile_key`: the device, the compute dtype, the compute thread count, the torch
+version), and is cached under that key
+(`~/.cache/slcompile/profile-<host>-cpu-float32-2threads-torch2.13.0.json`): a run with
+another thread count or torch measures anew. `machine_profile("h100-pcie5-nvme")`
 returns a named profile instead, for a machine you are not on.
 
 What is measured (each a best of a few repeats):
@@ -25,6 +29,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import socket
 import time
 
@@ -32,48 +37,92 @@ import torch
 
 from slcompile.analysis.machine import NAMED_PROFILES, MachineProfile, named_profile
 
-__all__ = ["machine_profile", "measure_profile", "profile_path"]
+__all__ = ["machine_profile", "measure_profile", "profile_key", "profile_path"]
 
 log = logging.getLogger(__name__)
 
 
-def profile_path() -> str:
-    """Where this machine's measured profile is cached."""
+def _default_device(device) -> torch.device:
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _default_dtype(device: torch.device, dtype) -> torch.dtype:
+    return dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def profile_key(device: str | torch.device | None = None,
+                dtype: torch.dtype | None = None) -> tuple[tuple[str, str], ...]:
+    """What a measurement of this machine holds for, as `MachineProfile.measured_on`
+    records it: the device (a GPU by its name), the compute dtype (defaults as
+    `measure_profile`'s), the compute thread count and the torch version."""
+    device = _default_device(device)
+    name = device.type
+    if device.type == "cuda":
+        name = f"cuda {torch.cuda.get_device_name(device)}"
+    return (("device", name), ("dtype", str(_default_dtype(device, dtype)).removeprefix("torch.")),
+            ("threads", str(torch.get_num_threads())), ("torch", torch.__version__))
+
+
+def profile_path(device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> str:
+    """Where this machine's measurement for `profile_key(device, dtype)` is cached."""
+    key = dict(profile_key(device, dtype))
+    words = [socket.gethostname(), key["device"], key["dtype"], f"{key['threads']}threads", f"torch{key['torch']}"]
+    name = "-".join(re.sub(r"[^A-Za-z0-9.+_]+", "_", word) for word in words)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "slcompile", f"profile-{socket.gethostname()}.json")
+    return os.path.join(base, "slcompile", f"profile-{name}.json")
 
 
-def machine_profile(profile: str | MachineProfile | None = None, *, offload_dir: str | None = None) -> MachineProfile:
+def machine_profile(profile: str | MachineProfile | None = None, *, offload_dir: str | None = None,
+                    device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> MachineProfile:
     """The profile to predict with.
 
     Args:
         profile: a `MachineProfile`; a named profile (`NAMED_PROFILES`); a path to a
             profile's JSON; "current" or None: `SLC_PROFILE` if set, else this
-            machine's cached (or new) measurement.
+            machine's cached (or new) measurement for `profile_key(device, dtype)`.
         offload_dir: where a new measurement writes its nvme test file.
+        device, dtype: the compute device and dtype the prediction is for (default:
+            `measure_profile`'s). A measured profile read from a file that ran on
+            anything else is used with a warning naming the difference.
     """
     if isinstance(profile, MachineProfile):
         return profile
     if profile in (None, "current"):
         profile = os.environ.get("SLC_PROFILE") or None
         if profile is None:
-            return _cached_measurement(offload_dir)
+            return _cached_measurement(offload_dir, device, dtype)
     if profile in NAMED_PROFILES:
         return NAMED_PROFILES[profile]
     if os.path.isfile(profile):
         with open(profile) as f:
-            return MachineProfile.from_json(f.read())
+            loaded = MachineProfile.from_json(f.read())
+        _warn_if_measured_elsewhere(loaded, profile, profile_key(device, dtype))
+        return loaded
     return named_profile(profile)  # raises, listing the names
 
 
-def _cached_measurement(offload_dir) -> MachineProfile:
-    path = profile_path()
+def _warn_if_measured_elsewhere(profile: MachineProfile, path: str, key) -> None:
+    if not profile.measured_on:
+        return
+    measured, now = dict(profile.measured_on), dict(key)
+    differences = [f"{what} {measured[what]} (now {now[what]})" for what in now
+                   if what in measured and measured[what] != now[what]]
+    if differences:
+        log.warning("the machine profile %s was measured with %s: its predictions may be off by that much",
+                    path, ", ".join(differences))
+
+
+def _cached_measurement(offload_dir, device, dtype) -> MachineProfile:
+    path = profile_path(device, dtype)
+    key = profile_key(device, dtype)
     try:
         with open(path) as f:
-            return MachineProfile.from_json(f.read())
+            cached = MachineProfile.from_json(f.read())
+        if cached.measured_on == key:
+            return cached
     except (OSError, ValueError, TypeError):
         pass
-    profile = measure_profile(offload_dir=offload_dir)
+    profile = measure_profile(device, dtype=dtype, offload_dir=offload_dir)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
@@ -117,8 +166,8 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
             entries in the cache of `slcompile.generate`'s Inductor layer steps).
     """
     began = time.perf_counter()
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    device = _default_device(device)
+    dtype = _default_dtype(device, dtype)
     # Products of square matrices from small to large: small ones reach less of the rate.
     sizes = (256, 1024, 4096) if device.type == "cuda" else (64, 128, 256, 512)
     curve = []
@@ -189,7 +238,7 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
         profile = dataclasses.replace(profile, layer_step_seconds=layer_step, pass_seconds=per_pass)
     source = (f"measured on {socket.gethostname()} ({device.type}, {torch.get_num_threads()} threads, "
               f"{dtype}) in {time.perf_counter() - began:.1f} s")
-    return dataclasses.replace(profile, source=source)
+    return dataclasses.replace(profile, source=source, measured_on=profile_key(device, dtype))
 
 
 def _measure_call(device) -> float:

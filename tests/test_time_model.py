@@ -190,6 +190,47 @@ def test_named_profiles_and_json_round_trip(tmp_path, monkeypatch):
     assert machine_profile("h100-pcie5-nvme") is h100
 
 
+def test_a_measured_profile_is_cached_for_the_threads_and_torch_it_ran_with(tmp_path, monkeypatch, caplog):
+    """A profile measured with 2 threads is not the one a 1-thread run predicts with:
+    the cache is keyed by device, dtype, thread count and torch version."""
+    import slcompile.profile as profile_module
+
+    measured = []
+
+    def measure(device=None, *, dtype=None, offload_dir=None, **_):
+        measured.append(torch.get_num_threads())
+        return dataclasses.replace(PROFILE, name=f"{torch.get_num_threads()} threads",
+                                   measured_on=profile_module.profile_key(device, dtype))
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("SLC_PROFILE", raising=False)
+    monkeypatch.setattr(profile_module, "measure_profile", measure)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 1, 2):
+            torch.set_num_threads(count)
+            assert profile_module.machine_profile().name == f"{count} threads"
+        assert measured == [1, 2]
+        torch.set_num_threads(1)
+        one_thread = profile_module.profile_path()
+        assert ("threads", "1") in profile_module.profile_key()
+        assert f"torch{torch.__version__}" in one_thread and "-float32-1threads-" in one_thread
+        # A cached file whose record names another key (renamed, or an old torch's) is measured anew.
+        stale = MachineProfile.from_json(open(one_thread).read())
+        key = dict(stale.measured_on, torch="2.0.0")
+        open(one_thread, "w").write(dataclasses.replace(stale, measured_on=tuple(key.items())).to_json())
+        profile_module.machine_profile()
+        assert measured == [1, 2, 1]
+        # A profile file measured elsewhere is used, with a warning naming what differs.
+        monkeypatch.setenv("SLC_PROFILE", profile_module.profile_path())
+        torch.set_num_threads(2)
+        with caplog.at_level("WARNING", logger="slcompile.profile"):
+            assert profile_module.machine_profile().name == "1 threads"
+        assert "threads 1 (now 2)" in caplog.text
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_explain_counts_the_flops_torch_counts_and_times_host_transfers_of_a_named_machine():
     import slcompile
     from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch

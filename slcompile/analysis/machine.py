@@ -114,6 +114,11 @@ class MachineProfile:
             smallest first: small products reach less of the rate. An op's rate is
             interpolated in log FLOPs between them (clamped at the ends; capped by
             `matmul_flops`); empty: `matmul_flops` for every op.
+        measured_on: what a measurement ran on, as (what, value) pairs: the device
+            ("cpu", "cuda NVIDIA H100 80GB HBM3"), the compute dtype, the compute
+            thread count and the torch version (`slcompile.profile.profile_key`);
+            empty for a named profile. Rates hold for those alone: a CPU profile
+            measured with 2 threads predicts a 1-thread run at about half its time.
     """
 
     name: str
@@ -136,6 +141,7 @@ class MachineProfile:
     source: str = ""
     matmul_curve: tuple[tuple[float, float], ...] = ()
     transfer_op_costs: tuple[tuple[str, float], ...] = ()
+    measured_on: tuple[tuple[str, str], ...] = ()
 
     def transfer_op_cost(self, op: str, tier: str) -> float:
         """Host seconds of one call of the `slc::` op named `op` ("fetch_issue") on
@@ -216,6 +222,7 @@ class MachineProfile:
         values = {k: (_INF if v is None else v) for k, v in data.items() if k in known}
         values["matmul_curve"] = tuple(tuple(point) for point in values.get("matmul_curve", ()))
         values["transfer_op_costs"] = tuple(tuple(pair) for pair in values.get("transfer_op_costs", ()))
+        values["measured_on"] = tuple(tuple(pair) for pair in values.get("measured_on", ()))
         return cls(**values)
 
 
