@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +20,7 @@ from slcompile.errors import OptionError
 if TYPE_CHECKING:
     from slcompile.analysis.machine import MachineProfile
 
-__all__ = ["SpeedLoaderConfig", "options", "check_names", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "GRADIENTS", "parse_bytes"]
+__all__ = ["SpeedLoaderConfig", "options", "check_names", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "GRADIENTS", "parse_bytes", "resolve", "environment_variable"]
 
 LOWERINGS = ("inductor", "aot_eager")
 TIERS = ("device", "host", "nvme")
@@ -220,9 +222,7 @@ class SpeedLoaderConfig:
         """
         if isinstance(options, cls):
             return options
-        from slcompile import defaults
-
-        values, _ = defaults.resolve(check_names(options or {}))
+        values, _ = resolve(check_names(options or {}))
         return cls(**values)
 
     def cache_key(self) -> str:
@@ -375,3 +375,90 @@ def _check_sharding(config: SpeedLoaderConfig) -> None:
             "optimizer, but gradients='device' keeps them: use gradients='auto' with "
             "slcompile.offload_optimizer(model, ...)"
         )
+
+
+# The values each option takes when a graph compiles: the options given, else a value
+# set in code through `slcompile.defaults` (kept here, with the fields they default),
+# else the environment, else the field's default.
+_PREFIX = "SLC_"
+_FIELDS = {field.name: field for field in dataclasses.fields(SpeedLoaderConfig)}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_defaults_lock = threading.Lock()
+_overrides: dict[str, Any] = {}  # values set in code: assignment or patch
+
+
+def environment_variable(name: str) -> str:
+    """The environment variable of an option: `SLC_NUM_SUBBATCHES` for `num_subbatches`."""
+    return _PREFIX + name.upper()
+
+
+def resolve(options: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every option's value and where it came from, `options` (those given to
+    `torch.compile`, already known to be names of options) taking precedence.
+
+    Returns:
+        (values, sources): the value of every option, and for those not at their
+        field's default, "options", "slcompile.defaults" or the environment
+        variable's name.
+
+    Raises:
+        OptionError: an environment variable whose value the option cannot take,
+            naming the variable.
+    """
+    options = dict(options or {})
+    with _defaults_lock:
+        overrides = dict(_overrides)
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, field in _FIELDS.items():
+        if name in options:
+            values[name], source = options[name], "options"
+        elif name in overrides:
+            values[name], source = overrides[name], "slcompile.defaults"
+        elif (raw := os.environ.get(environment_variable(name))) is not None:
+            values[name], source = _from_environment(name, raw), environment_variable(name)
+        else:
+            values[name], source = field.default, None
+        if source is not None and values[name] != field.default:
+            sources[name] = source
+    return values, sources
+
+
+def _check_default(name: str, value: Any) -> None:
+    if name not in _FIELDS:
+        close = difflib.get_close_matches(name, sorted(_FIELDS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise AttributeError(f"slcompile.defaults has no option {name!r}{hint}")
+    if name == "shard_weights":
+        # Checked when a graph compiles: it needs a process group, which may come later.
+        if not isinstance(value, bool):
+            raise OptionError(f"speedloader option 'shard_weights' must be True or False, got {value!r}")
+        return
+    SpeedLoaderConfig(**{name: value})
+
+
+def _from_environment(name: str, raw: str) -> Any:
+    """An option's value from its environment variable's text, by the field's type."""
+    kind = str(_FIELDS[name].type)
+    text = raw.strip()
+    try:
+        if "None" in kind and text.lower() in ("", "none"):
+            return None
+        value: Any = text
+        if kind == "bool":
+            if text.lower() not in _TRUE + _FALSE:
+                raise OptionError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+            value = text.lower() in _TRUE
+        elif kind.startswith("int"):
+            try:
+                value = int(text)
+            except ValueError:
+                if kind == "int":
+                    raise OptionError("expected an integer") from None
+        _check_default(name, value)
+        return value
+    except OptionError as err:
+        raise OptionError(f"environment variable {environment_variable(name)}={raw!r}: {err}") from None
+
+
+_UNSET = object()

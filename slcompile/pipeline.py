@@ -48,7 +48,7 @@ from slcompile.passes.find_blocks import BlockGraph, find_blocks
 from slcompile.passes.fuse_weight_grads import fuse_weight_grads
 from slcompile.passes.inline_checkpoints import inline_checkpoints
 from slcompile.passes.interleave import InterleaveReport, interleave
-from slcompile.passes.manager import Pass, PassLog, StepState, disabled_passes, run_passes
+from slcompile.passes.manager import Pass, PassLog, StepState, run_passes
 from slcompile.passes.annotate_streams import annotate_streams, stream_key
 from slcompile.passes.mark_regions import drop_marks, mark_regions
 from slcompile.passes.outline_regions import outline_regions
@@ -79,7 +79,7 @@ __all__ = [
     "COMPILED_PASSES",
     "all_passes",
     "run_pipeline",
-    "disabled_passes",
+    "run_stage",
 ]
 
 log = logging.getLogger(__name__)
@@ -333,7 +333,13 @@ def run_pipeline(
         ValueError: `SLC_DISABLE` names an unknown pass or one that cannot be disabled.
     """
     state = PipelineState(gm=gm, example_inputs=example_inputs, config=config)
-    return run_passes(passes, state, passes_log if passes_log is not None else PassLog(), stop_after=stop_after)
+    return run_stage(passes, state, passes_log if passes_log is not None else PassLog(), stop_after=stop_after)
+
+
+def run_stage(passes: Sequence[Pass], state: Any, passes_log: PassLog, **kwargs: Any) -> Any:
+    """`run_passes` over one stage's passes, with every declared pass as the names
+    `SLC_DISABLE` may give."""
+    return run_passes(passes, state, passes_log, declared=all_passes(), **kwargs)
 
 
 

@@ -45,13 +45,16 @@ from slcompile.analysis.machine import MachineFacts
 from slcompile.errors import BudgetError
 from slcompile.passes.mark_regions import drop_marks
 from slcompile.passes.offload_activations import OffloadedActivations
-from slcompile.passes.manager import StepState, pass_modules, run_passes
+from slcompile import pipeline
+from slcompile.passes import manager as pass_manager
+from slcompile.passes.manager import StepState, pass_modules
 from slcompile.pipeline import (
     COMPILED_PASSES,
     INFERENCE_PASSES,
     JOINT_PASSES,
     PARTITIONED_PASSES,
     all_passes,
+    run_stage,
 )
 from slcompile.plans import SinkPlan, StashPlan, StreamerPlan
 from slcompile.report import CompileReport
@@ -154,7 +157,7 @@ def lower(
     def prepare(kind: str, graph: torch.fx.GraphModule) -> StepState:
         """Runs the compiled stage on `graph`; its `graphs[kind]` is what to compile."""
         if plan is not None and kind == "inference":
-            step = run_passes(
+            step = run_stage(
                 INFERENCE_PASSES, StepState(plan, report, {"inference": graph}, lowering=lowering), report.pass_log
             )
             if "derive_schedule" in step.results:
@@ -163,7 +166,7 @@ def lower(
             report.spilled_boundaries = step.results.get("spill_boundaries")
 
         step = StepState(plan, report, {kind: graph}, kind=kind, lowering=lowering)
-        run_passes(COMPILED_PASSES, step, report.pass_log, label=kind)
+        run_stage(COMPILED_PASSES, step, report.pass_log, label=kind)
         report.record_graph(kind, graph)
         return step
 
@@ -248,7 +251,7 @@ class _PlannedPartition:
         """The joint-graph stage of the first plan tried."""
         recompute, _ = self.attempts()[0]
         step = StepState(self.plan, self.report, {"joint": joint}, recompute=recompute, lowering=self.lowering)
-        run_passes(JOINT_PASSES, step, self.report.pass_log, label=self._label(recompute))
+        run_stage(JOINT_PASSES, step, self.report.pass_log, label=self._label(recompute))
         self.pre_tagged = True
 
     def __call__(self, partitioner, joint: torch.fx.GraphModule, joint_inputs, **kwargs):
@@ -261,13 +264,13 @@ class _PlannedPartition:
             label = self._label(recompute, everything)
             if not (self.pre_tagged and attempt == 0):
                 step = StepState(plan, self.report, {"joint": joint}, recompute=recompute, lowering=self.lowering)
-                run_passes(JOINT_PASSES, step, self.report.pass_log, label=label)
+                run_stage(JOINT_PASSES, step, self.report.pass_log, label=label)
             fw, bw = partitioner(joint, joint_inputs, **kwargs)
             step = StepState(
                 plan, self.report, {"forward": fw, "backward": bw}, recompute=recompute,
                 num_fwd_outputs=kwargs["num_fwd_outputs"], lowering=self.lowering,
             )
-            run_passes(PARTITIONED_PASSES, step, self.report.pass_log, label=label)
+            run_stage(PARTITIONED_PASSES, step, self.report.pass_log, label=label)
             prediction = step.results["predict_memory"]
             tried.append(prediction)
             offloaded = step.results.get("offload_activations")
@@ -366,10 +369,7 @@ def partition_key(plan: StepPlan) -> bytes:
     The plan is part of the graphs (fetch and stash keys); the code is this module,
     the pass manager and every module a declared pass of any stage lives in.
     """
-    from slcompile import pipeline
-    from slcompile.passes import manager
-
-    files = (__file__, manager.__file__, pipeline.__file__, *pass_modules(all_passes()))
+    files = (__file__, pass_manager.__file__, pipeline.__file__, *pass_modules(all_passes()))
     return get_hash_for_files(tuple(sorted(set(files)))) + repr(dataclasses.astuple(_plan_key(plan))).encode()
 
 

@@ -153,11 +153,11 @@ class StepState:
         return self.report.config
 
 
-def disabled_passes(declared: Iterable[Pass] | None = None) -> set[str]:
+def disabled_passes(declared: Iterable[Pass]) -> set[str]:
     """The pass names listed in `SLC_DISABLE` (comma separated).
 
     Args:
-        declared: every declared pass; default: all stages' (`slcompile.pipeline`).
+        declared: every declared pass of every stage (`slcompile.pipeline.all_passes()`).
 
     Raises:
         OptionError: (a ValueError) a name no stage declares (the message lists the
@@ -166,10 +166,6 @@ def disabled_passes(declared: Iterable[Pass] | None = None) -> set[str]:
     names = {p.strip() for p in os.environ.get("SLC_DISABLE", "").split(",") if p.strip()}
     if not names:
         return names
-    if declared is None:
-        from slcompile.pipeline import all_passes
-
-        declared = all_passes()
     by_name: dict[str, list[Pass]] = {}
     for step in declared:
         by_name.setdefault(step.name, []).append(step)
@@ -204,6 +200,7 @@ def run_passes(
     state: Any,
     passes_log: PassLog,
     *,
+    declared: Iterable[Pass],
     label: str = "",
     stop_after: str | None = None,
 ) -> Any:
@@ -214,6 +211,8 @@ def run_passes(
         state: a `PipelineState` for the "dynamo" stage, else a `StepState`
             (changed in place).
         passes_log: the log of the Dynamo graph being compiled (numbers the dumps).
+        declared: every declared pass of every stage, which `SLC_DISABLE` may name
+            (`slcompile.pipeline.run_stage` passes them).
         label: added to the stage in the log, e.g. "recompute=blocks".
         stop_after: the name of the last pass to run.
 
@@ -227,7 +226,7 @@ def run_passes(
         PassError: a pass of a later stage failed (same message and `state`).
         ValueError: `SLC_DISABLE` names an unknown pass or one that cannot be disabled.
     """
-    disabled = disabled_passes()
+    disabled = disabled_passes(declared)
     dump_dir = os.environ.get("SLC_DUMP_DIR")
     for step in passes:
         stage = f"{step.stage}[{label}]" if label else step.stage

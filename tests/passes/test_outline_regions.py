@@ -76,8 +76,8 @@ def _compiled_stage(forward, monkeypatch, disable=""):
     it: (the step state, the passes run)."""
     from slcompile.backends.lowering import StepPlan
     from slcompile.config import SpeedLoaderConfig
-    from slcompile.passes.manager import PassLog, StepState, run_passes
-    from slcompile.pipeline import COMPILED_PASSES
+    from slcompile.passes.manager import PassLog, StepState
+    from slcompile.pipeline import COMPILED_PASSES, run_stage
     from slcompile.report import CompileReport
 
     monkeypatch.setenv("SLC_DISABLE", disable)
@@ -85,7 +85,7 @@ def _compiled_stage(forward, monkeypatch, disable=""):
     report = CompileReport(SpeedLoaderConfig.from_options({"num_subbatches": 2, "lowering": "inductor"}))
     step = StepState(plan, report, {"forward": forward}, kind="forward", lowering="inductor")
     log = PassLog()
-    run_passes(COMPILED_PASSES, step, log, label="forward")
+    run_stage(COMPILED_PASSES, step, log, label="forward")
     return step, " ".join(entry.split(" (")[0] for entry in log.entries)
 
 

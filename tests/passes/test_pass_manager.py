@@ -140,7 +140,7 @@ def test_disabled_pass_is_skipped_and_logged(mlp, monkeypatch, caplog):
 def test_unknown_name_in_slc_disable_lists_the_valid_names(monkeypatch):
     monkeypatch.setenv("SLC_DISABLE", "interleave,fuse_weight_grad")
     with pytest.raises(ValueError, match="unknown pass\\(es\\) fuse_weight_grad; passes that can be disabled: ") as caught:
-        disabled_passes()
+        disabled_passes(all_passes())
     valid = str(caught.value).split("disabled: ")[1].split(", ")
     assert "fuse_weight_grads" in valid and "interleave" in valid and "check_splittable" not in valid
 
@@ -157,7 +157,7 @@ def test_unknown_name_in_slc_disable_stops_the_compile(mlp, monkeypatch):
 def test_checks_and_required_passes_cannot_be_disabled(monkeypatch, name):
     monkeypatch.setenv("SLC_DISABLE", name)
     with pytest.raises(ValueError, match=f"SLC_DISABLE names {name}, which cannot be disabled"):
-        disabled_passes()
+        disabled_passes(all_passes())
 
 
 def test_pass_error_names_the_passes_run_so_far(monkeypatch):
@@ -176,7 +176,7 @@ def test_pass_error_names_the_passes_run_so_far(monkeypatch):
     log = PassLog(entries=["dynamo/find_blocks (1 ms)"])
     step = StepState(plan=None, report=None, graphs={"joint": torch.fx.Graph()})
     with pytest.raises(PassError) as caught:
-        run_passes(passes, step, log)
+        run_passes(passes, step, log, declared=passes)
     message = str(caught.value)
     assert "internal error in pass broken_rewrite (joint stage; KeyError: 'boom')" in message
     assert "passes run: dynamo/find_blocks (1 ms), joint/tag_joint (" in message
