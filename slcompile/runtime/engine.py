@@ -61,7 +61,7 @@ from .errors import (
     UnknownKeyError,
     UnsupportedTensorError,
 )
-from .nvme import IoOutcome, NvmeArena, NvmeSlot, PageBufferCache
+from .nvme import IoOutcome, NvmeArena, NvmeSlot, PageBufferCache, profiler_sees_buffers
 from .stats import RECORDER, Recorder
 from .tiers import (
     DEFAULT_CHUNK_BYTES,
@@ -692,7 +692,8 @@ class TransferEngine:
             raise refuse("meta tensors have no data")
         if tensor.device.type not in ("cpu", self.device.type):
             raise refuse(f"device {tensor.device} is neither the compute device nor the host")
-        source = tensor.detach()
+        # A tensor of a compiled graph needs no detach, a dispatched op on the hot path.
+        source = tensor.detach() if tensor.requires_grad or type(tensor) is not torch.Tensor else tensor
         copied = False
         if source.is_conj() or source.is_neg():
             source = source.resolve_conj().resolve_neg()
@@ -854,15 +855,14 @@ class TransferEngine:
                     self._track_delivered(result, Tier.DEVICE, entry.nbytes)
                 block = self._pool().allocate(slot.byte_range.size, handle.key)
                 address, writable = block.buffer.data_ptr(), block.byte_range.size
+            elif into is None and not profiler_sees_buffers():
+                self._load_nvme_new(handle, entry)
+                return
             else:
                 block = None
                 if into is not None:
                     result = into
                 else:
-                    # Residency lasts as long as the memory does, not as long as the handle.
-                    # The release callback lives as long as the memory and must not reach
-                    # the entry: a state loaded here and stored again would keep, through
-                    # it, every earlier generation of that state alive.
                     nbytes = entry.nbytes
                     self._recorder.resident_change(Tier.DEVICE, nbytes)
                     result = self._buffers.tensor(
@@ -897,6 +897,43 @@ class TransferEngine:
                 handle, entry, None,
                 TransferFailedError(f"load could not start: {error!r}", key=handle.key),
             )
+
+    def _load_nvme_new(self, handle: TransferHandle, entry: _Entry) -> None:
+        """A load on a CPU machine into new page-aligned memory, made on the I/O
+        thread that reads it: issuing costs the compute thread no tensor and no
+        system call (`NvmeArena.read_new`)."""
+        # Residency is counted from the issue, as the memory model counts a load, and
+        # lasts as long as the memory does, not as long as the handle. The release
+        # callback lives as long as the memory and must not reach the entry: a state
+        # loaded here and stored again would keep, through it, every earlier
+        # generation of that state alive.
+        nbytes, dtype, shape, recorder = entry.nbytes, entry.dtype, entry.shape, self._recorder
+        recorder.resident_change(Tier.DEVICE, nbytes)
+        made: list[torch.Tensor] = []
+
+        def make_destination() -> torch.Tensor:
+            tensor = self._buffers.tensor(
+                nbytes, dtype, shape, on_release=lambda: recorder.resident_change(Tier.DEVICE, -nbytes))
+            made.append(tensor)
+            return tensor
+
+        def on_done(outcome: IoOutcome) -> None:
+            if outcome.start is not None:
+                recorder.lane_end("load", outcome.end)
+            if not made:  # failed before its memory was made
+                recorder.resident_change(Tier.DEVICE, -nbytes)
+            error = outcome.error
+            if error is None:
+                recorder.transfer_finished((handle.kind, Tier.NVME, Tier.DEVICE), handle.nbytes,
+                                           outcome.start, outcome.end, "load", handle.label)
+            self._load_finished(handle, entry, None if error else made[0], error)
+
+        try:
+            self._arena.read_new(entry.slot, make_destination, on_done,
+                                 on_start=lambda now: recorder.lane_begin("load", now))
+        except BaseException:
+            recorder.resident_change(Tier.DEVICE, -nbytes)
+            raise
 
     def _load_finished(self, handle, entry, result, error) -> None:
         with self._lock:

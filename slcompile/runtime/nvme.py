@@ -58,7 +58,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import ctypes
 import errno
@@ -66,6 +65,7 @@ import fcntl
 import logging
 import mmap
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -98,6 +98,7 @@ __all__ = [
     "PageBuffer",
     "PageBufferCache",
     "buffers_seen_by_profiler",
+    "profiler_sees_buffers",
     "clean_stale_dirs",
     "PRIVATE_DIR_PREFIX",
 ]
@@ -160,6 +161,11 @@ def buffers_seen_by_profiler() -> Iterator[None]:
         yield
     finally:
         _PROFILER_VISIBLE[0] -= 1
+
+
+def profiler_sees_buffers() -> bool:
+    """Whether loads are inside `buffers_seen_by_profiler`."""
+    return _PROFILER_VISIBLE[0] > 0
 
 
 class PageBufferCache:
@@ -482,13 +488,13 @@ def _why_not_writable(error: OSError) -> str:
 
 
 def _remove_private_dir(
-    executor: concurrent.futures.ThreadPoolExecutor, fds: list[int], path: str, owner: int
+    executor: _IoThreads, fds: list[int], path: str, owner: int
 ) -> None:
     # Runs from close(), garbage collection or interpreter exit; must not use the arena.
     # A forked child inherits the arena but not the directory: only its maker removes it.
     mine = os.getpid() == owner
     if mine:
-        executor.shutdown(wait=True)
+        executor.shutdown()
         shutil.rmtree(path, ignore_errors=True)
         _LIVE_DIRS.pop(path, None)
     # The lock file's descriptor is the last of `fds`: closed after the removal.
@@ -578,6 +584,58 @@ class _IoBatch:
             self.on_done(self.outcome)
 
 
+class _IoThreads:
+    """The arena's I/O threads, fed by one queue: `submit(fn, *args)` costs the
+    submitting thread a queue put, where `concurrent.futures` makes a future, a
+    condition and a work item per call (the transfer ops call it on the compute
+    thread's hot path). The threads start with the first submission; `shutdown`
+    runs what was queued, then stops them."""
+
+    def __init__(self, count: int, name: str):
+        self._count = count
+        self._name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., None], *args) -> None:
+        if self._closed:
+            raise RuntimeError("the nvme arena's I/O threads are shut down")
+        if not self._threads:
+            self._start()
+        self._queue.put((fn, args))
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the nvme arena's I/O threads are shut down")
+            while len(self._threads) < self._count:
+                thread = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}",
+                                          daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, args = item
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - a chunk reports its own errors; this is a bug
+                log.exception("nvme I/O task %r failed", fn)
+            del item, fn, args
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            threads, self._threads = self._threads, []
+        for _ in threads:
+            self._queue.put(None)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join()
+
+
 class NvmeArena:
     """An O_DIRECT slab file in a private directory, read and written by I/O threads.
 
@@ -629,9 +687,7 @@ class NvmeArena:
         _install_sigterm_cleanup()
         self.file_path = os.path.join(self.path, _ARENA_FILE)
         fds: list[int] = [self._dir_fd]
-        executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=num_threads, thread_name_prefix="slc-nvme"
-        )
+        executor = _IoThreads(num_threads, "slc-nvme")
         self._finalizer = weakref.finalize(
             self, _remove_private_dir, executor, fds, self.path, os.getpid()
         )
@@ -785,7 +841,6 @@ class NvmeArena:
             before: Called by each chunk before its I/O (e.g. to wait for a
                 device-to-host copy into the source).
         """
-        self._check_file(slot.key)
         if self.checksums:
             slot.checksums = [None] * -(-slot.nbytes // self.chunk_bytes)
 
@@ -817,7 +872,9 @@ class NvmeArena:
 
         Raises:
             OffloadError: the slot is not (or no longer) completely written.
-            OffloadFileMissingError: the arena file was removed.
+
+        An arena file removed underneath is found on the I/O thread, before the read:
+        `on_done` gets `OffloadFileMissingError`.
         """
         if not slot.valid:
             raise OffloadError(
@@ -826,8 +883,51 @@ class NvmeArena:
             )
         if address % PAGE_BYTES or writable_bytes < slot.byte_range.size:
             raise ValueError("read destination must be page-aligned and padded to pages")
-        self._check_file(slot.key)
         self._submit(slot, address, writable_bytes, self._read_chunk, on_done, on_start, None)
+
+    def read_new(
+        self,
+        slot: NvmeSlot,
+        make_destination: Callable[[], torch.Tensor],
+        on_done: Callable[[IoOutcome], None],
+        *,
+        on_start: Callable[[float], None] | None = None,
+    ) -> None:
+        """Reads a valid slot into a tensor that `make_destination()` makes on an I/O
+        thread (page-aligned, its storage padded to whole pages), so the issuing
+        thread makes no tensor and waits on no file check: the check that the arena
+        file is still there runs on the I/O thread too, its error in the outcome.
+
+        Raises:
+            OffloadError: the slot is not (or no longer) completely written.
+        """
+        if not slot.valid:
+            raise OffloadError(
+                "slot is not completely written; refusing to read it", key=slot.key,
+                path=self.file_path,
+            )
+        self._executor.submit(self._start_read_new, slot, make_destination, on_done, on_start)
+
+    def _start_read_new(self, slot, make_destination, on_done, on_start) -> None:
+        try:
+            tensor = make_destination()
+            storage = tensor.untyped_storage()
+            address = tensor.data_ptr()
+            writable = storage.nbytes() - (address - storage.data_ptr())
+        except Exception as failure:  # noqa: BLE001 - must reach the waiting thread
+            outcome = IoOutcome()
+            outcome.error = failure if isinstance(failure, OffloadError) else OffloadError(
+                f"read failed: {failure!r}", key=slot.key, path=self.file_path)
+            on_done(outcome)
+            return
+        nbytes = slot.nbytes
+        starts = range(0, nbytes, self.chunk_bytes)
+        batch = _IoBatch(len(starts), on_start, on_done, None)
+        # This thread reads the first chunk; the others go to the pool.
+        for start in starts[1:]:
+            self._executor.submit(self._read_chunk, batch, slot, start, address + start,
+                                  min(self.chunk_bytes, nbytes - start), writable - start)
+        self._read_chunk(batch, slot, 0, address, min(self.chunk_bytes, nbytes), writable)
 
     def _submit(self, slot, address, memory_bytes, chunk_fn, on_done, on_start, before) -> None:
         nbytes = slot.nbytes
@@ -870,6 +970,7 @@ class NvmeArena:
         batch.chunk_started()
         error = None
         try:
+            self._check_file(slot.key)
             if batch.before is not None:
                 batch.before()
             padded = round_up(length, PAGE_BYTES)
@@ -904,6 +1005,7 @@ class NvmeArena:
         batch.chunk_started()
         error = None
         try:
+            self._check_file(slot.key)
             padded = round_up(length, PAGE_BYTES)
             view = _memory_at(address, padded)
             offset = slot.byte_range.offset + start
@@ -927,6 +1029,8 @@ class NvmeArena:
                         f"tensor) read back with CRC-32C {found:08x}, written with {expected:08x}",
                         key=slot.key, path=self.file_path, offset=offset,
                     )
+        except OffloadError as failure:
+            error = failure
         except OSError as failure:
             error = self._os_error(failure, "read failed", slot.key)
         except Exception as failure:  # noqa: BLE001 - must reach the waiting thread

@@ -6,8 +6,10 @@ and keeps the tokens every transfer op hands out; `activations` implements
 `stash`/`unstash`/`unstash_wait` and `weights` implements `fetch_issue`/
 `fetch_weight`, all against the transfer engine (`get_engine()`).
 
-Tokens: a 0-dim int64 CPU tensor whose value is the id of the issued transfer.
-`wait` blocks until the transfer is done and returns a dependency token (value 0).
+Tokens: a 0-dim int64 CPU tensor whose value names the issued transfer (the token
+also carries it as an attribute, read without dispatching an op; copies of a token
+find it by the value). `wait` blocks until the transfer is done and returns a
+dependency token (value 0). Tokens come from pools made 256 at a time.
 
 Why this shape:
 - `wait`'s `keepalive` must list the tensors a store reads. Inductor reuses a
@@ -30,6 +32,7 @@ between a transfer and the compute scheduled beside it.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -89,21 +92,67 @@ _HANDLES: dict[int, tuple[TransferEngine, TransferHandle]] = {}
 _HANDLES_LOCK = threading.Lock()
 
 
-def _forget(handle_id: int) -> None:
+class _TokenPool:
+    """0-dim int64 CPU tensors made `_POOL_SIZE` at a time, by one foreach op: an op hands out a token without dispatching an op of its own (on the
+    compute thread's hot path each dispatch may wait for the I/O threads' hold on
+    the GIL). Counting pools number their tokens from 1 up (a transfer's token
+    names it by its value); the others hand out zeros (dependency tokens)."""
+
+    def __init__(self, counting: bool):
+        self._counting = counting
+        self._next = 1
+        # Popped as handed out: the pool keeps no token that is in use.
+        self._tokens: collections.deque[tuple[torch.Tensor, int]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[torch.Tensor, int]:
+        """(a token, its value)."""
+        try:
+            return self._tokens.popleft()
+        except IndexError:
+            return self._refill()
+
+    def _refill(self) -> tuple[torch.Tensor, int]:
+        with self._lock:
+            if self._tokens:
+                return self._tokens.popleft()
+            # Never inference tensors: a stash token is saved for the backward.
+            with torch.inference_mode(False), torch.no_grad():
+                # One foreach op makes them all, each on storage of its own (a view
+                # at an offset is not the fresh tensor the op's fake says it returns).
+                start = self._next
+                values = list(range(start, start + _POOL_SIZE)) if self._counting else [0] * _POOL_SIZE
+                zero = torch.zeros((), dtype=torch.int64)
+                self._next += _POOL_SIZE
+                self._tokens.extend(zip(torch._foreach_add([zero] * _POOL_SIZE, values), values))
+            return self._tokens.popleft()
+
+
+_POOL_SIZE = 256
+_TRANSFER_TOKENS = _TokenPool(counting=True)
+_DEPENDENCY_TOKENS = _TokenPool(counting=False)
+
+
+def _forget(token_id: int) -> None:
     with _HANDLES_LOCK:
-        _HANDLES.pop(handle_id, None)
+        _HANDLES.pop(token_id, None)
 
 
 def _token_for(engine: TransferEngine, handle: TransferHandle) -> torch.Tensor:
-    token = torch.tensor(handle.id, dtype=torch.int64)
+    token, token_id = _TRANSFER_TOKENS.take()
     with _HANDLES_LOCK:
-        _HANDLES[handle.id] = (engine, handle)
+        _HANDLES[token_id] = (engine, handle)
     # The token owns the transfer record: waits may repeat while it lives.
-    weakref.finalize(token, _forget, handle.id)
+    weakref.finalize(token, _forget, token_id)
+    token._slc_transfer = (engine, handle)
     return token
 
 
 def _lookup(token: torch.Tensor) -> tuple[TransferEngine, TransferHandle]:
+    found = getattr(token, "_slc_transfer", None)
+    if found is not None:
+        return found
+    # A copy of a token (opcheck clones inputs) names its transfer by its value.
     if token.dim() != 0 or token.dtype != torch.int64 or token.device.type != "cpu":
         raise OffloadError(
             f"not a transfer token: {token.dtype} tensor of shape {tuple(token.shape)} "
@@ -130,7 +179,7 @@ def pending_tokens() -> int:
 
 
 def _dependency_token() -> torch.Tensor:
-    return torch.zeros((), dtype=torch.int64)
+    return _DEPENDENCY_TOKENS.take()[0]
 
 
 def wait(token: torch.Tensor, keepalive: Sequence[torch.Tensor]) -> torch.Tensor:

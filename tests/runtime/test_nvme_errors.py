@@ -158,8 +158,9 @@ def test_file_removed_underneath(engine):
     with pytest.raises(OffloadFileMissingError, match="removed") as caught:
         engine.wait(engine.load("w"))
     assert_names(caught.value, "w", engine.arena.file_path)
+    # Found on the I/O thread, before the write: the store's wait raises it.
     with pytest.raises(OffloadFileMissingError) as caught:
-        engine.store("w2", torch.ones(10), NVME, WEIGHT)
+        engine.wait(engine.store("w2", torch.ones(10), NVME, WEIGHT))
     assert_names(caught.value, "w2", engine.arena.file_path)
 
 

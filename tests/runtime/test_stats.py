@@ -74,16 +74,16 @@ def test_stall_is_the_time_spent_blocked_in_wait(engine, monkeypatch):
     engine.wait(engine.store("big", torch.ones(1 << 18), NVME, WEIGHT))  # 1 MiB
     reset_runtime_stats()
     arena = engine.arena
-    read = arena.read
+    read = arena.read_new
 
-    def slow_read(slot, address, writable, on_done, **kwargs):
+    def slow_read(slot, make_destination, on_done, **kwargs):
         def late(outcome):
             time.sleep(blocked)
             on_done(outcome)
 
-        return read(slot, address, writable, late, **kwargs)
+        return read(slot, make_destination, late, **kwargs)
 
-    monkeypatch.setattr(arena, "read", slow_read)
+    monkeypatch.setattr(arena, "read_new", slow_read)
     handle = engine.load("big")
     started = time.perf_counter()
     engine.wait(handle)
