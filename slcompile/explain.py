@@ -231,9 +231,40 @@ def explain(
                 f"host tier planned as a separate memory, as on {machine.name}: this machine's host is its "
                 "device, so the predicted peak names the host's bytes nvme",))
 
+    kwargs = dict(kwargs or {})
+    without_cache = _without_kv_cache_on_meta(model, args, kwargs)
     # The streamers, stashes and sinks planned here die with the plans: nothing compiled holds them.
-    capture_graphs(model, args, dict(kwargs or {}), explain_graph)
+    capture_graphs(model, args, kwargs, explain_graph)
+    if without_cache is not None:
+        graphs[:] = [dataclasses.replace(graph, notes=graph.notes + (without_cache,)) for graph in graphs]
     return Explanation(tuple(graphs), tuple((name, getattr(config, name), source) for name, source in sources.items()))
+
+
+def _without_kv_cache_on_meta(model, args, kwargs: dict) -> str | None:
+    """On the meta device, sets `use_cache=False` in `kwargs` for a Hugging Face
+    forward that would build a KV cache, and returns the note saying so (else None).
+
+    A `DynamicCache` starts each layer from `torch.tensor([])`, which under Dynamo's
+    fake tensors stays a real meta tensor that `torch.cat` refuses beside the fake
+    keys; a training step needs no cache (Hugging Face drops it under gradient
+    checkpointing too), and a model on the meta device only ever runs on paper.
+    """
+    import inspect
+
+    if "use_cache" in kwargs or not getattr(getattr(model, "config", None), "use_cache", False):
+        return None
+    try:
+        takes_use_cache = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    tensors = [*args, *kwargs.values(), *model.parameters(), *model.buffers()] if isinstance(model, torch.nn.Module) \
+        else [*args, *kwargs.values()]
+    on_meta = any(isinstance(value, torch.Tensor) and value.device.type == "meta" for value in tensors)
+    if not (takes_use_cache and on_meta):
+        return None
+    kwargs["use_cache"] = False
+    return ("captured with use_cache=False: on the meta device the forward's KV cache cannot be traced, and a "
+            "training step reads none; pass use_cache=False to the compiled model's calls to train the same graph")
 
 
 def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None,

@@ -71,7 +71,8 @@ from slcompile.analysis.memory import PassMemory
 from slcompile.errors import OptionError
 from slcompile.inference.executor import _Generation
 from slcompile.inference.explain import GenerationExplanation, explain_generation
-from slcompile.inference.options import _CALL_OPTIONS, _ENGINE_OPTIONS, _plan, find_decoder_layers
+from slcompile.inference.options import (_CALL_OPTIONS, _ENGINE_OPTIONS, _inferred_attention_mask, _plan,
+                                         find_decoder_layers)
 from slcompile.inference.records import GenerationOutput, GenerationStep
 
 __all__ = ["generate", "explain_generation", "find_decoder_layers", "generation", "GenerationOutput",
@@ -107,7 +108,10 @@ def generate(
     Args:
         model: a Hugging Face decoder-only causal LM (`GenerationMixin`) with a KV cache.
         input_ids: the prompts, `(batch, length)`, left-padded when their lengths differ.
-        attention_mask: `(batch, length)`, 0 at padding (None: no padding).
+        attention_mask: `(batch, length)`, 0 at padding (None: inferred as
+            `model.generate` infers it: 0 where `input_ids` holds `pad_token_id`,
+            unless the pad token is also an EOS token; no padding when the pad
+            token does not occur).
         max_new_tokens: tokens to generate per sequence (fewer when every sequence
             has reached EOS).
         num_subbatches: K of the decode steps; the batch size must be divisible by it.
@@ -149,6 +153,8 @@ def generate(
     """
     plan = _plan(model, input_ids, attention_mask, max_new_tokens, num_subbatches, prefill_subbatches, weights,
                  kv_cache, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id, offload_dir)
+    if attention_mask is None:
+        attention_mask = _inferred_attention_mask(input_ids, plan.pad_token_id, plan.eos_token_ids)
     with torch.no_grad():
         run = _Generation(model, plan, backend, generator, progress)
         sequences = run.run(input_ids, attention_mask)

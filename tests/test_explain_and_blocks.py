@@ -43,6 +43,30 @@ def test_explain_llama_keyword_inputs():
     assert explanation.fallback_reason is None
 
 
+@pytest.mark.oldest
+def test_llama_on_the_meta_device_with_its_default_cache_is_explained_as_without_the_cache():
+    """A Llama built on the meta device with the config's default `use_cache=True`
+    is explained, without weights, as when called with `use_cache=False`: the
+    schedule of the same model on the CPU, the bytes of the call without a cache."""
+    from transformers import LlamaForCausalLM
+
+    config = hf_llama(num_hidden_layers=2).config
+    assert config.use_cache
+    options = dict(num_subbatches=4, weights="host", profile=None)
+    with torch.device("meta"):
+        on_meta = LlamaForCausalLM(config)
+    ids = torch.zeros(8, 16, dtype=torch.long, device="meta")
+    explained = slcompile.explain(on_meta, ids, kwargs={"labels": ids}, **options)
+    without_cache = slcompile.explain(on_meta, ids, kwargs={"labels": ids, "use_cache": False}, **options)
+    cpu_ids = torch.zeros(8, 16, dtype=torch.long)
+    on_cpu = slcompile.explain(LlamaForCausalLM(config), cpu_ids, kwargs={"labels": cpu_ids, "use_cache": False},
+                               **options)
+    assert explained.blocks == ("model.layers.0", "model.layers.1") and explained.fallback_reason is None
+    assert explained.schedule == on_cpu.schedule
+    assert explained.predicted_peak_bytes == without_cache.predicted_peak_bytes
+    assert "use_cache=False" in str(explained) and "use_cache" not in str(without_cache)
+
+
 def test_structurally_different_block_gets_its_own_group():
     class Wide(nn.Module):
         def __init__(self, width):

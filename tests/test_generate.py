@@ -595,6 +595,24 @@ def test_tune_generation_picks_the_fewest_subbatches_that_fit_and_refuses_a_budg
 
 
 @pytest.mark.oldest
+@pytest.mark.parametrize("pad_is_eos", [False, True])
+def test_without_a_mask_the_pad_token_masks_as_model_generate_infers_it(pad_is_eos):
+    """No `attention_mask`: the mask is `input_ids != pad_token_id` when the pad token
+    is in the prompts and is no EOS token, else none, as `model.generate` infers it;
+    both read the pad and EOS tokens from the generation config."""
+    model = FAMILIES["llama"]().eval()
+    input_ids, _ = left_padded_batch()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = [PAD, VOCAB - 1] if pad_is_eos else VOCAB - 1
+    expected = model.generate(input_ids, max_new_tokens=6, do_sample=False)
+    out = slcompile.generate(copy.deepcopy(model), input_ids, max_new_tokens=6, num_subbatches=2,
+                             backend="aot_eager", progress=False)
+    assert torch.equal(out, expected), (out, expected)
+    masked = model.generate(input_ids, attention_mask=(input_ids != PAD).long(), max_new_tokens=6, do_sample=False)
+    assert torch.equal(expected, masked) != pad_is_eos
+
+
+@pytest.mark.oldest
 def test_model_generate_inside_generation_runs_layer_major_with_the_tokens_of_eager(tmp_path):
     model = FAMILIES["llama"]().eval()
     input_ids, mask = left_padded_batch()

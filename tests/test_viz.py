@@ -10,6 +10,7 @@ import copy
 import json
 import re
 import shutil
+import subprocess
 
 import pydot
 import pytest
@@ -440,3 +441,116 @@ def test_timeline_colours_each_kind_of_transfer(tmp_path, monkeypatch):
     kinds = ("weight", "activation", "gradient", "optimizer_state")
     assert len({plots.TRANSFER_COLORS[k] for k in kinds}) == 4
     assert {plots.TRANSFER_COLORS[k] for k in kinds} <= drawn["a"]
+
+
+def test_timelines_share_one_time_axis(tmp_path, monkeypatch):
+    from slcompile.runtime.stats import TimelineEvent
+    from slcompile.viz import plots
+
+    def trace(seconds):
+        return chrome_trace([TimelineEvent("compute", 0.0, seconds, 0, "blk0.sb0 fwd"),
+                             TimelineEvent("load", 0.0, seconds / 2, 4096, "weight w0:fc nvme->device")])
+
+    axes = {}
+    real = plots._draw_lanes
+
+    def spy(axis, trace, title, end):
+        axes[title] = axis
+        return real(axis, trace, title, end)
+
+    monkeypatch.setattr(plots, "_draw_lanes", spy)
+    plots.plot_timelines(tmp_path / "timelines.png", {"short": trace(2e-3), "long": trace(8e-3)})
+    short, long = axes["short"], axes["long"]
+    assert short.get_shared_x_axes().joined(short, long)
+    assert short.get_xlim() == long.get_xlim() == (0.0, 8.0)
+
+
+@pytest.fixture(scope="module")
+def zigzag_spilling_step():
+    """Two blocks, K=4, the zigzag order with spilled block outputs: block 1 runs
+    sub-batches 3, 2, 1, 0."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    idx, targets = make_gpt_batch(CFG, 8)
+    options = dict(OPTIONS, num_subbatches=4, schedule="zigzag_spilling", activations="nvme", min_offload_bytes=0)
+    compiled = torch.compile(model, backend="speedloader", options=options)
+
+    def step():
+        compiled(idx, targets)[1].backward()
+
+    step()
+    report = slcompile.compile_reports()[-1]
+    return report, record_step(step)
+
+
+def _first_runs(schedule: str, phase: str) -> dict[str, list[str]]:
+    """Per region (`blk1`), its sub-batch tags in the order the schedule first runs them."""
+    runs: dict[str, list[str]] = {}
+    for line in schedule.splitlines():
+        match = re.fullmatch(rf"{phase} ((?:blk\d+|prefix|suffix)\.sb\d+)", line)
+        if match and match[1] not in runs.setdefault(match[1].split(".")[0], []):
+            runs[match[1].split(".")[0]].append(match[1])
+    return runs
+
+
+@pytest.mark.parametrize("detail", ["ops", "summary"])
+def test_dot_places_subbatch_boxes_in_run_order_one_rank_after_another(zigzag_spilling_step, detail):
+    report, _ = zigzag_spilling_step
+    runs = _first_runs(report.schedule, "fwd")
+    assert runs["blk0"] == ["blk0.sb0", "blk0.sb1", "blk0.sb2", "blk0.sb3"]
+    assert runs["blk1"] == ["blk1.sb3", "blk1.sb2", "blk1.sb1", "blk1.sb0"]
+    source = graph_to_dot(report.graphs["forward"], "forward", detail, report.blocks)
+    graph = pydot.graph_from_dot_data(source)[0]
+    nodes = _dot_nodes(graph)
+    # No rank=same group: dot reorders within a rank; only ranks keep an order.
+    assert "rank=same" not in source
+    invisible = {(e.get_source().strip('"'), e.get_destination().strip('"')) for e in graph.get_edges()
+                 if e.get_attributes().get("style") == "invis"}
+    for region, tags in runs.items():
+        written = [tag for tag in re.findall(r'subgraph "cluster_([\w.]+)"', source) if tag.split(".")[0] == region]
+        assert written == tags
+        firsts = [next(name for name, (_, clusters) in nodes.items() if clusters[-1] == f'cluster_{tag}')
+                  for tag in tags]
+        assert all((before, after) in invisible for before, after in zip(firsts, firsts[1:])), (region, firsts)
+    labels = re.findall(r'label="(sb\d · runs \d/\d)"', source)
+    assert labels[4:8] == ["sb0 · runs 1/4", "sb1 · runs 2/4", "sb2 · runs 3/4", "sb3 · runs 4/4"]
+    assert labels[8:12] == ["sb3 · runs 1/4", "sb2 · runs 2/4", "sb1 · runs 3/4", "sb0 · runs 4/4"]
+    if viz_dot.dot_available():  # and dot lays them out so
+        layout = subprocess.run(["dot", "-Tplain"], input=source, capture_output=True, text=True, check=True).stdout
+        position = {p[1]: (float(p[2]), -float(p[3])) for p in map(str.split, layout.splitlines()) if p[0] == "node"}
+        axis = 0 if detail == "summary" else 1
+        for tags in runs.values():
+            firsts = [next(name for name, (_, clusters) in nodes.items() if clusters[-1] == f'cluster_{tag}')
+                      for tag in tags]
+            assert [position[name][axis] for name in firsts] == sorted(position[name][axis] for name in firsts)
+
+
+@pytest.mark.parametrize("detail", ["ops", "summary"])
+def test_spills_and_fills_say_whose_output_they_move(zigzag_spilling_step, detail):
+    report, _ = zigzag_spilling_step
+    source = graph_to_dot(report.graphs["forward"], "forward", detail, report.blocks)
+    owners = {step: set(re.findall(rf"\b{step} of ((?:blk\d+|prefix)\.sb\d+) output", source))
+              for step in ("spill", "fill")}
+    assert owners["spill"] and owners["spill"] == owners["fill"]
+    # Every spilled sub-batch's output, and only those: the schedule's spill steps name them.
+    assert owners["spill"] == set(re.findall(r"^fwd spill\.issue ([\w.]+)$", report.schedule, flags=re.M))
+    # A stash of a saved activation is still a stash.
+    assert "spill of" not in re.sub(r"spill of [\w.]+ output", "", source)
+
+
+def test_timeline_title_names_the_policy_and_k(zigzag_spilling_step, tmp_path, monkeypatch):
+    from slcompile.viz import plots
+
+    report, recorded = zigzag_spilling_step
+    titles = []
+    real = plots._draw_lanes
+
+    def spy(axis, trace, title, end):
+        titles.append(title)
+        return real(axis, trace, title, end)
+
+    monkeypatch.setattr(plots, "_draw_lanes", spy)
+    written = write_pictures(tmp_path, report, recorded, ("trace",))
+    assert written["timeline"][0].stat().st_size > 0
+    assert titles == ["timeline of one training step, policy zigzag_spilling, K=4"]

@@ -92,6 +92,19 @@ def _check_subbatches(option: str, value: Any, batch: int) -> None:
                           f"sequences; use a divisor of {batch} ({', '.join(map(str, divisors))}) or pad the batch")
 
 
+def _inferred_attention_mask(input_ids: torch.Tensor, pad_token_id: int | None,
+                             eos_token_ids: tuple[int, ...]) -> torch.Tensor | None:
+    """The mask `model.generate` infers when none is passed: `input_ids != pad_token_id`
+    when the pad token occurs in the prompts and is no EOS token, else none (every
+    position attended). Transformers' `_prepare_attention_mask_for_generation` rule,
+    with the pad and EOS tokens resolved as `_plan` resolves them."""
+    if pad_token_id is None or input_ids.dtype not in (torch.int, torch.long):
+        return None
+    if pad_token_id in eos_token_ids or not bool((input_ids == pad_token_id).any()):
+        return None
+    return input_ids.ne(pad_token_id).long()
+
+
 def _plan(model, input_ids, attention_mask, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
           do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id, offload_dir) -> _Plan:
     """The checked options; `input_ids` may be a shape `(batch, length)` (explain)."""

@@ -10,9 +10,11 @@ Guarantees:
 - One cluster per block (`blk3`, holding the work its sub-batches share: weight
   fetches, gradient sums) with one nested cluster per sub-batch (`blk3.sb1`); prefix
   and suffix likewise. Clusters appear in program order, which is the schedule's:
-  a block's sub-batch clusters are placed (and in "summary" ranked side by side) in
-  the order they run, each labelled with its turn (`sb1 · runs 1/2`), so two
-  schedules that order sub-batches differently draw differently.
+  a block's sub-batch clusters are written in the order they run, each starts a
+  rank after the one run before it (an invisible edge between their first nodes:
+  left to right in "summary", top to bottom in "ops", a staircase that dot does not
+  reorder), and each is labelled with its turn (`sb1 · runs 1/2`), so two schedules
+  that order sub-batches differently draw differently.
 - Every transfer node is labelled with the bytes its transfer moves
   (`viz.roles.transfer_bytes`: the stored or loaded tensor, not the token that the
   issue or wait node returns); a summary box adds up those of its members.
@@ -52,6 +54,7 @@ import torch
 import torch.fx
 
 from slcompile.meta import parse_tag
+from slcompile.vocabulary import StashKey, is_stash, is_stash_wait, is_unstash, is_unstash_wait
 from slcompile.passes.annotate_streams import COMM, COPY, STREAMS, transfer_stream
 from slcompile.viz.roles import (
     INSERTED_ROLES,
@@ -298,7 +301,7 @@ class _Builder:
                 self.saved_inputs[role.cluster] += 1
                 continue
             if role.role in INSERTED_ROLES:
-                base = (role.cluster, role.role, short_op_name(node))
+                base = (role.cluster, role.role, _spill_label(node) or short_op_name(node))
             else:
                 base = (role.cluster, "compute", "")
             sources = {group_of[i.name] for i in node.all_input_nodes if i.name in group_of}
@@ -354,13 +357,12 @@ class _Builder:
                 self._add_cluster(dot, tag)
         for source, target, attrs in self.edges:
             dot.edge(source, target, **attrs)
-        for row in self._subbatch_rows() if detail == "summary" else ():
-            # Sub-batches side by side in order sb0, sb1, ...: dot would otherwise
-            # shuffle them to save a few edge crossings.
-            with dot.subgraph() as same:
-                same.attr(rank="same")
-                for before, after in zip(row, row[1:]):
-                    same.edge(before, after, style="invis")
+        for row in self._subbatch_rows():
+            # Each sub-batch box starts a rank after the one run before it: ranks are
+            # the order dot keeps; within a rank it reorders boxes to save crossings
+            # (and ignores edges that would order boxes of different clusters).
+            for before, after in zip(row, row[1:]):
+                dot.edge(before, after, style="invis")
         return dot
 
     def _subbatch_rows(self) -> list[list[str]]:
@@ -431,7 +433,10 @@ def _op_attrs(node: torch.fx.Node, role: NodeRole, weight_bytes: dict[str, int])
     if node.op == "output":
         return {"label": "output", "shape": "octagon"}
     op = _abbreviate(short_op_name(node))
-    if role.role in ("load", "store", "wait", "free") and len(node.args) > 1 and isinstance(node.args[1], str):
+    spill = _spill_label(node)
+    if spill is not None:
+        label = f"{spill}\n{format_bytes(transfer_bytes(node, weight_bytes))}"
+    elif role.role in ("load", "store", "wait", "free") and len(node.args) > 1 and isinstance(node.args[1], str):
         label = f"{op}\n{short_key(node.args[1])}\n{format_bytes(transfer_bytes(node, weight_bytes))}"
     else:
         label = f"{node.name}: {op}\n{_shape(node)}" if op != node.name else f"{node.name}\n{_shape(node)}"
@@ -442,6 +447,32 @@ def _op_attrs(node: torch.fx.Node, role: NodeRole, weight_bytes: dict[str, int])
     if stream in STREAM_COLORS:
         attrs.update(_stream_attrs(stream), tooltip=f"{node.name} on the {stream} stream")
     return attrs
+
+
+def _spill_label(node: torch.fx.Node) -> str | None:
+    """`spill of blk1.sb0 output` for the transfer nodes of a spilled boundary
+    activation (`spill`, `spill wait`, `fill`, `fill wait`), else None: they are
+    stash and unstash calls, whose op names would not say whose output moves."""
+    for step, calls in (("spill", is_stash), ("spill wait", is_stash_wait), ("fill", is_unstash),
+                        ("fill wait", is_unstash_wait)):
+        if calls(node):
+            break
+    else:
+        return None
+    stash = node
+    while not is_stash(stash):  # a wait, fill or fill wait reaches its stash through its first argument
+        if not stash.args or not isinstance(stash.args[0], torch.fx.Node):
+            return None
+        stash = stash.args[0]
+    key = stash.args[1] if len(stash.args) > 1 and isinstance(stash.args[1], str) else None
+    try:
+        parsed = StashKey.parse(key) if key is not None else None
+    except ValueError:
+        return None
+    if parsed is None or not parsed.spills:
+        return None
+    owner = ".".join(parsed.name.split(".")[:2])
+    return f"{step} of {owner} output"
 
 
 def _stream_attrs(stream: str | None) -> dict:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from slcompile.runtime.stats import StepStats, TimelineEvent, mark_step, timeline
 from slcompile.viz.memory import ResidentSample, ResidentSampler
 
-__all__ = ["RecordedStep", "record_step", "write_pictures", "PICTURES"]
+__all__ = ["RecordedStep", "record_step", "write_pictures", "timeline_title", "PICTURES"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,17 @@ def record_step(step: Callable[[], object], sample_interval: float | None = None
     finished = time.perf_counter()
     events = tuple(e for e in timeline() if started <= e.end <= finished and e.lane != "step")
     return RecordedStep(events, tuple(sampler.samples), stats)
+
+
+def timeline_title(report) -> str:
+    """`timeline of one training step, policy zigzag, K=2`: the title of
+    `timeline.png`, naming the schedule's policy and its number of sub-batches."""
+    config = report.config
+    policy = getattr(config, "schedule", None)
+    policy = getattr(policy, "name", policy)
+    subbatches = getattr(config, "num_subbatches", None)
+    return "timeline of one training step" + "".join(
+        part for part, value in ((f", policy {policy}", policy), (f", K={subbatches}", subbatches)) if value)
 
 
 def write_pictures(
@@ -110,7 +121,7 @@ def write_pictures(
     if "trace" in pictures and recorded is not None:
         trace = chrome_trace(recorded.events, graphs)
         written["trace"] = [write_chrome_trace(out / "trace.json", recorded.events, graphs)]
-        written["timeline"] = [plot_timeline(out / "timeline.png", trace)]
+        written["timeline"] = [plot_timeline(out / "timeline.png", trace, timeline_title(report))]
     if "plot" in pictures and graphs:
         samples = recorded.samples if recorded is not None else ()
         events = recorded.events if recorded is not None else ()

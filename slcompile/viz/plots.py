@@ -281,13 +281,14 @@ def plot_timelines(path: str | pathlib.Path, traces: Mapping[str, dict]) -> path
     heights = [0.55 * len(trace_lanes(trace)) + 1.2 for trace in traces.values()]
     legend_height = 0.8
     figure_height = sum(heights) + legend_height
-    figure, axes = plt.subplots(len(traces), 1, figsize=(14, figure_height), squeeze=False,
+    figure, axes = plt.subplots(len(traces), 1, figsize=(14, figure_height), squeeze=False, sharex=True,
                                 gridspec_kw={"height_ratios": heights})
+    # One time axis for every panel: a policy that takes longer draws longer.
+    end = max((_trace_end(trace) for trace in traces.values()), default=1.0)
     kinds: set[str] = set()
     for axis, (title, trace) in zip((row[0] for row in axes), traces.items()):
-        # Each on its own time scale: the order of the work is what compares, and
-        # wall times on a shared machine vary more than the orders do.
-        kinds |= _draw_lanes(axis, trace, title, _trace_end(trace))
+        kinds |= _draw_lanes(axis, trace, title, end)
+        axis.xaxis.set_tick_params(labelbottom=True)  # each panel keeps its time labels
     from matplotlib.patches import Patch
 
     legend = [Patch(color=_LANE_COLORS["compute"], label="compute of one sub-batch"),
