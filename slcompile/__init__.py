@@ -10,7 +10,9 @@ from slcompile.analysis.machine import MachineFacts, MachineProfile
 from slcompile.analysis.memory import MemoryPrediction
 from slcompile.analysis.time import TimePrediction
 from slcompile import defaults
-from slcompile.errors import BudgetError, CompileError, OptionError, PolicyError, RefusedError, ReleasedWeightError
+from slcompile.errors import (
+    BudgetError, CompileError, OptionError, PolicyError, RecompileLimitWarning, RefusedError, ReleasedWeightError,
+)
 from slcompile.explain import Explanation, GraphExplanation, explain
 from slcompile.generate import GenerationExplanation, GenerationOutput, explain_generation, generate, generation
 from slcompile.report import CompileReport, clear_compile_reports, compile_reports
@@ -36,6 +38,7 @@ __all__ = [
     "DiskFullError",
     "CorruptDataError",
     "PolicyError",
+    "RecompileLimitWarning",
     "explain",
     "Explanation",
     "GraphExplanation",

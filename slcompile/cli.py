@@ -93,7 +93,20 @@ def _options(args: argparse.Namespace, **defaults) -> dict:
         value = getattr(args, field.name)
         if value is not None:
             options[field.name] = value
+    _check_policy_name(options.get("schedule"))
     return options
+
+
+def _check_policy_name(name) -> None:
+    """Refuses a `--schedule` no policy is registered under, saying how the command
+    line registers one."""
+    from slcompile.errors import OptionError
+    from slcompile.schedules.policies import unknown_policy
+
+    problem = unknown_policy(name) if name is not None else None
+    if problem:
+        raise OptionError(f"{problem}; on the command line, --policy-module MODULE imports a module that "
+                          "registers it")
 
 
 def _import_policy_modules(args: argparse.Namespace) -> None:
@@ -357,6 +370,8 @@ def _compare(args: argparse.Namespace) -> int:
     if "schedule" in options:
         raise ValueError("compare takes the policies to compare as --policies a,b, not --schedule")
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
+    for name in policies:
+        _check_policy_name(name)
     comparison = compare_policies(model, *call_args, policies=policies, kwargs=call_kwargs, **options)
     print(comparison)
     out = pathlib.Path(args.out)

@@ -29,6 +29,11 @@ The other internals used (``torch._inductor.custom_graph_pass.CustomGraphPass``,
   (2.13 and later), whose cache entries are dropped after the capture when no other
   compile holds entries on that code; on a release without it (2.11, 2.12), a
   capture under a raised ``recompile_limit`` whose entries stay in the shared cache.
+- ``watch_recompile_limit(callback)`` calls ``callback(limit_name, limit, compiler_fn,
+  code)`` whenever Dynamo refuses to compile a frame because it hit a recompile limit
+  (the frame then runs eagerly): Dynamo only logs it. It wraps
+  ``torch._dynamo.convert_frame.exceeds_recompile_limit`` and reads the backend from
+  the frame of ``_compile`` that called it; a release without them is not watched.
 
 Graphs differ too, without a name to reach: torch 2.13's partitioner saves the generator
 state of the CPU attention kernel it recomputes (``run_and_save_rng_state``, read back in
@@ -41,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import sys
 
 import torch
 from torch.fx.experimental import symbolic_shapes as _symbolic_shapes
@@ -53,6 +59,7 @@ __all__ = [
     "missing_internals",
     "torch_is_supported",
     "capture_graphs",
+    "watch_recompile_limit",
 ]
 
 log = logging.getLogger(__name__)
@@ -221,3 +228,51 @@ if not torch_is_supported():
         "slcompile supports torch %d.%d to %d.%d; this is torch %s (untested)",
         *SUPPORTED_TORCH[0], SUPPORTED_TORCH[1][0], SUPPORTED_TORCH[1][1] - 1, torch.__version__,
     )
+
+
+_limit_watchers: list = []
+
+
+def watch_recompile_limit(callback) -> bool:
+    """Calls `callback(limit_name, limit, compiler_fn, code)` each time Dynamo hits
+    `limit_name` ("recompile_limit", "accumulated_recompile_limit") on `code` while
+    compiling with `compiler_fn` (the backend as Dynamo holds it; None where it
+    cannot be read). Dynamo then runs that frame eagerly and, for later calls, looks
+    only in its cache. The callback runs inside Dynamo: what it raises propagates.
+
+    Returns:
+        whether this torch can be watched (the wrapped function exists).
+    """
+    from torch._dynamo import convert_frame
+
+    original = getattr(convert_frame, "exceeds_recompile_limit", None)
+    if original is None:
+        return False
+    if not _limit_watchers:
+        def exceeds_recompile_limit(cache_size, compile_id):
+            exceeded, limit_name = original(cache_size, compile_id)
+            if exceeded:
+                compiler_fn, code = _compiling()
+                limit = getattr(torch._dynamo.config, limit_name, None)
+                for watcher in tuple(_limit_watchers):
+                    watcher(limit_name, limit, compiler_fn, code)
+            return exceeded, limit_name
+
+        exceeds_recompile_limit.__wrapped__ = original
+        convert_frame.exceeds_recompile_limit = exceeds_recompile_limit
+    if callback not in _limit_watchers:
+        _limit_watchers.append(callback)
+    return True
+
+
+def _compiling():
+    """(compiler_fn, code) of the Dynamo `_compile` frame on this thread's stack, or
+    (None, None)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            break
+        if "compiler_fn" in frame.f_locals:
+            return frame.f_locals["compiler_fn"], frame.f_locals.get("code")
+        frame = frame.f_back
+    return None, None

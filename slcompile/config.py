@@ -50,8 +50,10 @@ class SpeedLoaderConfig:
             grows with K x depth. The step, transfers, glue, embeddings, head and
             loss included, is still one Inductor program. False lowers every copy
             of every block (compile time grows with K x depth).
-        schedule: the policy that orders compute and moves weights; the three share
-            every pass and runtime op, so a comparison differs only in the schedule.
+        schedule: the policy that orders compute and moves weights; every policy,
+            built-in (`slcompile.schedules.policies.BUILTIN_POLICIES`, below) or
+            registered, shares every pass and runtime op, so a comparison differs
+            only in the schedule.
             "speedloader": layer-major over sub-batches: each block runs all K
             sub-batches before the next block starts, and a block's weights, when
             they rest off the device, are fetched once per pass for all K.
@@ -72,6 +74,12 @@ class SpeedLoaderConfig:
             "lifetime_aware": speedloader's order, but the saved activations of a
             (block, sub-batch) whose reload could not hide behind other block steps
             stay on the device (`slcompile.schedules.examples.lifetime_aware`).
+            "spilling": speedloader's order, and the output of a (block,
+            sub-batch) that waits three steps or more for its next block rests on
+            the activations' tier meanwhile; "zigzag_spilling": the same with the
+            sub-batches of every other block in reverse, so fewer outputs wait
+            (`slcompile.schedules.examples.spilling`); both need `activations` on
+            a tier that copies.
             A `slcompile.schedules.Policy` object is accepted too, and the name of
             one registered with `slcompile.schedules.register_policy`.
         batch_dim: the dimension of the batched inputs that is the batch (0 for the

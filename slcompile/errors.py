@@ -5,7 +5,7 @@ from __future__ import annotations
 __all__ = [
     "RefusedError", "NoBlocksError", "BudgetError", "OptionError", "PolicyError", "OffloadError",
     "ReleasedWeightError", "CompileError", "OptionCompileError", "compile_error", "is_user_error",
-    "passes_through_fallback", "as_refusal",
+    "passes_through_fallback", "as_refusal", "RecompileLimitWarning",
 ]
 
 
@@ -90,6 +90,13 @@ class PolicyError(OptionError):
         self.problem = problem
         where = f" at step `{step}`" if step is not None else ""
         super().__init__(f"schedule policy {policy!r}{where}: {problem}")
+
+
+class RecompileLimitWarning(UserWarning):
+    """Dynamo hit its recompile limit on a frame it would have compiled with the
+    speedloader backend, so the frame runs eagerly: every call of a model compiled in
+    a sweep of configurations without `torch._dynamo.reset()` between them, from the
+    limit on. The message names the frame, the options and the fix."""
 
 
 def _dynamo_exc():

@@ -23,6 +23,7 @@ the same memory as the device, and a last line adds the two.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,7 +32,9 @@ import torch
 from slcompile import defaults
 from slcompile.compat import capture_graphs
 from slcompile.config import SpeedLoaderConfig
-from slcompile.errors import BudgetError, RefusedError, as_refusal, passes_through_fallback
+from slcompile.errors import (
+    BudgetError, OffloadError, OptionError, RefusedError, as_refusal, compile_error, passes_through_fallback,
+)
 from slcompile.pipeline import run_pipeline
 from slcompile.schedules.planner import describe
 
@@ -225,7 +228,12 @@ def explain(
     graphs: list[GraphExplanation] = []
 
     def explain_graph(gm: torch.fx.GraphModule, example_inputs):
-        graphs.append(_explain_graph(gm, example_inputs, planned, optimizer, optimizer_options, machine, tiers))
+        try:
+            graphs.append(_explain_graph(gm, example_inputs, planned, optimizer, optimizer_options, machine, tiers))
+        except (OptionError, OffloadError) as err:
+            # What torch.compile raises for it: Dynamo re-raises a CompileError as it
+            # is, where it would wrap anything else in its BackendCompilerFailed.
+            raise compile_error(err, inspect.currentframe()).with_traceback(err.__traceback__) from None
         if planned is not config:
             graphs[-1] = dataclasses.replace(graphs[-1], notes=graphs[-1].notes + (
                 f"host tier planned as a separate memory, as on {machine.name}: this machine's host is its "

@@ -3,6 +3,11 @@
 `slcompile.compile_reports()` returns the reports of the graphs compiled in this
 process, newest last (a bounded history). Each keeps the schedule, the fallback reason
 and the order in which the AOTAutograd forward and backward graphs run their ops.
+
+Graphs are what a report weighs (their fake tensors, shape environment and generated
+code: megabytes for a tiny model), so only the newest `GRAPHS_KEPT` reports of the
+history keep theirs; an older one is replaced in the history by a copy without them
+(`graphs_dropped`), and a report held elsewhere (a comparison's rows) keeps its own.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import torch.fx
 from slcompile.meta import get_slc_meta
 from slcompile.passes.manager import PassLog
 
-__all__ = ["CompileReport", "compile_reports", "clear_compile_reports"]
+__all__ = ["CompileReport", "compile_reports", "clear_compile_reports", "GRAPHS_KEPT"]
 
 _HISTORY = 64
+GRAPHS_KEPT = 4
+"""How many of the newest reports in the history keep their graphs."""
 _reports: collections.deque = collections.deque(maxlen=_HISTORY)
 _lock = threading.Lock()
 
@@ -59,6 +66,8 @@ class CompileReport:
         regions: per AOT graph kind, what `compile_regions` did to it
             (`slcompile.passes.outline_regions.RegionOutline`); empty when the
             graphs were compiled flat.
+        graphs_dropped: True for a report of the history older than the newest
+            `GRAPHS_KEPT`: a copy without `graphs` and `partitioned`.
     """
 
     config: object
@@ -79,6 +88,7 @@ class CompileReport:
     spilled_boundaries: object = None
     offloaded_gradients: object = None
     regions: dict[str, object] = dataclasses.field(default_factory=dict)
+    graphs_dropped: bool = False
 
     @property
     def passes_run(self) -> tuple[str, ...]:
@@ -97,6 +107,10 @@ class CompileReport:
         """
         from slcompile.analysis.memory import predict_step_memory
 
+        if self.graphs_dropped:
+            raise ValueError(f"this report's graphs were dropped from the history of compile reports (only the "
+                             f"newest {GRAPHS_KEPT} keep theirs): read predicted_peak_bytes() of a report "
+                             "held from when it was the newest")
         return predict_step_memory(self.graphs, sizes=sizes).step_peak_bytes
 
     def record_graph(self, kind: str, gm: torch.fx.GraphModule) -> None:
@@ -108,10 +122,29 @@ class CompileReport:
         self.graph_order[kind] = tuple(tags)
         self.graphs[kind] = gm
 
+    def without_graphs(self) -> "CompileReport":
+        """A copy without the graphs (the rest shared): what the history keeps of
+        an older report."""
+        return dataclasses.replace(self, graphs={}, partitioned={}, graphs_dropped=True)
+
 
 def add_report(report: CompileReport) -> None:
     with _lock:
         _reports.append(report)
+        if len(_reports) > GRAPHS_KEPT:
+            position = len(_reports) - 1 - GRAPHS_KEPT
+            older = _reports[position]
+            if older.graphs or older.partitioned:
+                _reports[position] = older.without_graphs()
+
+
+def discard_report(report: CompileReport) -> None:
+    """Takes `report` out of the history (a compile Dynamo restarted)."""
+    with _lock:
+        for position, kept in enumerate(_reports):
+            if kept is report:
+                del _reports[position]
+                return
 
 
 def compile_reports() -> list[CompileReport]:

@@ -204,3 +204,14 @@ def test_ready_llama_target_says_what_to_install_without_transformers():
         "slcompile: error: ModuleNotFoundError: tiny_llama needs transformers: pip install transformers "
         "(or try slcompile.examples:tiny_gpt, which needs nothing more)"
     )
+
+
+@pytest.mark.parametrize("args", [("explain", "cli_targets:tiny", "--schedule", "zigzga"),
+                                  ("compare", "cli_targets:tiny", "--policies", "speedloader,zigzga")])
+def test_an_unknown_policy_names_the_flag_that_registers_one(args):
+    result = _run(*args)
+    assert result.returncode == 1
+    line = result.stderr.strip()
+    assert line.startswith("slcompile: error: OptionError: speedloader option 'schedule' must be a registered "
+                           "policy's name") and "got 'zigzga'" in line
+    assert line.endswith("on the command line, --policy-module MODULE imports a module that registers it")

@@ -69,3 +69,13 @@ def test_machine_profile_takes_a_profile_a_name_or_a_file_and_nothing_else(tmp_p
         slcompile.options(machine_profile="h200")
     monkeypatch.setenv("SLC_MACHINE_PROFILE", "h100-pcie5-nvme")
     assert SpeedLoaderConfig.from_options({}).machine_profile == "h100-pcie5-nvme"
+
+
+def test_the_schedule_option_describes_every_built_in_policy():
+    from slcompile.cli import _field_doc
+    from slcompile.schedules.policies import BUILTIN_POLICIES
+
+    text = _field_doc(SpeedLoaderConfig.__doc__, "schedule")
+    for name in BUILTIN_POLICIES:
+        assert f'"{name}"' in text, name
+    assert "the three" not in text

@@ -115,6 +115,17 @@ def test_a_bad_policy_is_a_compile_error_not_a_fallback():
     assert str(caught.value).startswith("schedule policy 'edited' at step `fwd suffix.sb0`: a compute step is missing")
 
 
+def test_explain_raises_for_a_bad_policy_what_torch_compile_raises():
+    idx, targets = make_gpt_batch(CFG, 4)
+    policy = _edited(lambda steps: [s for s in steps if s != Step("fwd", "suffix", subbatch=0)])
+    with pytest.raises(slcompile.CompileError) as caught:
+        slcompile.explain(TinyGPT(CFG), idx, targets, schedule=policy, lowering="aot_eager", weights="nvme",
+                          profile=None)
+    assert type(caught.value) is slcompile.errors.OptionCompileError  # as torch.compile's, a ValueError too
+    assert isinstance(caught.value.inner_exception, slcompile.PolicyError)
+    assert str(caught.value).startswith("schedule policy 'edited' at step `fwd suffix.sb0`: a compute step is missing")
+
+
 def test_fetches_issued_where_the_graphs_do_not_issue_them_disagree():
     # Valid on its own (a wait may load the weights itself), but the compiled graphs issue
     # each load live_blocks - 1 visits ahead: the schedule read back is another one.
@@ -196,3 +207,4 @@ def test_a_registered_policy_by_name_on_the_command_line(tmp_path):
     unknown = _run("-m", "slcompile", "explain", "slcompile.examples:tiny_gpt", "--schedule", "zigzag_test")
     assert unknown.returncode == 1
     assert "must be a registered policy's name" in unknown.stderr
+    assert "--policy-module MODULE imports a module that registers it" in unknown.stderr

@@ -8,7 +8,11 @@ graph, or, when the pipeline refuses, lowers the original graph and logs one war
 with the reason (`on_refusal="raise"` raises instead). A graph without blocks has
 nothing to split: it is lowered plainly, its report says so, and it is no refusal.
 Results are never silently different: a dynamic batch that turns out not divisible by
-K at run time runs the plain graph, compiled on first need.
+K at run time runs the plain graph, compiled on first need. Nor does a model run
+eagerly unnoticed: when Dynamo hits its recompile limit on a frame it would compile
+with this backend (a sweep of configurations in one process, without
+`torch._dynamo.reset()` between them), a `RecompileLimitWarning` says so, names the
+fix, and the report of that compile says it ran eagerly.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import dataclasses
 import inspect
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,13 +31,14 @@ import torch.fx
 from slcompile.analysis.inputs import classify_inputs
 from slcompile.backends.lowering import StepPlan, failed_stage, lower
 from slcompile.config import SpeedLoaderConfig
+from slcompile.compat import watch_recompile_limit
 from slcompile.errors import (
-    BudgetError, NoBlocksError, OffloadError, OptionError, RefusedError, as_refusal, compile_error,
-    passes_through_fallback,
+    BudgetError, NoBlocksError, OffloadError, OptionError, RecompileLimitWarning, RefusedError, as_refusal,
+    compile_error, passes_through_fallback,
 )
 from slcompile.pipeline import machine_facts, run_pipeline
 from slcompile.plans import StashPlan, new_name
-from slcompile.report import CompileReport, add_report
+from slcompile.report import CompileReport, add_report, discard_report
 from slcompile.runtime.gradients import sink_plan_for
 from slcompile.runtime.step import StepRuntime
 from slcompile.runtime.weights import loading_released_weights, parameter_name
@@ -98,6 +104,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
         _size_host_pool(state, report)
     except Exception as err:  # noqa: BLE001  (any failure: see `as_refusal`)
         if passes_through_fallback(err):
+            if isinstance(err, torch._dynamo.exc.RestartAnalysis):
+                # Dynamo traces the frame again and hands over another graph: this
+                # attempt compiled nothing, and its report would be an empty one.
+                discard_report(report)
             raise
         refusal = as_refusal(err, failed_stage(report.pass_log, config.lowering))
         if refusal is not err:
@@ -119,6 +129,36 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     if not state.batch.dynamic or config.num_subbatches == 1:
         return compiled
     return _DivisibleBatchGuard(compiled, original, state, report)
+
+
+def _ran_eagerly(limit_name: str, limit, compiler_fn, code) -> None:
+    """Dynamo hit a recompile limit on a frame it would compile with this backend:
+    the frame runs eagerly from now on. Warns, and records a report that says so, so
+    that `compile_reports()[-1]` is not an earlier configuration's."""
+    from torch._dynamo.eval_frame import innermost_backend
+
+    backend = innermost_backend(compiler_fn) if compiler_fn is not None else None
+    if backend is not speedloader_backend and getattr(backend, "compiler_fn", None) is not speedloader_backend:
+        return
+    options = dict(getattr(backend, "kwargs", {}).get("options") or {})
+    try:
+        config = SpeedLoaderConfig.from_options(options)
+    except ValueError:
+        config = options
+    where = f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})" if code is not None else "a frame"
+    message = (
+        f"speedloader: torch._dynamo hit config.{limit_name} ({limit}) on {where}, so this call with "
+        f"options={options!r} runs eagerly, not compiled by speedloader, and so does every later torch.compile "
+        f"of that code in this process. A sweep over configurations calls torch._dynamo.reset() before "
+        f"compiling each one (or raises torch._dynamo.config.{limit_name}), or uses slcompile.explain, "
+        f"slcompile.compare_policies or slcompile.tune"
+    )
+    add_report(CompileReport(config=config, fallback_reason=message))
+    log.error("%s", message)
+    warnings.warn(message, RecompileLimitWarning, stacklevel=2)
+
+
+watch_recompile_limit(_ran_eagerly)
 
 
 def _refused(err: RefusedError, gm, example_inputs, config: SpeedLoaderConfig, report: CompileReport) -> Callable:
