@@ -3,7 +3,8 @@ block whose sub-batches run apart ("pairs": sub-batches 0 and 1 through every bl
 then 2 and 3), stashes kept by `add_stashes(keep=...)` under a machine profile whose
 loads need more than one step to hide, and `tune` over a policy the passes refuse for
 some plans. Each compiled step matches eager, and the schedule read back from the
-graphs is the planned one, line for line."""
+graphs is the planned one, line for line; the memory model counts the prefetch
+cycle's visits as the streamer does."""
 
 import dataclasses
 import re
@@ -120,3 +121,20 @@ def test_tune_skips_a_candidate_whose_schedule_is_refused_and_says_why():
     with pytest.raises(slcompile.PolicyError, match="^schedule policy 'bare' at step `fwd fetch.wait blk0`"):
         slcompile.tune(TinyGPT(SMALL), idx, targets, memory_budget="1GiB", live_blocks=(2,),
                        profile=SLOW_READS, **TUNED)
+
+
+def test_the_memory_model_counts_a_fetch_per_sub_batch_as_a_visit_of_its_own():
+    # Pairs with a fetch per sub-batch: blk0.sb0 and blk0.sb1 fetch one after the
+    # other, two visits of the prefetch cycle, as the streamer issues them.
+    def pairs_fetching_per_subbatch(request):
+        compute = [s for s in pairs(request).steps if s.kind == "compute"]
+        steps = add_fetches(compute, request, per_subbatch=True)
+        return Schedule(tuple(add_stores(add_stashes(steps, request), request)))
+
+    idx, targets = make_gpt_batch(CFG, 8)
+    comparison = slcompile.compare_policies(
+        TinyGPT(CFG), idx, targets, policies=[Policy("pairs_per_subbatch", pairs_fetching_per_subbatch)], **OPTIONS)
+    row, = comparison.rows
+    assert row.report.planned_schedule.fetches_per_subbatch()
+    assert abs(row.predicted_peak_bytes - row.measured_peak_bytes) <= 8, (row.predicted_peak_bytes,
+                                                                         row.measured_peak_bytes)
