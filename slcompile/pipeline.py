@@ -532,6 +532,7 @@ def _derive_schedule(step: StepState) -> Schedule:
             check_agreement(planned, derived, planned.policy.name)
         except PolicyError as err:
             if planned.policy.name not in BUILTIN_POLICIES:
+                err.derived_schedule = derived  # the lowering puts it in the report beside the plan
                 raise
             # The built-in planners do not yet predict every transfer the passes
             # place (the gradient stores `offload_gradients` adds for an offloaded

@@ -13,7 +13,8 @@ machine profile), every plan that fits is timed by the time model
 (`slcompile.analysis.time`) and the fastest wins, its saved activations placed by
 the same profile (the `machine_profile` option: stashed only where their transfers
 hide, else kept or recomputed). Every candidate is in `TuneResult.tried`, with its
-options, peak, recomputation and predicted time.
+options, peak, recomputation and predicted time, or why it was refused (a policy
+whose schedule the passes refuse for one plan is still tried with the others).
 
 The budget covers the whole step: with an optimizer (the offloaded optimizer
 attached to the model, or `optimizer=`, as in `slcompile.explain`), a plan whose
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 
 from slcompile.config import SpeedLoaderConfig, parse_bytes
-from slcompile.errors import BudgetError, OptionError, RefusedError
+from slcompile.errors import BudgetError, OptionError, PolicyError, RefusedError
 
 __all__ = ["Candidate", "TuneResult", "tune", "GenerationTuneResult", "GenerationBudgetError", "tune_generation"]
 
@@ -59,12 +60,16 @@ class Candidate:
         recompute: the recomputation it fits with ("none" or "blocks"), or None
             when it does not fit.
         seconds: its predicted step time with `profile=`, else None.
+        refused: why it was not compiled, when it was not (the graph cannot be
+            split so, or the policy's schedule is refused: a `PolicyError`'s
+            message), else None.
     """
 
     options: dict[str, Any]
     peak_bytes: int | None
     recompute: str | None = None
     seconds: float | None = None
+    refused: str | None = None
 
     @property
     def fits(self) -> bool:
@@ -93,7 +98,7 @@ class Candidate:
         head = (f"K={self.num_subbatches} live_blocks={self.live_blocks} weights={self.weights} "
                 f"activations={self.activations}")
         if self.peak_bytes is None:
-            return f"{head}: refused"
+            return f"{head}: refused" + (f" ({self.refused})" if self.refused else "")
         if not self.fits:
             return f"{head}: needs {format_bytes(self.peak_bytes)}"
         tail = f", {self.seconds * 1e3:.3f} ms a step" if self.seconds is not None else ""
@@ -165,6 +170,9 @@ def tune(
         BudgetError: no candidate fits; names the smallest budget any would need.
         RefusedError: the graph cannot be split into sub-batches at all.
         OptionError: a bad option (a tier list among them).
+        PolicyError: the `schedule` policy's schedule is refused for every
+            candidate; a candidate it is refused for is skipped, and its
+            `Candidate.refused` says why.
     """
     from slcompile.compat import capture_graphs
     from slcompile.explain import check_optimizer
@@ -212,7 +220,7 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
         batch = probe.batch.batch_size
         num_subbatches = [k for k in range(1, batch + 1) if batch % k == 0]
 
-    tried, smallest, fitting = [], None, []
+    tried, smallest, fitting, policy_errors = [], None, [], []
     for weights, activations in tiers:
         windows = list(live_blocks) if weights != "device" else list(live_blocks)[:1]
         for k in sorted(num_subbatches):
@@ -225,8 +233,11 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
                     report = CompileReport(config=config)
                     lower(state.gm, example_inputs, "aot_eager", report,
                           plan_with_optimizer(state, optimizer, optimizer_options))
-                except RefusedError:
-                    tried.append(Candidate(chosen, None))
+                except (RefusedError, PolicyError) as err:
+                    # A policy's schedule may be compilable for one plan and not for
+                    # another (a fetch placed by hand, say): the others are still tried.
+                    tried.append(Candidate(chosen, None, refused=str(err)))
+                    policy_errors += [err] if isinstance(err, PolicyError) else []
                     continue
                 except BudgetError as err:
                     tried.append(Candidate(chosen, err.smallest))
@@ -252,6 +263,8 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
         if others:
             why += f"; the next {others[0] * 1e3:.3f} ms ({others[0] / seconds - 1:+.1%})"
         return TuneResult(best.options, memory, tuple(tried), time=timeline, why=why)
+    if smallest is None and policy_errors and len(policy_errors) == len(tried):
+        raise policy_errors[0]  # the policy's schedule is refused for every plan: its fault, not the graph's
     if smallest is None:
         raise RefusedError("no candidate number of sub-batches can split this model's batch", "tune")
     raise BudgetError(budget, smallest)

@@ -73,7 +73,7 @@ from slcompile.analysis.machine import MachineFacts
 from slcompile.kv_segments import KV_STORES_IN_FLIGHT, merged_segments, reads_in_place
 from slcompile.meta import get_slc_meta
 from slcompile.units import format_bytes
-from slcompile.vocabulary import UNSTASH_WAIT, StashKey, is_stash, prefetched_visits
+from slcompile.vocabulary import UNSTASH_WAIT, StashKey, WeightKey, is_stash, prefetched_visits
 
 __all__ = [
     "GenerationSizes",
@@ -482,19 +482,22 @@ class _FetchLayout:
 
 def _visits(gm: torch.fx.GraphModule, size) -> tuple[list[int], list[int]]:
     """(first node index, bytes) of each block visit: a run of fetches of one
-    block; `size(value)` is what one fetch of the weight `value` takes."""
+    block, or of one (block, sub-batch) when fetches are per sub-batch, as
+    `place_prefetches` counts visits (a block whose sub-batches fetch one after the
+    other makes as many visits); `size(value)` is what one fetch of the weight
+    `value` takes."""
     fetch = _fetch_op()
-    starts, sizes, last_block = [], [], object()
+    starts, sizes, last_visit = [], [], object()
     for i, node in enumerate(gm.graph.nodes):
         if node.op != "call_function" or node.target is not fetch:
             continue
         meta = get_slc_meta(node)
-        block = meta.block if meta is not None else None
+        visit = (meta.block if meta is not None else None, WeightKey.parse(node.args[1]).subbatch)
         nbytes = size(node.meta["val"])
-        if block != last_block:
+        if visit != last_visit:
             starts.append(i)
             sizes.append(0)
-            last_block = block
+            last_visit = visit
         sizes[-1] += nbytes
     return starts, sizes
 

@@ -42,7 +42,7 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn, get_hash_for_files
 
 from slcompile.analysis.machine import MachineFacts
-from slcompile.errors import BudgetError
+from slcompile.errors import BudgetError, PolicyError
 from slcompile.passes.mark_regions import drop_marks
 from slcompile.passes.offload_activations import OffloadedActivations
 from slcompile import pipeline
@@ -59,6 +59,7 @@ from slcompile.pipeline import (
 from slcompile.plans import SinkPlan, StashPlan, StreamerPlan
 from slcompile.report import CompileReport
 from slcompile.runtime.step import StepRuntime
+from slcompile.schedules.base import Schedule
 from slcompile.schedules.planner import kept_bytes
 
 __all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES", "failed_stage", "hold_runtime"]
@@ -247,6 +248,12 @@ class _PlannedPartition:
             return ""
         return f"recompute={recompute}" + (",stash=all" if everything else "")
 
+    def _keep_schedules(self, step: StepState, derived: Schedule | None) -> None:
+        if step.results.get("plan_transfers") is not None:
+            self.report.planned_schedule = step.results["plan_transfers"]
+        if derived is not None:
+            self.report.schedule = derived.text()
+
     def tag_first(self, joint: torch.fx.Graph) -> None:
         """The joint-graph stage of the first plan tried."""
         recompute, _ = self.attempts()[0]
@@ -270,7 +277,13 @@ class _PlannedPartition:
                 plan, self.report, {"forward": fw, "backward": bw}, recompute=recompute,
                 num_fwd_outputs=kwargs["num_fwd_outputs"], lowering=self.lowering,
             )
-            run_stage(PARTITIONED_PASSES, step, self.report.pass_log, label=label)
+            try:
+                run_stage(PARTITIONED_PASSES, step, self.report.pass_log, label=label)
+            except PolicyError as err:
+                # What the policy planned and what the graphs make, for the message's
+                # "compare report.planned_schedule.text() with report.schedule".
+                self._keep_schedules(step, getattr(err, "derived_schedule", None))
+                raise
             prediction = step.results["predict_memory"]
             tried.append(prediction)
             offloaded = step.results.get("offload_activations")

@@ -86,6 +86,12 @@ def order_layer_major(
             if order.last(meta.region, block) == first:
                 return first, -1
             return max([(first, -1), *(rank[i] for i in node.all_input_nodes)])
+        # A fetch shared by sub-batches that run apart opens the first run of the
+        # region, as a sub-batch's own fetch opens its run: ranked with the first
+        # sub-batch's compute, each weight would arrive at its first use inside it,
+        # between that sub-batch's stash steps, and not where the schedule waits.
+        if is_fetch(node):
+            return first, 0
         # Shared by sub-batches that run apart: with the first to reach the region, or
         # after the latest input (the loss summed over sub-batches, whose "combine"
         # role AOTAutograd's graphs do not carry).

@@ -101,14 +101,17 @@ def add_stashes(steps: list[Step], request: ScheduleRequest, keep=lambda step: F
         last = position["fwd"].get(activation.last_forward_use, owner)
         at, _ = store_wait_at(compute["fwd"], owner, last, unit_bytes[activation.owner], request.timing)
         place("fwd", at, Step("fwd", region, block, subbatch, "stash.wait"))
+    loads: dict[tuple, list[tuple[int, int]]] = {}  # owner -> (wait position, issue position) per tensor
     for activation in leaving:
-        region, block, subbatch = activation.owner
         use = position["bwd"].get(activation.first_backward_use)
         if use is None:
             continue
         at, _ = load_issue_at(compute["bwd"], use, activation.nbytes, request.timing)
-        place("bwd", at, Step("bwd", region, block, subbatch, "unstash.issue"))
-        place("bwd", use, Step("bwd", region, block, subbatch, "unstash.wait"))
+        loads.setdefault(activation.owner, []).append((use, at))
+    for (region, block, subbatch), owned in loads.items():
+        for use, at in _shared_issues(owned):
+            place("bwd", at, Step("bwd", region, block, subbatch, "unstash.issue"))
+            place("bwd", use, Step("bwd", region, block, subbatch, "unstash.wait"))
     for transfers in before.values():  # stash waits, then issues, then waits, each in step order
         kinds = ("stash.wait", "unstash.issue", "unstash.wait")
         transfers.sort(key=lambda s: (kinds.index(s.kind), position["fwd"].get(s.key, 0)))
@@ -126,6 +129,24 @@ def add_stashes(steps: list[Step], request: ScheduleRequest, keep=lambda step: F
         if ends_phase:
             out += before.get((step.phase, len(compute[step.phase])), [])
     return out
+
+
+def _shared_issues(loads: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (wait, issue) positions of one owner's loads, each issue moved so that
+    `offload_saved` finds it: it gives a tensor the owner's last `unstash.issue`
+    before a compute step earlier than the tensor's wait. A load issued before an
+    earlier wait of the same owner (a large tensor needs more compute to hide behind,
+    `load_issue_at`) would be taken by that wait's tensors, and an issue written
+    earlier for them by none: such loads share one issue, the earliest of them."""
+    groups: list[tuple[int, list[int]]] = []  # (issue, waits), waits in order
+    for use, at in sorted(loads):
+        issue, waits = at, [use]
+        # Merged with every earlier group whose last wait comes after this issue.
+        while groups and issue < groups[-1][1][-1]:
+            earlier, earlier_waits = groups.pop()
+            issue, waits = min(issue, earlier), earlier_waits + waits
+        groups.append((issue, waits))
+    return [(wait, issue) for issue, waits in groups for wait in waits]
 
 
 def add_spills(steps: list[Step], request: ScheduleRequest, keep=lambda step: False,
