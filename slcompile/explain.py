@@ -1,7 +1,8 @@
 """`slcompile.explain(model, *args, **options)`: what the backend would do, without training.
 
 Captures the model's graphs with Dynamo (the model's forward runs once, eagerly, with
-the given inputs; no backward, no optimizer; apart from the recompile limit of the
+the given inputs, weights that a compiled step moved to their tier loaded for the
+run; no backward, no optimizer; apart from the recompile limit of the
 model's own `torch.compile`, and leaving no runtime object behind) and runs the analysis passes on each
 graph: the blocks found, the batch dimension, K, the fallback reason (or None) and the
 schedule as deterministic text. Graphs that would be rewritten are also lowered with
@@ -33,6 +34,7 @@ from slcompile.compat import capture_graphs
 from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import BudgetError, RefusedError, as_refusal, passes_through_fallback
 from slcompile.pipeline import run_pipeline
+from slcompile.runtime.weights import loading_released_weights
 from slcompile.schedules.planner import describe
 
 __all__ = ["Explanation", "GraphExplanation", "explain"]
@@ -232,7 +234,9 @@ def explain(
                 "device, so the predicted peak names the host's bytes nvme",))
 
     # The streamers, stashes and sinks planned here die with the plans: nothing compiled holds them.
-    capture_graphs(model, args, dict(kwargs or {}), explain_graph)
+    # Weights a compiled step moved to their tier are loaded for the captured run, as
+    # the backend's plain graphs load them.
+    capture_graphs(model, args, dict(kwargs or {}), explain_graph, run_as=loading_released_weights)
     return Explanation(tuple(graphs), tuple((name, getattr(config, name), source) for name, source in sources.items()))
 
 

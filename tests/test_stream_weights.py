@@ -346,6 +346,23 @@ def test_a_plain_optimizer_step_on_released_weights_is_refused_before_it_changes
             torch.testing.assert_close(param, expected[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+def test_explain_and_tune_of_a_model_whose_weights_rest_on_nvme_equal_those_of_a_fresh_copy():
+    model = TinyGPT(CFG)
+    fresh = copy.deepcopy(model)
+    idx, targets = make_gpt_batch(CFG, 4)
+    options = {**NVME, "num_subbatches": 2}
+    expected = str(slcompile.explain(fresh, idx, targets, profile=None, **options))
+    expected_tune = slcompile.tune(fresh, idx, targets, memory_budget="64MiB", num_subbatches=[2],
+                                   live_blocks=(2,), **NVME)
+    compiled = torch.compile(model, backend="speedloader", options=options)
+    compiled(idx, targets)[1].backward()
+    assert slcompile.offloaded_parameters(model)
+    assert str(slcompile.explain(model, idx, targets, profile=None, **options)) == expected
+    tuned = slcompile.tune(model, idx, targets, memory_budget="64MiB", num_subbatches=[2], live_blocks=(2,), **NVME)
+    assert tuned.options == expected_tune.options
+    assert tuned.memory.peak_bytes == expected_tune.memory.peak_bytes
+
+
 def test_a_batch_not_divisible_by_k_after_weights_moved_to_nvme_runs_plainly_with_them_loaded():
     model = TinyGPT(CFG)
     eager = copy.deepcopy(model)

@@ -20,7 +20,7 @@ module keeps the weights and implements both ops.
   gradient flows to the parameter unchanged.
 - A released parameter's class becomes a subclass of its own (`_Released...`) whose
   `__torch_function__` lets metadata through (shape, dtype, device, `.grad`,
-  `requires_grad`, the `slc::` ops the compiled graphs call) and raises
+  `requires_grad`, `empty_like`, the `slc::` ops the compiled graphs call) and raises
   `ReleasedWeightError` for anything that would read or write its values (an
   eager forward, `.data`'s values, `clone`), where a kernel would read freed
   memory. `detach()` raises too, so `state_dict()` (which calls it) refuses before
@@ -133,6 +133,7 @@ def _metadata_functions() -> frozenset:
         tensor.__hash__, tensor.get_device, tensor.is_floating_point, tensor.is_complex, tensor._is_view,
         tensor.is_inference, tensor.is_conj, tensor.is_neg, tensor._is_zerotensor, tensor._fix_weakref,
         torch._has_compatible_shallow_copy_type,
+        torch.empty_like,  # new memory of the same layout (passes make their meta values so)
     }
     for name in ("shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "layout", "is_cuda",
                  "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "is_mkldnn", "grad_fn",
