@@ -139,9 +139,10 @@ _INTERNALS = (
 )
 
 
-def capture_graphs(fn, args, kwargs, on_graph, *, fullgraph: bool = False) -> None:
+def capture_graphs(fn, args, kwargs, on_graph, *, fullgraph: bool = False, run_as=None) -> None:
     """Runs `fn(*args, **kwargs)` under Dynamo once, calling `on_graph(gm,
-    example_inputs)` for each graph captured (each then runs as it was captured).
+    example_inputs)` for each graph captured (each then runs as it was captured, or
+    as `run_as(gm.forward)` where `run_as` is given).
 
     The entries this leaves in Dynamo's cache sit apart from the caller's own
     compiles of the same code (an isolated region), so a capture never makes a later
@@ -161,7 +162,7 @@ def capture_graphs(fn, args, kwargs, on_graph, *, fullgraph: bool = False) -> No
         region = torch._C._dynamo.eval_frame.get_eval_frame_isolate_recompiles_id() if isolated else -1
         captured.append((tx.f_code, region))
         on_graph(gm, example_inputs)
-        return gm.forward
+        return gm.forward if run_as is None else run_as(gm.forward)
 
     isolated = "isolate_recompiles" in inspect.signature(torch.compile).parameters
     with _full_collections_allowed():

@@ -1,7 +1,8 @@
 """`slcompile.explain(model, *args, **options)`: what the backend would do, without training.
 
 Captures the model's graphs with Dynamo (the model's forward runs once, eagerly, with
-the given inputs; no backward, no optimizer; apart from the recompile limit of the
+the given inputs, weights that a compiled step moved to their tier loaded for the
+run; no backward, no optimizer; apart from the recompile limit of the
 model's own `torch.compile`, and leaving no runtime object behind) and runs the analysis passes on each
 graph: the blocks found, the batch dimension, K, the fallback reason (or None) and the
 schedule as deterministic text. Graphs that would be rewritten are also lowered with
@@ -36,6 +37,7 @@ from slcompile.errors import (
     BudgetError, OffloadError, OptionError, RefusedError, as_refusal, compile_error, passes_through_fallback,
 )
 from slcompile.pipeline import run_pipeline
+from slcompile.runtime.weights import loading_released_weights
 from slcompile.schedules.planner import describe
 
 __all__ = ["Explanation", "GraphExplanation", "explain"]
@@ -242,7 +244,9 @@ def explain(
     kwargs = dict(kwargs or {})
     without_cache = _without_kv_cache_on_meta(model, args, kwargs)
     # The streamers, stashes and sinks planned here die with the plans: nothing compiled holds them.
-    capture_graphs(model, args, kwargs, explain_graph)
+    # Weights a compiled step moved to their tier are loaded for the captured run, as
+    # the backend's plain graphs load them.
+    capture_graphs(model, args, kwargs, explain_graph, run_as=loading_released_weights)
     if without_cache is not None:
         graphs[:] = [dataclasses.replace(graph, notes=graph.notes + (without_cache,)) for graph in graphs]
     return Explanation(tuple(graphs), tuple((name, getattr(config, name), source) for name, source in sources.items()))

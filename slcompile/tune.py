@@ -176,13 +176,14 @@ def tune(
     """
     from slcompile.compat import capture_graphs
     from slcompile.explain import check_optimizer
+    from slcompile.runtime.weights import loading_released_weights
 
     budget = parse_bytes(memory_budget, "memory_budget")
     check_optimizer(optimizer, optimizer_options, "tune")
     tiers = [(w, a) for w in _choices(options, "weights") for a in _choices(options, "activations")]
     captured = []
     capture_graphs(model, args, dict(kwargs or {}), lambda gm, example_inputs: captured.append((gm, example_inputs)),
-                   fullgraph=True)
+                   fullgraph=True, run_as=loading_released_weights)
     gm, example_inputs = captured[0]
     machine = None
     if profile is not None:

@@ -273,11 +273,8 @@ def test_state_dict_saved_inside_gathered_weights_round_trips_and_the_model_stil
     compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": 2})
     compiled(idx, targets)[1].backward()
     model.to("cpu").float().train()  # conversions to what the weights already are read nothing
-    entries = model.state_dict()  # outside: the entries say they are released when read
     with pytest.raises(slcompile.ReleasedWeightError, match=r"parameter layers\.0\..* rests on the nvme tier"):
-        torch.save(entries, io.BytesIO())
-    with pytest.raises(slcompile.ReleasedWeightError):
-        entries["layers.0.mlp.fc.weight"].sum()
+        model.state_dict()  # outside: refused before anything could be written
     with slcompile.gathered_weights(model):
         buffer = io.BytesIO()
         torch.save(model.state_dict(), buffer)
@@ -291,6 +288,79 @@ def test_state_dict_saved_inside_gathered_weights_round_trips_and_the_model_stil
         optimizer.step()
     reference.step()
     torch.testing.assert_close(compiled(idx, targets)[1], eager(idx, targets)[1])
+
+
+def test_a_save_of_released_weights_is_refused_before_it_touches_the_checkpoint(tmp_path):
+    model = TinyGPT(CFG)
+    idx, targets = make_gpt_batch(CFG, 4)
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": 2})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step():
+        optimizer.zero_grad()
+        compiled(idx, targets)[1].backward()
+        with slcompile.gathered_weights(model):
+            optimizer.step()
+
+    train_step()
+    checkpoint = tmp_path / "ckpt.pt"
+    with slcompile.gathered_weights(model):
+        torch.save(model.state_dict(), checkpoint)
+        saved = {name: value.clone() for name, value in model.state_dict().items()}
+    good = checkpoint.read_bytes()
+    train_step()  # new weights, on the nvme tier again
+    with pytest.raises(slcompile.ReleasedWeightError) as refused:
+        torch.save(model.state_dict(), checkpoint)
+    assert checkpoint.read_bytes() == good
+    loaded = torch.load(checkpoint)
+    assert loaded.keys() == saved.keys()
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name
+    assert str(refused.value).startswith(
+        "parameter layers.0.ln1.weight rests on the nvme tier and holds no memory (detach, as state_dict() calls "
+        "it); read or update it inside slcompile.gathered_weights(model)")
+
+
+def test_a_plain_optimizer_step_on_released_weights_is_refused_before_it_changes_any_parameter():
+    model = TinyGPT(CFG)
+    eager = copy.deepcopy(model)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    idx, targets = make_gpt_batch(CFG, 4)
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": 2})
+    compiled(idx, targets)[1].backward()
+    eager(idx, targets)[1].backward()
+    optimizer, reference = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(eager.parameters(), lr=0.5)
+    # Unrefused, the for-loop SGD would update the embeddings first and then raise.
+    with pytest.raises(slcompile.ReleasedWeightError) as refused:
+        optimizer.step()
+    with slcompile.gathered_weights(model):
+        for name, param in model.named_parameters():
+            assert torch.equal(param, initial[name]), name
+        optimizer.step()
+    assert str(refused.value).startswith("parameter layers.0.ln1.weight rests on the nvme tier and holds no memory "
+                                         "(SGD.step)")
+    reference.step()
+    expected = dict(eager.named_parameters())
+    with slcompile.gathered_weights(model):
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param, expected[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_explain_and_tune_of_a_model_whose_weights_rest_on_nvme_equal_those_of_a_fresh_copy():
+    model = TinyGPT(CFG)
+    fresh = copy.deepcopy(model)
+    idx, targets = make_gpt_batch(CFG, 4)
+    options = {**NVME, "num_subbatches": 2}
+    expected = str(slcompile.explain(fresh, idx, targets, profile=None, **options))
+    expected_tune = slcompile.tune(fresh, idx, targets, memory_budget="64MiB", num_subbatches=[2],
+                                   live_blocks=(2,), **NVME)
+    compiled = torch.compile(model, backend="speedloader", options=options)
+    compiled(idx, targets)[1].backward()
+    assert slcompile.offloaded_parameters(model)
+    assert str(slcompile.explain(model, idx, targets, profile=None, **options)) == expected
+    tuned = slcompile.tune(model, idx, targets, memory_budget="64MiB", num_subbatches=[2], live_blocks=(2,), **NVME)
+    assert tuned.options == expected_tune.options
+    assert tuned.memory.peak_bytes == expected_tune.memory.peak_bytes
 
 
 def test_a_batch_not_divisible_by_k_after_weights_moved_to_nvme_runs_plainly_with_them_loaded():

@@ -13,6 +13,9 @@ Guarantees:
   and the file relative to the directory's descriptor, so a symlink planted by
   someone else cannot redirect the data. A private directory that turns out not
   to be this user's (swapped in by a race) is refused, never chmod-ed or removed.
+  An ``offload_dir`` that every user may write to without the sticky bit (or below
+  such a folder) is used with a warning naming it: another user could move the
+  private directory away.
 - Liveness is a lock, not a pid: the directory holds a ``lock`` file on which
   the arena holds an exclusive ``flock`` for its whole life, taken before the
   directory gets its final name. The kernel drops the lock when the process
@@ -475,6 +478,30 @@ def _remove_live_dirs() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _warn_if_others_can_move(path: str) -> None:
+    """Warns when another user could move the private directory made in ``path``
+    away (and put their own in its place): ``path`` or a folder above it is writable
+    by every user without the sticky bit, which would keep others from renaming what
+    is not theirs (as /tmp's does). The arena's own descriptors keep working; the
+    cleanup, which goes by path, would then miss the directory."""
+    folder = path
+    while True:
+        try:
+            mode = os.stat(folder).st_mode
+        except OSError:
+            return
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            log.warning(
+                "offload directory %s: %s is writable by every user and has no sticky bit (mode %04o), so "
+                "another user can move the private directory made there away; use a directory only you can "
+                "write to, or set the sticky bit (chmod +t %s)", path, folder, stat.S_IMODE(mode), folder)
+            return
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return
+        folder = parent
+
+
 def _why_not_writable(error: OSError) -> str:
     """The cause of a failed mkdir in an existing directory, in words: ENOENT there
     means a filesystem that takes no new entries (/proc, /sys), not a missing path."""
@@ -683,6 +710,7 @@ class NvmeArena:
         if os.path.isdir(base):
             clean_stale_dirs(base)
         self.path, self._dir_fd, lock_fd = _make_private_dir(base)
+        _warn_if_others_can_move(base)
         _LIVE_DIRS[self.path] = os.getpid()
         _install_sigterm_cleanup()
         self.file_path = os.path.join(self.path, _ARENA_FILE)

@@ -20,12 +20,20 @@ module keeps the weights and implements both ops.
   gradient flows to the parameter unchanged.
 - A released parameter's class becomes a subclass of its own (`_Released...`) whose
   `__torch_function__` lets metadata through (shape, dtype, device, `.grad`,
-  `requires_grad`, the `slc::` ops the compiled graphs call) and raises
+  `requires_grad`, `empty_like`, the `slc::` ops the compiled graphs call) and raises
   `ReleasedWeightError` for anything that would read or write its values (an
-  eager forward, `torch.optim` steps, `.data`, `clone`, `torch.save` of a
-  `state_dict()` entry), where a kernel would read freed memory. `detach()` (what
-  `state_dict()` calls) returns a tensor of the same kind; a conversion to what the
-  parameter already is (`model.to(its device)`, `model.float()`) returns it. Dynamo
+  eager forward, `.data`'s values, `clone`), where a kernel would read freed
+  memory. `detach()` raises too, so `state_dict()` (which calls it) refuses before
+  it returns: `torch.save(model.state_dict(), path)` opens `path` only after its
+  argument is built, and a refusal in the pickler would come after the file was
+  truncated. A parameter whose offloaded optimizer keeps its values (the consumer
+  of its gradients, `slcompile.optim`) detaches to a tensor of the same kind, which
+  that optimizer's `state_dict()` hook replaces by the values. A `torch.optim` step
+  that would update a released parameter (one with a `.grad`) that no offloaded
+  optimizer steps is refused by a global step pre-hook before it updates anything,
+  so a step retried inside `gathered_weights` steps every parameter once. A
+  conversion to what the parameter already is (`model.to(its device)`,
+  `model.float()`) returns it. Dynamo
   guards on the class; it is set while the backend compiles, before the guards are
   made, so they expect it, and while Dynamo compiles (a recompile traces through the
   method) everything passes. The compiled graphs hand released parameters to
@@ -66,11 +74,12 @@ from typing import NamedTuple
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from slcompile.errors import ReleasedWeightError
 from slcompile.plans import new_name
-from slcompile.runtime import ops
+from slcompile.runtime import gradients, ops
 from slcompile.runtime.engine import TransferEngine, TransferHandle
 from slcompile.runtime.errors import OffloadError
 from slcompile.runtime.tiers import Tier, TransferKind
@@ -124,6 +133,7 @@ def _metadata_functions() -> frozenset:
         tensor.__hash__, tensor.get_device, tensor.is_floating_point, tensor.is_complex, tensor._is_view,
         tensor.is_inference, tensor.is_conj, tensor.is_neg, tensor._is_zerotensor, tensor._fix_weakref,
         torch._has_compatible_shallow_copy_type,
+        torch.empty_like,  # new memory of the same layout (passes make their meta values so)
     }
     for name in ("shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "layout", "is_cuda",
                  "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_nested", "is_mkldnn", "grad_fn",
@@ -159,7 +169,10 @@ class _ReleasedMixin:
         if func in _METADATA or _is_slc_op(func) or _reads_metadata(func):
             with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if func is torch.Tensor.detach or _is_data(func, "__get__"):  # state_dict(): released until read
+        if func is torch.Tensor.detach and gradients.consumer_of(args[0]) is None:
+            name, tier = _released_info(args[0]) or ("(unnamed)", "offload")
+            raise ReleasedWeightError(name, tier, what="detach, as state_dict() calls it")
+        if func is torch.Tensor.detach or _is_data(func, "__get__"):  # released until read
             with DisableTorchFunctionSubclass():
                 detached = func(*args, **kwargs)
             _mark_released(detached, args[0], _ReleasedTensor)
@@ -216,7 +229,32 @@ def _leaves_as_is(func, args, kwargs) -> bool:
 
 
 class _ReleasedTensor(_ReleasedMixin, torch.Tensor):
-    """`detach()` / `.data` of a released parameter (a `state_dict()` entry)."""
+    """`.data` of a released parameter, or its `state_dict()` entry where an offloaded
+    optimizer fills that entry in."""
+
+
+def _refuse_steps_of_released(optimizer, args, kwargs) -> None:
+    """A `torch.optim` step pre-hook: refuses, before any parameter changes, a step
+    that would update a released parameter (one with a gradient) that no offloaded
+    optimizer steps (that one, or a wrapper such as accelerate's, steps it from its
+    host copy). Unhooked, a for-loop SGD updates the resident parameters and raises
+    at the first released one, and a retry steps those twice."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if isinstance(param, _ReleasedMixin) and param.grad is not None \
+                    and gradients.consumer_of(param) is None:
+                name, tier = _released_info(param) or ("(unnamed)", "offload")
+                raise ReleasedWeightError(name, tier, what=f"{type(optimizer).__name__}.step")
+
+
+_STEP_HOOK = None  # the handle of `_refuse_steps_of_released`, from the first release on
+
+
+def _hook_optimizer_steps() -> None:
+    global _STEP_HOOK
+    with _REGISTRY_LOCK:
+        if _STEP_HOOK is None:
+            _STEP_HOOK = register_optimizer_step_pre_hook(_refuse_steps_of_released)
 
 
 _RELEASED_CLASSES: dict[type, type] = {}
@@ -270,6 +308,7 @@ def parameter_name(source: str) -> str:
 def release(param: torch.Tensor, name: str, tier: Tier) -> None:
     """Releases `param`'s storage (its values are stored elsewhere) and makes any use
     of its values raise `ReleasedWeightError` naming it."""
+    _hook_optimizer_steps()
     param.untyped_storage().resize_(0)
     with _REGISTRY_LOCK:
         original = _RELEASED[param][0] if param in _RELEASED else type(param)

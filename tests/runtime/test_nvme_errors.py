@@ -324,6 +324,28 @@ def test_a_private_dir_swapped_for_a_link_is_refused(tmp_path, monkeypatch):
     assert os.listdir(decoy) == [] and stat.S_IMODE(os.lstat(decoy).st_mode) == 0o755
 
 
+@pytest.mark.parametrize("mode, warned", [(0o777, True), (0o1777, False), (0o755, False)])
+def test_an_offload_dir_others_may_rename_in_is_used_with_a_warning_naming_it(tmp_path, caplog, mode, warned):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, mode)  # chmod: mkdir's mode is masked by the umask
+    below = shared / "mine"  # made by the arena, mode 0700, but movable with its parent's entries
+    for offload_dir in (shared, below):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="slcompile.runtime.nvme"):
+            arena = NvmeArena(str(offload_dir))
+            arena.close()
+        messages = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+        if not warned:
+            assert messages == []
+            continue
+        assert len(messages) == 1
+        assert messages[0].startswith(f"offload directory {offload_dir}: {shared} is writable by every user and "
+                                      "has no sticky bit (mode 0777), so another user can move the private "
+                                      "directory made there away")
+        assert f"chmod +t {shared}" in messages[0]
+
+
 def test_unfinished_private_dirs_are_removed_only_when_old_and_unlocked(tmp_path):
     import time
 
