@@ -37,6 +37,7 @@ from slcompile.errors import (
     BudgetError, OffloadError, OptionError, RefusedError, as_refusal, compile_error, passes_through_fallback,
 )
 from slcompile.pipeline import run_pipeline
+from slcompile.runtime.facts import process_facts
 from slcompile.runtime.weights import loading_released_weights
 from slcompile.schedules.planner import describe
 
@@ -282,7 +283,7 @@ def _without_kv_cache_on_meta(model, args, kwargs: dict) -> str | None:
 def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None,
                    optimizer_options=None, machine=None, tiers=None) -> GraphExplanation:
     try:
-        state = run_pipeline(gm, example_inputs, config)
+        state = run_pipeline(gm, example_inputs, config, facts=process_facts(config, example_inputs))
         reason = None
     except RefusedError as err:
         # Report what the analysis found before it refused.

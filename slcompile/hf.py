@@ -60,7 +60,7 @@ from transformers import Trainer
 from slcompile import defaults
 from slcompile.config import SpeedLoaderConfig, check_names
 from slcompile.optim import OffloadedOptimizer, offload_optimizer
-from slcompile.pipeline import moves_off_device
+from slcompile.runtime.facts import machine_facts
 from slcompile.runtime.weights import gathered_weights
 
 __all__ = ["SpeedLoaderTrainer"]
@@ -116,7 +116,7 @@ class SpeedLoaderTrainer(Trainer):
         if self.model_init is not None:
             raise ValueError("SpeedLoaderTrainer takes a model, not model_init: the model is compiled once, "
                              "when the trainer is made")
-        self.streams_weights = config.shard_weights or moves_off_device(config, config.weights)
+        self.streams_weights = config.shard_weights or machine_facts(config.offload_dir).copies(config.weights)
         self.offloaded_optimizer_options = dict(offloaded_optimizer or {})
         if self.streams_weights and self.optimizer is not None and not isinstance(self.optimizer, OffloadedOptimizer):
             raise ValueError(

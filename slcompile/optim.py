@@ -392,7 +392,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if any(decays):
             options["weight_decay"] = next(decay for decay in decays if decay)
         if machine is None:
-            from slcompile.pipeline import machine_facts
+            from slcompile.runtime.facts import machine_facts
 
             shards = next((g for g in (shard_group_of(p) for block in blocks for p in block) if g is not None), None)
             machine = machine_facts(world_size=shards.world_size if shards is not None else 1)
@@ -944,13 +944,15 @@ class _HostStep:
                     self.engine.free(key)
 
 
-def attached_optimizer_memory(params: Iterable[torch.Tensor], streamed: Iterable[Iterable[torch.Tensor]]):
+def attached_optimizer_memory(params: Iterable[torch.Tensor], streamed: Iterable[Iterable[torch.Tensor]],
+                              machine=None):
     """`OffloadedOptimizer.memory` of the offloaded optimizer that holds any of
-    `params` (a compiled graph's parameters), or None when none does."""
+    `params` (a compiled graph's parameters), or None when none does; `machine` as
+    for `OffloadedOptimizer.memory`."""
     for param in params:
         consumer = gradient_runtime.consumer_of(param)
         if isinstance(consumer, OffloadedOptimizer):
-            return consumer.memory(streamed)
+            return consumer.memory(streamed, machine)
     return None
 
 

@@ -37,7 +37,7 @@ import torch.fx
 
 from slcompile.analysis.batch_propagation import BatchPlan, propagate_batch
 from slcompile.analysis.inputs import GraphInput, classify_inputs
-from slcompile.analysis.machine import MachineFacts
+from slcompile.analysis.machine import ProcessFacts
 from slcompile.analysis.memory import predict_memory
 from slcompile.analysis.time import step_seconds
 from slcompile.config import SpeedLoaderConfig
@@ -105,6 +105,8 @@ class PipelineState:
         passes_run: names of the passes run, with their time, in order.
         notes: what the passes changed of the options, in words (shown by
             `explain()` and logged).
+        facts: what the passes need of the machine and the process, found by the
+            caller before they run (`slcompile.runtime.facts.process_facts`).
     """
 
     gm: torch.fx.GraphModule
@@ -120,6 +122,7 @@ class PipelineState:
     streamed: StreamedWeights | None = None
     passes_run: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    facts: ProcessFacts = ProcessFacts()
 
 
 def _inline_checkpoints(state: PipelineState) -> PipelineState:
@@ -215,32 +218,27 @@ def _check(state: PipelineState) -> PipelineState:
 
 
 def _plan_schedule(state: PipelineState) -> PipelineState:
-    config = state.config
-    weights_streamed = moves_off_device(config, config.weights) or config.shard_weights
+    config, machine = state.config, state.facts.machine
+    weights_streamed = machine.copies(config.weights) or config.shard_weights
     schedule = plan_schedule(
         state.blocks, config,
         weights_streamed=weights_streamed,
-        activations_offloaded=moves_off_device(config, config.activations),
-        gradients_offloaded=weights_streamed and gradients_leave(config, state.blocks, state.inputs),
+        activations_offloaded=machine.copies(config.activations),
+        gradients_offloaded=weights_streamed and gradients_leave(config, state.blocks, state.inputs, state.facts),
     )
     return dataclasses.replace(state, schedule=schedule)
 
 
-def gradients_leave(config: SpeedLoaderConfig, blocks: BlockGraph, inputs) -> bool:
+def gradients_leave(config: SpeedLoaderConfig, blocks: BlockGraph, inputs, facts: ProcessFacts) -> bool:
     """Whether the backward sends the block weights' gradients off the device, as
     `slcompile.runtime.gradients.sink_plan_for` decides when the graph lowers:
     `gradients` names a tier, or ("auto") an offloaded optimizer holds a block weight."""
-    from slcompile.runtime.gradients import consumer_of
-
     if config.gradients == "device":
         return False
     if config.gradients != "auto":
         return True
     values = {i.name: i.value for i in inputs}
-    return any(
-        isinstance(values.get(name), torch.Tensor) and consumer_of(values[name]) is not None
-        for block in blocks.blocks for name in block.params
-    )
+    return any(id(values.get(name)) in facts.optimizer_held for block in blocks.blocks for name in block.params)
 
 
 def _interleave(state: PipelineState) -> PipelineState:
@@ -248,44 +246,24 @@ def _interleave(state: PipelineState) -> PipelineState:
     return dataclasses.replace(state, gm=gm, interleaved=report)
 
 
-def moves_off_device(config: SpeedLoaderConfig, tier: str) -> bool:
-    """Whether values resting on `tier` are copied to and from the device (host
-    memory is the device's on a CPU machine: nothing moves)."""
-    from slcompile.runtime.engine import get_engine
-    from slcompile.runtime.tiers import Tier
-
-    return tier != "device" and not get_engine(config.offload_dir).copies_nothing(Tier(tier), Tier.DEVICE)
-
-
 def _stream(state: PipelineState) -> PipelineState:
-    from slcompile.runtime.engine import get_engine
-    from slcompile.runtime.tiers import Tier
-    from slcompile.runtime.weights import mark_sharded, stored_key_for
-
-    if state.interleaved is None or state.config.weights == "device":
+    config, facts = state.config, state.facts
+    if state.interleaved is None or config.weights == "device":
         return state
-    engine = get_engine(state.config.offload_dir)
-    sharded = state.config.shard_weights
-    if engine.copies_nothing(Tier(state.config.weights), Tier.DEVICE) and not sharded:
-        log.debug("weights=%s copies nothing on this machine: weights stay resident", state.config.weights)
+    sharded = config.shard_weights
+    if not facts.machine.copies(config.weights) and not sharded:
+        log.debug("weights=%s copies nothing on this machine: weights stay resident", config.weights)
         return state
-    shards = None
-    if sharded:
-        from slcompile.runtime.collectives import shard_group
-
-        shards = shard_group()
+    # Sharded weights are marked as such when the step's runtime starts, before an
+    # offloaded optimizer copies them (`StepRuntime.start`).
     streamer = StreamerPlan(
-        new_name("w"), state.config.weights, state.config.live_blocks, offload_dir=state.config.offload_dir,
-        world_size=shards.world_size if shards is not None else 1, sharded=sharded, issues_in_groups=True,
+        new_name("w"), config.weights, config.live_blocks, offload_dir=config.offload_dir,
+        world_size=facts.machine.world_size if sharded else 1, sharded=sharded, issues_in_groups=True,
     )
     gm, streamed = stream_weights(
-        state.gm, state.blocks, state.inputs, functools.partial(stored_key_for, streamer.name), streamer.graph_key,
+        state.gm, state.blocks, state.inputs, functools.partial(facts.stored_key, streamer.name), streamer.graph_key,
         per_subbatch=state.schedule.fetches_per_subbatch(),
     )
-    if sharded:
-        # Before the lowering, so an offloaded optimizer prepares shard-sized copies.
-        values = {i.name: i.value for i in state.inputs}
-        mark_sharded([values[name] for block in streamed.blocks for name, _ in block], shards)
     return dataclasses.replace(state, gm=gm, streamer=streamer, streamed=streamed)
 
 
@@ -309,6 +287,7 @@ def run_pipeline(
     example_inputs: Sequence[Any],
     config: SpeedLoaderConfig,
     *,
+    facts: ProcessFacts,
     passes: Sequence[Pass] = PASSES,
     stop_after: str | None = None,
     passes_log: PassLog | None = None,
@@ -319,6 +298,8 @@ def run_pipeline(
         gm: the Dynamo graph.
         example_inputs: Dynamo's example inputs.
         config: the backend's options.
+        facts: what the passes need of the machine and the process
+            (`slcompile.runtime.facts.process_facts(config, example_inputs)`).
         passes: the passes to run, in order.
         stop_after: the name of the last pass to run (analysis without rewriting).
         passes_log: the log the later stages continue (`CompileReport.pass_log`);
@@ -332,7 +313,7 @@ def run_pipeline(
             `err.state` holds what the passes before it produced.
         ValueError: `SLC_DISABLE` names an unknown pass or one that cannot be disabled.
     """
-    state = PipelineState(gm=gm, example_inputs=example_inputs, config=config)
+    state = PipelineState(gm=gm, example_inputs=example_inputs, config=config, facts=facts)
     return run_stage(passes, state, passes_log if passes_log is not None else PassLog(), stop_after=stop_after)
 
 
@@ -474,28 +455,6 @@ def _offload_gradients(step: StepState):
         step.graphs["forward"], step.graphs["backward"], gradients.graph_key, gradients.wants, step_schedule(step)
     )
     return stored
-
-
-def machine_facts(offload_dir: str | None = None, world_size: int = 1, load_overhead: int = 0) -> MachineFacts:
-    """This machine's facts (`MachineFacts`), from the transfer engine of
-    `offload_dir`: the tiers whose memory is the device's, and how loads pad (on a
-    CPU machine loads read files straight into page-padded memory). `world_size`
-    and `load_overhead` are given: the ranks the weights shard over, and a loaded
-    tensor's bytes beyond its padded size (a page where the allocator's view is
-    measured, inside `slcompile.runtime.nvme.buffers_seen_by_profiler`)."""
-    from slcompile.config import TIERS
-    from slcompile.runtime.engine import get_engine
-    from slcompile.runtime.tiers import PAGE_BYTES, Tier
-
-    engine = get_engine(offload_dir)
-    device = engine.device.type
-    return MachineFacts(
-        device=device,
-        resident_tiers=frozenset(tier for tier in TIERS if engine.copies_nothing(Tier(tier), Tier.DEVICE)),
-        load_granularity=PAGE_BYTES if device == "cpu" else 1,
-        load_overhead=load_overhead,
-        world_size=world_size,
-    )
 
 
 def _predict_memory(step: StepState):

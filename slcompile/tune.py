@@ -212,12 +212,14 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
     from slcompile.explain import plan_with_optimizer
     from slcompile.pipeline import run_pipeline
     from slcompile.report import CompileReport
+    from slcompile.runtime.facts import process_facts
 
     tiers = tiers or [(options.get("weights", "device"), options.get("activations", "device"))]
     if num_subbatches is None:
         weights, activations = tiers[0]
-        probe = run_pipeline(gm, example_inputs, SpeedLoaderConfig.from_options(
-            {**options, "num_subbatches": 1, "weights": weights, "activations": activations}))
+        probe_config = SpeedLoaderConfig.from_options(
+            {**options, "num_subbatches": 1, "weights": weights, "activations": activations})
+        probe = run_pipeline(gm, example_inputs, probe_config, facts=process_facts(probe_config, example_inputs))
         batch = probe.batch.batch_size
         num_subbatches = [k for k in range(1, batch + 1) if batch % k == 0]
 
@@ -230,7 +232,7 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
                           "live_blocks": window, "memory_budget": budget}
                 config = SpeedLoaderConfig.from_options(chosen)
                 try:
-                    state = run_pipeline(gm, example_inputs, config)
+                    state = run_pipeline(gm, example_inputs, config, facts=process_facts(config, example_inputs))
                     report = CompileReport(config=config)
                     lower(state.gm, example_inputs, "aot_eager", report,
                           plan_with_optimizer(state, optimizer, optimizer_options))

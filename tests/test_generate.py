@@ -14,7 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import slcompile
 from slcompile.generate import explain_generation
-from slcompile.pipeline import machine_facts
+from slcompile.runtime.facts import machine_facts
 from slcompile.runtime.tiers import PAGE_BYTES, Tier, TransferKind
 
 VOCAB = 96

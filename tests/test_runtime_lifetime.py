@@ -142,6 +142,7 @@ def test_a_step_plan_names_its_runtime_objects_and_holds_none(tmp_path):
     from slcompile.config import SpeedLoaderConfig
     from slcompile.explain import plan_with_optimizer
     from slcompile.pipeline import run_pipeline
+    from slcompile.runtime.facts import process_facts
 
     model = TinyGPT(CFG)
     idx, targets = make_gpt_batch(CFG, 4)
@@ -155,7 +156,7 @@ def test_a_step_plan_names_its_runtime_objects_and_holds_none(tmp_path):
     gm, example_inputs = captured[0]
     config = SpeedLoaderConfig.from_options({**OFFLOADED, "offload_dir": str(tmp_path), "gradients": "nvme"})
     before = live_objects()
-    state = run_pipeline(gm, example_inputs, config)
+    state = run_pipeline(gm, example_inputs, config, facts=process_facts(config, example_inputs))
     plans = [step_plan(state), plan_with_optimizer(state, torch.optim.AdamW, {"lr": 1e-3})]
     assert own(live_objects(), before) == {"streamers": 0, "stashes": 0, "sinks": 0, "engines": 1}
     for plan in plans:

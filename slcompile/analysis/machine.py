@@ -17,7 +17,7 @@ import json
 import math
 from collections.abc import Mapping
 
-__all__ = ["MachineProfile", "MachineFacts", "NAMED_PROFILES", "named_profile", "LARGE_OUTPUT"]
+__all__ = ["MachineProfile", "MachineFacts", "ProcessFacts", "NAMED_PROFILES", "named_profile", "LARGE_OUTPUT"]
 
 LARGE_OUTPUT = 64 << 10
 """Outputs of at least this many bytes pay `MachineProfile.output_seconds_per_byte`."""
@@ -28,7 +28,7 @@ _INF = math.inf
 @dataclasses.dataclass(frozen=True)
 class MachineFacts:
     """What a plan's memory depends on about the machine, found once
-    (`slcompile.pipeline.machine_facts`) and handed to the analyses as plain data.
+    (`slcompile.runtime.facts.machine_facts`) and handed to the analyses as plain data.
     The defaults are a GPU's with one rank: only the device tier is the device's
     memory, loads take their own size.
 
@@ -63,6 +63,32 @@ class MachineFacts:
     def host_is_device(self) -> bool:
         """The host tier is the device's own memory (a CPU-only machine)."""
         return not self.copies("host")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessFacts:
+    """What the Dynamo stage's passes need to know of the machine and of the process
+    it runs in, found once by the backend before they run
+    (`slcompile.runtime.facts.process_facts`) and handed to them as plain data, so
+    that compiling never asks the runtime.
+
+    Attributes:
+        machine: the machine's facts (which tiers copy, how loads pad, the ranks
+            sharded weights are split over).
+        stored_keys: `id` of each of the graph's parameters that an earlier graph
+            already offloaded -> the key its values are stored under.
+        optimizer_held: `id`s of the graph's parameters an offloaded optimizer
+            steps (their gradients leave the device).
+    """
+
+    machine: MachineFacts = MachineFacts()
+    stored_keys: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    optimizer_held: frozenset[int] = frozenset()
+
+    def stored_key(self, streamer: str, name: str, param) -> str:
+        """The key `param` is stored under when the streamer named `streamer` streams
+        it as `name`: the key it already has if an earlier graph offloaded it."""
+        return self.stored_keys.get(id(param), f"{streamer}:{name}")
 
 
 @dataclasses.dataclass(frozen=True)

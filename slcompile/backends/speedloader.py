@@ -36,7 +36,8 @@ from slcompile.errors import (
     BudgetError, NoBlocksError, OffloadError, OptionError, RecompileLimitWarning, RefusedError, as_refusal,
     compile_error, passes_through_fallback,
 )
-from slcompile.pipeline import machine_facts, run_pipeline
+from slcompile.pipeline import run_pipeline
+from slcompile.runtime.facts import process_facts
 from slcompile.plans import StashPlan, new_name
 from slcompile.report import CompileReport, add_report, discard_report
 from slcompile.runtime.gradients import sink_plan_for
@@ -97,7 +98,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     # the joint, partitioned and compiled passes, the compiler, region outlining). What
     # fails there, unless it is the user's to fix, compiles the graph plainly instead.
     try:
-        state = run_pipeline(gm, example_inputs, config, passes_log=report.pass_log)
+        state = run_pipeline(gm, example_inputs, config, facts=process_facts(config, example_inputs),
+                             passes_log=report.pass_log)
         plan = step_plan(state)
         runtime = StepRuntime(plan.streamer, plan.stash, plan.gradients)
         compiled = lower(state.gm, example_inputs, config.lowering, report, plan, runtime)
@@ -200,6 +202,8 @@ def compile_plainly(gm, example_inputs, config: SpeedLoaderConfig, report: Compi
 def step_plan(state) -> StepPlan:
     """The StepPlan of a pipeline state that ran through `interleave`."""
     config = state.config
+    machine = dataclasses.replace(
+        state.facts.machine, world_size=state.streamer.world_size if state.streamer is not None else 1)
     return StepPlan(
         block_positions={block.index: pos for pos, block in enumerate(state.blocks.blocks)},
         num_subbatches=config.num_subbatches,
@@ -214,12 +218,10 @@ def step_plan(state) -> StepPlan:
         streamed_bytes=state.streamed.streamed_bytes if state.streamed is not None else 0,
         schedule=state.schedule,
         gradients=sink_plan_for(config.gradients, state.streamer, state.streamed, state.inputs, config.offload_dir),
-        optimizer=_optimizer_memory(state),
+        optimizer=_optimizer_memory(state, machine),
         compile_regions=config.compile_regions,
         profile=_profile(config),
-        machine=machine_facts(
-            config.offload_dir, world_size=state.streamer.world_size if state.streamer is not None else 1
-        ),
+        machine=machine,
     )
 
 
@@ -231,13 +233,13 @@ def _profile(config):
     return machine_profile(config.machine_profile, offload_dir=config.offload_dir)
 
 
-def _optimizer_memory(state):
+def _optimizer_memory(state, machine):
     """The share of the offloaded optimizer holding the graph's parameters, or None."""
     from slcompile.optim import attached_optimizer_memory
 
     values = {i.name: i.value for i in state.inputs}
     streamed = [[values[name] for name, _ in block] for block in state.streamed.blocks] if state.streamed else []
-    return attached_optimizer_memory((i.value for i in state.inputs if i.kind == "param"), streamed)
+    return attached_optimizer_memory((i.value for i in state.inputs if i.kind == "param"), streamed, machine)
 
 
 def _stash_plan(config: SpeedLoaderConfig) -> StashPlan | None:

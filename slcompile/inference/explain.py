@@ -183,7 +183,7 @@ def explain_generation(
         input_shape: `input_ids.shape`, `(batch, length)`.
         machine: the machine's facts the memory is predicted with (`MachineFacts`:
             which tiers copy, how a loaded tensor is padded); default: this
-            machine's (`slcompile.pipeline.machine_facts(offload_dir)`).
+            machine's (`slcompile.runtime.facts.machine_facts(offload_dir)`).
         padded: predict the memory for left-padded prompts, every sequence padded
             (the masks the model then builds for each sub-batch are counted); the
             bound for any `attention_mask`.
@@ -218,7 +218,7 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
     """`explain_generation`; `memo` keeps the traced memory of the capture, the layer
     steps and the tail between calls for one model and input shape (they do not
     depend on the tiers)."""
-    from slcompile.pipeline import machine_facts
+    from slcompile.runtime.facts import machine_facts
     from slcompile.kv_segments import forgettable_segments, merged_segments
     from slcompile.runtime.weights import weight_home
 

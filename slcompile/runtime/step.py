@@ -25,7 +25,7 @@ from slcompile.plans import SinkPlan, StashPlan, StreamerPlan
 from slcompile.runtime.activations import ActivationStash
 from slcompile.runtime.engine import get_engine
 from slcompile.runtime.gradients import GradientSink
-from slcompile.runtime.weights import WeightStreamer
+from slcompile.runtime.weights import WeightStreamer, mark_sharded
 
 __all__ = ["StepRuntime"]
 
@@ -64,6 +64,9 @@ class StepRuntime:
             from slcompile.runtime.collectives import shard_group
 
             shards = shard_group()
+        if shards is not None:
+            # Before the sink: an offloaded optimizer prepares shard-sized copies.
+            mark_sharded([param for _, param, _ in weights], shards)
         engine = get_engine(streamer_plan.offload_dir)
         self.streamer = WeightStreamer(
             engine, streamer_plan.tier, streamer_plan.live_blocks, shards=shards, name=streamer_plan.name,

@@ -14,6 +14,7 @@ import torch.fx
 from slcompile.config import SpeedLoaderConfig
 from slcompile.meta import get_slc_meta
 from slcompile.pipeline import run_pipeline
+from slcompile.runtime.facts import process_facts
 
 WIDTH, BATCH = 8, 4
 
@@ -71,7 +72,8 @@ def pipeline(dynamo_graph):
     def run(stop_after: str, **options):
         gm, example_inputs = dynamo_graph
         config = SpeedLoaderConfig.from_options({"num_subbatches": 2, "lowering": "aot_eager", **options})
-        return run_pipeline(copy.deepcopy(gm), example_inputs, config, stop_after=stop_after)
+        return run_pipeline(copy.deepcopy(gm), example_inputs, config, facts=process_facts(config, example_inputs),
+                            stop_after=stop_after)
 
     return run
 

@@ -51,6 +51,7 @@ class _CentredMLP(torch.nn.Module):
 def test_a_block_that_mixes_samples_is_refused_by_the_check():
     from slcompile.config import SpeedLoaderConfig
     from slcompile.pipeline import run_pipeline
+    from slcompile.runtime.facts import process_facts
 
     captured = []
     x = torch.randn(4, 8)
@@ -58,6 +59,6 @@ def test_a_block_that_mixes_samples_is_refused_by_the_check():
                   fullgraph=True)(x)
     config = SpeedLoaderConfig.from_options({"num_subbatches": 2, "lowering": "aot_eager"})
     with pytest.raises(RefusedError) as info:
-        run_pipeline(captured[0][0], captured[0][1], config)
+        run_pipeline(captured[0][0], captured[0][1], config, facts=process_facts(config, captured[0][1]))
     assert info.value.pass_name == "check_splittable"
     assert_expected_inline(str(info.value), """cannot split the batch: node mean (mean) in model.layers.0 works along the batch dimension (dim=0); node mean_1 (mean) in model.layers.1 works along the batch dimension (dim=0) [check_splittable]""")

@@ -19,6 +19,7 @@ from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import RefusedError
 from slcompile.passes.find_batch_dim import find_batch_dim
 from slcompile.pipeline import run_pipeline
+from slcompile.runtime.facts import process_facts
 
 OPTIONS = {"num_subbatches": 2, "lowering": "aot_eager", "on_refusal": "raise"}
 WIDTH, SEQ = 8, 6
@@ -69,7 +70,7 @@ def test_inputs_with_a_batch_symbol_each_are_all_batched():
                if n.op == "placeholder" and n.name in ("l_x_", "l_mask_")}
     assert len(symbols) == 2  # two symbols for one batch
     config = SpeedLoaderConfig.from_options({"num_subbatches": 2, "lowering": "aot_eager"})
-    state = run_pipeline(gm, example_inputs, config, stop_after="find_batch_dim")
+    state = run_pipeline(gm, example_inputs, config, facts=process_facts(config, example_inputs), stop_after="find_batch_dim")
     assert state.batch.dynamic and state.batch.batched_inputs == {"l_x_": 0, "l_mask_": 0}
     assert len(state.batch.batch_symbols) == 2
 

@@ -60,11 +60,13 @@ class _EncoderDecoder(torch.nn.Module):
 def _pipeline_of(model, *args, stop_after, **options):
     from slcompile.config import SpeedLoaderConfig
     from slcompile.pipeline import run_pipeline
+    from slcompile.runtime.facts import process_facts
 
     captured = []
     torch.compile(model, backend=lambda gm, inputs: captured.append((gm, inputs)) or gm.forward, fullgraph=True)(*args)
     config = SpeedLoaderConfig.from_options({"num_subbatches": 2, "lowering": "aot_eager", **options})
-    return run_pipeline(captured[0][0], captured[0][1], config, stop_after=stop_after)
+    return run_pipeline(captured[0][0], captured[0][1], config, facts=process_facts(config, captured[0][1]),
+                        stop_after=stop_after)
 
 
 def test_find_blocks_finds_an_encoder_and_a_decoder_stack(printer):

@@ -187,6 +187,7 @@ def test_a_refusal_in_the_dynamo_stage_keeps_its_reason(dynamo_graph, monkeypatc
     monkeypatch.delenv("SLC_DISABLE", raising=False)
     from slcompile.config import SpeedLoaderConfig
     from slcompile.pipeline import PASSES, run_pipeline
+    from slcompile.runtime.facts import process_facts
 
     def refuse(state):
         raise RefusedError("this graph has no batch")
@@ -195,7 +196,8 @@ def test_a_refusal_in_the_dynamo_stage_keeps_its_reason(dynamo_graph, monkeypatc
               Pass("refuse", "dynamo", "check", refuse))
     gm, example_inputs = dynamo_graph
     with pytest.raises(RefusedError, match=r"this graph has no batch \[refuse\]") as caught:
-        run_pipeline(gm, example_inputs, SpeedLoaderConfig.from_options({"num_subbatches": 2}), passes=passes)
+        config = SpeedLoaderConfig.from_options({"num_subbatches": 2})
+        run_pipeline(gm, example_inputs, config, facts=process_facts(config, example_inputs), passes=passes)
     assert caught.value.state.blocks is not None  # what find_blocks produced
 
 

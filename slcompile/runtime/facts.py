@@ -1,0 +1,70 @@
+"""What compiling needs to know of this machine and process, read from the runtime once.
+
+The passes and the analyses take plain records (`MachineFacts`, `ProcessFacts` in
+`slcompile.analysis.machine`) and never import the runtime; the backend, `explain`
+and `tune` make those records here, before the passes run:
+
+- `machine_facts`: which tiers are the device's own memory (the transfer engine of
+  the `offload_dir`), how loads pad, the ranks weights shard over;
+- `process_facts`: those, and what the process already holds of a graph's
+  parameters: the keys of weights an earlier graph offloaded, and the weights an
+  offloaded optimizer steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from slcompile.analysis.machine import MachineFacts, ProcessFacts
+from slcompile.config import TIERS
+from slcompile.runtime.engine import get_engine
+from slcompile.runtime.gradients import consumer_of
+from slcompile.runtime.tiers import PAGE_BYTES, Tier
+from slcompile.runtime.weights import weight_home
+
+__all__ = ["machine_facts", "process_facts"]
+
+
+def machine_facts(offload_dir: str | None = None, world_size: int = 1, load_overhead: int = 0) -> MachineFacts:
+    """This machine's facts (`MachineFacts`), from the transfer engine of
+    `offload_dir`: the tiers whose memory is the device's, and how loads pad (on a
+    CPU machine loads read files straight into page-padded memory). `world_size`
+    and `load_overhead` are given: the ranks the weights shard over, and a loaded
+    tensor's bytes beyond its padded size (a page where the allocator's view is
+    measured, inside `slcompile.runtime.nvme.buffers_seen_by_profiler`)."""
+    engine = get_engine(offload_dir)
+    device = engine.device.type
+    return MachineFacts(
+        device=device,
+        resident_tiers=frozenset(tier for tier in TIERS if engine.copies_nothing(Tier(tier), Tier.DEVICE)),
+        load_granularity=PAGE_BYTES if device == "cpu" else 1,
+        load_overhead=load_overhead,
+        world_size=world_size,
+    )
+
+
+def process_facts(config: Any, example_inputs: Sequence[Any]) -> ProcessFacts:
+    """The facts the Dynamo stage's passes read for a graph whose example inputs
+    are `example_inputs`, compiled with the options `config` (`SpeedLoaderConfig`):
+    the machine's (with the default process group's ranks when `shard_weights`),
+    and which of those inputs an earlier graph offloaded or an offloaded optimizer
+    steps."""
+    world_size = 1
+    if config.shard_weights:
+        from slcompile.runtime.collectives import shard_group
+
+        world_size = shard_group().world_size
+    tensors = [value for value in example_inputs if isinstance(value, torch.Tensor)]
+    stored = {}
+    for tensor in tensors:
+        home = weight_home(tensor)
+        if home is not None:
+            stored[id(tensor)] = home[1]
+    return ProcessFacts(
+        machine=machine_facts(config.offload_dir, world_size),
+        stored_keys=stored,
+        optimizer_held=frozenset(id(tensor) for tensor in tensors if consumer_of(tensor) is not None),
+    )
