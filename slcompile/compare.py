@@ -22,7 +22,8 @@ starts: a policy's figures are the ones it gets compiled alone in a fresh proces
 
 A policy that fails (its schedule refused, the graph compiled plainly, any error
 while it compiles or runs) gets a row of its own with the error's type and message
-(`PolicyRow.error`) and no figures; the other policies' rows are kept.
+(`PolicyRow.error`) and no figures; the other policies' rows are kept. When every
+policy fails there is nothing to compare: the first one's error is raised.
 
 With `run=False` nothing compiles to code and no step runs: each policy's row holds
 what `explain` predicts for the same options (the plan's device peak and tier peaks,
@@ -373,6 +374,9 @@ def compare_policies(
     Raises:
         ValueError: no policy, two with one name, or `schedule` among the options.
         OptionError: an option (or a policy name) that no compile would accept.
+        Exception: the first policy's error when every policy fails (a model the
+            backend refuses: `RefusedError`; a lone policy's schedule refused:
+            `CompileError` around its `PolicyError`).
     """
     from slcompile.config import SpeedLoaderConfig
 
@@ -391,7 +395,7 @@ def compare_policies(
         from slcompile.profile import machine_profile
 
         machine = machine_profile(profile, offload_dir=options.get("offload_dir"))
-    rows = []
+    rows, errors = [], []
     for policy, name in zip(policies, names):
         try:
             if run:
@@ -401,7 +405,10 @@ def compare_policies(
         except Exception as err:  # noqa: BLE001  (one policy's failure is its row, not the comparison's)
             log.info("compare_policies: policy %r failed: %s: %s", name, type(err).__name__, err)
             row = PolicyRow.failed(name, _cause(err), ran=run)
+            errors.append(err)
         rows.append(row)
+    if len(errors) == len(rows):
+        raise errors[0]  # nothing to compare: the first policy's error, as compiling it alone would raise
     return PolicyComparison(tuple(rows))
 
 
