@@ -20,6 +20,17 @@ dropped (`drain_prefetches`), so the figures do not depend on how fast the disk
 answered. The copy and its compiled graphs are released before the next policy
 starts: a policy's figures are the ones it gets compiled alone in a fresh process.
 
+A policy that fails (its schedule refused, the graph compiled plainly, any error
+while it compiles or runs) gets a row of its own with the error's type and message
+(`PolicyRow.error`) and no figures; the other policies' rows are kept. When every
+policy fails there is nothing to compare: the first one's error is raised.
+
+With `run=False` nothing compiles to code and no step runs: each policy's row holds
+what `explain` predicts for the same options (the plan's device peak and tier peaks,
+the bytes each kind of transfer moves and the step time on the machine profile), so
+a model on the meta device (no weights) can be compared, and `ranked()` orders the
+policies by those predictions.
+
 Guarantees: the rows follow `policies` in order; every figure is a plain number,
 the same from one run to the next for the same model, inputs and options.
 """
@@ -39,7 +50,7 @@ import torch
 
 from slcompile.units import format_bytes
 
-__all__ = ["PolicyRow", "PolicyComparison", "compare_policies", "loss_of"]
+__all__ = ["PolicyRow", "PolicyComparison", "compare_policies", "loss_of", "predicted_bytes_moved"]
 
 log = logging.getLogger(__name__)
 
@@ -76,21 +87,42 @@ class PolicyRow:
         time: the time model's prediction of the step on the comparison's machine
             profile (`analysis.time.TimePrediction`), or None without a profile. Not
             among `figures()`: a profile measured on another run gives other times.
+        error: why the policy has no figures ("PolicyError: schedule policy ..."),
+            or None.
+        ran: whether a step ran (False: `compare_policies(..., run=False)`; the
+            measured figures and the predicted-as-measured peak are then None and
+            the mappings of measured bytes empty).
+
+    A failed row (`error` set) has None or empty figures and an empty schedule.
     """
 
     policy: str
-    schedule: str
-    loss: float | None
-    predicted_peak_bytes: int
-    measured_peak_bytes: int
-    plan_peak_bytes: int
-    predicted_tier_peaks: Mapping[str, int]
-    measured_tier_peaks: Mapping[str, int]
-    bytes_moved: Mapping[TransferColumn, int]
-    transfers: Mapping[TransferColumn, int]
+    schedule: str = ""
+    loss: float | None = None
+    predicted_peak_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    plan_peak_bytes: int | None = None
+    predicted_tier_peaks: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    measured_tier_peaks: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    bytes_moved: Mapping[TransferColumn, int] = dataclasses.field(default_factory=dict)
+    transfers: Mapping[TransferColumn, int] = dataclasses.field(default_factory=dict)
     report: Any = dataclasses.field(default=None, repr=False, compare=False)
     recorded: Any = dataclasses.field(default=None, repr=False, compare=False)
     time: Any = dataclasses.field(default=None, repr=False, compare=False)
+    error: str | None = None
+    ran: bool = True
+
+    @classmethod
+    def failed(cls, policy: str, error: BaseException, *, ran: bool = True) -> PolicyRow:
+        """The row of a policy that raised `error`."""
+        return cls(policy=policy, error=f"{type(error).__name__}: {error}", ran=ran)
+
+    @property
+    def predicted_bytes_moved(self) -> dict[str, int] | None:
+        """Bytes per transfer kind ("fetch", "stash", "unstash", "store_grad", ...)
+        the time model moves in the step (`predicted_bytes_moved`), or None without
+        a prediction of time."""
+        return None if self.time is None else predicted_bytes_moved(self.time)
 
     @property
     def predicted_step_seconds(self) -> float | None:
@@ -112,13 +144,24 @@ class PolicyRow:
         """The row's numbers as plain data (no report, no timeline): what the tests
         compare between processes."""
         return {
-            "policy": self.policy, "loss": self.loss, "predicted_peak_bytes": self.predicted_peak_bytes,
+            "policy": self.policy, "error": self.error, "loss": self.loss,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
             "measured_peak_bytes": self.measured_peak_bytes, "plan_peak_bytes": self.plan_peak_bytes,
             "predicted_tier_peaks": dict(self.predicted_tier_peaks),
             "measured_tier_peaks": dict(self.measured_tier_peaks),
             "bytes_moved": {"{} {}->{}".format(*key): n for key, n in sorted(self.bytes_moved.items())},
             "transfers": {"{} {}->{}".format(*key): n for key, n in sorted(self.transfers.items())},
         }
+
+
+def predicted_bytes_moved(time) -> dict[str, int]:
+    """Bytes per transfer kind in a predicted timeline (`TimePrediction`): what its
+    transfer events move, summed by kind, sorted by kind."""
+    moved: dict[str, int] = {}
+    for event in time.events:
+        if event.lane != "compute":
+            moved[event.kind] = moved.get(event.kind, 0) + event.nbytes
+    return dict(sorted(moved.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +188,27 @@ class PolicyComparison:
         """Every (kind, source, destination) that moved bytes under some policy, sorted."""
         return tuple(sorted({key for row in self.rows for key, n in row.bytes_moved.items() if n}))
 
+    def ranked(self) -> tuple[PolicyRow, ...]:
+        """The rows from the best prediction to the worst: by the plan's device peak,
+        then the bytes the time model moves, then the predicted step time (a figure
+        not predicted counts as the worst); failed rows last, in their order."""
+        def key(row: PolicyRow):
+            moved = row.predicted_bytes_moved
+            return (row.plan_peak_bytes if row.plan_peak_bytes is not None else float("inf"),
+                    sum(moved.values()) if moved is not None else float("inf"),
+                    row.predicted_step_seconds if row.predicted_step_seconds is not None else float("inf"))
+
+        return tuple(sorted((r for r in self.rows if r.error is None), key=key)) + \
+            tuple(r for r in self.rows if r.error is not None)
+
     def table(self) -> str:
         """One line per policy: peaks predicted and measured, bytes per kind and tiers,
         transfers, loss, and the predicted step time and its bound when a machine
-        profile was given; fixed-width plain text."""
+        profile was given; the error of a policy that failed; fixed-width plain
+        text. Without a step run (`run=False`): the plan's peaks, the bytes the time
+        model moves per kind and the predicted time, ranked (`ranked()`)."""
+        if not any(row.ran for row in self.rows):
+            return self._predicted_table()
         header = ["policy", "peak predicted", "peak measured", "peak (plan)"]
         tiers = sorted({t for row in self.rows for t, n in {**row.predicted_tier_peaks, **row.measured_tier_peaks}.items()
                         if n and t != "device"})
@@ -157,8 +217,13 @@ class PolicyComparison:
         header += ["{} {}->{}".format(*key) for key in columns]
         timed = any(row.time is not None for row in self.rows)
         header += ["transfers", "moved", "loss"] + (["step predicted", "bound"] if timed else [])
+        failed = any(row.error is not None for row in self.rows)
+        header += ["error"] if failed else []
         lines = []
         for row in self.rows:
+            if row.error is not None:
+                lines.append([row.policy] + ["-"] * (len(header) - 2) + [row.error])
+                continue
             cells = [row.policy, format_bytes(row.predicted_peak_bytes), format_bytes(row.measured_peak_bytes),
                      format_bytes(row.plan_peak_bytes)]
             cells += [f"{format_bytes(row.predicted_tier_peaks.get(t, 0))} / {format_bytes(row.measured_tier_peaks.get(t, 0))}"
@@ -168,22 +233,42 @@ class PolicyComparison:
                       "-" if row.loss is None else f"{row.loss:.6f}"]
             if timed:
                 cells += ["-", "-"] if row.time is None else [f"{row.time.step_seconds * 1e3:.2f} ms", row.time.bound]
-            lines.append(cells)
-        widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
+            lines.append(cells + ([""] if failed else []))
+        return _format_table(header, lines, left=(0, len(header) - 1) if failed else (0,))
 
-        def format_line(cells):
-            return "  ".join(cell.ljust(width) if i == 0 else cell.rjust(width)
-                             for i, (cell, width) in enumerate(zip(cells, widths))).rstrip()
+    def _predicted_table(self) -> str:
+        kinds = sorted({kind for row in self.rows for kind, n in (row.predicted_bytes_moved or {}).items() if n})
+        tiers = sorted({t for row in self.rows for t, n in row.predicted_tier_peaks.items() if n and t != "device"})
+        header = ["policy", "peak (plan)", *(f"{tier} held" for tier in tiers), *(f"{kind} moved" for kind in kinds),
+                  "moved", "step predicted", "bound"]
+        failed = any(row.error is not None for row in self.rows)
+        header += ["error"] if failed else []
+        lines = []
+        for row in self.ranked():
+            if row.error is not None:
+                lines.append([row.policy] + ["-"] * (len(header) - 2) + [row.error])
+                continue
+            moved = row.predicted_bytes_moved
+            cells = [row.policy, format_bytes(row.plan_peak_bytes),
+                     *(format_bytes(row.predicted_tier_peaks.get(tier, 0)) for tier in tiers),
+                     *("-" if moved is None else format_bytes(moved.get(kind, 0)) for kind in kinds),
+                     "-" if moved is None else format_bytes(sum(moved.values()))]
+            cells += ["-", "-"] if row.time is None else [f"{row.time.step_seconds * 1e3:.2f} ms", row.time.bound]
+            lines.append(cells + ([""] if failed else []))
+        return _format_table(header, lines, left=(0, len(header) - 1) if failed else (0,))
 
-        return "\n".join([format_line(header), format_line(["-" * w for w in widths]), *map(format_line, lines)])
+    def _compiled(self) -> tuple[PolicyRow, ...]:
+        """The rows of the policies that did not fail."""
+        return tuple(row for row in self.rows if row.error is None)
 
     def schedule_diff(self, first: str | None = None, second: str | None = None, context: int = 3) -> str:
-        """Unified diff of two policies' schedules (default: the first two given),
-        one line per step; empty when they are the same."""
-        if len(self.rows) < 2 and (first is None or second is None):
+        """Unified diff of two policies' schedules (default: the first two given that
+        did not fail), one line per step; empty when they are the same."""
+        compiled = self._compiled()
+        if len(compiled) < 2 and (first is None or second is None):
             return ""
-        a = self[first] if first is not None else self.rows[0]
-        b = self[second] if second is not None else self.rows[1]
+        a = self[first] if first is not None else compiled[0]
+        b = self[second] if second is not None else compiled[1]
         return "\n".join(difflib.unified_diff(a.schedule.splitlines(), b.schedule.splitlines(),
                                               fromfile=a.policy, tofile=b.policy, n=context, lineterm=""))
 
@@ -201,6 +286,9 @@ class PolicyComparison:
         backward DOT, schedule.txt, trace.json, timeline.png) and `timelines.png`,
         the policies' timelines one above the other, transfers coloured by kind.
 
+        A failed policy has its line in the table, and no diff or pictures; a
+        comparison without a step run (`run=False`) writes the table and the diffs.
+
         Returns:
             name -> paths written ("table", "diff", "timelines", and per policy
             `policy/forward`, `policy/backward`, ...).
@@ -214,24 +302,39 @@ class PolicyComparison:
         written: dict[str, list[pathlib.Path]] = {}
         (out / "table.txt").write_text(self.table() + "\n")
         written["table"] = [out / "table.txt"]
-        diffs = [self.schedule_diff(self.rows[0].policy, row.policy) for row in self.rows[1:]]
+        compiled = self._compiled()
+        diffs = [self.schedule_diff(compiled[0].policy, row.policy) for row in compiled[1:]]
         (out / "schedule.diff").write_text("".join(d + "\n" for d in diffs if d))
         written["diff"] = [out / "schedule.diff"]
-        for row in self.rows:
+        ran = [row for row in compiled if row.ran]
+        for row in ran:
             folder = out / _folder_name(row.policy)
             for name, paths in write_pictures(folder, row.report, row.recorded, ("dot", "trace"), detail).items():
                 written[f"{row.policy}/{name}"] = paths
-        traces = {row.policy: chrome_trace(row.recorded.events, row.report.graphs) for row in self.rows}
-        written["timelines"] = [plot_timelines(out / "timelines.png", traces)]
+        if ran:
+            traces = {row.policy: chrome_trace(row.recorded.events, row.report.graphs) for row in ran}
+            written["timelines"] = [plot_timelines(out / "timelines.png", traces)]
         return written
 
     def __str__(self) -> str:
         diff = self.schedule_diff()
         text = self.table()
-        if len(self.rows) > 1:
-            text += "\n\n" + (diff if diff else f"the schedules of {self.rows[0].policy} and {self.rows[1].policy} "
+        compiled = self._compiled()
+        if len(compiled) > 1:
+            text += "\n\n" + (diff if diff else f"the schedules of {compiled[0].policy} and {compiled[1].policy} "
                                                  "are the same")
         return text
+
+
+def _format_table(header: list[str], lines: list[list[str]], left: tuple[int, ...]) -> str:
+    """Fixed-width columns; those in `left` left-aligned, the others right-aligned."""
+    widths = [max(len(line[i]) for line in [header, *lines]) for i in range(len(header))]
+
+    def format_line(cells):
+        return "  ".join(cell.ljust(width) if i in left else cell.rjust(width)
+                         for i, (cell, width) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([format_line(header), format_line(["-" * w for w in widths]), *map(format_line, lines)])
 
 
 def compare_policies(
@@ -240,9 +343,11 @@ def compare_policies(
     policies: Sequence[Any],
     kwargs: Mapping[str, Any] | None = None,
     profile: Any = "current",
+    run: bool = True,
     **options: Any,
 ) -> PolicyComparison:
-    """Compiles `model` once per policy and measures a training step of each.
+    """Compiles `model` once per policy and measures a training step of each (or,
+    with `run=False`, predicts it as `explain` does).
 
     Args:
         model: the model; each policy compiles a deep copy of it.
@@ -253,16 +358,25 @@ def compare_policies(
         profile: the machine profile each step's time is predicted on
             (`slcompile.profile.machine_profile`: "current", a named profile, a
             path or a `MachineProfile`); None: no prediction of time.
+        run: False: compile nothing to code and run no step; each row holds what
+            `explain(model, *inputs, schedule=policy, profile=profile, **options)`
+            predicts (`plan_peak_bytes`, `predicted_tier_peaks`, `time`, and from it
+            `predicted_bytes_moved`), so the model may be on the meta device.
         **options: backend options shared by every policy (as in
             `torch.compile(..., options=...)`), without `schedule`.
 
     Returns:
-        the PolicyComparison, one row per policy.
+        the PolicyComparison, one row per policy. A policy that fails (its schedule
+        refused: a `CompileError` around its `PolicyError`; its graph compiled
+        without sub-batching: a `RefusedError`; any other error) has a row with the
+        error's type and message (`PolicyRow.error`) and no figures.
 
     Raises:
         ValueError: no policy, two with one name, or `schedule` among the options.
-        CompileError: a policy's schedule is invalid (its `PolicyError` inside).
-        RefusedError: the graph fell back to the plain lowering (nothing to compare).
+        OptionError: an option (or a policy name) that no compile would accept.
+        Exception: the first policy's error when every policy fails (a model the
+            backend refuses: `RefusedError`; a lone policy's schedule refused:
+            `CompileError` around its `PolicyError`).
     """
     from slcompile.config import SpeedLoaderConfig
 
@@ -281,9 +395,51 @@ def compare_policies(
         from slcompile.profile import machine_profile
 
         machine = machine_profile(profile, offload_dir=options.get("offload_dir"))
-    rows = tuple(_with_time(_measure(model, inputs, dict(kwargs or {}), options, policy, name), inputs, machine)
-                 for policy, name in zip(policies, names))
-    return PolicyComparison(rows)
+    rows, errors = [], []
+    for policy, name in zip(policies, names):
+        try:
+            if run:
+                row = _with_time(_measure(model, inputs, dict(kwargs or {}), options, policy, name), inputs, machine)
+            else:
+                row = _predict(model, inputs, dict(kwargs or {}), options, policy, name, machine)
+        except Exception as err:  # noqa: BLE001  (one policy's failure is its row, not the comparison's)
+            log.info("compare_policies: policy %r failed: %s: %s", name, type(err).__name__, err)
+            row = PolicyRow.failed(name, _cause(err), ran=run)
+            errors.append(err)
+        rows.append(row)
+    if len(errors) == len(rows):
+        raise errors[0]  # nothing to compare: the first policy's error, as compiling it alone would raise
+    return PolicyComparison(tuple(rows))
+
+
+def _predict(model, inputs, kwargs, options, policy, name, machine) -> PolicyRow:
+    """The row of `explain`'s predictions for one policy (no step runs)."""
+    from slcompile.errors import RefusedError
+    from slcompile.explain import explain
+
+    torch._dynamo.reset()
+    explanation = explain(model, *inputs, kwargs=kwargs, profile=machine, **{**options, "schedule": policy})
+    graph = next((g for g in explanation.graphs if g.fallback_reason is None and g.memory is not None), None)
+    if graph is None:
+        reason = explanation.graphs[0].fallback_reason if explanation.graphs else "Dynamo captured no graph"
+        raise RefusedError(f"policy {name!r}: the graph would compile without sub-batching, so no schedule to "
+                           f"compare ({reason or explanation.graphs[0].budget_error})")
+    return PolicyRow(
+        policy=name,
+        schedule=graph.schedule,
+        plan_peak_bytes=int(graph.memory.step_peak_bytes),
+        predicted_tier_peaks=dict(graph.predicted_peak_bytes),
+        time=graph.time,
+        ran=False,
+    )
+
+
+def _cause(error: BaseException) -> BaseException:
+    """The error `torch.compile` wrapped (a `PolicyError` inside a `CompileError`), or
+    `error` itself."""
+    while getattr(error, "inner_exception", None) is not None:
+        error = error.inner_exception
+    return error
 
 
 def _policy_name(policy: Any) -> str:

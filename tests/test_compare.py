@@ -205,3 +205,102 @@ def test_a_model_the_backend_refuses_is_an_error_not_a_row(zigzag_registered):
     with pytest.raises(slcompile.RefusedError, match="policy 'speedloader': the graph compiled without sub-batching"):
         slcompile.compare_policies(Flat(), torch.randn(4, 8), policies=["speedloader"], lowering="aot_eager")
     assert runtime_stats().resident_bytes.get(Tier.NVME, 0) == resident
+
+
+def _missing_suffix(request):
+    """Speedloader's schedule without `fwd suffix.sb0`: refused before anything compiles."""
+    from slcompile.schedules import Schedule, Step, speedloader_schedule
+
+    return Schedule(tuple(s for s in speedloader_schedule(request).steps if s != Step("fwd", "suffix", subbatch=0)))
+
+
+REFUSED = "PolicyError: schedule policy 'broken' at step `fwd suffix.sb0`: a compute step is missing"
+
+
+def test_a_failing_policy_keeps_the_other_rows(tmp_path):
+    idx, targets = make_gpt_batch(CFG, 4)
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    expected = float(model(idx, targets)[1])
+    compared = slcompile.compare_policies(model, idx, targets, policies=["speedloader", Policy("broken", _missing_suffix),
+                                                                        "zigzag_spilling"], profile=None, **OPTIONS)
+    assert compared.policies == ("speedloader", "broken", "zigzag_spilling")
+    broken = compared["broken"]
+    # The refusal reaches compare_policies through torch.compile: the row names the PolicyError inside.
+    assert broken.error.startswith(REFUSED)
+    assert broken.schedule == "" and broken.measured_peak_bytes is None and broken.figures()["error"] == broken.error
+    for row in (compared["speedloader"], compared["zigzag_spilling"]):
+        assert row.error is None and row.loss == pytest.approx(expected, abs=1e-5)
+        assert row.measured_peak_bytes > 0 and row.bytes_of("weight") > 0
+        assert row.schedule == row.report.planned_schedule.text()
+    lines = {line.split()[0]: line for line in compared.table().splitlines()[2:]}
+    assert lines["broken"].endswith(broken.error) and lines["broken"].split()[1] == "-"
+    assert compared.table().splitlines()[0].endswith("error")
+    # The diff is of the first two policies that compiled.
+    assert str(compared).endswith(compared.schedule_diff("speedloader", "zigzag_spilling"))
+    written = compared.write(tmp_path)
+    assert "broken/forward" not in written and "zigzag_spilling/forward" in written
+    assert broken.error in (tmp_path / "table.txt").read_text()
+
+
+def test_the_command_line_prints_the_error_of_a_failing_policy(tmp_path, capsys, zigzag_registered):
+    from slcompile.cli import main
+
+    register_policy(Policy("broken", _missing_suffix))
+    code = main(["compare", "cli_targets:tiny", "--policies", "speedloader,broken", "--lowering", "aot_eager",
+                 "--num-subbatches", "2", "--weights", "nvme", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    broken = next(line for line in out.splitlines() if line.startswith("broken "))
+    assert broken.split()[1] == "-" and broken.split("  ")[-1].startswith(REFUSED)
+    assert next(line for line in out.splitlines() if line.startswith("speedloader ")).split()[1] != "-"
+
+
+H100 = "h100-pcie5-nvme"
+PREDICTED = ("speedloader", "grad_accumulation")
+
+
+def test_without_running_the_rows_are_explain_s_predictions_ranked():
+    from slcompile.compare import predicted_bytes_moved
+
+    idx, targets = (t.to("meta") for t in make_gpt_batch(CFG, 4))
+    with torch.device("meta"):
+        model = TinyGPT(CFG)
+    compared = slcompile.compare_policies(model, idx, targets, run=False, profile=H100,
+                                          policies=[*PREDICTED, Policy("broken", _missing_suffix)], **OPTIONS)
+    assert compared["broken"].error.startswith(REFUSED) and not compared["broken"].ran
+    for policy in PREDICTED:
+        row = compared[policy]
+        explained = slcompile.explain(model, idx, targets, schedule=policy, profile=H100, **OPTIONS)
+        assert not row.ran and row.error is None and row.measured_peak_bytes is None
+        assert row.schedule == explained.schedule
+        assert row.plan_peak_bytes == explained.memory.step_peak_bytes
+        assert row.predicted_tier_peaks == explained.predicted_peak_bytes
+        assert row.predicted_step_seconds == explained.time.step_seconds
+        assert row.predicted_bytes_moved == predicted_bytes_moved(explained.time)
+    # grad_accumulation fetches each block's weights once per micro-batch per pass.
+    fetched = {policy: compared[policy].predicted_bytes_moved["fetch"] for policy in PREDICTED}
+    assert fetched["grad_accumulation"] > fetched["speedloader"] > 0
+    ranked = compared.ranked()
+    assert ranked[-1].policy == "broken"
+    keys = [(r.plan_peak_bytes, sum(r.predicted_bytes_moved.values()), r.predicted_step_seconds) for r in ranked[:-1]]
+    assert keys == sorted(keys)
+    table = compared.table().splitlines()
+    assert [line.split()[0] for line in table[2:]] == [r.policy for r in ranked]
+    assert table[0].split()[:3] == ["policy", "peak", "(plan)"] and "fetch moved" in table[0]
+    assert table[-1].endswith(compared["broken"].error)
+
+
+def test_without_running_a_model_with_weights_runs_no_step():
+    idx, targets = make_gpt_batch(CFG, 4)
+    model = TinyGPT(CFG)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    before, reports = runtime_stats().bytes_moved, len(slcompile.compile_reports())
+    row = slcompile.compare_policies(model, idx, targets, run=False, profile=H100, policies=["speedloader"],
+                                     **OPTIONS).rows[0]
+    # Nothing moved, nothing compiled, the weights untouched and without gradients.
+    assert runtime_stats().bytes_moved == before and len(slcompile.compile_reports()) == reports
+    for name, p in model.named_parameters():
+        assert p.grad is None and torch.equal(p, weights[name])
+    explained = slcompile.explain(model, idx, targets, schedule="speedloader", profile=H100, **OPTIONS)
+    assert row.plan_peak_bytes == explained.memory.step_peak_bytes > 0

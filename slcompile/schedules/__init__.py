@@ -6,11 +6,13 @@ The kit for writing a policy: the vocabulary (`Step`, `Schedule`, `ScheduleReque
 (`layer_major_compute` writes the compute steps in speedloader's order; `add_fetches`,
 `add_stashes`, `add_spills`, `add_stores` and `add_gradient_stores` add the transfers a request
 needs around any compute order), `validate_schedule` (what every schedule a `Policy`
-returns must pass), and `register_policy`, which makes a policy's name a value of the
-`schedule` option.
+returns must pass), `register_policy`, which makes a policy's name a value of the
+`schedule` option, and `replay(schedule)`, the policy that writes one given schedule
+(read with `Schedule.from_json` or `Schedule.from_text`).
 """
 
 from slcompile.schedules.base import (
+    REQUEST_FIELDS,
     TRANSFER_KINDS,
     Policy,
     Schedule,
@@ -23,6 +25,7 @@ from slcompile.schedules.base import (
 from slcompile.schedules.derive import schedule_of
 from slcompile.schedules.grad_accumulation import grad_accumulation_schedule
 from slcompile.schedules.policies import POLICIES, plan_schedule, policy_for, register_policy
+from slcompile.schedules.replay import replay
 from slcompile.schedules.speedloader import (
     add_spills,
     add_stashes,
@@ -38,6 +41,8 @@ __all__ = [
     "ScheduleRequest",
     "Policy",
     "TRANSFER_KINDS",
+    "REQUEST_FIELDS",
+    "replay",
     "layer_major_compute",
     "add_fetches",
     "add_stashes",

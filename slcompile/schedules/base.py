@@ -38,24 +38,45 @@ line per step:
     decode store_kv.issue blk2.sb0  store its new positions
 
 `<phase> <kind> <tag>`, where the tag names whose data moves (`blk4`: the weights of
-block 4 for all sub-batches; `blk2.sb0`: what (block 2, sub-batch 0) owns). Runs of the
-same line collapse into one, and transfer lines do not interrupt a compute run: a
-compute line is written when the computing (block, sub-batch) changes.
+block 4 for all sub-batches; `blk2.sb0`: what (block 2, sub-batch 0) owns). In the
+schedule read back from graphs (`schedule_of`), runs of the same line collapse into
+one, and transfer lines do not interrupt a compute run: a compute line is written when
+the computing (block, sub-batch) changes.
+
+A schedule is data: `Schedule.from_text(schedule.text())` and
+`Schedule.from_json(schedule.to_json())` give back an equal schedule (steps compare
+equal; an issue serving its own phase is the same step with `serves=None`), so a
+schedule written elsewhere (an external solver's) can be read, validated and replayed
+(`slcompile.schedules.replay`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
-from slcompile.meta import format_tag
+from slcompile.meta import format_tag, parse_tag
 from slcompile.vocabulary import issued_visit
 
 __all__ = [
     "Step", "Schedule", "SavedActivation", "PhaseOrder", "ScheduleRequest", "Policy", "TRANSFER_KINDS", "add_fetches",
-    "add_gradient_stores", "next_region",
+    "add_gradient_stores", "next_region", "REQUEST_FIELDS", "SCHEDULE_FORMAT",
 ]
+
+SCHEDULE_FORMAT = "slcompile.schedule/1"
+"""The `format` of `Schedule.to_json()`'s text."""
+
+REQUEST_FIELDS = (
+    "blocks", "num_subbatches", "live_blocks", "weights_streamed", "activations_offloaded", "backward",
+    "has_prefix", "has_suffix", "gradients_offloaded",
+)
+"""The `ScheduleRequest` fields a schedule is written for and `to_json` keeps: what
+the compiled graph is (its blocks, K, its tiers), not what the planner learnt on the
+way (`saved`, `offload_at_least`, `stash_everything`, `timing`)."""
+
+_STEP_FIELDS = ("phase", "region", "block", "subbatch", "kind", "serves")
 
 TRANSFER_KINDS = (
     "fetch.issue", "fetch.wait", "stash.issue", "stash.wait", "unstash.issue", "unstash.wait",
@@ -89,6 +110,32 @@ class Step:
     subbatch: int | None = None
     kind: str = "compute"
     serves: str | None = None
+
+    def __post_init__(self) -> None:
+        # An issue serving its own phase is written without `@phase`: one step, one text.
+        if self.serves is not None and self.serves == self.phase and self.kind.endswith(".issue"):
+            object.__setattr__(self, "serves", None)
+
+    @classmethod
+    def from_text(cls, line: str) -> Step:
+        """The step of one text line (`Step.text()`'s inverse): `fwd blk3.sb1`,
+        `fwd fetch.issue blk0@bwd`, `prefill prefix`.
+
+        Raises:
+            ValueError: the line is not a step's text.
+        """
+        words = line.split()
+        if len(words) not in (2, 3):
+            raise ValueError(f"not a schedule step: {line!r} (`<phase> <tag>` or `<phase> <kind> <tag>`)")
+        phase, tag = words[0], words[-1]
+        kind = "compute" if len(words) == 2 else words[1]
+        if kind != "compute" and kind not in TRANSFER_KINDS:
+            raise ValueError(f"not a schedule step: {line!r}: kind {kind!r} is not one of {', '.join(TRANSFER_KINDS)}")
+        serves = None
+        if "@" in tag and kind != "compute":
+            tag, serves = tag.split("@", 1)
+        region, block, subbatch = parse_tag(tag)
+        return cls(phase, region, block, subbatch, kind, serves)
 
     @property
     def tag(self) -> str:
@@ -130,6 +177,69 @@ class Schedule:
 
     def text(self) -> str:
         return "\n".join(step.text() for step in self.steps)
+
+    @classmethod
+    def from_text(cls, text: str) -> Schedule:
+        """The schedule of `text()`, one step per line (blank lines skipped); it
+        carries no policy and no request.
+
+        Raises:
+            ValueError: naming the line that is not a step.
+        """
+        steps = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    steps.append(Step.from_text(line))
+                except ValueError as err:
+                    raise ValueError(f"schedule line {number}: {err}") from None
+        return cls(tuple(steps))
+
+    def to_json(self) -> str:
+        """The schedule as JSON text: `format` (`SCHEDULE_FORMAT`), `policy` (the
+        writer's name, or null), `request` (its `REQUEST_FIELDS`, or null) and
+        `steps`, one object a line with every `Step` field (null where None)."""
+        request = None
+        if self.request is not None:
+            request = {name: getattr(self.request, name) for name in REQUEST_FIELDS}
+            request["blocks"] = list(request["blocks"])
+        head = [
+            f'  "format": {json.dumps(SCHEDULE_FORMAT)}',
+            f'  "policy": {json.dumps(self.policy.name if self.policy is not None else None)}',
+            f'  "request": {json.dumps(request)}',
+        ]
+        steps = ",\n".join(
+            "    " + json.dumps({name: getattr(step, name) for name in _STEP_FIELDS}) for step in self.steps
+        )
+        return "{\n" + ",\n".join(head) + ',\n  "steps": [\n' + steps + "\n  ]\n}\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        """The schedule of `to_json()`'s text (or any JSON of that shape: a step's
+        `block`, `subbatch` and `serves` may be left out for None, its `kind` for
+        "compute"). Its `request` (the `REQUEST_FIELDS`; the others at their
+        defaults) says what it was written for; its policy is not kept.
+
+        Raises:
+            ValueError: not that format, naming the step or field at fault.
+        """
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("format") != SCHEDULE_FORMAT:
+            raise ValueError(f"not a schedule's JSON: its \"format\" must be {SCHEDULE_FORMAT!r}")
+        if not isinstance(data.get("steps"), list):
+            raise ValueError("a schedule's JSON needs \"steps\": a list of steps")
+        steps = []
+        for number, fields in enumerate(data["steps"]):
+            if not isinstance(fields, dict) or set(fields) - set(_STEP_FIELDS) or not {"phase", "region"} <= set(fields):
+                raise ValueError(f"step {number}: {fields!r} is not a step (fields: {', '.join(_STEP_FIELDS)}; "
+                                 "phase and region required)")
+            steps.append(Step(**fields))
+        request = data.get("request")
+        if request is not None:
+            if not isinstance(request, dict) or set(request) != set(REQUEST_FIELDS):
+                raise ValueError(f"\"request\" must have exactly the fields {', '.join(REQUEST_FIELDS)}")
+            request = ScheduleRequest(**{**request, "blocks": tuple(request["blocks"])})
+        return cls(tuple(steps), request=request)
 
     def phase(self, phase: str) -> Schedule:
         return Schedule(tuple(s for s in self.steps if s.phase == phase))
