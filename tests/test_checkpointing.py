@@ -1,7 +1,9 @@
 """Gradient checkpointing (`torch.utils.checkpoint` around each layer, as a Hugging
 Face model's `gradient_checkpointing_enable()` does) runs layer-major: the
 checkpointed layers are inlined and recomputed per block and sub-batch
-(`recompute="blocks"`); loss and every gradient equal eager."""
+(`recompute="blocks"`); loss and every gradient equal eager. T5's decoder, whose
+layers transformers' code puts in graphs of their own under checkpointing, runs
+plainly, its layers' parts taken for no blocks."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 import torch.utils.checkpoint
 
 import slcompile
+import test_model_zoo as zoo
 from conftest import assert_matches_eager
 from models import hf_llama
 from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
@@ -90,3 +93,47 @@ def test_checkpointed_blocks_with_a_growing_batch_equal_eager():
             torch.testing.assert_close(p.grad, ref.grad, msg=name)
     assert len(slcompile.compile_reports()) == 2
     assert all(r.fallback_reason is None and len(r.blocks) == 2 for r in slcompile.compile_reports())
+
+
+def test_t5_with_gradient_checkpointing_splits_its_encoder_and_runs_each_decoder_layer_plainly(caplog):
+    """transformers' T5 breaks the graph in its decoder under checkpointing (a
+    `logger.warning_once` in a loop, `position_bias.requires_grad = True` in the
+    first layer's cross-attention), so a decoder layer lands in a graph of its own:
+    its parts (self-attention, cross-attention, feed-forward) are no blocks, that
+    graph compiles plainly and says why. The encoder's two layers split; loss and
+    every gradient equal eager."""
+    model, call = zoo.FAMILIES["T5"]()
+    model.train()
+    model.gradient_checkpointing_enable()
+    with caplog.at_level(logging.INFO, logger="slcompile"):
+        assert_matches_eager(model, call, OPTIONS, atol=2e-5, rtol=2e-5)
+    reports = slcompile.compile_reports()
+    assert [r.blocks for r in reports if r.blocks] == [("encoder.block.0", "encoder.block.1")]
+    assert all(r.fallback_reason is None for r in reports if r.blocks)
+    reasons = [r.fallback_reason for r in reports if not r.blocks]
+    assert all(reason.startswith("no blocks: compiled plainly") for reason in reasons), reasons
+    parts = ("no blocks: compiled plainly (layer.0 (T5LayerSelfAttention), layer.1 (T5LayerCrossAttention), "
+             "layer.2 (T5LayerFF) are each of another class: the parts of one module, not repeated blocks")
+    assert any(reason.startswith(parts) for reason in reasons), reasons
+    assert parts in caplog.text
+
+
+def test_t5_decoder_splits_when_its_attention_leaves_the_position_bias_alone():
+    """`gradient_checkpointing = False` on each `T5Attention` (set only to make the
+    zeros position bias of the first cross-attention require grad, which the
+    non-reentrant checkpoint of `gradient_checkpointing_enable()` does not need; the
+    layers stay checkpointed) removes the break inside the decoder's layers: the
+    decoder is one graph, and encoder and decoder each split, like eager."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    model, call = zoo.FAMILIES["T5"]()
+    model.train()
+    model.gradient_checkpointing_enable()
+    for module in model.modules():
+        if isinstance(module, T5Attention):
+            module.gradient_checkpointing = False
+    assert_matches_eager(model, call, OPTIONS, atol=2e-5, rtol=2e-5)
+    reports = slcompile.compile_reports()
+    assert [r.blocks for r in reports if r.blocks] == [("encoder.block.0", "encoder.block.1"), ("block.0", "block.1")]
+    assert all(r.fallback_reason is None for r in reports if r.blocks)
+    assert all(r.fallback_reason.startswith("no blocks: compiled plainly") for r in reports if not r.blocks)

@@ -9,6 +9,13 @@ between two block nodes belongs to the block that is running. Blocks are grouped
 structural identity (same ops, same parameter shapes, same wiring): "repeated" means
 structurally identical, not the same name pattern (T5's block 0 differs from the rest).
 
+A container whose numbered children are each of a different class holds the parts of
+one module, not repeated blocks: a graph that holds one T5 layer (`T5Block`, alone in
+its graph when graph breaks split the decoder) has `layer.0`, `layer.1`, `layer.2`
+(`T5LayerSelfAttention`, `T5LayerCrossAttention`, `T5LayerFF`), and running those
+layer-major would claim blocks the model does not repeat. Such a container is no
+stack; a graph left with no other is compiled plainly, its reason naming the parts.
+
 A graph may hold more than one stack of blocks (an encoder's `encoder.block.N`, then
 a decoder's `decoder.block.N`). Besides the container with the most block nodes, every
 other container that is not inside a block of another, runs in a stretch of the graph
@@ -102,11 +109,17 @@ def find_blocks(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> BlockGrap
 
     # Which container's numbered children own the most call nodes.
     owners: dict[str, Counter] = defaultdict(Counter)
+    kinds: dict[str, dict[int, str]] = defaultdict(dict)  # container -> index -> class name
     for node in calls:
-        for container, index in _indexed_paths(node):
+        for container, index, kind in _indexed_modules(node):
             owners[container][index] += 1
+            kinds[container].setdefault(index, kind)
     if not owners:
         raise NoBlocksError("no module list (layers.N, h.N, ...) owns graph nodes", "find_blocks")
+    parts = [c for c in owners if len(kinds[c]) > 1 and len(set(kinds[c].values())) == len(kinds[c])]
+    owners = {c: counts for c, counts in owners.items() if c not in parts}
+    if not owners:
+        raise NoBlocksError(_parts_reason(min(parts, key=len), kinds), "find_blocks")
     container = max(owners, key=lambda c: (sum(owners[c].values()), len(owners[c]), -len(c)))
     stacks = _stacks(calls, owners, container, params)
 
@@ -195,6 +208,14 @@ def _pretty(container: str) -> str:
     return module_path(container)
 
 
+def _parts_reason(container: str, kinds: dict[str, dict[int, str]]) -> str:
+    pretty = _pretty(container)
+    children = ", ".join(f"{pretty}.{index} ({kind})" if pretty else f"{index} ({kind})"
+                         for index, kind in sorted(kinds[container].items()))
+    return (f"{children} are each of another class: the parts of one module, not repeated blocks "
+            "(a graph that holds one layer)")
+
+
 def _stacks(calls: list[torch.fx.Node], owners: dict[str, Counter], main: str, params: set[str]) -> list[str]:
     """The containers whose children are blocks, in execution order: `main` and the
     other stacks (see the module docstring)."""
@@ -251,11 +272,18 @@ def _stacks(calls: list[torch.fx.Node], owners: dict[str, Counter], main: str, p
 
 def _indexed_paths(node: torch.fx.Node):
     """(container, index) for every numbered module the node runs inside."""
+    for container, index, _kind in _indexed_modules(node):
+        yield container, index
+
+
+def _indexed_modules(node: torch.fx.Node):
+    """(container, index, class name) for every numbered module the node runs inside."""
     stack = node.meta.get("nn_module_stack") or {}
-    for path, _type in stack.values():
+    for path, kind in stack.values():
         match = _INDEXED.match(path)
         if match:
-            yield match.group(1), int(match.group(2) or match.group(3))
+            name = getattr(kind, "__qualname__", None) or str(kind).rsplit(".", 1)[-1].strip("'>")
+            yield match.group(1), int(match.group(2) or match.group(3)), name
 
 
 def _signature(nodes: list[torch.fx.Node], params: set[str]) -> str:

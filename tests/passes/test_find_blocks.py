@@ -1,7 +1,11 @@
-"""find_blocks alone on the Dynamo graph of a two-block MLP."""
+"""find_blocks alone on the Dynamo graph of a two-block MLP, an encoder-decoder, and
+layers made of parts of different classes."""
 
+import pytest
 import torch
 from expecttest import assert_expected_inline
+
+from slcompile.errors import NoBlocksError
 
 
 def test_find_blocks_splits_prefix_blocks_suffix(pipeline, printer, mlp):
@@ -106,3 +110,55 @@ sum_2: suffix
 add_2: suffix
 prefix.sb0 prefix.sb1 blk0.sb0 blk0.sb1 blk1.sb0 blk1.sb1 blk2.sb0 blk2.sb1 blk3.sb0 blk3.sb1 suffix.sb0 suffix.sb1 suffix""")
     torch.testing.assert_close(state.gm(*state.example_inputs)[0], model(x, y))
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.softmax(self.linear(x), -1)
+
+
+class _FeedForward(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.relu(self.linear(x))
+
+
+class _Layer(torch.nn.Module):
+    """A layer made of parts of different classes, as T5's `T5Block.layer`."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.layer = torch.nn.ModuleList([_Attention(width), _FeedForward(width)])
+
+    def forward(self, x):
+        for part in self.layer:
+            x = part(x)
+        return x
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Layer(width) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_find_blocks_takes_no_parts_of_one_layer_for_blocks():
+    with pytest.raises(NoBlocksError, match=r"^no blocks: compiled plainly \(layer\.0 \(_Attention\), "
+                       r"layer\.1 \(_FeedForward\) are each of another class: the parts of one module, "
+                       r"not repeated blocks \(a graph that holds one layer\)\)$"):
+        _pipeline_of(_Layer(), torch.randn(4, 8), stop_after="find_blocks")
+    # Layers made of such parts are blocks.
+    blocks = _pipeline_of(_TwoLayers(), torch.randn(4, 8), stop_after="find_blocks").blocks
+    assert (blocks.container, [b.path for b in blocks.blocks]) == ("layers", ["layers.0", "layers.1"])
