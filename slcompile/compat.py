@@ -231,9 +231,6 @@ if not torch_is_supported():
     )
 
 
-_limit_watchers: list = []
-
-
 def watch_recompile_limit(callback) -> bool:
     """Calls `callback(limit_name, limit, compiler_fn, code)` each time Dynamo hits
     `limit_name` ("recompile_limit", "accumulated_recompile_limit") on `code` while
@@ -246,23 +243,29 @@ def watch_recompile_limit(callback) -> bool:
     """
     from torch._dynamo import convert_frame
 
-    original = getattr(convert_frame, "exceeds_recompile_limit", None)
-    if original is None:
+    current = getattr(convert_frame, "exceeds_recompile_limit", None)
+    if current is None:
         return False
-    if not _limit_watchers:
+    # The watchers live on the wrapper Dynamo calls, so that they outlive a reload
+    # of this module.
+    watchers = getattr(current, "slc_watchers", None)
+    if watchers is None:
+        original, watchers = current, []
+
         def exceeds_recompile_limit(cache_size, compile_id):
             exceeded, limit_name = original(cache_size, compile_id)
             if exceeded:
                 compiler_fn, code = _compiling()
                 limit = getattr(torch._dynamo.config, limit_name, None)
-                for watcher in tuple(_limit_watchers):
+                for watcher in tuple(watchers):
                     watcher(limit_name, limit, compiler_fn, code)
             return exceeded, limit_name
 
         exceeds_recompile_limit.__wrapped__ = original
+        exceeds_recompile_limit.slc_watchers = watchers
         convert_frame.exceeds_recompile_limit = exceeds_recompile_limit
-    if callback not in _limit_watchers:
-        _limit_watchers.append(callback)
+    if callback not in watchers:
+        watchers.append(callback)
     return True
 
 
