@@ -23,7 +23,7 @@ from slcompile.optim import OffloadedOptimizer, offload_optimizer
 from slcompile.checkpoint import load_sharded, save_sharded
 from slcompile.tune import Candidate, GenerationTuneResult, TuneResult, tune, tune_generation
 from slcompile.compare import PolicyComparison, PolicyRow, compare_policies
-from slcompile.schedules.base import Policy
+from slcompile.schedules.policy import Policy
 
 __all__ = [
     "SpeedLoaderConfig",

@@ -14,7 +14,6 @@ returns must pass), `register_policy`, which makes a policy's name a value of th
 from slcompile.schedules.base import (
     REQUEST_FIELDS,
     TRANSFER_KINDS,
-    Policy,
     Schedule,
     ScheduleRequest,
     Step,
@@ -22,6 +21,7 @@ from slcompile.schedules.base import (
     add_gradient_stores,
     next_region,
 )
+from slcompile.schedules.policy import Policy
 from slcompile.schedules.derive import schedule_of
 from slcompile.schedules.grad_accumulation import grad_accumulation_schedule
 from slcompile.schedules.policies import POLICIES, plan_schedule, policy_for, register_policy

@@ -61,7 +61,7 @@ from slcompile.meta import format_tag, parse_tag
 from slcompile.vocabulary import issued_visit
 
 __all__ = [
-    "Step", "Schedule", "SavedActivation", "PhaseOrder", "ScheduleRequest", "Policy", "TRANSFER_KINDS", "add_fetches",
+    "Step", "Schedule", "SavedActivation", "PhaseOrder", "ScheduleRequest", "TRANSFER_KINDS", "add_fetches",
     "add_gradient_stores", "next_region", "REQUEST_FIELDS", "SCHEDULE_FORMAT",
 ]
 
@@ -165,7 +165,8 @@ class Schedule:
     """
 
     steps: tuple[Step, ...]
-    policy: Policy | None = dataclasses.field(default=None, compare=False, repr=False)
+    # The `Policy` (`slcompile.schedules.policy`) that wrote it: request -> schedule.
+    policy: Callable[[ScheduleRequest], Schedule] | None = dataclasses.field(default=None, compare=False, repr=False)
     request: ScheduleRequest | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def replan(self, **changes) -> Schedule:
@@ -400,32 +401,6 @@ class ScheduleRequest:
     offload_at_least: int | None = None
     stash_everything: bool = False
     timing: Any = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """A named way to write a schedule.
-
-    Attributes:
-        name: the value of the `schedule` option that selects it.
-        build: `build(request) -> Schedule`.
-    """
-
-    name: str
-    build: Callable[[ScheduleRequest], Schedule]
-
-    def __call__(self, request: ScheduleRequest) -> Schedule:
-        """The schedule `build` writes for `request`, checked
-        (`slcompile.schedules.validate_schedule`) and carrying this policy and the
-        request (`Schedule.replan`).
-
-        Raises:
-            PolicyError: the schedule is not one the passes can compile as written.
-        """
-        from slcompile.schedules.validate import validate_schedule
-
-        schedule = validate_schedule(self.build(request), request, self.name)
-        return dataclasses.replace(schedule, policy=self, request=request)
 
 
 def next_region(key: tuple[str, int | None, int], request: ScheduleRequest) -> tuple[str, int | None, int] | None:

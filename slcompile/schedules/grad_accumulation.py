@@ -15,7 +15,8 @@ speedloader's gradient traffic.
 
 from __future__ import annotations
 
-from slcompile.schedules.base import Policy, Schedule, ScheduleRequest, Step, add_fetches, add_gradient_stores
+from slcompile.schedules.base import Schedule, ScheduleRequest, Step, add_fetches, add_gradient_stores
+from slcompile.schedules.policy import Policy
 from slcompile.schedules.speedloader import add_stashes
 
 __all__ = ["grad_accumulation_schedule", "GRAD_ACCUMULATION"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from slcompile.errors import PolicyError
 from slcompile.passes.find_blocks import BlockGraph
-from slcompile.schedules.base import Policy, Schedule, ScheduleRequest
+from slcompile.schedules.base import Schedule, ScheduleRequest
+from slcompile.schedules.policy import Policy
 from slcompile.schedules.examples.lifetime_aware import LIFETIME_AWARE
 from slcompile.schedules.examples.spilling import SPILLING, ZIGZAG_SPILLING
 from slcompile.schedules.grad_accumulation import GRAD_ACCUMULATION

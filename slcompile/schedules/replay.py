@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 
 from slcompile.errors import PolicyError
-from slcompile.schedules.base import REQUEST_FIELDS, Policy, Schedule, ScheduleRequest, Step
+from slcompile.schedules.base import REQUEST_FIELDS, Schedule, ScheduleRequest, Step
+from slcompile.schedules.policy import Policy
 
 __all__ = ["replay", "written_for"]
 

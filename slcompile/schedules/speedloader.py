@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 
 from slcompile.schedules.base import (
-    Policy,
     Schedule,
     ScheduleRequest,
     Step,
@@ -25,6 +24,7 @@ from slcompile.schedules.base import (
     add_gradient_stores,
     next_region,
 )
+from slcompile.schedules.policy import Policy
 from slcompile.schedules.planner import choose_stashes, load_issue_at, store_wait_at, unit_lifetimes
 
 __all__ = [

@@ -16,7 +16,8 @@ Select it with `options={"schedule": "lifetime_aware"}`, or pass
 
 from __future__ import annotations
 
-from slcompile.schedules.base import Policy, Schedule, ScheduleRequest, Step, add_fetches
+from slcompile.schedules.base import Schedule, ScheduleRequest, Step, add_fetches
+from slcompile.schedules.policy import Policy
 from slcompile.schedules.speedloader import add_stashes, add_stores, layer_major_compute
 
 __all__ = ["lifetime_aware_policy", "LIFETIME_AWARE"]

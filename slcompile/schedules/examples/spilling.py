@@ -17,7 +17,8 @@ Select them with `options={"schedule": "spilling"}` or `"zigzag_spilling"`, with
 
 from __future__ import annotations
 
-from slcompile.schedules.base import Policy, Schedule, ScheduleRequest, Step, add_fetches
+from slcompile.schedules.base import Schedule, ScheduleRequest, Step, add_fetches
+from slcompile.schedules.policy import Policy
 from slcompile.schedules.speedloader import add_spills, add_stashes, add_stores, layer_major_compute
 
 __all__ = ["spilling_policy", "zigzag_compute", "SPILLING", "ZIGZAG_SPILLING"]

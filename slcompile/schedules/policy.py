@@ -1,0 +1,40 @@
+"""`Policy`: a named way to write a schedule, whose every schedule is validated.
+
+Its own module: a policy's schedule passes `validate_schedule`
+(`slcompile.schedules.validate`), which reads the schedule's words from
+`slcompile.schedules.base`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from slcompile.schedules.base import Schedule, ScheduleRequest
+from slcompile.schedules.validate import validate_schedule
+
+__all__ = ["Policy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A named way to write a schedule.
+
+    Attributes:
+        name: the value of the `schedule` option that selects it.
+        build: `build(request) -> Schedule`.
+    """
+
+    name: str
+    build: Callable[[ScheduleRequest], Schedule]
+
+    def __call__(self, request: ScheduleRequest) -> Schedule:
+        """The schedule `build` writes for `request`, checked
+        (`slcompile.schedules.validate_schedule`) and carrying this policy and the
+        request (`Schedule.replan`).
+
+        Raises:
+            PolicyError: the schedule is not one the passes can compile as written.
+        """
+        schedule = validate_schedule(self.build(request), request, self.name)
+        return dataclasses.replace(schedule, policy=self, request=request)
