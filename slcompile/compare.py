@@ -392,7 +392,7 @@ def compare_policies(
         SpeedLoaderConfig.from_options({**options, "schedule": policy})  # every option checked before compiling
     machine = None
     if profile is not None:
-        from slcompile.profile import machine_profile
+        from slcompile.measure import machine_profile
 
         machine = machine_profile(profile, offload_dir=options.get("offload_dir"))
     rows, errors = [], []

@@ -212,7 +212,7 @@ def explain(
         the Explanation, one entry per captured graph, and the options that are not
         at their defaults with where each came from (printed first).
     """
-    from slcompile.profile import machine_profile
+    from slcompile.measure import machine_profile
 
     config = SpeedLoaderConfig.from_options(options)
     _, sources = defaults.resolve(options)

@@ -187,7 +187,7 @@ def tune(
     gm, example_inputs = captured[0]
     machine = None
     if profile is not None:
-        from slcompile.profile import machine_profile
+        from slcompile.measure import machine_profile
 
         machine = machine_profile(profile, offload_dir=options.get("offload_dir"))
         options = {**options, "machine_profile": machine}

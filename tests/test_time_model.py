@@ -193,7 +193,7 @@ def test_named_profiles_and_json_round_trip(tmp_path, monkeypatch):
 def test_a_measured_profile_is_cached_for_the_threads_and_torch_it_ran_with(tmp_path, monkeypatch, caplog):
     """A profile measured with 2 threads is not the one a 1-thread run predicts with:
     the cache is keyed by device, dtype, thread count and torch version."""
-    import slcompile.profile as profile_module
+    import slcompile.measure as profile_module
 
     measured = []
 
@@ -204,7 +204,7 @@ def test_a_measured_profile_is_cached_for_the_threads_and_torch_it_ran_with(tmp_
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SLC_PROFILE", raising=False)
-    monkeypatch.setattr(profile_module, "measure_profile", measure)
+    monkeypatch.setattr(profile_module, "measure_rates", measure)
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 1, 2):

@@ -228,7 +228,7 @@ def step_plan(state) -> StepPlan:
 def _profile(config):
     if config.machine_profile is None:
         return None
-    from slcompile.profile import machine_profile
+    from slcompile.measure import machine_profile
 
     return machine_profile(config.machine_profile, offload_dir=config.offload_dir)
 

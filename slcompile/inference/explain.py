@@ -205,7 +205,7 @@ def explain_generation(
     """
     rates = None
     if profile is not None:
-        from slcompile.profile import machine_profile
+        from slcompile.measure import machine_profile
 
         rates = machine_profile(profile, offload_dir=offload_dir)
     return _explain_generation(model, input_shape, max_new_tokens, num_subbatches, prefill_subbatches, weights,

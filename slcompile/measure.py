@@ -1,0 +1,299 @@
+"""The current machine's rates: measured once in a few seconds, cached on disk.
+
+`machine_profile()` returns the rates the time model scales by
+(`slcompile.analysis.machine.MachineProfile`): the one named by the environment
+variable `SLC_PROFILE` (a named profile or a JSON file), else the cached
+measurement of this machine as it runs now, else a new measurement
+(`measure_profile`), which is then cached. A measurement holds for what it ran on
+(`profile_key`: the device, the compute dtype, the compute thread count, the torch
+version), and is cached under that key
+(`~/.cache/slcompile/profile-<host>-cpu-float32-2threads-torch2.13.0.json`): a run with
+another thread count or torch measures anew. `machine_profile("h100-pcie5-nvme")`
+returns a named profile instead, for a machine you are not on.
+
+What is measured (each a best of a few repeats):
+- the matmul rate: square products of the compute dtype at a few sizes (small
+  products reach less of it);
+- the memory bandwidth: an out-of-place elementwise op (bytes read plus written,
+  into fresh memory as eager ops write);
+- the op overhead: a one-element add; the transfer ops' overhead: an `slc::mark`;
+- on CUDA, the pinned host <-> device copy rates;
+- the disk: O_DIRECT writes and reads of the nvme tier (`NvmeArena`, with its I/O
+  threads and checksums as a step uses them) at a small and a large size, fitted
+  as `latency + bytes / rate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import re
+import socket
+import time
+
+import torch
+
+from slcompile.analysis.machine import NAMED_PROFILES, MachineProfile, named_profile
+
+__all__ = ["machine_profile", "measure_rates", "profile_key", "profile_path"]
+
+log = logging.getLogger(__name__)
+
+
+def default_device(device) -> torch.device:
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def default_dtype(device: torch.device, dtype) -> torch.dtype:
+    return dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def profile_key(device: str | torch.device | None = None,
+                dtype: torch.dtype | None = None) -> tuple[tuple[str, str], ...]:
+    """What a measurement of this machine holds for, as `MachineProfile.measured_on`
+    records it: the device (a GPU by its name), the compute dtype (defaults as
+    `measure_profile`'s), the compute thread count and the torch version."""
+    device = default_device(device)
+    name = device.type
+    if device.type == "cuda":
+        name = f"cuda {torch.cuda.get_device_name(device)}"
+    return (("device", name), ("dtype", str(default_dtype(device, dtype)).removeprefix("torch.")),
+            ("threads", str(torch.get_num_threads())), ("torch", torch.__version__))
+
+
+def profile_path(device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> str:
+    """Where this machine's measurement for `profile_key(device, dtype)` is cached."""
+    key = dict(profile_key(device, dtype))
+    words = [socket.gethostname(), key["device"], key["dtype"], f"{key['threads']}threads", f"torch{key['torch']}"]
+    name = "-".join(re.sub(r"[^A-Za-z0-9.+_]+", "_", word) for word in words)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "slcompile", f"profile-{name}.json")
+
+
+def machine_profile(profile: str | MachineProfile | None = None, *, offload_dir: str | None = None,
+                    device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> MachineProfile:
+    """The profile to predict with.
+
+    Args:
+        profile: a `MachineProfile`; a named profile (`NAMED_PROFILES`); a path to a
+            profile's JSON; "current" or None: `SLC_PROFILE` if set, else this
+            machine's cached (or new) measurement for `profile_key(device, dtype)`.
+        offload_dir: where a new measurement writes its nvme test file.
+        device, dtype: the compute device and dtype the prediction is for (default:
+            `measure_profile`'s). A measured profile read from a file that ran on
+            anything else is used with a warning naming the difference.
+    """
+    if isinstance(profile, MachineProfile):
+        return profile
+    if profile in (None, "current"):
+        profile = os.environ.get("SLC_PROFILE") or None
+        if profile is None:
+            return _cached_measurement(offload_dir, device, dtype)
+    if profile in NAMED_PROFILES:
+        return NAMED_PROFILES[profile]
+    if os.path.isfile(profile):
+        with open(profile) as f:
+            loaded = MachineProfile.from_json(f.read())
+        _warn_if_measured_elsewhere(loaded, profile, profile_key(device, dtype))
+        return loaded
+    return named_profile(profile)  # raises, listing the names
+
+
+def _warn_if_measured_elsewhere(profile: MachineProfile, path: str, key) -> None:
+    if not profile.measured_on:
+        return
+    measured, now = dict(profile.measured_on), dict(key)
+    differences = [f"{what} {measured[what]} (now {now[what]})" for what in now
+                   if what in measured and measured[what] != now[what]]
+    if differences:
+        log.warning("the machine profile %s was measured with %s: its predictions may be off by that much",
+                    path, ", ".join(differences))
+
+
+def _cached_measurement(offload_dir, device, dtype) -> MachineProfile:
+    path = profile_path(device, dtype)
+    key = profile_key(device, dtype)
+    try:
+        with open(path) as f:
+            cached = MachineProfile.from_json(f.read())
+        if cached.measured_on == key:
+            return cached
+    except (OSError, ValueError, TypeError):
+        pass
+    profile = measure_rates(device, dtype=dtype, offload_dir=offload_dir)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(profile.to_json())
+    except OSError as err:
+        log.warning("could not cache the machine profile at %s: %s", path, err)
+    return profile
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_rates(device: str | torch.device | None = None, *, dtype: torch.dtype | None = None,
+                  offload_dir: str | None = None, nvme: bool = True) -> MachineProfile:
+    """Measures this machine's rates (a few seconds); `slcompile.profile.measure_profile`
+    fits the compute thread's fixed costs from compiled steps on top.
+
+    Args:
+        device: the compute device (default: CUDA if present, else the CPU).
+        dtype: the compute dtype of the matmul (default: bf16 on CUDA, fp32 on CPU).
+        offload_dir: the directory the nvme tier would use (default: the temp dir).
+        nvme: measure the disk (else its rates are left infinite).
+    """
+    began = time.perf_counter()
+    device = default_device(device)
+    dtype = default_dtype(device, dtype)
+    # Products of square matrices from small to large: small ones reach less of the rate.
+    sizes = (256, 1024, 4096) if device.type == "cuda" else (64, 128, 256, 512)
+    curve = []
+    for size in sizes:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        reps = max(3, int(2e8 // size ** 3)) if device.type != "cuda" else 20
+
+        def matmul():
+            for _ in range(reps):
+                torch.mm(a, b)
+            _sync(device)
+
+        curve.append((2.0 * size ** 3, 2 * size ** 3 * reps / _best(matmul, 3)))
+    matmul_flops = max(rate for _, rate in curve)
+    # An out-of-place elementwise op as eager runs it: fresh output memory each time.
+    numel = (256 << 20 if device.type == "cuda" else 8 << 20) // 4
+    src = torch.empty(numel, device=device, dtype=torch.float32).fill_(1.0)
+
+    def elementwise():
+        for _ in range(4):
+            torch.mul(src, 2.0)
+        _sync(device)
+
+    memory_bandwidth = 4 * 2 * src.nbytes / _best(elementwise, 5)
+    one = torch.ones(1, device=device)
+    ops = 2000
+
+    def tiny():
+        for _ in range(ops):
+            torch.ops.aten.add.Tensor(one, one)
+        _sync(device)
+
+    op_overhead = _best(tiny, 3) / ops
+    import slcompile.runtime  # noqa: F401  (registers what the slc:: ops do)
+
+    def marks():
+        for _ in range(ops // 4):
+            torch.ops.slc.mark("profile", True)
+
+    transfer_op = _best(marks, 3) / (ops // 4)
+    call_overhead = _measure_call(device)
+    link_h2d = link_d2h = math.inf
+    if device.type == "cuda":
+        host = torch.empty(numel, dtype=torch.float32, pin_memory=True)
+        link_h2d = host.nbytes / _best(lambda: (src.copy_(host, non_blocking=True), _sync(device)), 5)
+        link_d2h = host.nbytes / _best(lambda: (host.copy_(src, non_blocking=True), _sync(device)), 5)
+    del src
+    read = write = math.inf
+    latency = 0.0
+    if nvme:
+        write, read, latency, transfer_op = _measure_disk(offload_dir)
+    profile = MachineProfile(
+        name=f"{socket.gethostname()}-{device.type}", matmul_flops=matmul_flops, memory_bandwidth=memory_bandwidth,
+        op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op, call_overhead_seconds=call_overhead,
+        link_h2d=link_h2d, link_d2h=link_d2h,
+        link_latency_seconds=10e-6 if device.type == "cuda" else 0.0,
+        nvme_read=read, nvme_write=write, nvme_latency_seconds=latency, matmul_curve=tuple(curve),
+    )
+    source = (f"measured on {socket.gethostname()} ({device.type}, {torch.get_num_threads()} threads, "
+              f"{dtype}) in {time.perf_counter() - began:.1f} s")
+    return dataclasses.replace(profile, source=source, measured_on=profile_key(device, dtype))
+
+
+def _measure_call(device) -> float:
+    """Seconds one call of a compiled region costs beyond its ops: a function of a
+    dict of 16 tensors (as a layer step takes its weights) compiled with Dynamo's
+    eager backend, called, less the same op called directly."""
+    tensors = {f"w{i}": torch.ones(4, device=device) for i in range(16)}
+    x = torch.ones(4, device=device)
+
+    def region(tensors, x):
+        return x + tensors["w0"]
+
+    compiled = torch.compile(region, backend="eager", dynamic=False)
+    calls = 200
+    compiled(tensors, x)
+
+    def called(fn):
+        def run():
+            for _ in range(calls):
+                fn(tensors, x)
+            _sync(device)
+        return _best(run, 3) / calls
+
+    try:
+        return max(called(compiled) - called(region), 0.0)
+    finally:
+        torch._dynamo.reset_code(region.__code__)
+
+
+def _measure_disk(offload_dir) -> tuple[float, float, float, float]:
+    """(write bytes/s, read bytes/s, latency s, compute-thread seconds per transfer
+    op) of the nvme tier as a step uses it (`TransferEngine` stores and loads, their
+    I/O threads and checksums), fitted from small and large transfers."""
+    from slcompile.runtime.engine import TransferEngine
+    from slcompile.runtime.stats import Recorder
+
+    small, large = 64 << 10, 16 << 20
+    engine = TransferEngine(offload_dir, recorder=Recorder())
+    tensors = {n: torch.randn(n // 4) for n in (small, large)}
+    op_seconds = []
+    try:
+        def run(direction, nbytes, count):
+            keys = [f"profile{nbytes}.{i}" for i in range(count)]
+            if direction == "write":
+                handles = [engine.store(key, tensors[nbytes], "nvme", "activation") for key in keys]
+            else:
+                handles = [engine.load(key) for key in keys]
+            for handle in handles:
+                engine.wait(handle)
+
+        timings = {}
+        for direction in ("write", "read"):
+            for nbytes, count in ((small, 32), (large, 4)):
+                timings[direction, nbytes] = _best(lambda: run(direction, nbytes, count), 2) / count
+        # What the caller's thread spends per issue and per wait of a finished transfer.
+        keys = [f"profile{small}.{i}" for i in range(32)]
+        start = time.perf_counter()
+        handles = [engine.load(key) for key in keys]
+        issued = time.perf_counter() - start
+        for handle in handles:
+            handle.wait_done()
+        start = time.perf_counter()
+        for handle in handles:
+            engine.wait(handle)
+        op_seconds = (issued + time.perf_counter() - start) / (2 * len(keys))
+        rates, latencies = [], []
+        for direction in ("write", "read"):
+            t_small, t_large = timings[direction, small], timings[direction, large]
+            rate = (large - small) / max(t_large - t_small, 1e-9)
+            rates.append(rate)
+            latencies.append(max(t_small - small / rate, 0.0))
+        return rates[0], rates[1], sum(latencies) / 2, op_seconds
+    finally:
+        engine.close()
