@@ -171,6 +171,23 @@ class Explanation:
         """The first graph's predicted timeline (`TimePrediction`), or None."""
         return self._first().time
 
+    def write_predicted_timeline(self, out_dir, title: str | None = None):
+        """Writes the first graph's predicted timeline into `out_dir` as
+        `predicted_trace.json` (a Chrome trace) and `predicted_timeline.png`
+        (`slcompile.viz.pictures.write_predicted_timeline`); returns the paths by
+        picture.
+
+        Raises:
+            ValueError: there is no predicted timeline (`profile=None`, or a graph
+                compiled plainly).
+        """
+        from slcompile.viz.pictures import write_predicted_timeline
+
+        if self.time is None:
+            raise ValueError("no predicted timeline to write: explain(..., profile=None) predicts none, nor does "
+                             "a graph compiled plainly")
+        return write_predicted_timeline(out_dir, self.time, title)
+
     def __str__(self) -> str:
         parts = ["options: " + (", ".join(f"{name}={value!r} ({source})" for name, value, source in self.options)
                                 or "the defaults")]

@@ -16,6 +16,14 @@ hide, else kept or recomputed). Every candidate is in `TuneResult.tried`, with i
 options, peak, recomputation and predicted time, or why it was refused (a policy
 whose schedule the passes refuse for one plan is still tried with the others).
 
+`schedule=[...]` (policy names or `Policy` objects, preferred first) makes the policy
+one of the searched options: every policy is tried with every tier, K and window, in
+that order (a policy first, then the next). Without a profile the first plan that
+fits wins, so the first policy is preferred; with one, the plan of any policy that
+the time model predicts fastest. The chosen policy is `TuneResult.options["schedule"]`;
+a plan a policy cannot take (`no_offload` with weights off the device) is refused for
+that policy alone.
+
 The budget covers the whole step: with an optimizer (the offloaded optimizer
 attached to the model, or `optimizer=`, as in `slcompile.explain`), a plan whose
 forward and backward fit but whose `optimizer.step()` would not (the resident
@@ -84,6 +92,11 @@ class Candidate:
         return self.options["live_blocks"]
 
     @property
+    def policy(self) -> str:
+        """The name of the schedule policy it was evaluated with."""
+        return _policy_name(self.options.get("schedule", _default("schedule")))
+
+    @property
     def weights(self) -> str:
         return self.options.get("weights", "device")
 
@@ -96,7 +109,7 @@ class Candidate:
         from slcompile.units import format_bytes
 
         head = (f"K={self.num_subbatches} live_blocks={self.live_blocks} weights={self.weights} "
-                f"activations={self.activations}")
+                f"activations={self.activations} schedule={self.policy}")
         if self.peak_bytes is None:
             return f"{head}: refused" + (f" ({self.refused})" if self.refused else "")
         if not self.fits:
@@ -164,12 +177,19 @@ def tune(
         **options: other backend options, fixed (`lowering="aot_eager"`, ...);
             `weights` and `activations` may each be a list of tiers to choose from,
             preferred first (`weights=["device", "nvme"]`): every K and window is
-            tried with the first tiers before the next.
+            tried with the first tiers before the next. `schedule` may be a list of
+            policies (names or `Policy` objects), preferred first
+            (`schedule=["speedloader", "grad_accumulation"]`): each is tried with
+            every tier, K and window before the next, and the result's
+            `options["schedule"]` is the one chosen.
 
     Raises:
         BudgetError: no candidate fits; names the smallest budget any would need.
         RefusedError: the graph cannot be split into sub-batches at all.
-        OptionError: a bad option (a tier list among them).
+        OptionError: a bad option (a tier or policy list among them); with a list
+            of policies, options that conflict with one policy (`no_offload` and
+            weights off the device) refuse its candidates alone, and the error is
+            raised when they conflict with every policy.
         PolicyError: the `schedule` policy's schedule is refused for every
             candidate; a candidate it is refused for is skipped, and its
             `Candidate.refused` says why.
@@ -181,6 +201,7 @@ def tune(
     budget = parse_bytes(memory_budget, "memory_budget")
     check_optimizer(optimizer, optimizer_options, "tune")
     tiers = [(w, a) for w in _choices(options, "weights") for a in _choices(options, "activations")]
+    policies = _policies(options)
     captured = []
     capture_graphs(model, args, dict(kwargs or {}), lambda gm, example_inputs: captured.append((gm, example_inputs)),
                    fullgraph=True, run_as=loading_released_weights)
@@ -192,7 +213,35 @@ def tune(
         machine = machine_profile(profile, offload_dir=options.get("offload_dir"))
         options = {**options, "machine_profile": machine}
     return _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimizer, optimizer_options,
-                       options, machine, tiers)
+                       options, machine, tiers, policies)
+
+
+def _default(key: str) -> Any:
+    """An option's value when not given (`slcompile.defaults`, else the config's)."""
+    return getattr(SpeedLoaderConfig.from_options({}), key)
+
+
+def _policy_name(schedule: Any) -> str:
+    return schedule if isinstance(schedule, str) else getattr(schedule, "name", repr(schedule))
+
+
+def _policies(options: Mapping[str, Any]) -> list | None:
+    """The policies `options["schedule"]` lists, preferred first; None when it names
+    one policy (or none), which the config checks as for compiling."""
+    from slcompile.schedules.policies import unknown_policy
+
+    value = options.get("schedule")
+    if not isinstance(value, (list, tuple)):
+        return None
+    problems = [unknown_policy(v) for v in value if not callable(getattr(v, "build", None))]
+    if not value or any(problems):
+        raise OptionError(f"tune: schedule must be a policy or a list of policies (registered names or "
+                          f"slcompile.schedules.Policy objects), got {value!r}"
+                          + (f": {next(p for p in problems if p)}" if any(problems) else ""))
+    chosen: dict[str, Any] = {}
+    for policy in value:
+        chosen.setdefault(_policy_name(policy), policy)
+    return list(chosen.values())
 
 
 def _choices(options: Mapping[str, Any], key: str) -> list[str]:
@@ -207,7 +256,7 @@ def _choices(options: Mapping[str, Any], key: str) -> list[str]:
 
 
 def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimizer, optimizer_options, options,
-                machine=None, tiers=None):
+                machine=None, tiers=None, policies=None):
     from slcompile.backends.lowering import lower
     from slcompile.explain import plan_with_optimizer
     from slcompile.pipeline import run_pipeline
@@ -217,20 +266,34 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
     tiers = tiers or [(options.get("weights", "device"), options.get("activations", "device"))]
     if num_subbatches is None:
         weights, activations = tiers[0]
+        # The batch's size alone is read: any policy that takes these tiers will do.
+        probe_schedule = {"schedule": "speedloader"} if policies else {}
         probe_config = SpeedLoaderConfig.from_options(
-            {**options, "num_subbatches": 1, "weights": weights, "activations": activations})
+            {**options, "num_subbatches": 1, "weights": weights, "activations": activations, **probe_schedule})
         probe = run_pipeline(gm, example_inputs, probe_config, facts=process_facts(probe_config, example_inputs))
         batch = probe.batch.batch_size
         num_subbatches = [k for k in range(1, batch + 1) if batch % k == 0]
 
-    tried, smallest, fitting, policy_errors = [], None, [], []
-    for weights, activations in tiers:
+    tried, smallest, fitting, policy_errors, option_errors = [], None, [], [], []
+    plans = [(policy, weights, activations) for policy in (policies or [None]) for weights, activations in tiers]
+    for policy, weights, activations in plans:
         windows = list(live_blocks) if weights != "device" else list(live_blocks)[:1]
         for k in sorted(num_subbatches):
             for window in windows:
                 chosen = {**options, "weights": weights, "activations": activations, "num_subbatches": k,
                           "live_blocks": window, "memory_budget": budget}
-                config = SpeedLoaderConfig.from_options(chosen)
+                if policy is not None:
+                    chosen["schedule"] = policy
+                    try:
+                        config = SpeedLoaderConfig.from_options(chosen)
+                    except OptionError as err:
+                        # Options one policy cannot take (no_offload, weights on nvme)
+                        # leave the other policies to try.
+                        tried.append(Candidate(chosen, None, refused=str(err)))
+                        option_errors.append(err)
+                        continue
+                else:
+                    config = SpeedLoaderConfig.from_options(chosen)
                 try:
                     state = run_pipeline(gm, example_inputs, config, facts=process_facts(config, example_inputs))
                     report = CompileReport(config=config)
@@ -250,8 +313,10 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
                 if machine is None:
                     tried.append(Candidate(chosen, peak, recompute))
                     return TuneResult(chosen, report.memory, tuple(tried),
-                                      why="the first candidate that fits: tiers in the order given, then fewest "
-                                          "sub-batches, then most live blocks")
+                                      why="the first candidate that fits: "
+                                          + ("policies in the order given, then " if policies else "")
+                                          + "tiers in the order given, then fewest sub-batches, then most live "
+                                            "blocks")
                 from slcompile.explain import predict_step_time, transfer_tiers
 
                 timeline = predict_step_time(report, state, example_inputs, machine,
@@ -261,11 +326,14 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
     if fitting:
         seconds, _, best, memory, timeline = min(fitting, key=lambda item: item[:2])
         others = sorted(f[0] for f in fitting if f[2] is not best)
-        why = (f"predicted fastest on {machine.name} of {len(fitting)} plans that fit: "
-               f"{seconds * 1e3:.3f} ms a step, bound by {timeline.bound}")
+        why = (f"predicted fastest on {machine.name} of {len(fitting)} plans that fit"
+               + (f" (policies {', '.join(_policy_name(p) for p in policies)})" if policies else "")
+               + f": {seconds * 1e3:.3f} ms a step, bound by {timeline.bound}")
         if others:
             why += f"; the next {others[0] * 1e3:.3f} ms ({others[0] / seconds - 1:+.1%})"
         return TuneResult(best.options, memory, tuple(tried), time=timeline, why=why)
+    if smallest is None and option_errors and len(option_errors) == len(tried):
+        raise option_errors[0]  # the fixed options conflict with every policy listed
     if smallest is None and policy_errors and len(policy_errors) == len(tried):
         raise policy_errors[0]  # the policy's schedule is refused for every plan: its fault, not the graph's
     if smallest is None:

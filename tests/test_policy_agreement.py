@@ -115,7 +115,8 @@ def test_tune_skips_a_candidate_whose_schedule_is_refused_and_says_why():
     assert refused.live_blocks == 2 and not refused.fits and refused.peak_bytes is None
     assert refused.refused.startswith("schedule policy 'bare' at step `fwd fetch.wait blk0`: the compiled graphs "
                                       "make `fwd fetch.issue blk1` instead")
-    assert refused.describe().startswith("K=4 live_blocks=2 weights=nvme activations=nvme: refused (schedule policy")
+    assert refused.describe().startswith("K=4 live_blocks=2 weights=nvme activations=nvme schedule=bare: refused "
+                                         "(schedule policy")
     assert fitting.fits and result.options == fitting.options and result.options["live_blocks"] == 1
     # Refused for every plan, the policy's error is raised.
     with pytest.raises(slcompile.PolicyError, match="^schedule policy 'bare' at step `fwd fetch.wait blk0`"):

@@ -76,3 +76,36 @@ def test_tune_with_a_profile_times_every_tier_and_chooses_the_fastest():
     assert fastest.weights == "device"
     assert by_tiers["device", "nvme"] == by_tiers["device", "device"] == fastest.seconds
     assert min(by_tiers["nvme", "nvme"], by_tiers["nvme", "device"]) > fastest.seconds
+
+
+def test_tune_searches_the_policies_listed_and_chooses_the_one_predicted_fastest():
+    tiny = GPTConfig(n_layers=2, d_model=32)
+    idx, targets = make_gpt_batch(tiny, 4)
+    model = TinyGPT(tiny)
+    searched = {"num_subbatches": [2], "live_blocks": (2,), "lowering": "aot_eager", "min_offload_bytes": 0}
+    # grad_accumulation listed first: without a profile it wins, being first to fit.
+    policies = ["grad_accumulation", "speedloader"]
+    first = slcompile.tune(model, idx, targets, memory_budget="1GiB", weights="nvme", schedule=policies, **searched)
+    assert first.options["schedule"] == "grad_accumulation"
+    assert [c.policy for c in first.tried] == ["grad_accumulation"]
+    # With a profile both are timed; speedloader fetches each block's weights once
+    # a pass rather than once per sub-batch, so it is predicted faster on nvme.
+    timed = slcompile.tune(model, idx, targets, memory_budget="1GiB", weights="nvme", schedule=policies,
+                           profile="h100-pcie5-nvme", **searched)
+    assert {c.policy for c in timed.fitting} == {"grad_accumulation", "speedloader"}
+    fastest = min(timed.fitting, key=lambda c: c.seconds)
+    assert timed.options == fastest.options and timed.options["schedule"] == "speedloader"
+    assert timed.time.step_seconds == fastest.seconds
+    assert ["schedule=grad_accumulation" in c.describe() for c in timed.tried] == [True, False]
+    assert "policies grad_accumulation, speedloader" in timed.why
+    # A policy that cannot take a plan's tiers is refused for it alone.
+    mixed = slcompile.tune(model, idx, targets, memory_budget="1GiB", weights=["nvme", "device"],
+                           schedule=["no_offload", "speedloader"], **searched)
+    assert mixed.tried[0].policy == "no_offload" and "conflict" in mixed.tried[0].refused
+    assert mixed.options["schedule"] == "no_offload" and mixed.options["weights"] == "device"
+    # One name still works as before.
+    single = slcompile.tune(model, idx, targets, memory_budget="1GiB", schedule="grad_accumulation", **searched)
+    assert single.options["schedule"] == "grad_accumulation" and [c.policy for c in single.tried] == [
+        "grad_accumulation"]
+    with pytest.raises(slcompile.OptionError, match="tune: schedule must be a policy or a list of policies"):
+        slcompile.tune(model, idx, targets, memory_budget="1GiB", schedule=["speedloader", "zigzag?"], **searched)

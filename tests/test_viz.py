@@ -554,3 +554,44 @@ def test_timeline_title_names_the_policy_and_k(zigzag_spilling_step, tmp_path, m
     written = write_pictures(tmp_path, report, recorded, ("trace",))
     assert written["timeline"][0].stat().st_size > 0
     assert titles == ["timeline of one training step, policy zigzag_spilling, K=4"]
+
+
+def test_predicted_timeline_is_written_as_a_chrome_trace_and_a_picture(tmp_path):
+    tiny = GPTConfig(n_layers=2, d_model=32)
+    idx, targets = make_gpt_batch(tiny, 4)
+    explanation = slcompile.explain(TinyGPT(tiny), idx, targets, num_subbatches=2, weights="nvme",
+                                    activations="nvme", min_offload_bytes=0, lowering="aot_eager",
+                                    profile="h100-pcie5-nvme")
+    prediction = explanation.time
+    written = explanation.write_predicted_timeline(tmp_path)
+    assert written["predicted_trace"] == [tmp_path / "predicted_trace.json"]
+    assert written["predicted_timeline"] == [tmp_path / "predicted_timeline.png"]
+    assert (tmp_path / "predicted_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads((tmp_path / "predicted_trace.json").read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    # One slice per predicted event, in order, on one lane (tid) per lane of the prediction.
+    assert len(slices) == len(prediction.events)
+    lanes = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert sorted(lanes.values()) == sorted({event.lane for event in prediction.events})
+    assert [lanes[s["tid"]] for s in slices] == [event.lane for event in prediction.events]
+    assert {event.lane for event in prediction.events} >= {"compute", "disk"}
+    for slice_, event in zip(slices, prediction.events):
+        assert slice_["dur"] == pytest.approx(event.seconds * 1e6, abs=1e-3)
+        assert slice_["ts"] == pytest.approx(event.start * 1e6, abs=1e-3)
+    # Per lane, the busy microseconds are the prediction's, and no two slices overlap.
+    for tid, lane in lanes.items():
+        mine = sorted((s["ts"], s["ts"] + s["dur"]) for s in slices if s["tid"] == tid)
+        assert all(end <= start + 1e-6 for (_, end), (start, _) in zip(mine, mine[1:]))
+    busy = {lane: sum(s["dur"] for s in slices if s["tid"] == tid and s["cat"] != "stall")
+            for tid, lane in lanes.items()}
+    assert busy == pytest.approx({lane: seconds * 1e6 for lane, seconds in prediction.lane_seconds().items()})
+    # Transfers carry the measured trace's categories and bytes.
+    fetches = [s for s in slices if s["args"].get("transfer") == "fetch"]
+    assert fetches and all(s["cat"] == "load" and s["args"]["kind"] == "weight" for s in fetches)
+    stashes = [s for s in slices if s["args"].get("transfer") == "stash"]
+    assert stashes and all(s["cat"] == "store" and s["args"]["kind"] == "activation" for s in stashes)
+    assert sum(s["args"]["bytes"] for s in fetches) == sum(e.nbytes for e in prediction.events if e.kind == "fetch")
+    assert trace["otherData"]["predicted"] and trace["otherData"]["profile"] == "h100-pcie5-nvme"
+    with pytest.raises(ValueError, match="no predicted timeline to write"):
+        slcompile.explain(TinyGPT(tiny), idx, targets, num_subbatches=2, lowering="aot_eager",
+                          profile=None).write_predicted_timeline(tmp_path / "none")

@@ -11,6 +11,9 @@ Guarantees:
 - `write_pictures` writes only what was asked for and returns the paths it wrote,
   by picture: `forward.dot` (+ `.svg`, `.png` when `dot` exists), `backward.*`,
   `schedule.txt`, `trace.json` (Chrome trace), `timeline.png`, `memory.png`.
+- `write_predicted_timeline` needs no step: it writes the time model's timeline
+  (`explain(..., profile=...).time`) as `predicted_trace.json` (Chrome trace) and
+  `predicted_timeline.png`, beside the measured ones when both are asked for.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from slcompile.runtime.stats import StepStats, TimelineEvent, mark_step, timeline
 from slcompile.viz.memory import ResidentSample, ResidentSampler
 
-__all__ = ["RecordedStep", "record_step", "write_pictures", "timeline_title", "PICTURES"]
+__all__ = ["RecordedStep", "record_step", "write_pictures", "write_predicted_timeline", "timeline_title", "PICTURES"]
 
 log = logging.getLogger(__name__)
 
@@ -127,3 +130,32 @@ def write_pictures(
         events = recorded.events if recorded is not None else ()
         written["memory"] = [plot_memory(out / "memory.png", graphs, samples, events, memory=report.memory)]
     return written
+
+
+def write_predicted_timeline(
+    out_dir: str | pathlib.Path, prediction, title: str | None = None
+) -> dict[str, list[pathlib.Path]]:
+    """Writes a predicted timeline into `out_dir`: `predicted_trace.json` (open in
+    Perfetto or chrome://tracing) and `predicted_timeline.png`.
+
+    Args:
+        out_dir: the folder (created if missing).
+        prediction: a `slcompile.analysis.time.TimePrediction` (`explain(...,
+            profile=...).time`, `tune(..., profile=...).time`).
+        title: the picture's title; default: the profile, step time and bound.
+
+    Returns:
+        "predicted_trace" and "predicted_timeline" -> the paths written.
+    """
+    from slcompile.viz.plots import plot_timeline
+    from slcompile.viz.trace import predicted_chrome_trace, write_predicted_trace
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    title = title or (f"predicted step on {prediction.profile}: {prediction.step_seconds * 1e3:.3f} ms, "
+                      f"bound by {prediction.bound}")
+    return {
+        "predicted_trace": [write_predicted_trace(out / "predicted_trace.json", prediction)],
+        "predicted_timeline": [plot_timeline(out / "predicted_timeline.png", predicted_chrome_trace(prediction),
+                                             title)],
+    }

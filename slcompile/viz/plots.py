@@ -16,7 +16,9 @@ Guarantees:
 - `plot_timeline` draws the lanes of `trace.chrome_trace` as bars, the same slices a
   trace viewer shows, for a quick look without one; transfers take one colour per
   kind of data (weights, activations, gradients, optimizer state: `TRANSFER_COLORS`).
-  `plot_timelines` draws several (policies compared) one above the other.
+  `plot_timelines` draws several (policies compared) one above the other. A
+  predicted timeline (`trace.predicted_chrome_trace`) is drawn the same way, on its
+  own lanes (compute, link.h2d, disk, ...), its compute in one colour.
 """
 
 from __future__ import annotations
@@ -291,9 +293,12 @@ def plot_timelines(path: str | pathlib.Path, traces: Mapping[str, dict]) -> path
         axis.xaxis.set_tick_params(labelbottom=True)  # each panel keeps its time labels
     from matplotlib.patches import Patch
 
-    legend = [Patch(color=_LANE_COLORS["compute"], label="compute of one sub-batch"),
-              Patch(color=_SHARED_COLOR, label="compute shared by the sub-batches (weight fetches, combines)"),
-              Patch(color=_LANE_COLORS["stall"], label="compute waiting on a transfer")]
+    if all(trace.get("otherData", {}).get("predicted") for trace in traces.values()):
+        legend = [Patch(color=_LANE_COLORS["compute"], label="compute (predicted)")]
+    else:
+        legend = [Patch(color=_LANE_COLORS["compute"], label="compute of one sub-batch"),
+                  Patch(color=_SHARED_COLOR, label="compute shared by the sub-batches (weight fetches, combines)")]
+    legend.append(Patch(color=_LANE_COLORS["stall"], label="compute waiting on a transfer"))
     legend += [Patch(color=_transfer_color(kind), label=f"{_KIND_NAMES.get(kind, kind)} (load or store)")
                 for kind in sorted(kinds, key=_kind_rank)]
     figure.legend(handles=legend, loc="lower center", ncol=min(len(legend), 4), fontsize=8, frameon=False)
@@ -333,6 +338,8 @@ def _draw_lanes(axis, trace: dict, title: str, end: float) -> set[str]:
     lanes = trace_lanes(trace)
     rows = sorted(lanes)
     slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    # A predicted timeline's compute is per block, its sub-batches not told apart.
+    predicted = trace.get("otherData", {}).get("predicted", False)
     kinds: set[str] = set()
     for event in slices:
         row = rows.index(event["tid"])
@@ -342,7 +349,7 @@ def _draw_lanes(axis, trace: dict, title: str, end: float) -> set[str]:
             kind = event["args"].get("kind", "")
             kinds.add(kind)
             color = _transfer_color(kind)
-        elif event["cat"] == "compute" and ".sb" not in parse_region_label(event["name"])[0]:
+        elif event["cat"] == "compute" and not predicted and ".sb" not in parse_region_label(event["name"])[0]:
             color = _SHARED_COLOR
         axis.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.3)
         if event["cat"] == "compute" and width > end / 60:
@@ -355,7 +362,7 @@ def _draw_lanes(axis, trace: dict, title: str, end: float) -> set[str]:
     axis.set_yticks(range(len(rows)), [lanes[tid] for tid in rows])
     axis.set_ylim(len(rows) - 0.5, -0.5)  # every lane shown, the first on top, even when empty
     axis.set_xlim(0, end)
-    axis.set_xlabel("ms since the first event")
+    axis.set_xlabel("ms since the step's start (predicted)" if predicted else "ms since the first event")
     loads = [e for e in slices if e["cat"] == "load"]
     stores = [e for e in slices if e["cat"] == "store"]
     summary = (f"{len(loads)} loads ({format_bytes(sum(e['args']['bytes'] for e in loads))}), "

@@ -25,6 +25,15 @@ Guarantees:
   graphs (a region that calls `slc::fetch_weight(key)` consumes one load of that key,
   matched in time order), else from the stall that waited on it.
 - Timestamps are microseconds from the first event.
+
+`predicted_chrome_trace(prediction)` writes the time model's timeline
+(`slcompile.analysis.time.TimePrediction`, what `explain(..., profile=...)` prints) in
+the same format: one process, one lane (thread) per lane of the prediction
+("compute", then "link.h2d", "link.d2h", "disk", "network"), one complete slice per
+predicted event, the compute lane's stalls on it as "stall" slices; loads (fetch,
+unstash) and stores (stash, store_grad) take the categories "load" and "store" and
+`args["kind"]` the data moved, as the measured trace's do, so `plots.plot_timeline`
+draws either. Timestamps are microseconds from the step's start.
 """
 
 from __future__ import annotations
@@ -47,7 +56,8 @@ from slcompile.vocabulary import WeightKey, is_fetch
 if TYPE_CHECKING:  # the records only: reading a trace needs no runtime
     from slcompile.runtime.stats import TimelineEvent
 
-__all__ = ["chrome_trace", "write_chrome_trace", "trace_lanes", "lane_stream", "TRANSFER_LANES", "DEFAULT_STREAM"]
+__all__ = ["chrome_trace", "write_chrome_trace", "trace_lanes", "lane_stream", "TRANSFER_LANES", "DEFAULT_STREAM",
+           "predicted_chrome_trace", "write_predicted_trace"]
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +149,70 @@ def write_chrome_trace(
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(chrome_trace(events, graphs)))
+    return path
+
+
+# A predicted transfer's kind -> (its slice's category, the data it moves).
+_PREDICTED_TRANSFERS = {"fetch": ("load", "weight"), "unstash": ("load", "activation"),
+                        "stash": ("store", "activation"), "store_grad": ("store", "gradient")}
+_PREDICTED_LANE_ORDER = ("compute", "link.h2d", "link.d2h", "disk", "network")
+
+
+def predicted_chrome_trace(prediction) -> dict:
+    """The Trace Event Format document of a predicted timeline.
+
+    Args:
+        prediction: a `slcompile.analysis.time.TimePrediction` (`explain(...,
+            profile=...).time`, `tune(..., profile=...).time`).
+
+    Returns:
+        `{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}`, one
+        "X" slice per event of `prediction.events`, in their order.
+    """
+    events = prediction.events
+    # A transfer carried over from the step before may start before this one.
+    origin = min([0.0, *(event.start for event in events)])
+    names = {event.lane for event in events} | {"compute"}
+    ordered = sorted(names, key=lambda lane: (_PREDICTED_LANE_ORDER.index(lane)
+                                              if lane in _PREDICTED_LANE_ORDER else len(_PREDICTED_LANE_ORDER), lane))
+    tids = {lane: tid for tid, lane in enumerate(ordered, start=1)}
+    trace: list[dict] = [
+        {"ph": "M", "pid": _PID, "name": "process_name",
+         "args": {"name": f"slcompile prediction (profile {prediction.profile})"}},
+    ]
+    for lane, tid in tids.items():
+        trace.append({"ph": "M", "pid": _PID, "tid": tid, "name": "thread_name", "args": {"name": lane}})
+        trace.append({"ph": "M", "pid": _PID, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
+    for event in events:
+        # Both ends rounded, not the duration: slices that meet on a lane still meet.
+        start, end = (round((moment - origin) * 1e6, 3) for moment in (event.start, max(event.end, event.start)))
+        slice_ = {"ph": "X", "pid": _PID, "tid": tids[event.lane], "ts": start, "dur": round(end - start, 3)}
+        where = {"region": event.region, "phase": event.phase}
+        if event.kind == "compute":
+            slice_.update(name=f"{event.region} {event.phase}", cat="compute",
+                          args={**where, "flops": event.flops, "bytes": event.nbytes})
+        elif event.kind == "stall":
+            slice_.update(name=f"wait {event.region} {event.phase}", cat="stall", args=where)
+        else:
+            category, data = _PREDICTED_TRANSFERS.get(event.kind, ("transfer", event.kind))
+            slice_.update(name=f"{event.kind} {event.region} ({format_bytes(event.nbytes)})", cat=category,
+                          args={**where, "bytes": event.nbytes, "kind": data, "transfer": event.kind,
+                                "lane": event.lane,
+                                "MB/s": round(event.nbytes / event.seconds / 1e6, 1) if event.seconds > 0 else None})
+        trace.append(slice_)
+    return {
+        "traceEvents": trace,
+        "displayTimeUnit": "ms",
+        "otherData": {"producer": "slcompile", "predicted": True, "profile": prediction.profile,
+                      "step_seconds": prediction.step_seconds, "lanes": ordered},
+    }
+
+
+def write_predicted_trace(path: str | pathlib.Path, prediction) -> pathlib.Path:
+    """Writes `predicted_chrome_trace(prediction)` as JSON to `path`; returns the path."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(predicted_chrome_trace(prediction)))
     return path
 
 
