@@ -264,10 +264,27 @@ def explain(
     # The streamers, stashes and sinks planned here die with the plans: nothing compiled holds them.
     # Weights a compiled step moved to their tier are loaded for the captured run, as
     # the backend's plain graphs load them.
-    capture_graphs(model, args, kwargs, explain_graph, run_as=loading_released_weights)
+    try:
+        capture_graphs(model, args, kwargs, explain_graph, run_as=loading_released_weights)
+    except Exception as err:
+        if _asks_autocast_about_meta(err):
+            raise OptionError(
+                "this forward asks autocast about the meta device, which torch refuses, so it cannot be explained "
+                "without weights (transformers before 5.4 does so in its rotary embeddings): upgrade "
+                "transformers, or explain the model on the CPU") from err
+        raise
     if without_cache is not None:
         graphs[:] = [dataclasses.replace(graph, notes=graph.notes + (without_cache,)) for graph in graphs]
     return Explanation(tuple(graphs), tuple((name, getattr(config, name), source) for name, source in sources.items()))
+
+
+def _asks_autocast_about_meta(err: BaseException) -> bool:
+    """Whether capturing failed in `torch.is_autocast_enabled("meta")` or its like."""
+    while err is not None:
+        if isinstance(err, RuntimeError) and "unknown device type for autocast" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _without_kv_cache_on_meta(model, args, kwargs: dict) -> str | None:

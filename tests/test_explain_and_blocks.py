@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import slcompile
+from slcompile.errors import OptionError
 from conftest import assert_matches_eager
 from models import EXPECTED_SCHEDULE_K2, BatchNormBlock, GPTConfig, Stack, TinyGPT, hf_llama, make_gpt_batch
 
@@ -47,7 +48,10 @@ def test_explain_llama_keyword_inputs():
 def test_llama_on_the_meta_device_with_its_default_cache_is_explained_as_without_the_cache():
     """A Llama built on the meta device with the config's default `use_cache=True`
     is explained, without weights, as when called with `use_cache=False`: the
-    schedule of the same model on the CPU, the bytes of the call without a cache."""
+    schedule of the same model on the CPU, the bytes of the call without a cache.
+    transformers before 5.4 asks autocast about the meta device in its rotary
+    embeddings, which torch refuses: that is a clear error naming the way out."""
+    import transformers
     from transformers import LlamaForCausalLM
 
     config = hf_llama(num_hidden_layers=2).config
@@ -56,6 +60,10 @@ def test_llama_on_the_meta_device_with_its_default_cache_is_explained_as_without
     with torch.device("meta"):
         on_meta = LlamaForCausalLM(config)
     ids = torch.zeros(8, 16, dtype=torch.long, device="meta")
+    if tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 4):
+        with pytest.raises(OptionError, match="upgrade transformers, or explain the model on the CPU"):
+            slcompile.explain(on_meta, ids, kwargs={"labels": ids}, **options)
+        return
     explained = slcompile.explain(on_meta, ids, kwargs={"labels": ids}, **options)
     without_cache = slcompile.explain(on_meta, ids, kwargs={"labels": ids, "use_cache": False}, **options)
     cpu_ids = torch.zeros(8, 16, dtype=torch.long)
