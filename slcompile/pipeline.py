@@ -21,7 +21,8 @@ A graph Dynamo hands the backend goes through these stages (see
 The lowering (`slcompile.backends.lowering`) runs the stages after Dynamo's from
 AOTAutograd's hooks, once per recompute choice it tries. To add a pass, write a
 function of the stage's state (see `slcompile.passes.manager`) and add a `Pass` to
-the stage's list; the Inductor cache key covers its module.
+the stage's list (after Dynamo's stage, and a field to `StepResults` for what it
+returns); the Inductor cache key covers its module.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch.fx
 from slcompile.analysis.batch_propagation import BatchPlan, propagate_batch
 from slcompile.analysis.inputs import GraphInput, classify_inputs
 from slcompile.analysis.machine import ProcessFacts
-from slcompile.analysis.memory import predict_memory
+from slcompile.analysis.memory import MemoryPrediction, predict_memory
 from slcompile.analysis.time import step_seconds
 from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import PolicyError, RefusedError
@@ -48,20 +49,20 @@ from slcompile.passes.find_blocks import BlockGraph, find_blocks
 from slcompile.passes.fuse_weight_grads import fuse_weight_grads
 from slcompile.passes.inline_checkpoints import inline_checkpoints
 from slcompile.passes.interleave import InterleaveReport, interleave
-from slcompile.passes.manager import Pass, PassLog, StepState, run_passes
-from slcompile.passes.annotate_streams import annotate_streams, stream_key
-from slcompile.passes.mark_regions import drop_marks, mark_regions
-from slcompile.passes.outline_regions import outline_regions
+from slcompile.passes.manager import Pass, PassLog, run_passes
+from slcompile.passes.annotate_streams import StreamAnnotations, annotate_streams, stream_key
+from slcompile.passes.mark_regions import RegionMarks, drop_marks, mark_regions
+from slcompile.passes.outline_regions import RegionOutline, outline_regions
 from slcompile.passes.offload_activations import (
     OffloadedActivations,
     offload_saved,
     saved_activations,
     tag_block_recompute,
 )
-from slcompile.passes.offload_gradients import offload_gradients
+from slcompile.passes.offload_gradients import GradientReport, offload_gradients
 from slcompile.passes.order_layer_major import order_layer_major
 from slcompile.passes.spill_boundaries import SpilledBoundaries, spill_boundaries
-from slcompile.passes.stream_weights import StreamedWeights, place_prefetches, stream_weights, tag_fetch_views
+from slcompile.passes.stream_weights import PlacedPrefetches, StreamedWeights, place_prefetches, stream_weights, tag_fetch_views
 from slcompile.plans import StreamerPlan, new_name
 from slcompile.schedules.base import Schedule
 from slcompile.schedules.derive import schedule_of
@@ -71,6 +72,8 @@ from slcompile.schedules.validate import check_agreement
 
 __all__ = [
     "PipelineState",
+    "StepResults",
+    "StepState",
     "Pass",
     "PASSES",
     "JOINT_PASSES",
@@ -325,7 +328,62 @@ def run_stage(passes: Sequence[Pass], state: Any, passes_log: PassLog, **kwargs:
 
 
 # The stages after Dynamo's. Each function takes the StepState and returns its
-# record (stored in `step.results[name]`).
+# record, which the pass manager sets as `step.results.<pass name>`.
+
+
+@dataclasses.dataclass
+class StepResults:
+    """What each pass after Dynamo's stage returned (None: not run, disabled, or
+    nothing to do), one field per pass name of `JOINT_PASSES`, `PARTITIONED_PASSES`,
+    `INFERENCE_PASSES` and `COMPILED_PASSES`."""
+
+    tag_fetch_views: int | None = None
+    tag_block_recompute: int | None = None
+    fuse_weight_grads: int | None = None
+    order_layer_major: dict[str, int] | None = None
+    plan_transfers: Schedule | None = None
+    offload_activations: OffloadedActivations | None = None
+    spill_boundaries: SpilledBoundaries | None = None
+    place_prefetches: PlacedPrefetches | None = None
+    offload_gradients: GradientReport | None = None
+    derive_schedule: Schedule | None = None
+    predict_memory: MemoryPrediction | None = None
+    annotate_streams: StreamAnnotations | None = None
+    mark_regions: RegionMarks | None = None
+    compile_regions: RegionOutline | None = None
+    drop_marks: int | None = None
+
+
+@dataclasses.dataclass
+class StepState:
+    """What the passes after Dynamo's stage work on.
+
+    Attributes:
+        plan: the `StepPlan` (`slcompile.backends.lowering`): streamer, stash,
+            schedule, tiers, budget.
+        report: the graph's `CompileReport` (its `config` holds the options).
+        graphs: the graphs by kind ("joint", "forward", "backward", "inference").
+        kind: in the "compiled" stage, the kind of the graph being compiled.
+        recompute: the recompute choice being tried ("none" or "blocks").
+        num_fwd_outputs: the partitioner's count of the forward's user outputs.
+        lowering: "aot_eager" or "inductor".
+        results: what each pass returned, one attribute per pass name
+            (`slcompile.pipeline.StepResults`), for the passes after it.
+    """
+
+    plan: Any
+    report: Any
+    graphs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    kind: str = ""
+    recompute: str = "none"
+    num_fwd_outputs: int | None = None
+    lowering: str = "aot_eager"
+    results: StepResults = dataclasses.field(default_factory=lambda: StepResults())
+
+    @property
+    def config(self):
+        return self.report.config
+
 
 
 def _joint_graph(step: StepState) -> torch.fx.Graph:
@@ -415,7 +473,7 @@ def _transfer_timing(step: StepState) -> TransferTiming | None:
 
 def step_schedule(step: StepState) -> Schedule:
     """The schedule of a partitioned step: `plan_transfers`'s, else the Dynamo stage's."""
-    return step.results.get("plan_transfers") or step.plan.schedule
+    return step.results.plan_transfers or step.plan.schedule
 
 
 def _offload_activations(step: StepState) -> OffloadedActivations:
@@ -465,7 +523,7 @@ def _predict_memory(step: StepState):
             activations_tier=plan.activations_tier if plan.stash is not None else "device",
             weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes, machine=plan.machine,
         )
-    offloaded = step.results.get("offload_activations") or OffloadedActivations()
+    offloaded = step.results.offload_activations or OffloadedActivations()
     return predict_memory(
         step.graphs["forward"], step.graphs["backward"],
         live_blocks=plan.live_blocks if plan.streamer is not None else 1,
@@ -587,7 +645,7 @@ def _compile_regions(step: StepState):
 
 
 def _drop_marks(step: StepState) -> int:
-    if step.lowering != "inductor" or step.results.get("compile_regions") is not None:
+    if step.lowering != "inductor" or step.results.compile_regions is not None:
         return 0
     _, dropped = drop_marks(step.graphs[step.kind])
     return dropped

@@ -47,8 +47,9 @@ from slcompile.passes.mark_regions import drop_marks
 from slcompile.passes.offload_activations import OffloadedActivations
 from slcompile import pipeline
 from slcompile.passes import manager as pass_manager
-from slcompile.passes.manager import StepState, pass_modules
+from slcompile.passes.manager import pass_modules
 from slcompile.pipeline import (
+    StepState,
     COMPILED_PASSES,
     INFERENCE_PASSES,
     JOINT_PASSES,
@@ -161,10 +162,10 @@ def lower(
             step = run_stage(
                 INFERENCE_PASSES, StepState(plan, report, {"inference": graph}, lowering=lowering), report.pass_log
             )
-            if "derive_schedule" in step.results:
-                report.schedule = step.results["derive_schedule"].text()
-            report.memory = step.results["predict_memory"]
-            report.spilled_boundaries = step.results.get("spill_boundaries")
+            if step.results.derive_schedule is not None:
+                report.schedule = step.results.derive_schedule.text()
+            report.memory = step.results.predict_memory
+            report.spilled_boundaries = step.results.spill_boundaries
 
         step = StepState(plan, report, {kind: graph}, kind=kind, lowering=lowering)
         run_stage(COMPILED_PASSES, step, report.pass_log, label=kind)
@@ -249,8 +250,8 @@ class _PlannedPartition:
         return f"recompute={recompute}" + (",stash=all" if everything else "")
 
     def _keep_schedules(self, step: StepState, derived: Schedule | None) -> None:
-        if step.results.get("plan_transfers") is not None:
-            self.report.planned_schedule = step.results["plan_transfers"]
+        if step.results.plan_transfers is not None:
+            self.report.planned_schedule = step.results.plan_transfers
         if derived is not None:
             self.report.schedule = derived.text()
 
@@ -284,22 +285,22 @@ class _PlannedPartition:
                 # "compare report.planned_schedule.text() with report.schedule".
                 self._keep_schedules(step, getattr(err, "derived_schedule", None))
                 raise
-            prediction = step.results["predict_memory"]
+            prediction = step.results.predict_memory
             tried.append(prediction)
-            offloaded = step.results.get("offload_activations")
-            schedule = step.results.get("plan_transfers")
+            offloaded = step.results.offload_activations
+            schedule = step.results.plan_transfers
             if plan.memory_budget is not None and schedule is not None and \
                     prediction.peak_bytes["device"] - kept_bytes(schedule) > plan.memory_budget:
                 hopeless.add(recompute)  # or nothing more to stash: the same plan again
             if plan.memory_budget is None or prediction.peak_bytes["device"] <= plan.memory_budget:
                 self.report.memory = prediction
                 self.report.offloaded_activations = offloaded if offloaded is not None else OffloadedActivations()
-                self.report.spilled_boundaries = step.results.get("spill_boundaries")
-                self.report.offloaded_gradients = step.results.get("offload_gradients")
-                if "derive_schedule" in step.results:
-                    self.report.schedule = step.results["derive_schedule"].text()
-                if step.results.get("plan_transfers") is not None:
-                    self.report.planned_schedule = step.results["plan_transfers"]
+                self.report.spilled_boundaries = step.results.spill_boundaries
+                self.report.offloaded_gradients = step.results.offload_gradients
+                if step.results.derive_schedule is not None:
+                    self.report.schedule = step.results.derive_schedule.text()
+                if step.results.plan_transfers is not None:
+                    self.report.planned_schedule = step.results.plan_transfers
                 self.report.partitioned = {"forward": fw, "backward": bw}
                 log.info("speedloader: %s", prediction)
                 return fw, bw
@@ -413,7 +414,7 @@ def _inductor(gm, example_inputs, prepare, partition_hook, hold):
             kind = "forward"
         with inductor_config.patch(INDUCTOR_PATCHES):
             step = prepare(kind, graph)
-            if step.results.get("compile_regions") is None:
+            if step.results.compile_regions is None:
                 return hold(compile_fx_inner(graph, inputs, **kwargs))
             try:
                 return hold(compile_fx_inner(step.graphs[kind], inputs, **kwargs))

@@ -32,9 +32,11 @@ and, for each one:
   with a note naming the pass, in every stage.
 
 Pass functions: a "dynamo" pass takes the `PipelineState` and returns the next one;
-a pass of the other stages takes the `StepState` (the plan, the report, the graphs by
+a pass of the other stages takes the `StepState` (`slcompile.pipeline`) (the plan, the report, the graphs by
 kind, the recompute choice being tried) and returns its result record (or None),
-which the runner stores in `step.results[name]` for the passes after it.
+which the runner sets as the attribute `name` of `step.results`, a record with one
+field per pass of those stages (`slcompile.pipeline.StepResults`), for the passes
+after it and the lowering.
 """
 
 from __future__ import annotations
@@ -59,7 +61,6 @@ __all__ = [
     "Pass",
     "PassLog",
     "PassError",
-    "StepState",
     "run_passes",
     "disabled_passes",
     "pass_modules",
@@ -121,36 +122,6 @@ class PassLog:
 
     def ran(self) -> str:
         return ", ".join(self.entries) or "none"
-
-
-@dataclasses.dataclass
-class StepState:
-    """What the passes after Dynamo's stage work on.
-
-    Attributes:
-        plan: the `StepPlan` (`slcompile.backends.lowering`): streamer, stash,
-            schedule, tiers, budget.
-        report: the graph's `CompileReport` (its `config` holds the options).
-        graphs: the graphs by kind ("joint", "forward", "backward", "inference").
-        kind: in the "compiled" stage, the kind of the graph being compiled.
-        recompute: the recompute choice being tried ("none" or "blocks").
-        num_fwd_outputs: the partitioner's count of the forward's user outputs.
-        lowering: "aot_eager" or "inductor".
-        results: pass name -> the record it returned, for the passes after it.
-    """
-
-    plan: Any
-    report: Any
-    graphs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    kind: str = ""
-    recompute: str = "none"
-    num_fwd_outputs: int | None = None
-    lowering: str = "aot_eager"
-    results: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    @property
-    def config(self):
-        return self.report.config
 
 
 def disabled_passes(declared: Iterable[Pass]) -> set[str]:
@@ -288,7 +259,9 @@ class PassError(RuntimeError):
 def _apply(step: Pass, state: Any) -> Any:
     if step.stage == "dynamo":
         return step.run(state)
-    state.results[step.name] = step.run(state)
+    if not hasattr(state.results, step.name):
+        raise TypeError(f"pass {step.name}: its stage's results record has no field {step.name!r}")
+    setattr(state.results, step.name, step.run(state))
     return state
 
 
@@ -319,7 +292,7 @@ def _dump(directory: pathlib.Path, passes_log: PassLog, step: Pass, state: Any) 
             dots.append(graph_to_dot(module, title=title, detail="auto"))
         else:
             texts.append(f"# {title}\n{graph}")
-    result = state.results.get(step.name) if step.stage != "dynamo" else None
+    result = getattr(state.results, step.name, None) if step.stage != "dynamo" else None
     if result is not None:
         texts.append(f"# result of {step.name}\n" + (result.text() if hasattr(result, "text") else str(result)))
     stem.with_suffix(".txt").write_text("\n".join(texts))

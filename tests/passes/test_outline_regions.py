@@ -76,8 +76,8 @@ def _compiled_stage(forward, monkeypatch, disable=""):
     it: (the step state, the passes run)."""
     from slcompile.backends.lowering import StepPlan
     from slcompile.config import SpeedLoaderConfig
-    from slcompile.passes.manager import PassLog, StepState
-    from slcompile.pipeline import COMPILED_PASSES, run_stage
+    from slcompile.passes.manager import PassLog
+    from slcompile.pipeline import COMPILED_PASSES, StepState, run_stage
     from slcompile.report import CompileReport
 
     monkeypatch.setenv("SLC_DISABLE", disable)
@@ -95,8 +95,8 @@ def test_the_pass_table_outlines_marked_graphs(partitioned, monkeypatch):
     assert_expected_inline(ran, """compiled[forward]/annotate_streams compiled[forward]/mark_regions compiled[forward]/compile_regions compiled[forward]/drop_marks""")
     # The outlined graph replaces the graph; its markers stay around the calls.
     assert step.graphs["forward"] is not forward
-    assert step.report.regions["forward"] == step.results["compile_regions"]
-    assert (step.results["drop_marks"], _marks(step.graphs["forward"])) == (0, 18)
+    assert step.report.regions["forward"] == step.results.compile_regions
+    assert (step.results.drop_marks, _marks(step.graphs["forward"])) == (0, 18)
 
 
 def test_a_graph_lowered_flat_loses_its_markers(partitioned, monkeypatch, caplog):
@@ -106,7 +106,7 @@ def test_a_graph_lowered_flat_loses_its_markers(partitioned, monkeypatch, caplog
     assert "pass compile_regions skipped (SLC_DISABLE)" in caplog.text
     assert_expected_inline(ran, """compiled[forward]/annotate_streams compiled[forward]/mark_regions compiled[forward]/drop_marks""")
     assert step.graphs["forward"] is forward and step.report.regions == {}
-    assert (step.results["drop_marks"], _marks(forward)) == (18, 0)
+    assert (step.results.drop_marks, _marks(forward)) == (18, 0)
 
 
 def _marks(gm) -> int:

@@ -2,7 +2,9 @@
 name; unknown names and checks refused; errors name the passes run."""
 
 import copy
+import dataclasses
 import re
+import types
 
 import pytest
 import torch
@@ -10,8 +12,8 @@ from expecttest import assert_expected_inline
 
 import slcompile
 from slcompile.errors import RefusedError
-from slcompile.passes.manager import Pass, PassError, PassLog, StepState, disabled_passes, pass_modules, run_passes
-from slcompile.pipeline import all_passes
+from slcompile.passes.manager import Pass, PassError, PassLog, disabled_passes, pass_modules, run_passes
+from slcompile.pipeline import StepResults, StepState, all_passes
 
 OPTIONS = {"num_subbatches": 2, "lowering": "aot_eager"}
 
@@ -174,13 +176,26 @@ def test_pass_error_names_the_passes_run_so_far(monkeypatch):
         Pass("broken_rewrite", "joint", "rewrite", broken),
     )
     log = PassLog(entries=["dynamo/find_blocks (1 ms)"])
-    step = StepState(plan=None, report=None, graphs={"joint": torch.fx.Graph()})
+    step = StepState(plan=None, report=None, graphs={"joint": torch.fx.Graph()},
+                     results=types.SimpleNamespace(tag_joint=None, broken_rewrite=None))
     with pytest.raises(PassError) as caught:
         run_passes(passes, step, log, declared=passes)
     message = str(caught.value)
     assert "internal error in pass broken_rewrite (joint stage; KeyError: 'boom')" in message
     assert "passes run: dynamo/find_blocks (1 ms), joint/tag_joint (" in message
-    assert step.results == {"tag_joint": 1}
+    assert (step.results.tag_joint, step.results.broken_rewrite) == (1, None)
+
+
+def test_the_results_record_has_a_field_for_each_pass_after_dynamos_stage():
+    """A pass of the later stages sets its field of `StepResults`; one without a
+    field is refused before it runs."""
+    names = {p.name for p in all_passes() if p.stage != "dynamo"}
+    assert {field.name for field in dataclasses.fields(StepResults)} == names
+    ran = []
+    passes = (Pass("unrecorded", "joint", "rewrite", lambda step: ran.append(step)),)
+    with pytest.raises(PassError, match="has no field 'unrecorded'"):
+        run_passes(passes, StepState(plan=None, report=None), PassLog(), declared=passes)
+    assert ran == []
 
 
 def test_a_refusal_in_the_dynamo_stage_keeps_its_reason(dynamo_graph, monkeypatch):
