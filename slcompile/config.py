@@ -161,6 +161,14 @@ class SpeedLoaderConfig:
             compute steps, the same on every machine. `slcompile.tune(...,
             profile=...)` sets it in the options it returns. (`explain`'s own
             `profile` argument is the machine its timeline is predicted for.)
+        kv_cache: generation (`slcompile.generate`): where each (layer, decode
+            sub-batch)'s keys and values rest between decode steps: "device",
+            "host" or "nvme". A compiled training or evaluation step keeps no cache.
+        prefill_subbatches: generation: K of the prefill (None: `num_subbatches`).
+            Generation reads `num_subbatches` as the decode steps' K, `weights` and
+            `offload_dir` as training does, and `live_blocks` as the layers whose
+            weights are on the device at once: the one computing and the next
+            `live_blocks - 1`, loading.
     """
 
     num_subbatches: int = 2
@@ -180,6 +188,8 @@ class SpeedLoaderConfig:
     host_memory: int | str | None = None
     shard_weights: bool = False
     machine_profile: str | MachineProfile | None = None
+    kv_cache: str = "device"
+    prefill_subbatches: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("num_subbatches", self.num_subbatches, minimum=1)
@@ -217,6 +227,9 @@ class SpeedLoaderConfig:
             _check_sharding(self)
         if self.machine_profile is not None:
             _check_profile(self.machine_profile)
+        _check_choice("kv_cache", self.kv_cache, TIERS)
+        if self.prefill_subbatches is not None:
+            _check_int("prefill_subbatches", self.prefill_subbatches, minimum=1)
 
 
     @classmethod

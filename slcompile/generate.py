@@ -72,7 +72,7 @@ from slcompile.errors import OptionError
 from slcompile.inference.executor import _Generation
 from slcompile.inference.explain import GenerationExplanation, explain_generation
 from slcompile.inference.options import (_CALL_OPTIONS, _ENGINE_OPTIONS, _inferred_attention_mask, _plan,
-                                         find_decoder_layers)
+                                         find_decoder_layers, generation_config)
 from slcompile.inference.records import GenerationOutput, GenerationStep
 
 __all__ = ["generate", "explain_generation", "find_decoder_layers", "generation", "GenerationOutput",
@@ -91,6 +91,7 @@ def generate(
     prefill_subbatches: int | None = None,
     weights: str = "device",
     kv_cache: str = "device",
+    live_blocks: int = 2,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = 50,
@@ -127,6 +128,9 @@ def generate(
             loads the positions the cache keeps and stores the one it adds, merged
             with the last stored segments as a binary counter carries (a cache is
             at most log2 of its decoded positions + 2 segments, each one read).
+        live_blocks: the layers whose weights may be on the device at once, with
+            `weights` off it: the one computing and the next `live_blocks - 1`,
+            loading (each layer's load is issued `live_blocks - 1` layers ahead).
         do_sample: sample the next token (else greedy).
         temperature, top_k, top_p: Hugging Face's warpers, applied in that order
             when sampling (defaults: those of `GenerationConfig`).
@@ -151,8 +155,10 @@ def generate(
         OptionError: a bad argument (the message names it and a fix).
         RefusedError: the model has no repeated decoder layers or no KV cache.
     """
-    plan = _plan(model, input_ids, attention_mask, max_new_tokens, num_subbatches, prefill_subbatches, weights,
-                 kv_cache, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id, offload_dir)
+    config = generation_config(num_subbatches, prefill_subbatches, weights, kv_cache, live_blocks, offload_dir)
+    plan = _plan(model, input_ids, attention_mask, config, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                 temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                 pad_token_id=pad_token_id)
     if attention_mask is None:
         attention_mask = _inferred_attention_mask(input_ids, plan.pad_token_id, plan.eos_token_ids)
     with torch.no_grad():
@@ -176,8 +182,8 @@ def generation(model: nn.Module, **options: Any) -> Iterator[nn.Module]:
     Args:
         model: as for `generate`.
         **options: `generate`'s options for every call in the block:
-            num_subbatches, prefill_subbatches, weights, kv_cache, offload_dir,
-            backend, progress.
+            num_subbatches, prefill_subbatches, weights, kv_cache, live_blocks,
+            offload_dir, backend, progress.
 
     Inside the block `model.generate` takes `input_ids` (or `inputs`),
     `attention_mask`, `max_new_tokens` (default: the generation config's, else its

@@ -347,7 +347,7 @@ class GenerationTuneResult:
 
     Attributes:
         options: `slcompile.generate`'s options (`num_subbatches`,
-            `prefill_subbatches`, `weights`, `kv_cache`):
+            `prefill_subbatches`, `weights`, `kv_cache`, `live_blocks`):
             `generate(model, input_ids, max_new_tokens=..., **result.options)`.
         memory: the chosen options' `GenerationExplanation`; its `peak_bytes` is
             at most the budget.
@@ -382,6 +382,7 @@ def tune_generation(
     memory_budget: int | str,
     weights: str | None = None,
     kv_cache: str | None = None,
+    live_blocks: int = 2,
     offload_dir: str | None = None,
     machine=None,
     padded: bool = False,
@@ -395,7 +396,7 @@ def tune_generation(
         memory_budget: the device's limit for the whole generation (bytes or "2GiB").
         weights, kv_cache: the tier, fixed; None: the first that fits of "device",
             "host" (where it is not the device's own memory) and "nvme".
-        offload_dir: as for `generate`.
+        live_blocks, offload_dir: as for `generate`.
         machine, padded: as for `explain_generation` (pass
             `padded=True` for left-padded prompts).
 
@@ -408,14 +409,15 @@ def tune_generation(
     """
     from slcompile.config import TIERS
     from slcompile.inference.explain import _explain_generation
-    from slcompile.inference.options import _plan
+    from slcompile.inference.options import _plan, generation_config
     from slcompile.runtime.engine import get_engine
     from slcompile.runtime.tiers import Tier
 
     budget = parse_bytes(memory_budget, "memory_budget")
     # The checks of `generate`, before anything is traced.
-    _plan(model, input_shape, None, max_new_tokens, 1, None, weights or "device", kv_cache or "device",
-          False, 1.0, None, 1.0, [], None, offload_dir)
+    _plan(model, input_shape, None, generation_config(1, None, weights or "device", kv_cache or "device",
+                                                      live_blocks, offload_dir),
+          max_new_tokens=max_new_tokens, eos_token_id=[])
     batch = tuple(input_shape)[0]
     engine = get_engine(offload_dir)
     divisors = [k for k in range(1, batch + 1) if batch % k == 0]
@@ -434,8 +436,9 @@ def tune_generation(
         # The decode passes depend on the decode K alone.
         key = (w, kv, phase, prefill_k if phase == "prefill" else None, decode_k)
         if key not in peaks:
-            explained = _explain_generation(model, input_shape, max_new_tokens, decode_k, prefill_k, w, kv,
-                                            offload_dir, machine, memo, padded)
+            explained = _explain_generation(model, input_shape, max_new_tokens,
+                                            generation_config(decode_k, prefill_k, w, kv, live_blocks, offload_dir),
+                                            machine, memo, padded)
             memory = getattr(explained, f"{phase}_memory")
             if memory is None:
                 raise RefusedError(f"the device memory of {type(model).__name__}'s generation cannot be predicted "
@@ -461,9 +464,11 @@ def tune_generation(
         chosen = choose(w, kv, budget)
         if chosen is not None:
             prefill_k, decode_k = chosen
-            explanation = _explain_generation(model, input_shape, max_new_tokens, decode_k, prefill_k, w, kv,
-                                              offload_dir, machine, memo, padded)
-            options = {"num_subbatches": decode_k, "prefill_subbatches": prefill_k, "weights": w, "kv_cache": kv}
+            explanation = _explain_generation(model, input_shape, max_new_tokens,
+                                              generation_config(decode_k, prefill_k, w, kv, live_blocks, offload_dir),
+                                              machine, memo, padded)
+            options = {"num_subbatches": decode_k, "prefill_subbatches": prefill_k, "weights": w, "kv_cache": kv,
+                       "live_blocks": live_blocks}
             return GenerationTuneResult(options, explanation, tuple(tried))
     # The smallest budget: the least peak of any pass at which the choice succeeds.
     smallest = None

@@ -347,7 +347,7 @@ def test_bad_input_gets_a_clear_error():
         run_generate(model, input_ids, mask, 4, [], num_subbatches=2, prefill_subbatches=4)
     with pytest.raises(slcompile.OptionError, match=r"max_new_tokens=60 .* over the model's 64 .* max_new_tokens <= 57"):
         run_generate(model, input_ids, mask, 60, [])
-    with pytest.raises(slcompile.OptionError, match="kv_cache='disk' is not a tier"):
+    with pytest.raises(slcompile.OptionError, match="^generate: speedloader option 'kv_cache' must be one of .* got 'disk'"):
         run_generate(model, input_ids, mask, 4, [], kv_cache="disk")
     with pytest.raises(slcompile.RefusedError, match="^Stack has no KV cache"):
         run_generate(Stack(lambda width: torch.nn.Linear(width, width)), torch.zeros(2, 3, dtype=torch.long), None, 4, [])
@@ -435,6 +435,27 @@ MEMORY_CASES = [
     (2, 2, "device", "nvme", 4, 12, 64),
     (1, 1, "device", "nvme", 4, 12, 128),
 ]
+
+
+def test_a_wider_window_of_live_layers_gives_the_tokens_of_eager_and_holds_one_layer_more(tmp_path):
+    """`live_blocks=3` on nvme: each layer's weights load two layers ahead, once per
+    pass as with 2; the predicted peak holds one more layer's weights, within 5% of
+    the measured one."""
+    model = hf_llama(num_hidden_layers=3, hidden_size=64, vocab_size=VOCAB).eval()
+    input_ids = torch.randint(3, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    options = dict(num_subbatches=2, weights="nvme", offload_dir=str(tmp_path))
+    explained = {live: explain_generation(model, input_ids.shape, 3, machine=_as_measured(), live_blocks=live,
+                                          **options) for live in (2, 3)}
+    layer = explained[3].prefill_memory.terms["weights"] - explained[2].prefill_memory.terms["weights"]
+    assert 0 < layer < explained[2].prefill_memory.terms["weights"]
+    assert [step.bytes_moved for step in explained[3].steps] == [step.bytes_moved for step in explained[2].steps]
+    expected = eager_generate(model, input_ids, None, 3, eos=[])
+    output = run_generate(model, input_ids, None, 3, [], live_blocks=3, return_dict_in_generate=True, **options)
+    assert torch.equal(output.sequences, expected)
+    assert [step.schedule for step in output.steps] == [step.schedule for step in explained[3].steps]
+    measured = measured_generate_peak(model, input_ids, 3, live_blocks=3, **options)
+    predicted = explained[3].peak_bytes - explained[3].prefill_memory.resident_bytes
+    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured, str(explained[3]))
 
 
 @pytest.mark.parametrize("prefill_k,k,weights,kv_cache,length,new_tokens,hidden", MEMORY_CASES)
@@ -574,7 +595,7 @@ def test_tune_generation_picks_the_fewest_subbatches_that_fit_and_refuses_a_budg
                                        kv_cache="device", offload_dir=str(tmp_path))
     options = result.options
     assert options == {"num_subbatches": options["num_subbatches"], "prefill_subbatches": 2,
-                       "weights": "device", "kv_cache": "device"}
+                       "weights": "device", "kv_cache": "device", "live_blocks": 2}
     assert result.memory.peak_bytes <= budget
     # A smaller K would not fit, as predicted.
     k = options["num_subbatches"]

@@ -100,3 +100,20 @@ def test_every_pass_computes_each_step_once_with_its_transfers_issued_before_it_
     tails = [s for s in steps if s.region == "suffix"]
     assert [s.subbatch for s in tails] == (list(subbatches) if spill else [None])
     assert steps[-1].region == "suffix"
+
+
+@pytest.mark.parametrize("live_blocks", [1, 2, 3])
+def test_while_a_layer_computes_the_weights_of_live_blocks_layers_from_it_are_issued(live_blocks):
+    """`live_blocks` is the window: the layer computing and the next `live_blocks - 1`,
+    whose loads were issued before its first step, and no layer further ahead."""
+    layers = 4
+    request = PassRequest("decode", (0, 1), fetched=(True,) * layers, kv_moves=False, stores=False,
+                          live_blocks=live_blocks)
+    issued: list[int] = []
+    for step in generation_pass(request).steps:
+        if step.kind == "fetch.issue":
+            issued.append(step.block)
+        elif step.kind == "compute" and step.region == "block":
+            window = set(range(step.block, min(step.block + live_blocks, layers)))
+            assert {block for block in issued if block >= step.block} == window, (step.text(), issued)
+    assert issued == list(range(layers))

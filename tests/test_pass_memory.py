@@ -44,3 +44,17 @@ def test_fetched_weights_count_as_loads_pad_them_for_the_layer_computing_and_the
     assert (memory.moment, dict(memory.terms)) == (
         "blk0.sb1", {"parameters": 1000, "weights": 8192 + 4096, "hidden": 450, "kv": 8192 + 256, "step": 700})
     assert memory.peak_bytes == 22886 and str(memory).startswith("decode peak 22.35 KiB at blk0.sb1: parameters")
+
+
+def test_the_weights_term_counts_every_layer_whose_load_was_issued_before_the_step():
+    # Three layers of 5000, 3000 and 1000 bytes fetched (two pages, one, one).
+    sizes = GenerationSizes(batch=4, length=6, num_subbatches=2, prefill_subbatches=2, resident=1000,
+                            layer_loads=((5000,), (3000,), (1000,)), key_bytes=(64, 64, 64),
+                            caps=(None, None, None), vocab=10, kv_tier="device", machine=CPU)
+    traced = TracedPass(400, 300, 100, (700, 900, 800), tail=100)
+    weights = {}
+    for live_blocks in (1, 2, 3):
+        schedule = generation_pass(PassRequest("decode", (0, 1), fetched=(True,) * 3, kv_moves=False, stores=True,
+                                               live_blocks=live_blocks))
+        weights[live_blocks] = predict_pass_memory(schedule, sizes, traced, past=8).terms["weights"]
+    assert weights == {1: 8192, 2: 8192 + 4096, 3: 8192 + 4096 + 4096}

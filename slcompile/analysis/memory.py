@@ -993,8 +993,9 @@ def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, pa
       (`hidden`); in a prefill that offloads them, what the computing sub-batch's
       capture made but its hidden states, its hidden states, the next one's loading
       and the sources of the stores in flight;
-    - the streamed weights of two layers: the one computing and the next,
-      prefetched (`weights`), each tensor padded as loads pad it;
+    - the streamed weights of the layer computing and of the layers after it
+      whose `fetch.issue` came before its step (`weights`: with `live_blocks=2`,
+      the next one), each tensor padded as loads pad it;
     - the KV cache (`kv`): on a tier that copies nothing, every cache (the caches
       already computed by this pass at their new length); on one that copies, the
       cache of the (layer, sub-batch) computing and the loaded segments of those
@@ -1038,6 +1039,8 @@ def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, pa
     spilling: set[tuple[int, int]] = set()
     filling: set[tuple[int, int]] = set()
     spills_alive, fills_loading = {}, {}
+    fetching: set[int] = set()  # layers whose weights' loads were issued
+    weights_at: dict[tuple[int, int], int] = {}
     for step in schedule.steps:
         where = (step.block, step.subbatch)
         if step.kind in ("spill.issue", "fill.issue"):
@@ -1052,7 +1055,10 @@ def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, pa
                 issued.append(sizes.cache_bytes(step.block, decode_size, sizes.kept(step.block, sizes.length)))
         elif step.kind == "load_kv.issue":
             pending.add((step.block, step.subbatch))
+        elif step.kind == "fetch.issue":
+            fetching.add(step.block)
         elif step.kind == "compute" and step.region == "block":
+            weights_at[where] = sum(sizes.fetched(block) for block in fetching if block >= step.block)
             before[where] = len(issued)
             pending.discard(where)
             loading[where] = tuple(pending)
@@ -1081,9 +1087,8 @@ def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, pa
     moments: list[tuple[str, dict[str, int]]] = []
     grown = 0
     for index in range(n):
-        weights = sizes.fetched(index) + (sizes.fetched(index + 1) if index + 1 < n else 0)
         for part in range(parts):
-            common = {"parameters": sizes.resident, "weights": weights,
+            common = {"parameters": sizes.resident, "weights": weights_at[index, part],
                       "hidden": hidden_held(index, part) if offloads
                       else captured + (parts if index else part) * part_hidden}
             if not kv_moves:

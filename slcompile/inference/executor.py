@@ -126,7 +126,7 @@ class _Generation:
         plan = self.plan
         prefix = f"{plan.layers_name}."
         streamed = _streamed_parameters(self.model, plan, offload)
-        streamer = StreamerPlan(new_name("w"), plan.weights, live_blocks=2, offload_dir=plan.offload_dir) \
+        streamer = StreamerPlan(new_name("w"), plan.weights, live_blocks=plan.live_blocks, offload_dir=plan.offload_dir) \
             if any(streamed) else None
         spills = offloads_hidden(self.kv.appends, plan.prefill_subbatches, len(self.layers))
         stash = StashPlan(new_name("a"), plan.kv_cache, plan.offload_dir) if spills else None
@@ -154,7 +154,8 @@ class _Generation:
         return PassRequest(phase, tuple(sb for sb, _, _ in parts),
                            _fetched(self.weights_move, [bool(names) for names in self.streamed]), self.kv.appends,
                            stores, (self.batch // self.plan.prefill_subbatches, self.batch // self.plan.num_subbatches),
-                           phase == "prefill" and offloads_hidden(self.kv.appends, len(parts), n))
+                           phase == "prefill" and offloads_hidden(self.kv.appends, len(parts), n),
+                           self.plan.live_blocks)
 
     # -- one forward pass -------------------------------------------------------
     def _capture(self, inputs: dict) -> list[dict[str, Any]]:

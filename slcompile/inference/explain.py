@@ -13,10 +13,11 @@ from torch import nn
 
 from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import PassMemory
+from slcompile.config import SpeedLoaderConfig
 from slcompile.inference.capture import _cache_windows
 from slcompile.inference.executor import _fetched, _streamed_parameters
 from slcompile.inference.memory import _hidden_row_bytes, _kv_row_bytes, _MemoryModel
-from slcompile.inference.options import _plan
+from slcompile.inference.options import _plan, generation_config
 from slcompile.inference.records import GenerationStep
 from slcompile.runtime.stats import TransferKey
 from slcompile.runtime.tiers import Tier, TransferKind
@@ -165,6 +166,7 @@ def explain_generation(
     prefill_subbatches: int | None = None,
     weights: str = "device",
     kv_cache: str = "device",
+    live_blocks: int = 2,
     offload_dir: str | None = None,
     machine: MachineFacts | None = None,
     padded: bool = False,
@@ -178,7 +180,7 @@ def explain_generation(
 
     Args:
         model, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
-            offload_dir: as for `generate`; the problem's size (the shape and
+            live_blocks, offload_dir: as for `generate`; the problem's size (the shape and
             `max_new_tokens`) may be given by position, the options by keyword only.
         input_shape: `input_ids.shape`, `(batch, length)`.
         machine: the machine's facts the memory is predicted with (`MachineFacts`:
@@ -208,13 +210,13 @@ def explain_generation(
         from slcompile.measure import machine_profile
 
         rates = machine_profile(profile, offload_dir=offload_dir)
-    return _explain_generation(model, input_shape, max_new_tokens, num_subbatches, prefill_subbatches, weights,
-                               kv_cache, offload_dir, machine, {}, padded, rates, backend)
+    config = generation_config(num_subbatches, prefill_subbatches, weights, kv_cache, live_blocks, offload_dir)
+    return _explain_generation(model, input_shape, max_new_tokens, config, machine, {}, padded, rates, backend)
 
 
-def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
-                        offload_dir, machine: MachineFacts | None, memo: dict,
-                        padded: bool = False, rates=None, backend: str = "inductor") -> GenerationExplanation:
+def _explain_generation(model, input_shape, max_new_tokens, config: SpeedLoaderConfig, machine: MachineFacts | None,
+                        memo: dict, padded: bool = False, rates=None,
+                        backend: str = "inductor") -> GenerationExplanation:
     """`explain_generation`; `memo` keeps the traced memory of the capture, the layer
     steps and the tail between calls for one model and input shape (they do not
     depend on the tiers)."""
@@ -222,10 +224,10 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
     from slcompile.kv_segments import forgettable_segments, merged_segments
     from slcompile.runtime.weights import weight_home
 
+    weights, kv_cache = config.weights, config.kv_cache
     if machine is None:
-        machine = machine_facts(offload_dir)
-    plan = _plan(model, tuple(input_shape), None, max_new_tokens, num_subbatches, prefill_subbatches, weights,
-                 kv_cache, False, 1.0, None, 1.0, [], None, offload_dir)
+        machine = machine_facts(config.offload_dir)
+    plan = _plan(model, tuple(input_shape), None, config, max_new_tokens=max_new_tokens, eos_token_id=[])
     batch, length = tuple(input_shape)
     layers = plan.layers
     streamed = _streamed_parameters(model, plan, machine.copies(weights))
@@ -260,7 +262,7 @@ def _explain_generation(model, input_shape, max_new_tokens, num_subbatches, pref
     def schedule(phase: str, stores: bool) -> Schedule:
         subbatches = kp if phase == "prefill" else kd
         return generation_pass(PassRequest(phase, tuple(range(subbatches)), fetched, kv_moves, stores,
-                                           (size_p, size_d), phase == "prefill" and offloads))
+                                           (size_p, size_d), phase == "prefill" and offloads, plan.live_blocks))
 
     def moved(stored: int, loaded: int, hidden: int = 0) -> dict[TransferKey, int]:
         kv = {store_key: stored, load_key: loaded} if kv_moves else {}

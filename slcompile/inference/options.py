@@ -1,5 +1,7 @@
 """Generation's options checked against the model: where its decoder layers are,
-which argument takes the cache, the sub-batches and tiers (`_plan` -> `_Plan`)."""
+which argument takes the cache, the sub-batches and tiers (`_plan` -> `_Plan`). The
+engine's options are the backend's own record (`SpeedLoaderConfig`:
+`generation_config`)."""
 
 from __future__ import annotations
 
@@ -12,36 +14,74 @@ from typing import Any
 import torch
 from torch import nn
 
-from slcompile.config import TIERS
+from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import OptionError, RefusedError
 
-__all__ = ["cache_parameter", "find_decoder_layers"]
+__all__ = ["cache_parameter", "find_decoder_layers", "generation_config"]
 
 
-_ENGINE_OPTIONS = ("num_subbatches", "prefill_subbatches", "weights", "kv_cache", "offload_dir", "backend", "progress")
+_ENGINE_OPTIONS = ("num_subbatches", "prefill_subbatches", "weights", "kv_cache", "live_blocks", "offload_dir",
+                   "backend", "progress")
 _CALL_OPTIONS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id")
+
+
+def generation_config(num_subbatches: int = 1, prefill_subbatches: int | None = None, weights: str = "device",
+                      kv_cache: str = "device", live_blocks: int = 2,
+                      offload_dir: str | None = None) -> SpeedLoaderConfig:
+    """Generation's engine options as the backend's `SpeedLoaderConfig`, checked by
+    it (an error names `generate`)."""
+    try:
+        return SpeedLoaderConfig(num_subbatches=num_subbatches, prefill_subbatches=prefill_subbatches,
+                                 weights=weights, kv_cache=kv_cache, live_blocks=live_blocks, offload_dir=offload_dir)
+    except OptionError as err:
+        raise OptionError(f"generate: {err}") from None
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
+    """A generation's options checked against the model: the engine's (`config`:
+    sub-batches, tiers, the window of layers whose weights are on the device), the
+    call's (tokens and sampling), and where the model's layers and cache are."""
+
+    config: SpeedLoaderConfig
     layers: tuple[nn.Module, ...]
     layers_name: str
     max_new_tokens: int
-    num_subbatches: int
-    prefill_subbatches: int
-    weights: str
-    kv_cache: str
     do_sample: bool
     temperature: float
     top_k: int | None
     top_p: float
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
-    offload_dir: str | None
     # The keywords through which the model's forward and its layers take the KV
     # cache (`cache` from transformers 5.24 on, `past_key_values` before).
     cache_argument: str
     layer_cache_argument: str
+
+    @property
+    def num_subbatches(self) -> int:
+        return self.config.num_subbatches
+
+    @property
+    def prefill_subbatches(self) -> int:
+        prefill = self.config.prefill_subbatches
+        return self.config.num_subbatches if prefill is None else prefill
+
+    @property
+    def weights(self) -> str:
+        return self.config.weights
+
+    @property
+    def kv_cache(self) -> str:
+        return self.config.kv_cache
+
+    @property
+    def live_blocks(self) -> int:
+        return self.config.live_blocks
+
+    @property
+    def offload_dir(self) -> str | None:
+        return self.config.offload_dir
 
 
 # What a parameter that takes a KV cache was called before it was annotated with
@@ -105,12 +145,11 @@ def _inferred_attention_mask(input_ids: torch.Tensor, pad_token_id: int | None,
     return input_ids.ne(pad_token_id).long()
 
 
-def _plan(model, input_ids, attention_mask, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
-          do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id, offload_dir) -> _Plan:
-    """The checked options; `input_ids` may be a shape `(batch, length)` (explain)."""
-    for option, value in (("weights", weights), ("kv_cache", kv_cache)):
-        if value not in TIERS:
-            raise OptionError(f"generate: {option}={value!r} is not a tier; use one of {', '.join(map(repr, TIERS))}")
+def _plan(model, input_ids, attention_mask, config: SpeedLoaderConfig, *, max_new_tokens: int,
+          do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
+          eos_token_id=None, pad_token_id: int | None = None) -> _Plan:
+    """The checked options; `input_ids` may be a shape `(batch, length)` (explain).
+    `config` is `generation_config(...)`'s."""
     if isinstance(input_ids, torch.Tensor):
         if input_ids.ndim != 2:
             raise OptionError("generate: input_ids must be a (batch, length) tensor of token ids; "
@@ -126,15 +165,14 @@ def _plan(model, input_ids, attention_mask, max_new_tokens, num_subbatches, pref
         raise OptionError(f"generate: attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
                           f"{shape}; pass a mask of the same shape (1 = token, 0 = padding)")
     batch = shape[0]
-    _check_subbatches("num_subbatches", num_subbatches, batch)
-    if prefill_subbatches is None:
-        prefill_subbatches = num_subbatches
-    _check_subbatches("prefill_subbatches", prefill_subbatches, batch)
+    _check_subbatches("num_subbatches", config.num_subbatches, batch)
+    if config.prefill_subbatches is not None:
+        _check_subbatches("prefill_subbatches", config.prefill_subbatches, batch)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise OptionError(f"generate: max_new_tokens={max_new_tokens!r} must be a positive int")
-    config = getattr(model, "config", None)
+    model_config = getattr(model, "config", None)
     cache_argument = cache_parameter(model.forward)
-    if (config is None or getattr(config, "is_encoder_decoder", False)
+    if (model_config is None or getattr(model_config, "is_encoder_decoder", False)
             or not hasattr(model, "prepare_inputs_for_generation") or cache_argument is None):
         raise RefusedError(
             f"{type(model).__name__} has no KV cache to generate with (slcompile.generate needs a Hugging "
@@ -145,30 +183,25 @@ def _plan(model, input_ids, attention_mask, max_new_tokens, num_subbatches, pref
     if layer_cache_argument is None:
         raise RefusedError(f"the layers {layers_name} of {type(model).__name__} take no KV cache: the "
                            "model has no KV cache per layer; use model.generate", "generate")
-    limit = next((getattr(config, name) for name in ("max_position_embeddings", "n_positions", "max_seq_len")
-                  if isinstance(getattr(config, name, None), int)), None)
+    limit = next((getattr(model_config, name) for name in ("max_position_embeddings", "n_positions", "max_seq_len")
+                  if isinstance(getattr(model_config, name, None), int)), None)
     total = shape[1] + max_new_tokens
     if limit is not None and total > limit:
         raise OptionError(
             f"generate: max_new_tokens={max_new_tokens} with prompts of {shape[1]} tokens makes "
             f"{total} positions, over the model's {limit} (config max_position_embeddings); set "
             f"max_new_tokens <= {limit - shape[1]} or shorten the prompts")
-    if offload_dir is not None:
-        from slcompile.config import _check_offload_dir
-
-        _check_offload_dir(offload_dir)
-    generation_config = getattr(model, "generation_config", None)
+    defaults = getattr(model, "generation_config", None)
     if eos_token_id is None:
-        eos_token_id = getattr(generation_config, "eos_token_id", None)
+        eos_token_id = getattr(defaults, "eos_token_id", None)
     eos = () if eos_token_id is None else tuple(
         [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id])
     if pad_token_id is None:
-        pad_token_id = getattr(generation_config, "pad_token_id", None)
+        pad_token_id = getattr(defaults, "pad_token_id", None)
     if pad_token_id is None and eos:
         pad_token_id = eos[0]
     if do_sample and not temperature > 0:
         raise OptionError(f"generate: temperature={temperature!r} must be > 0 when sampling; "
                           "use do_sample=False for greedy decoding")
-    return _Plan(tuple(layers), layers_name, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
-                 do_sample, float(temperature), top_k, float(top_p), eos, pad_token_id, offload_dir,
-                 cache_argument, layer_cache_argument)
+    return _Plan(config, tuple(layers), layers_name, max_new_tokens, do_sample, float(temperature), top_k,
+                 float(top_p), eos, pad_token_id, cache_argument, layer_cache_argument)

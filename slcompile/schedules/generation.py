@@ -72,6 +72,9 @@ class PassRequest:
             last row. Unused by decode passes.
         spill_hidden: the prefill keeps its hidden states between layers on the
             cache's tier (`offloads_hidden`).
+        live_blocks: the layers whose fetched weights are on the device at once:
+            the one computing and the next `live_blocks - 1`, loading
+            (`SpeedLoaderConfig.live_blocks`).
     """
 
     phase: str
@@ -81,6 +84,7 @@ class PassRequest:
     stores: bool
     rows: tuple[int, int] = (1, 1)
     spill_hidden: bool = False
+    live_blocks: int = 2
 
     @property
     def layers(self) -> int:
@@ -89,7 +93,8 @@ class PassRequest:
 
 def generation_pass(request: PassRequest) -> Schedule:
     """The schedule of one pass: each layer's weights fetched once for every
-    sub-batch (the next layer's issued before the layer runs), each (layer,
+    sub-batch (issued `live_blocks - 1` layers ahead: with 2, the next layer's
+    before the layer runs), each (layer,
     sub-batch) computed in layer-major order, its cache stored just after it, and
     in a decode pass each step's cache loaded `KV_AHEAD` steps ahead. A prefill
     that spills its hidden states stores each layer's output after the step, loads
@@ -106,15 +111,20 @@ def generation_pass(request: PassRequest) -> Schedule:
         if block < n and request.fetched[block]:
             add("fetch.issue", block)
 
+    lead = request.live_blocks - 1
     if not request.spill_hidden:
         add("compute", None, region="prefix")
-    fetch_issue(0)
+    for block in range(max(lead, 1)):
+        fetch_issue(block)
     if phase == "decode" and request.kv_moves:
         add("load_kv.issue", 0, parts[0])
     for block in range(n):
+        if block and not lead:
+            fetch_issue(block)
         if request.fetched[block]:
             add("fetch.wait", block)
-        fetch_issue(block + 1)
+        if lead:
+            fetch_issue(block + lead)
         for position, subbatch in enumerate(parts):
             at = block * len(parts) + position
             if request.spill_hidden:
