@@ -44,7 +44,7 @@ import sympy
 import torch
 import torch.fx
 
-from slcompile.meta import get_slc_meta
+from slcompile.meta import format_tag, get_slc_meta
 
 __all__ = [
     "ComputeCost", "TimedEvent", "BlockTime", "TimePrediction", "count_cost", "predict_time", "region_costs",
@@ -318,7 +318,7 @@ def _region(node: torch.fx.Node) -> str:
     meta = get_slc_meta(node) if node.op == "call_function" else None
     if meta is None:
         return "other"
-    return f"blk{meta.block}" if meta.region == "block" else meta.region
+    return format_tag(meta.region, meta.block, None)
 
 
 def region_costs(gm: torch.fx.GraphModule, subs: Mapping[sympy.Symbol, int] | None = None) -> dict[str, ComputeCost]:

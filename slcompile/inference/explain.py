@@ -19,6 +19,7 @@ from slcompile.inference.executor import _fetched, _streamed_parameters
 from slcompile.inference.memory import _hidden_row_bytes, _kv_row_bytes, _MemoryModel
 from slcompile.inference.options import _plan, generation_config
 from slcompile.inference.records import GenerationStep
+from slcompile.meta import format_tag
 from slcompile.runtime.stats import TransferKey
 from slcompile.runtime.tiers import Tier, TransferKind
 from slcompile.schedules.base import Schedule
@@ -322,17 +323,17 @@ def _explain_generation(model, input_shape, max_new_tokens, config: SpeedLoaderC
 
             transfers = {}
             for index in range(n):
-                transfers[f"blk{index}.w"] = (weights, layer_loads[index])
+                transfers[transfer_name(index, "w")] = (weights, layer_loads[index])
                 if offloads:
-                    transfers.update((f"blk{index}.h.sb{sb}", (kv_cache, (hidden_part,))) for sb in range(kp))
+                    transfers.update((transfer_name(index, "h", sb), (kv_cache, (hidden_part,))) for sb in range(kp))
                 for sb in range(kd):
                     if step == 0:
                         stored = (kv_bytes(index, min(length, caps[index])),)
-                        transfers[f"blk{index}.kv.sb{sb}"] = (kv_cache, stored)
+                        transfers[transfer_name(index, "kv", sb)] = (kv_cache, stored)
                     else:
                         loaded = tuple(kv_bytes(index, seg) for seg in loaded_segments[step][index])
-                        transfers[f"load blk{index}.kv.sb{sb}"] = (kv_cache, loaded)
-                        transfers[f"store blk{index}.kv.sb{sb}"] = (kv_cache, (kv_bytes(
+                        transfers[f"load {transfer_name(index, 'kv', sb)}"] = (kv_cache, loaded)
+                        transfers[f"store {transfer_name(index, 'kv', sb)}"] = (kv_cache, (kv_bytes(
                             index, written_positions[step][index]),))
             costs, tail = memory.pass_costs(phase, past)
             return predict_pass_time(_pass_actions(steps[step].schedule, transfers, costs, tail),
@@ -350,6 +351,13 @@ def _explain_generation(model, input_shape, max_new_tokens, config: SpeedLoaderC
     return GenerationExplanation(type(model).__name__, plan.layers_name, n, batch, length, max_new_tokens, kp, kd,
                                  weights, kv_cache, weight_store_bytes, tuple(steps), prefill_memory, decode_memory,
                                  prefill_time, decode_time)
+
+
+def transfer_name(block: int, what: str, subbatch: int | None = None) -> str:
+    """A pass's transfer in its predicted timeline: what moves ("w" weights, "kv"
+    cache, "h" hidden states) of a layer, and of a sub-batch: `blk3.kv.sb1`."""
+    name = f"{format_tag('block', block, None)}.{what}"
+    return name if subbatch is None else f"{name}.sb{subbatch}"
 
 
 _ACTION_OF = {
@@ -376,7 +384,7 @@ def _pass_actions(schedule: Schedule, transfers: Mapping[str, tuple[str, tuple[i
     for step in schedule.steps:
         if step.kind in _ACTION_OF:
             kind, what = _ACTION_OF[step.kind]
-            name = f"blk{step.block}.{what}" + ("" if step.subbatch is None else f".sb{step.subbatch}")
+            name = transfer_name(step.block, what, step.subbatch)
             if kind == "wait":
                 actions.append(PassAction(kind, name))
                 continue
@@ -384,8 +392,10 @@ def _pass_actions(schedule: Schedule, transfers: Mapping[str, tuple[str, tuple[i
             actions.append(PassAction(kind, name, tier, tuple(sizes)))
         elif step.kind == "compute" and step.region == "block":
             block, sb = step.block, step.subbatch
-            waits = (f"blk{block}.w", f"blk{block}.kv.sb{sb}") + ((f"blk{block - 1}.h.sb{sb}",) if block else ())
-            actions.append(PassAction("compute", f"blk{block}", nodes=costs[block], waits=waits, calls=1,
+            waits = (transfer_name(block, "w"), transfer_name(block, "kv", sb)) + (
+                (transfer_name(block - 1, "h", sb),) if block else ())
+            actions.append(PassAction("compute", format_tag("block", block, None), nodes=costs[block], waits=waits,
+                                      calls=1,
                                       layer_steps=1))
         elif step.kind == "compute" and step.region == "suffix":
             actions.append(PassAction("compute", "suffix", nodes=tail, calls=0))

@@ -108,12 +108,12 @@ def layer_step(run, phase: str, block: int, subbatch: int, weights: dict, hidden
     del hidden
     kwargs.pop(cache_argument)
     if phase == "prefill":
-        with compute_region(region_label(f"blk{block}.sb{subbatch}", "prefill")):
+        with compute_region(region_label(format_tag("block", block, subbatch), "prefill")):
             output, keys, values = run.prefill_step(template, weights, window, kwargs, cache_argument)
     else:
         past = run.kv.take(block, subbatch)
         _mark_length_dynamic(past, kwargs)
-        with compute_region(region_label(f"blk{block}.sb{subbatch}", "decode")):
+        with compute_region(region_label(format_tag("block", block, subbatch), "decode")):
             output, keys, values = run.decode_step(template, weights, *past, window, kwargs, cache_argument)
         del past
     del kwargs
@@ -192,7 +192,7 @@ class _Lowering:
         self.weights[block] = self.call(layer_weights, (tuple(names), *values), f"w_blk{block}")
 
     def stash_key(self, block: int, sb: int) -> str:
-        return StashKey(self.layout.stash, f"blk{block}.sb{sb}.{SPILL_MARK}.hidden").format()
+        return StashKey(self.layout.stash, f"{format_tag('block', block, sb)}.{SPILL_MARK}.hidden").format()
 
     def compute(self, block: int, sb: int) -> None:
         parts, n = self.layout.parts, len(self.layout.tensors)
