@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from slcompile.analysis.machine import MachineFacts
-from slcompile.analysis.memory import PassMemory
+from slcompile.analysis.pass_memory import PassMemory
 from slcompile.inference.capture import _cache_windows
 from slcompile.inference.executor import _fetched, _streamed_parameters
 from slcompile.inference.memory import _hidden_row_bytes, _kv_row_bytes, _MemoryModel
