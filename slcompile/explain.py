@@ -461,7 +461,7 @@ def plan_with_optimizer(state, optimizer=None, optimizer_options=None):
     (see `explain`) when one is given: the streamed weights' gradients then leave
     the device for it, as they would for an offloaded optimizer attached before
     compiling (`gradients="auto"`)."""
-    from slcompile.analysis.memory import optimizer_memory
+    from slcompile.analysis.optimizer_memory import optimizer_memory
     from slcompile.backends.speedloader import step_plan
     from slcompile.optim import OffloadedOptimizer
     from slcompile.runtime.gradients import sink_plan_for

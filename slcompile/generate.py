@@ -50,8 +50,8 @@ freed; generation stops when every sequence has finished.
 pass and the bytes each pass moves, from the model's config, without running the model;
 `generate(..., return_dict_in_generate=True)` returns the same records measured. It
 also predicts the device memory of the prefill and of the decode passes
-(`PassMemory`; `slcompile.analysis.memory.predict_pass_memory` lists what it counts), which
-`slcompile.tune_generation` chooses options from.
+(`PassMemory`; `slcompile.analysis.pass_memory.predict_pass_memory` lists what it
+counts), which `slcompile.tune_generation` chooses options from.
 
 `with generation(model, ...)` routes `model.generate(...)` through `generate` for
 code that calls the model's own method.
@@ -67,7 +67,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slcompile.analysis.memory import PassMemory
+from slcompile.analysis.pass_memory import PassMemory
 from slcompile.errors import OptionError
 from slcompile.inference.executor import _Generation
 from slcompile.inference.explain import GenerationExplanation, explain_generation

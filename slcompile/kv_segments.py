@@ -1,6 +1,6 @@
 """How a KV cache resting on a tier that copies is cut into stored segments: the
 rules `slcompile.runtime.kv.KVStore` follows and the models that predict its
-bytes (`slcompile.inference.explain`, `slcompile.analysis.memory`) count with.
+bytes (`slcompile.inference.explain`, `slcompile.analysis.pass_memory`) count with.
 Plain arithmetic on positions and bytes; nothing here moves data."""
 
 from __future__ import annotations

@@ -373,7 +373,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def memory(self, streamed: Iterable[Iterable[torch.Tensor]], machine=None):
         """This optimizer's share of a step's memory per tier
-        (`slcompile.analysis.memory.optimizer_memory`) when `streamed` are the
+        (`slcompile.analysis.optimizer_memory`) when `streamed` are the
         model's streamed weights, per block; its other parameters step on the device.
 
         Args:
@@ -381,7 +381,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             machine: the machine's facts (`MachineFacts`); default: this machine's,
                 with the streamed weights' shard group's ranks.
         """
-        from slcompile.analysis.memory import optimizer_memory
+        from slcompile.analysis.optimizer_memory import optimizer_memory
 
         blocks = [list(block) for block in streamed]
         off = {id(p) for block in blocks for p in block}

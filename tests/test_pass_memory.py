@@ -4,7 +4,7 @@ here. End to end (sizes traced from a model, the peak measured while `generate`
 runs) it is tested in test_generate.py."""
 
 from slcompile.analysis.machine import MachineFacts
-from slcompile.analysis.memory import GenerationSizes, TracedPass, predict_pass_memory
+from slcompile.analysis.pass_memory import GenerationSizes, TracedPass, predict_pass_memory
 from slcompile.schedules.generation import PassRequest, generation_pass
 
 # A CPU machine: loads from nvme read whole 4 KiB pages.

@@ -1,10 +1,10 @@
-"""The memory model: of a compiled step, live bytes per node, tier and kind, and the
-peaks, from the lifetimes of its graphs (`predict_memory`); of a generation pass,
-its schedule walked (`predict_pass_memory`, at the end of this module). Everything
-that states a predicted figure (the CompileReport, `explain`, `explain_generation`,
-`tune`, `tune_generation`, the memory plot, the recompute search) reads it from
-here; `measured_peak_bytes` is the one instrument tests and benches measure a step
-with.
+"""The memory model of a compiled step: live bytes per node, tier and kind, and the
+peaks, from the lifetimes of its graphs (`predict_memory`). Everything that states
+a step's predicted figure (the CompileReport, `explain`, `tune`, the memory plot,
+the recompute search) reads it from here; a generation pass's is
+`slcompile.analysis.pass_memory`'s, the optimizer step's share
+`slcompile.analysis.optimizer_memory`'s. `measured_peak_bytes` is the one
+instrument tests and benches measure a step with.
 
 The device's peak is the larger of the forward's and the backward's, each the max
 over nodes of:
@@ -28,14 +28,14 @@ machine) is copied first, since the graph may reuse its buffer
 (`slcompile.runtime.gradients`): the backward then also holds each copy from the
 store's issue to its wait, beside the graph's own buffer.
 
-With an optimizer (`optimizer_memory`: the offloaded optimizer's step, or the one
-`explain`/`tune` are told of), the step ends with `optimizer.step()`: the device
-then holds the forward's outputs, the gradients the backward returned (the
-resident parameters' `.grad`) and the temporaries of the resident parameters'
-step, a third phase beside the forward's and the backward's peaks; and the
-resident parameters' optimizer state, held from one step to the next like the
-parameters. The host's and nvme's shares of the optimizer (master weights, the
-streamed weights' states, the gradients a block step reads) are reported apart
+With an optimizer (`slcompile.analysis.optimizer_memory`: the offloaded optimizer's
+step, or the one `explain`/`tune` are told of), the step ends with
+`optimizer.step()`: the device then holds the forward's outputs, the gradients the
+backward returned (the resident parameters' `.grad`) and the temporaries of the
+resident parameters' step, a third phase beside the forward's and the backward's
+peaks; and the resident parameters' optimizer state, held from one step to the next
+like the parameters. The host's and nvme's shares of the optimizer (master weights,
+the streamed weights' states, the gradients a block step reads) are reported apart
 (`OptimizerMemory`), not in `peak_bytes`, which sizes the transfer engine's tiers.
 
 With the streamed weights sharded over W ranks (`shard_weights`, `MachineFacts.world_size`)
@@ -53,10 +53,7 @@ itself both at its node; the buffer then is the fetched weight, to its last use.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import sympy
 import torch
@@ -70,21 +67,15 @@ from slcompile.analysis.lifetimes import (
     tensor_bytes,
 )
 from slcompile.analysis.machine import MachineFacts
-from slcompile.kv_segments import KV_STORES_IN_FLIGHT, merged_segments, reads_in_place
+from slcompile.analysis.optimizer_memory import OptimizerMemory
 from slcompile.meta import get_slc_meta
 from slcompile.units import format_bytes
 from slcompile.vocabulary import UNSTASH_WAIT, StashKey, WeightKey, is_stash, prefetched_visits
 
 __all__ = [
-    "GenerationSizes",
     "GraphMemory",
     "MemoryPrediction",
-    "OptimizerMemory",
-    "PassMemory",
-    "TracedPass",
-    "optimizer_memory",
     "predict_memory",
-    "predict_pass_memory",
     "predict_step_memory",
     "size_hints",
     "sharded_weight_bytes",
@@ -145,200 +136,6 @@ class GraphMemory:
     @property
     def peak(self) -> int:
         return max(self.totals, default=0)
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerMemory:
-    """The optimizer step's share of a training step's memory, in bytes, per tier
-    (`optimizer_memory`).
-
-    Attributes:
-        name: the optimizer class's name.
-        states_tier: where the streamed weights' optimizer state rests ("host", "nvme").
-        device_state_bytes: the optimizer state of the parameters stepped on the
-            device (those not streamed), held from one step to the next.
-        device_step_bytes: the most bytes the temporaries of the device's step take
-            at once (torch's for-loop, foreach or fused implementation).
-        host_master_bytes: the host copies of the weights the host steps (fp32 for
-            bf16/fp16 parameters).
-        host_state_bytes: the optimizer state that rests in host memory.
-        host_gradient_bytes: gradients in host memory waiting for their block's step
-            (one block's; with `max_grad_norm` every streamed weight's, until `step()`).
-        host_step_bytes: the temporaries of one block's step on the host, and with
-            nvme states the block's state loaded for it.
-        nvme_state_bytes: the optimizer state that rests in nvme files.
-        host_is_device: host memory is the device's memory (a CPU-only machine).
-    """
-
-    name: str
-    states_tier: str
-    device_state_bytes: int
-    device_step_bytes: int
-    host_master_bytes: int = 0
-    host_state_bytes: int = 0
-    host_gradient_bytes: int = 0
-    host_step_bytes: int = 0
-    nvme_state_bytes: int = 0
-    host_is_device: bool = False
-
-    @property
-    def host_bytes(self) -> int:
-        """The host's share at its most."""
-        return self.host_master_bytes + self.host_state_bytes + self.host_gradient_bytes + self.host_step_bytes
-
-
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-# Scalar temporaries of a step (bias corrections, a step count's copy); a few bytes.
-_STEP_SCALAR_BYTES = 64
-
-
-def optimizer_memory(
-    optimizer_class: type[torch.optim.Optimizer],
-    options: Mapping[str, Any],
-    resident: Sequence[Sequence[torch.Tensor]],
-    streamed: Sequence[Sequence[torch.Tensor]] = (),
-    *,
-    states: str = "host",
-    max_grad_norm: float | None = None,
-    machine: MachineFacts = MachineFacts(),
-) -> OptimizerMemory:
-    """The memory an optimizer step of `optimizer_class` takes, per tier, as
-    `slcompile.offload_optimizer` runs it: the resident parameters stepped on the
-    device by one instance, each block of streamed parameters on the host by its own.
-
-    The state per parameter is what one step of `optimizer_class` with `options`
-    leaves (found by stepping a 3-element tensor once). The temporaries follow what
-    torch's implementations allocate on the CPU (measured with `measured_peak_bytes`,
-    tests/test_optimizer_memory.py): the for-loop one per parameter in turn (Adam(W)
-    two tensors of its size, three with maximize or L2 weight decay, while
-    the previous parameter's denominator lives; SGD one with weight decay or
-    maximize, one more with nesterov), the foreach one a list the size of the whole
-    group (SGD none without weight decay or maximize), the fused one none. Other
-    classes are given the most any other of torch's optimizers takes (Adadelta,
-    NAdam): three tensors of the parameter's size and the previous one's (for-loop),
-    three times the group (foreach).
-
-    Args:
-        optimizer_class: the optimizer class.
-        options: its options (lr, weight_decay, foreach, ...).
-        resident: the parameters stepped on the device, per param group, in order;
-            bf16/fp16 ones are stepped on fp32 host copies instead.
-        streamed: the streamed parameters, per block (the host steps them).
-        states: where the streamed weights' state rests: "host" or "nvme".
-        max_grad_norm: the clip of `offload_optimizer`: every streamed gradient then
-            waits in host memory for `step()`.
-        machine: the machine's facts: whether host memory is the device's (a
-            CPU-only machine), and the ranks the streamed weights are sharded over
-            (`world_size`; `shard_weights`): the host steps this rank's shard of each.
-    """
-    weight_shards = machine.world_size
-    per_element, scalar_bytes = _state_layout(optimizer_class, options)
-
-    def state_bytes(nbytes: int) -> int:
-        return int(per_element * nbytes) + scalar_bytes
-
-    device_groups = [[_nbytes(p) for p in group if p.dtype not in _LOW_PRECISION] for group in resident]
-    on_host = [p for group in resident for p in group if p.dtype in _LOW_PRECISION]
-    blocks = [[_master_bytes(p, weight_shards) for p in block] for block in streamed]
-    if on_host:
-        blocks.append([_master_bytes(p) for p in on_host])
-    foreach = options.get("foreach")
-    if foreach is None:  # torch's default: foreach kernels where the device has them
-        foreach = any(p.device.type in ("cuda", "xpu") for group in resident for p in group)
-    device_step = _temporaries(optimizer_class, options, device_groups, bool(foreach))
-    host_step = max((_temporaries(optimizer_class, options, [block], bool(options.get("foreach")))
-                     for block in blocks), default=0)
-    masters = sum(sum(block) for block in blocks)
-    host_states = sum(state_bytes(b) for block in blocks for b in block)
-    scalars = scalar_bytes * sum(len(block) for block in blocks)
-    nvme = 0
-    if states == "nvme":
-        # Tensor states rest in files (scalars stay); one block's are loaded for its step.
-        nvme = host_states - scalars
-        host_step += max((sum(state_bytes(b) - scalar_bytes for b in block) for block in blocks), default=0)
-        host_states = scalars
-    gradients = masters if max_grad_norm is not None else max((sum(block) for block in blocks), default=0)
-    return OptimizerMemory(
-        name=optimizer_class.__name__,
-        states_tier=states,
-        device_state_bytes=sum(state_bytes(b) for group in device_groups for b in group),
-        device_step_bytes=device_step,
-        host_master_bytes=masters,
-        host_state_bytes=host_states,
-        host_gradient_bytes=gradients if blocks else 0,
-        host_step_bytes=host_step,
-        nvme_state_bytes=nvme,
-        host_is_device=machine.host_is_device,
-    )
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return int(tensor.numel()) * tensor.element_size()
-
-
-def _master_bytes(param: torch.Tensor, shards: int = 1) -> int:
-    """Bytes of a parameter's host copy: this rank's zero-padded shard of it over `shards` ranks."""
-    return -(-int(param.numel()) // shards) * (4 if param.dtype in _LOW_PRECISION else param.element_size())
-
-
-@functools.lru_cache(maxsize=64)
-def _state_layout_cached(optimizer_class, options: tuple) -> tuple[float, int]:
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        param = torch.zeros(3, requires_grad=True)
-        param.grad = torch.ones(3)
-        optimizer = optimizer_class([param], **dict(options))
-        optimizer.step()
-        state = optimizer.state[param]
-    per_element, scalars = 0.0, 0
-    for value in state.values():
-        if not isinstance(value, torch.Tensor):
-            continue
-        if value.dim() == 0:
-            scalars += value.element_size()
-        else:
-            per_element += value.numel() * value.element_size() / _nbytes(param)
-    return per_element, scalars
-
-
-def _state_layout(optimizer_class, options: Mapping[str, Any]) -> tuple[float, int]:
-    """(state bytes per parameter byte, bytes of scalar state per parameter) after a step."""
-    accepted = inspect.signature(optimizer_class.__init__).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        # A group's options may hold more than the constructor takes (AdamW's decoupled_weight_decay).
-        options = {key: value for key, value in options.items() if key in accepted}
-    try:
-        key = tuple(sorted(options.items()))
-        hash(key)
-    except TypeError:  # unhashable options (a tensor lr): not cached
-        return _state_layout_cached.__wrapped__(optimizer_class, tuple(options.items()))
-    return _state_layout_cached(optimizer_class, key)
-
-
-def _temporaries(optimizer_class, options: Mapping[str, Any], groups: Sequence[Sequence[int]], foreach: bool) -> int:
-    """The most bytes a step's temporaries take at once, over the param groups
-    (parameter bytes, in order); see `optimizer_memory`."""
-    if options.get("fused"):
-        return 0
-    per_param, previous, per_group = 3, 1, 3
-    weight_decay = options.get("weight_decay", 0) != 0
-    if issubclass(optimizer_class, torch.optim.Adam):
-        decoupled = issubclass(optimizer_class, torch.optim.AdamW) or options.get("decoupled_weight_decay")
-        extra = options.get("maximize") or (weight_decay and not decoupled)
-        per_param, previous, per_group = (3 if extra else 2), 1, 1
-    elif issubclass(optimizer_class, torch.optim.SGD):
-        extra = int(bool(weight_decay or options.get("maximize")))
-        per_param, previous, per_group = extra + int(bool(options.get("nesterov"))), 0, extra
-    most = 0
-    for group in groups:
-        if not group:
-            continue
-        if foreach:
-            most = max(most, per_group * sum(group))
-        else:
-            most = max(most, max(per_param * b + previous * a for a, b in zip([0, *group], group)))
-    return most + (_STEP_SCALAR_BYTES if any(groups) else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -836,318 +633,6 @@ def predict_step_memory(
     if kind not in graphs:
         return None
     return predict_memory(graphs[kind], graph_kind=kind, sizes=sizes, **options)
-
-
-# -- generation passes ------------------------------------------------------------
-#
-# A generation pass (`slcompile.schedules.generation`) runs compiled layer steps,
-# not one graph, so its device memory is walked in its schedule: at every layer
-# step of every sub-batch, what the device holds is summed by term, and the pass's
-# peak is the largest sum. The sizes of what the pass makes (the capture's tensors,
-# each layer step's and the tail's temporaries) are traced by the caller
-# (`slcompile.inference.memory`) and handed in as `TracedPass`; the rest follows from
-# the schedule, the KV cache's segment rules (`slcompile.kv_segments`) and the
-# machine's facts.
-
-
-@dataclasses.dataclass(frozen=True)
-class PassMemory:
-    """The device memory of one forward pass of a generation, predicted.
-
-    Attributes:
-        phase: "prefill" or "decode".
-        peak_bytes: the device's peak during the pass.
-        resident_bytes: the parameters and buffers the device holds for the whole
-            generation (all but the streamed layer weights): the part of the peak
-            that exists before `generate` is called.
-        moment: where the peak is: ``blk1.sb0`` (the layer step of one
-            (layer, sub-batch)), ``take blk1.sb0`` (its cache's segments joined),
-            ``store after blk1.sb0`` (the prefill's caches it completes, stored),
-            ``tail`` (final norm and head) or ``tail sb0`` (those of one sub-batch,
-            in a prefill whose hidden states rest on the KV cache's tier).
-        terms: the peak's parts, by name (they add up to `peak_bytes`).
-    """
-
-    phase: str
-    peak_bytes: int
-    resident_bytes: int
-    moment: str
-    terms: Mapping[str, int]
-
-    def __str__(self) -> str:
-        """One line, e.g. ``prefill peak 1.50 MiB at blk1.sb0: parameters 1.00 MiB, ...``."""
-        parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in self.terms.items() if n)
-        return f"{self.phase} peak {format_bytes(self.peak_bytes)} at {self.moment}: {parts}"
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationSizes:
-    """What the passes of one generation hold that no pass traces.
-
-    Attributes:
-        batch: the sequences generated.
-        length: the prompt's positions.
-        num_subbatches: the decode passes' sub-batches.
-        prefill_subbatches: the prefill's parts.
-        resident: the bytes of the parameters and buffers that are not streamed.
-        layer_loads: per layer, the bytes of each weight its pass fetches from a
-            tier that copies (empty where it fetches none).
-        key_bytes: per layer, one position of one sequence's keys (as many again
-            for its values).
-        caps: per layer, the positions its cache keeps (None: all of them).
-        vocab: the logits of one sequence.
-        kv_tier: where the KV cache rests between passes.
-        machine: which tiers copy, and how loads pad what they read.
-        kv_stores_in_flight: likewise for the stores of the KV cache.
-    """
-
-    batch: int
-    length: int
-    num_subbatches: int
-    prefill_subbatches: int
-    resident: int
-    layer_loads: tuple[tuple[int, ...], ...]
-    key_bytes: tuple[int, ...]
-    caps: tuple[int | None, ...]
-    vocab: int
-    kv_tier: str
-    machine: MachineFacts
-    kv_stores_in_flight: int = KV_STORES_IN_FLIGHT
-
-    @property
-    def layers(self) -> int:
-        return len(self.key_bytes)
-
-    @property
-    def kv_moves(self) -> bool:
-        """Whether the KV cache leaves the device between passes."""
-        return self.machine.copies(self.kv_tier)
-
-    def fetched(self, index: int) -> int:
-        """The device bytes of layer `index`'s fetched weights, each padded as loads pad it."""
-        return sum(self.machine.loaded_bytes(nbytes) for nbytes in self.layer_loads[index])
-
-    def kept(self, index: int, positions: int) -> int:
-        """The positions of `positions` that layer `index`'s cache keeps."""
-        cap = self.caps[index]
-        return positions if cap is None else min(positions, cap)
-
-    def cache_bytes(self, index: int, sequences: int, positions: int) -> int:
-        """The keys and values of `positions` positions of `sequences` sequences."""
-        return 2 * sequences * positions * self.key_bytes[index]
-
-    def in_place(self, index: int, sequences: int) -> bool:
-        """Whether a (layer, sub-batch)'s segments are read into one buffer."""
-        return reads_in_place(self.cache_bytes(index, sequences, 1), self.machine.load_granularity)
-
-    def loaded_cache(self, index: int, sequences: int, segments: Sequence[int]) -> int:
-        """A cache of `segments` (their positions) loaded: one tensor per segment, or
-        one buffer for all where they are read in place."""
-        if len(segments) > 1 and self.in_place(index, sequences):
-            return self.machine.loaded_bytes(self.cache_bytes(index, sequences, sum(segments)))
-        return sum(self.machine.loaded_bytes(self.cache_bytes(index, sequences, size)) for size in segments)
-
-
-@dataclasses.dataclass(frozen=True)
-class TracedPass:
-    """The sizes of what one pass makes, traced on fake tensors.
-
-    Attributes:
-        captured: the bytes the capture makes for the rows it captures at once
-            (held through the pass, as the layers' arguments hold them).
-        other: those bytes but the hidden states'.
-        hidden: the hidden states of those rows.
-        steps: per layer, the peak of the values its layer step makes for one
-            sub-batch (new cache included).
-        tail: the peak of the tail's values (the forward again, the final norm and
-            the logits).
-        inputs: the inputs made for the whole batch and held through the pass, where
-            the pass captures one sub-batch at a time (0 otherwise).
-    """
-
-    captured: int
-    other: int
-    hidden: int
-    steps: tuple[int, ...]
-    tail: int
-    inputs: int = 0
-
-
-def spills_hidden(schedule) -> bool:
-    """Whether a generation pass keeps its hidden states between layers on a tier
-    (its schedule has spills): it then captures, and computes the logits of, one
-    sub-batch at a time."""
-    return any(step.kind == "spill.issue" for step in schedule.steps)
-
-
-def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, past: int,
-                        segments: Sequence[Sequence[int]] = ()) -> PassMemory:
-    """The device memory of the generation pass that follows `past` positions,
-    walked in its `schedule` (the one `generate` walks).
-
-    At every moment of a pass the device holds:
-
-    - the parameters and buffers that are not streamed (`parameters`);
-    - what the capture made for all sub-batches (embeddings, rotary tables, masks),
-      until the last layer step, and each sub-batch's hidden states between layers
-      (`hidden`); in a prefill that offloads them, what the computing sub-batch's
-      capture made but its hidden states, its hidden states, the next one's loading
-      and the sources of the stores in flight;
-    - the streamed weights of the layer computing and of the layers after it
-      whose `fetch.issue` came before its step (`weights`: with `live_blocks=2`,
-      the next one), each tensor padded as loads pad it;
-    - the KV cache (`kv`): on a tier that copies nothing, every cache (the caches
-      already computed by this pass at their new length); on one that copies, the
-      cache of the (layer, sub-batch) computing and the loaded segments of those
-      whose `load_kv.issue` came before its step, and the stores still in flight
-      (the positions they write), in the order of the `store_kv.issue` steps;
-    - the temporaries of the compiled layer step (`step`, traced);
-    - at the tail, the last layer's outputs, their concatenation, and the forward
-      run again (`tail`); in a prefill that offloads hidden states, one
-      sub-batch's, after its last layer step;
-    - when the prefill stores its caches: a sub-batch's output and new cache, the
-      stores in flight, and the rows copied out for the store (those of a decode
-      sub-batch that several prefill sub-batches fill, from the first one on).
-
-    Not counted: the growing sequences and masks (a few bytes a token), the
-    sampling warpers' temporaries, and the transients of the capture itself.
-
-    Args:
-        schedule: the pass's schedule (`generation_pass`), of every sub-batch.
-        sizes: what the generation holds (`GenerationSizes`).
-        traced: what the pass makes (`TracedPass`), traced for its sub-batches.
-        past: positions each sequence has before the pass (0 for the prefill).
-        segments: per layer, the positions of each stored segment the decode pass
-            loads (on a tier that copies).
-    """
-    batch, n, kv_moves = sizes.batch, sizes.layers, sizes.kv_moves
-    phase = schedule.steps[0].phase
-    parts = sizes.prefill_subbatches if phase == "prefill" else sizes.num_subbatches
-    size, decode_size = batch // parts, batch // sizes.num_subbatches
-    query = sizes.length if phase == "prefill" else 1
-    offloads = spills_hidden(schedule)
-    captured, other, steps, tail = traced.captured, traced.other, traced.steps, traced.tail
-    part_hidden = traced.hidden if offloads else traced.hidden // parts
-
-    # The stores' sources in the order they are issued (the last
-    # `kv_stores_in_flight` (layer, sub-batch)s' are alive), how many precede each
-    # layer step, and the caches loading while it runs.
-    issued, before, loading = [], {}, {}
-    pending: set[tuple[int, int]] = set()
-    # An offloading prefill: at each layer step, the spills not yet waited for
-    # (their sources alive) and the fills issued but not yet waited for.
-    spilling: set[tuple[int, int]] = set()
-    filling: set[tuple[int, int]] = set()
-    spills_alive, fills_loading = {}, {}
-    fetching: set[int] = set()  # layers whose weights' loads were issued
-    weights_at: dict[tuple[int, int], int] = {}
-    for step in schedule.steps:
-        where = (step.block, step.subbatch)
-        if step.kind in ("spill.issue", "fill.issue"):
-            (spilling if step.kind == "spill.issue" else filling).add(where)
-        elif step.kind in ("spill.wait", "fill.wait"):
-            (spilling if step.kind == "spill.wait" else filling).discard(where)
-        if step.kind == "store_kv.issue" and kv_moves:
-            if phase == "decode":
-                written = merged_segments(segments[step.block], 1, sizes.kept(step.block, past + 1))[1]
-                issued.append(sizes.cache_bytes(step.block, size, written))
-            else:
-                issued.append(sizes.cache_bytes(step.block, decode_size, sizes.kept(step.block, sizes.length)))
-        elif step.kind == "load_kv.issue":
-            pending.add((step.block, step.subbatch))
-        elif step.kind == "fetch.issue":
-            fetching.add(step.block)
-        elif step.kind == "compute" and step.region == "block":
-            weights_at[where] = sum(sizes.fetched(block) for block in fetching if block >= step.block)
-            before[where] = len(issued)
-            pending.discard(where)
-            loading[where] = tuple(pending)
-            spills_alive[where], fills_loading[where] = len(spilling), len(filling)
-
-    def in_flight(count: int) -> int:
-        return sum(issued[max(0, count - sizes.kv_stores_in_flight):count])
-
-    # An offloading prefill fills every sequence's logits from its first tail on,
-    # and holds the inputs made for the whole batch.
-    logits = batch * sizes.vocab * 4 if offloads else 0
-
-    def hidden_held(index: int, part: int) -> int:
-        """The hidden states an offloading prefill holds at a layer step: what the
-        step's capture keeps but its hidden states, the step's input, the next
-        step's input loading, and the sources of the stores in flight."""
-        loaded = sizes.machine.loaded_bytes(part_hidden)  # a load pads what it reads
-        where = (index, part)
-        return (traced.inputs + other + (part_hidden if index == 0 else loaded)
-                + fills_loading[where] * loaded + spills_alive[where] * part_hidden)
-
-    # Every moment of the pass.
-    held = 0 if kv_moves else sum(sizes.cache_bytes(i, batch, sizes.kept(i, past)) for i in range(n))
-    growth = [sizes.cache_bytes(i, size, sizes.kept(i, past + query)) - sizes.cache_bytes(
-        i, size, sizes.kept(i, past)) for i in range(n)]
-    moments: list[tuple[str, dict[str, int]]] = []
-    grown = 0
-    for index in range(n):
-        for part in range(parts):
-            common = {"parameters": sizes.resident, "weights": weights_at[index, part],
-                      "hidden": hidden_held(index, part) if offloads
-                      else captured + (parts if index else part) * part_hidden}
-            if not kv_moves:
-                # Prefill parts smaller than a decode sub-batch wait as pieces: the same bytes.
-                moments.append((f"blk{index}.sb{part}", {**common, "kv": held + grown, "step": steps[index]}))
-                grown += growth[index]
-                continue
-            stored = in_flight(before[index, part])
-            if phase == "prefill":
-                whole = sizes.cache_bytes(index, decode_size, sizes.kept(index, sizes.length))
-
-                def filling(part: int) -> int:
-                    # The rows of a decode sub-batch that earlier parts began to fill.
-                    return whole if size < decode_size and (part * size) % decode_size else 0
-
-                if offloads and index == n - 1 and part:
-                    common["logits"] = logits
-                moments.append((f"blk{index}.sb{part}", {**common, "kv": stored + filling(part),
-                                                         "step": steps[index]}))
-                # Its stores: the step's output and new cache, the stores in
-                # flight, and the rows of the decode sub-batch it fills (one per
-                # store where it holds whole decode sub-batches, copied out).
-                first, last = before[index, part], (before[index, part + 1] if part + 1 < parts
-                                                    else len(issued))
-                made = sizes.cache_bytes(index, size, sizes.kept(index, sizes.length))
-                hidden = common["hidden"] + part_hidden
-                if size < decode_size:
-                    moments.append((f"store after blk{index}.sb{part}", {
-                        **common, "hidden": hidden, "kv": in_flight(first) + made + whole}))
-                else:
-                    moments += [(f"store after blk{index}.sb{part}", {
-                        **common, "hidden": hidden, "kv": in_flight(count) + made + issued[count]})
-                        for count in range(first, last)]
-                if offloads and index == n - 1:
-                    # The sub-batch's tail, once its caches are stored: its last
-                    # output instead of the step, and the forward again.
-                    after = before[index, part + 1] if part + 1 < parts else len(issued)
-                    moments.append((f"tail sb{part}", {
-                        **common, "hidden": common["hidden"] + captured, "logits": logits,
-                        "kv": in_flight(after) + filling(part + 1), "tail": tail}))
-                continue
-            ahead = sum(sizes.loaded_cache(block, size, segments[block]) for block, _ in loading[index, part])
-            own = segments[index]
-            if len(own) > 1 and not sizes.in_place(index, size):
-                joined = sizes.machine.loaded_bytes(sizes.cache_bytes(index, size, sum(own)))
-                moments.append((f"take blk{index}.sb{part}", {
-                    **common, "kv": stored + ahead + sizes.loaded_cache(index, size, own) + joined}))
-            else:
-                joined = sizes.loaded_cache(index, size, own)
-            moments.append((f"blk{index}.sb{part}", {**common, "kv": stored + ahead + joined,
-                                                     "step": steps[index]}))
-    # The tail: every sub-batch's last output, their concatenation, and the
-    # forward again, holding what it computes before the layers as the capture did
-    # (the capture's own is gone after the last layer step).
-    if not offloads:
-        moments.append(("tail", {"parameters": sizes.resident, "hidden": captured + 2 * traced.hidden,
-                                 "kv": 0 if kv_moves else held + grown, "tail": tail}))
-    moment, terms = max(moments, key=lambda item: sum(item[1].values()))
-    return PassMemory(phase, sum(terms.values()), sizes.resident, moment, terms)
 
 
 def measured_peak_bytes(fn) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from slcompile.analysis.machine import MachineFacts
-from slcompile.analysis.memory import PassMemory
+from slcompile.analysis.pass_memory import PassMemory
 from slcompile.config import SpeedLoaderConfig
 from slcompile.inference.capture import _cache_windows
 from slcompile.inference.executor import _fetched, _streamed_parameters

@@ -1,6 +1,7 @@
 """The sizes of what the passes of a generation make, traced on fake tensors
 (`_MemoryModel`), for the memory model of generation passes
-(`slcompile.analysis.memory.predict_pass_memory`), which walks each pass's schedule."""
+(`slcompile.analysis.pass_memory.predict_pass_memory`), which walks each pass's
+schedule."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import torch
 from torch import nn
 
 from slcompile.analysis.machine import MachineFacts
-from slcompile.analysis.memory import GenerationSizes, PassMemory, TracedPass, predict_pass_memory, spills_hidden
+from slcompile.analysis.pass_memory import (
+    GenerationSizes,
+    PassMemory,
+    TracedPass,
+    predict_pass_memory,
+    spills_hidden,
+)
 from slcompile.inference.capture import (
     _cache_windows,
     _capture,
@@ -61,7 +68,7 @@ class _MemoryModel:
     """The device memory of the passes of one generation, for `explain_generation`:
     the sizes of what each pass makes, traced on fake tensors as `generate` runs
     them (the capture, each compiled layer step, the tail), handed with the
-    generation's other sizes to `slcompile.analysis.memory.predict_pass_memory`,
+    generation's other sizes to `slcompile.analysis.pass_memory.predict_pass_memory`,
     which walks the pass's schedule.
 
     A layer step's and the tail's temporaries are the peaks of the values their

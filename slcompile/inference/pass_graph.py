@@ -23,7 +23,7 @@ argument: the captures of the model's forward, the compiled layer steps and the
 tail.
 
 A value is freed after its last use in the graph (FX's generated code drops it),
-which is where the memory model (`slcompile.analysis.memory`) counts it gone: a
+which is where the memory model (`slcompile.analysis.pass_memory`) counts it gone: a
 layer's weights after its last step, a layer's input and its new cache after its
 step, a spilled output after its `spill.wait`.
 
