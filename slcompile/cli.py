@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from slcompile.config import SpeedLoaderConfig
+from slcompile.config import GENERATION_ONLY, SpeedLoaderConfig
 from slcompile.units import format_bytes
 from slcompile.viz.dot import AUTO_SUMMARY_NODES
 
@@ -45,6 +45,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, defaults: dict | None = N
     doc = SpeedLoaderConfig.__doc__ or ""
     group = parser.add_argument_group("backend options (as in torch.compile(..., options={...}))")
     for field in dataclasses.fields(SpeedLoaderConfig):
+        if field.name in GENERATION_ONLY:
+            continue
         flag = "--" + field.name.replace("_", "-")
         help_text = _field_doc(doc, field.name)
         kind = str if field.default is None else type(field.default)
@@ -90,6 +92,8 @@ def _options(args: argparse.Namespace, **defaults) -> dict:
     _import_policy_modules(args)
     options = dict(defaults)
     for field in dataclasses.fields(SpeedLoaderConfig):
+        if field.name in GENERATION_ONLY:
+            continue
         value = getattr(args, field.name)
         if value is not None:
             options[field.name] = value

@@ -20,7 +20,7 @@ from slcompile.errors import OptionError
 if TYPE_CHECKING:
     from slcompile.analysis.machine import MachineProfile
 
-__all__ = ["SpeedLoaderConfig", "options", "check_names", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "GRADIENTS", "parse_bytes", "resolve", "environment_variable"]
+__all__ = ["SpeedLoaderConfig", "options", "check_names", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "GRADIENTS", "GENERATION_ONLY", "parse_bytes", "resolve", "environment_variable"]
 
 LOWERINGS = ("inductor", "aot_eager")
 TIERS = ("device", "host", "nvme")
@@ -28,6 +28,8 @@ SCHEDULES = ("speedloader", "grad_accumulation", "no_offload", "lifetime_aware",
 ON_REFUSAL = ("fallback", "raise")
 RECOMPUTE = ("auto", "none", "blocks")
 GRADIENTS = ("auto",) + TIERS
+GENERATION_ONLY = ("kv_cache", "prefill_subbatches")
+"""The options only `slcompile.generate` reads (a compiled step keeps no KV cache)."""
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -450,6 +452,9 @@ def _check_default(name: str, value: Any) -> None:
         close = difflib.get_close_matches(name, sorted(_FIELDS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise AttributeError(f"slcompile.defaults has no option {name!r}{hint}")
+    if name in GENERATION_ONLY:
+        raise OptionError(f"{name!r} is an option of slcompile.generate alone, which takes no defaults from "
+                          f"slcompile.defaults: pass {name}=... to its call")
     if name == "shard_weights":
         # Checked when a graph compiles: it needs a process group, which may come later.
         if not isinstance(value, bool):

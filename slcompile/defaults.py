@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from slcompile.config import (
+    GENERATION_ONLY,
     _FIELDS,
     _UNSET,
     _check_default,
@@ -58,6 +59,7 @@ def explain(options: Mapping[str, Any] | None = None) -> str:
     """The options a graph compiled now would get, one line each, and where every one
     that is not its field's default came from."""
     values, sources = resolve(check_names(options or {}))
+    values = {name: value for name, value in values.items() if name not in GENERATION_ONLY}
     width = max(map(len, values))
     return "\n".join(
         f"{name:<{width}} = {value!r}" + (f"  ({sources[name]})" if name in sources else "")
