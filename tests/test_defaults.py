@@ -108,5 +108,9 @@ def test_explain_prints_the_options_that_are_not_defaults_and_their_sources(monk
     assert explained.num_subbatches == 4
     assert "num_subbatches    = 4  (SLC_NUM_SUBBATCHES)" in listed
     assert "live_blocks       = 2" in listed
-    assert len(listed) == len(SpeedLoaderConfig.__dataclass_fields__)
+    # Every option of a compiled graph; generation's alone are generate's.
+    assert len(listed) == len(SpeedLoaderConfig.__dataclass_fields__) - 2
+    assert not any(line.startswith(("kv_cache", "prefill_subbatches")) for line in listed)
+    with pytest.raises(slcompile.OptionError, match="'kv_cache' is an option of slcompile.generate alone"):
+        defaults.patch(kv_cache="nvme")
 
