@@ -94,9 +94,7 @@ def stash(x: torch.Tensor, key: str) -> torch.Tensor:
     # The handle must not keep the source as its result for as long as the token
     # lives (until the backward): that memory is what offloading frees.
     handle = engine.store(stored_key, x, owner.tier, TransferKind.ACTIVATION, forget_source=True)
-    token = ops._token_for(engine, handle)
-    weakref.finalize(token, _free_stored, engine, stored_key)
-    return token
+    return ops._token_for(engine, handle, (_free_stored, engine, stored_key))
 
 
 def unstash(stash_token: torch.Tensor) -> torch.Tensor:

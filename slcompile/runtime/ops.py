@@ -146,13 +146,31 @@ def _forget(token_id: int) -> None:
         _HANDLES.pop(token_id, None)
 
 
-def _token_for(engine: TransferEngine, handle: TransferHandle) -> torch.Tensor:
+class _TokenLife:
+    """Held by a transfer token alone: when the token dies, its transfer record is
+    forgotten and `release(*args)` runs (a stash frees its stored copy). Cheaper on
+    the compute thread than a `weakref.finalize` per token, and it dies with it."""
+
+    __slots__ = ("token_id", "release")
+
+    def __init__(self, token_id: int, release: tuple | None):
+        self.token_id, self.release = token_id, release
+
+    def __del__(self):
+        _forget(self.token_id)
+        if self.release is not None:
+            release, *args = self.release
+            release(*args)
+
+
+def _token_for(engine: TransferEngine, handle: TransferHandle, release: tuple | None = None) -> torch.Tensor:
+    """A transfer's token. The token owns the transfer record (waits may repeat while
+    it lives); `release`, `(fn, *args)`, runs when the token dies."""
     token, token_id = _TRANSFER_TOKENS.take()
     with _HANDLES_LOCK:
         _HANDLES[token_id] = (engine, handle)
-    # The token owns the transfer record: waits may repeat while it lives.
-    weakref.finalize(token, _forget, token_id)
     token._slc_transfer = (engine, handle)
+    token._slc_life = _TokenLife(token_id, release)
     return token
 
 
