@@ -1,19 +1,23 @@
 """Runtime objects (weight streamers, activation stashes, gradient sinks) live as
-long as the compiled step that owns them: repeated compiles, `explain()` and
-`tune()` in one process leave no more of them than one does, and memory stays flat."""
+long as the compiled step that owns them, and a transfer engine as long as what
+stores through it: repeated compiles, `explain()` and `tune()` in one process leave
+no more of them than one does, and memory stays flat."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
 import os
+import weakref
 
 import pytest
 import torch
 
 import slcompile
 from models import GPTConfig, TinyGPT, make_gpt_batch
-from slcompile.runtime import activations, engine, gradients, weights
+from slcompile.runtime import activations, engine, gradients, runtime_stats, weights
+from slcompile.runtime.nvme import PRIVATE_DIR_PREFIX
+from slcompile.runtime.tiers import Tier
 
 CFG = GPTConfig(n_layers=2, d_model=32, vocab_size=64, seq_len=8)
 OFFLOADED = {"lowering": "aot_eager", "weights": "nvme", "activations": "nvme", "min_offload_bytes": 0,
@@ -92,6 +96,27 @@ def test_a_backward_outliving_its_compiled_step_still_finds_its_runtime_objects(
     assert left["streamers"] == left["stashes"] == 0
 
 
+def test_an_engine_goes_with_the_last_model_storing_through_it_and_its_files_go_too(tmp_path):
+    gc.collect()
+    resident_before = runtime_stats().resident_bytes[Tier.NVME]
+    model = TinyGPT(CFG)
+    compiled = torch.compile(model, backend="speedloader", options={**OFFLOADED, "offload_dir": str(tmp_path)})
+    compiled(*make_gpt_batch(CFG, 4))[1].backward()
+    offload_engine = engine._ENGINES[str(tmp_path)]
+    gone = weakref.ref(offload_engine)
+    io_threads = list(offload_engine.arena._executor._threads)
+    (private_dir,) = os.listdir(tmp_path)
+    assert private_dir.startswith(PRIVATE_DIR_PREFIX) and io_threads
+    assert runtime_stats().resident_bytes[Tier.NVME] > resident_before  # the streamed weights
+    del offload_engine, compiled, model
+    torch._dynamo.reset()
+    gc.collect()
+    assert gone() is None and str(tmp_path) not in engine._ENGINES
+    assert os.listdir(tmp_path) == []
+    assert not any(thread.is_alive() for thread in io_threads)
+    assert runtime_stats().resident_bytes[Tier.NVME] == resident_before
+
+
 @pytest.mark.slow
 def test_fifty_explains_make_no_runtime_object_and_memory_stays_flat(tmp_path):
     model = TinyGPT(CFG)
@@ -100,8 +125,9 @@ def test_fifty_explains_make_no_runtime_object_and_memory_stays_flat(tmp_path):
     before = live_objects()
     slcompile.explain(model, idx, targets, **options)
     after_one = live_objects()
-    # The plans name a streamer, a stash and a sink; nothing makes them.
-    assert own(after_one, before) == {"streamers": 0, "stashes": 0, "sinks": 0, "engines": 1}
+    # The plans name a streamer, a stash and a sink; nothing makes them, and nothing
+    # keeps the engine the machine's facts were read from.
+    assert own(after_one, before) == {"streamers": 0, "stashes": 0, "sinks": 0, "engines": 0}
     for _ in range(4):  # warm-up: Dynamo's and the allocator's caches fill
         slcompile.explain(model, idx, targets, **options)
     gc.collect()
@@ -158,7 +184,7 @@ def test_a_step_plan_names_its_runtime_objects_and_holds_none(tmp_path):
     before = live_objects()
     state = run_pipeline(gm, example_inputs, config, facts=process_facts(config, example_inputs))
     plans = [step_plan(state), plan_with_optimizer(state, torch.optim.AdamW, {"lr": 1e-3})]
-    assert own(live_objects(), before) == {"streamers": 0, "stashes": 0, "sinks": 0, "engines": 1}
+    assert own(live_objects(), before) == {"streamers": 0, "stashes": 0, "sinks": 0, "engines": 0}
     for plan in plans:
         assert _runtime_objects_in(plan) == []
         assert (plan.streamer.tier, plan.stash.tier, plan.gradients.tier) == ("nvme", "nvme", "nvme")

@@ -84,13 +84,16 @@ def speedloader_backend(
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None) -> Callable:
+    from slcompile.runtime.engine import get_engine
+
     config = SpeedLoaderConfig.from_options(options)
+    # Held until the step's runtime objects hold it: the engine the facts come from,
+    # whose arena is checked and whose host pool is sized here, is the one they use.
+    engine = get_engine(config.offload_dir)
     if "nvme" in (config.weights, config.activations):
         # The nvme arena is made on first use, deep in the lowering; made now, an
         # unusable offload_dir fails before anything compiles.
-        from slcompile.runtime.engine import get_engine
-
-        get_engine(config.offload_dir).arena
+        engine.arena
     report = CompileReport(config=config)
     add_report(report)
     original = gm

@@ -36,6 +36,9 @@ Guarantees:
   returns; the engine keeps it alive until then.
 - A store that fails leaves its key failed: ``wait`` raises the error and later
   loads raise ``TransferFailedError``; half-written data is never returned.
+- The engine of an ``offload_dir`` (``get_engine``) lives while something holds
+  it; once nothing does, its arena's directory is removed, its I/O threads stop
+  and the tiers stop counting what its keys held.
 - On CUDA (not exercised on CPU machines): one persistent copy stream and events;
   host-tier tensors and nvme staging live in one pinned ``HostPool`` sized from
   the compiled plan (``reserve_host``) and grown by whole chunks; copies are
@@ -50,23 +53,23 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from .cuda_copies import CudaCopies
 from .errors import (
     OffloadError,
     TransferFailedError,
     UnknownKeyError,
     UnsupportedTensorError,
 )
-from .nvme import IoOutcome, NvmeArena, NvmeSlot, PageBufferCache, profiler_sees_buffers
+from .handles import StoredTensor, TransferHandle, _Entry, normalize_key
+from .nvme import NvmeArena, NvmeSlot, PageBufferCache
+from .nvme_transfers import NvmeTransfers
 from .stats import RECORDER, Recorder
 from .tiers import (
     DEFAULT_CHUNK_BYTES,
     PAGE_BYTES,
-    HostBlock,
     HostPool,
     HostPoolGrowth,
     Tier,
@@ -87,166 +90,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def normalize_key(key: str | int) -> str:
-    """Returns the engine's form of a key: strings as they are, ints as ``str(key)``.
-
-    Raises:
-        TypeError: for anything else (bools included).
-    """
-    if isinstance(key, str):
-        return key
-    if isinstance(key, int) and not isinstance(key, bool):
-        return str(key)
-    raise TypeError(f"transfer keys are str or int, got {type(key).__name__}")
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """What the engine knows about one key.
-
-    Attributes:
-        key: The key.
-        tier: Where the tensor rests.
-        kind: The kind it was stored as.
-        shape: Its shape.
-        dtype: Its element type.
-        nbytes: Its size in bytes.
-    """
-
-    key: str
-    tier: Tier
-    kind: TransferKind
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    nbytes: int
-
-
-class TransferHandle:
-    """One issued store or load; pass it to ``TransferEngine.wait``.
-
-    Attributes:
-        id: Unique in the process; the custom ops carry it in their token.
-        key: The tensor key.
-        kind: What the transfer carries.
-        source: Tier the bytes come from.
-        destination: Tier the bytes go to.
-        nbytes: Logical size in bytes.
-        direction: ``"store"`` or ``"load"``.
-        zero_copy: True when nothing was copied and the result is a tensor the
-            engine also holds (device tier; host tier on CPU-only machines).
-    """
-
-    __slots__ = (
-        "id", "key", "kind", "source", "destination", "nbytes", "direction",
-        "zero_copy", "issued", "_finished", "_event", "_error", "_result", "_cuda_event",
-        "_callbacks", "_lock", "_keep", "forget_source", "__weakref__",
-    )
-
-    def __init__(self, id_, key, kind, source, destination, nbytes, direction):
-        self.id = id_
-        self.key = key
-        self.kind = kind
-        self.source = source
-        self.destination = destination
-        self.nbytes = nbytes
-        self.direction = direction
-        self.zero_copy = False
-        self.issued = time.perf_counter()
-        self._finished = False
-        # Made by the first thread that waits while the transfer runs: most finish
-        # before anyone waits (host copies are issued, not awaited, on the I/O side).
-        self._event: threading.Event | None = None
-        self._error: OffloadError | None = None
-        self._result: torch.Tensor | None = None
-        self._cuda_event = None
-        self._callbacks: list[Callable[[], None]] = []
-        self._lock = threading.Lock()
-        self._keep: object = None
-        # A store that does not keep its source as its result (see `store`).
-        self.forget_source = False
-
-    @property
-    def label(self) -> str:
-        """``"<kind> <key> <source>-><destination>"``, as on the timeline."""
-        return f"{self.kind.value} {self.key} {self.source.value}->{self.destination.value}"
-
-    def done(self) -> bool:
-        """True once the transfer finished (successfully or not)."""
-        return self._finished
-
-    def wait_done(self) -> None:
-        """Blocks until the transfer finished (successfully or not)."""
-        if self._finished:
-            return
-        with self._lock:
-            if self._finished:
-                return
-            if self._event is None:
-                self._event = threading.Event()
-            event = self._event
-        event.wait()
-
-    def _finish(self, result: torch.Tensor | None, error: OffloadError | None) -> None:
-        with self._lock:
-            self._result = None if self.forget_source else result
-            self._error = error
-            if not self.forget_source:
-                # A store that forgets its source leaves `_keep` to the waiting
-                # thread (`TransferEngine.wait`): released here, on an I/O thread,
-                # it could be the last reference and free the source there.
-                self._keep = None
-            self._finished = True
-            event = self._event
-            callbacks, self._callbacks = self._callbacks, []
-        if event is not None:
-            event.set()
-        for callback in callbacks:
-            callback()
-
-    def _when_done(self, callback: Callable[[], None]) -> None:
-        with self._lock:
-            if not self._finished:
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
-        return f"TransferHandle({self.direction} {self.label}, {self.nbytes} B, {state})"
-
-
-class _Entry:
-    """Where one key's data rests, and what still uses it."""
-
-    __slots__ = (
-        "key", "tier", "kind", "shape", "dtype", "nbytes", "slot", "tensor",
-        "host_block", "store_handle", "error", "readers", "retired", "last_event",
-    )
-
-    def __init__(self, key, tier, kind, shape, dtype, nbytes):
-        self.key = key
-        self.tier = tier
-        self.kind = kind
-        self.shape = shape
-        self.dtype = dtype
-        self.nbytes = nbytes
-        self.slot: NvmeSlot | None = None
-        self.tensor: torch.Tensor | None = None
-        self.host_block: HostBlock | None = None
-        self.store_handle: TransferHandle | None = None
-        self.error: OffloadError | None = None
-        self.readers = 0
-        self.retired = False
-        self.last_event = None
-
-
-def _typed_view(buffer: torch.Tensor, entry: _Entry) -> torch.Tensor:
-    """Views the first ``entry.nbytes`` bytes of a uint8 buffer as the entry's tensor."""
-    flat = buffer[: entry.nbytes].view(entry.dtype)
-    return flat.view(entry.shape)
-
-
-class TransferEngine:
+class TransferEngine(NvmeTransfers, CudaCopies):
     """Moves tensors between the device, host and nvme tiers, asynchronously.
 
     Args:
@@ -298,6 +142,10 @@ class TransferEngine:
         self._cuda = self.device.type == "cuda"
         # One persistent copy stream: a new stream per call would cost a sync each time.
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        # Once nothing holds the engine (`get_engine`'s registry does not), the tiers
+        # stop counting what its keys held, and its arena goes (`_get_arena`).
+        weakref.finalize(self, _uncount, self._entries, recorder).atexit = False
+        self._close_arena: weakref.finalize | None = None
 
     # -- resources -----------------------------------------------------------
 
@@ -324,6 +172,8 @@ class TransferEngine:
                     )
                 except OffloadError as error:
                     raise (error.with_key(key) if key is not None else error) from error
+                # Removes the directory and stops the I/O threads when the engine goes.
+                self._close_arena = weakref.finalize(self, self._arena.close)
             return self._arena
 
     def _pool(self) -> HostPool:
@@ -664,13 +514,15 @@ class TransferEngine:
     def close(self) -> None:
         """Forgets every key and removes the nvme arena (waiting for its I/O)."""
         with self._lock:
-            entries, self._entries = list(self._entries.values()), {}
+            entries = list(self._entries.values())
+            self._entries.clear()
             for entry in entries:
                 self._retire(entry)
-            arena, self._arena = self._arena, None
+            self._arena = None
+            close_arena, self._close_arena = self._close_arena, None
         self._buffers.clear()
-        if arena is not None:
-            arena.close()
+        if close_arena is not None:
+            close_arena()
 
     # -- sources ---------------------------------------------------------------
 
@@ -754,314 +606,32 @@ class TransferEngine:
         self._recorder.resident_change(tier, nbytes)
         weakref.finalize(owner, self._recorder.resident_change, tier, -nbytes)
 
-    # -- nvme ------------------------------------------------------------------
-
-    def _store_nvme(self, handle: TransferHandle, entry: _Entry, source: torch.Tensor,
-                    reserved: NvmeSlot | None = None) -> None:
-        arena = self._get_arena(handle.key)
-        if entry.nbytes == 0:
-            self._install(entry)
-            now = time.perf_counter()
-            self._recorder.transfer_finished(
-                (handle.kind, handle.source, Tier.NVME), 0, now, now, "store", handle.label
-            )
-            handle._finish(source, None)
-            return
-        if reserved is not None and reserved.nbytes == entry.nbytes and not reserved.released:
-            slot = reserved
-            slot.key = handle.key
-        else:
-            if reserved is not None:
-                arena.release(reserved)
-            slot = arena.allocate(entry.nbytes, handle.key)
-        entry.slot = slot
-        entry.store_handle = handle
-        handle._keep = source
-        self._recorder.resident_change(Tier.NVME, entry.nbytes)
-        before = None
-        block = None
-        if source.device.type == "cuda":
-            block = self._pool().allocate(slot.byte_range.size, handle.key)
-            event = self._copy_to_host(source, block, entry)
-            handle._cuda_event = event
-            before = event.synchronize
-            address, readable = block.buffer.data_ptr(), block.byte_range.size
-        else:
-            address = source.data_ptr()
-            readable = source.untyped_storage().nbytes() - (
-                source.storage_offset() * source.element_size()
-            )
-        self._install(entry)
-
-        # The I/O thread reaches the source only through `handle._keep`: no frame of
-        # its own may hold it once the waiting thread wakes (see `_finish`).
-        def on_done(outcome: IoOutcome) -> None:
-            if block is not None:
-                self._host_pool.release(block)
-            self._store_nvme_done(handle, entry, outcome)
-
-        try:
-            arena.write(slot, address, readable, on_done,
-                        on_start=lambda now: self._recorder.lane_begin("store", now),
-                        before=before)
-        except OffloadError as error:
-            if block is not None:
-                self._host_pool.release(block)
-            self._fail_entry(entry, error)
-            handle._finish(None, error)
-            raise
-
-    def _store_nvme_done(self, handle, entry, outcome: IoOutcome) -> None:
-        if outcome.start is not None:
-            self._recorder.lane_end("store", outcome.end)
-        if outcome.error is not None:
-            log.warning("store of %r failed: %s", handle.key, outcome.error)
-            self._fail_entry(entry, outcome.error)
-            handle._finish(None, outcome.error)
-        else:
-            self._recorder.transfer_finished(
-                (handle.kind, handle.source, Tier.NVME), handle.nbytes,
-                outcome.start, outcome.end, "store", handle.label,
-            )
-            handle._finish(None if handle.forget_source else handle._keep, None)
-        with self._lock:
-            # A finished store's handle holds its source: the entry keeps only the slot,
-            # or an entry resting on nvme would hold its tensor in memory as well.
-            if entry.store_handle is handle:
-                entry.store_handle = None
-        self._release_if_unused(entry)
-
-    def _load_nvme(self, handle: TransferHandle, entry: _Entry, into: torch.Tensor | None = None) -> None:
-        # May run on an I/O thread (chained after a store): report errors, never raise.
-        try:
-            if entry.error is not None:
-                raise TransferFailedError(
-                    f"the store this load waited for failed ({entry.error.reason})",
-                    key=handle.key, path=entry.error.path,
-                )
-            if entry.nbytes == 0:
-                result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
-                now = time.perf_counter()
-                self._recorder.transfer_finished(
-                    (handle.kind, Tier.NVME, Tier.DEVICE), 0, now, now, "load", handle.label
-                )
-                self._load_finished(handle, entry, result, None)
-                return
-            slot = entry.slot
-            if self._cuda:
-                result = into
-                if result is None:
-                    result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
-                    self._track_delivered(result, Tier.DEVICE, entry.nbytes)
-                block = self._pool().allocate(slot.byte_range.size, handle.key)
-                address, writable = block.buffer.data_ptr(), block.byte_range.size
-            elif into is None and not profiler_sees_buffers():
-                self._load_nvme_new(handle, entry)
-                return
-            else:
-                block = None
-                if into is not None:
-                    result = into
-                else:
-                    nbytes = entry.nbytes
-                    self._recorder.resident_change(Tier.DEVICE, nbytes)
-                    result = self._buffers.tensor(
-                        nbytes, entry.dtype, entry.shape,
-                        on_release=lambda: self._recorder.resident_change(Tier.DEVICE, -nbytes),
-                    )
-                storage = result.untyped_storage()
-                address = result.data_ptr()
-                writable = storage.nbytes() - (address - storage.data_ptr())
-
-            def on_done(outcome: IoOutcome) -> None:
-                if outcome.start is not None:
-                    self._recorder.lane_end("load", outcome.end)
-                error = outcome.error
-                if error is None and block is not None:
-                    self._copy_from_host(result, block, entry, wait=True)
-                if block is not None:
-                    self._host_pool.release(block)
-                if error is None:
-                    self._recorder.transfer_finished(
-                        (handle.kind, Tier.NVME, Tier.DEVICE), handle.nbytes,
-                        outcome.start, outcome.end, "load", handle.label,
-                    )
-                self._load_finished(handle, entry, None if error else result, error)
-
-            self._arena.read(slot, address, writable, on_done,
-                             on_start=lambda now: self._recorder.lane_begin("load", now))
-        except OffloadError as error:
-            self._load_finished(handle, entry, None, error)
-        except Exception as error:  # noqa: BLE001 - must reach the waiting thread
-            self._load_finished(
-                handle, entry, None,
-                TransferFailedError(f"load could not start: {error!r}", key=handle.key),
-            )
-
-    def _load_nvme_new(self, handle: TransferHandle, entry: _Entry) -> None:
-        """A load on a CPU machine into new page-aligned memory, made on the I/O
-        thread that reads it: issuing costs the compute thread no tensor and no
-        system call (`NvmeArena.read_new`)."""
-        # Residency is counted from the issue, as the memory model counts a load, and
-        # lasts as long as the memory does, not as long as the handle. The release
-        # callback lives as long as the memory and must not reach the entry: a state
-        # loaded here and stored again would keep, through it, every earlier
-        # generation of that state alive.
-        nbytes, dtype, shape, recorder = entry.nbytes, entry.dtype, entry.shape, self._recorder
-        recorder.resident_change(Tier.DEVICE, nbytes)
-        made: list[torch.Tensor] = []
-
-        def make_destination() -> torch.Tensor:
-            tensor = self._buffers.tensor(
-                nbytes, dtype, shape, on_release=lambda: recorder.resident_change(Tier.DEVICE, -nbytes))
-            made.append(tensor)
-            return tensor
-
-        def on_done(outcome: IoOutcome) -> None:
-            if outcome.start is not None:
-                recorder.lane_end("load", outcome.end)
-            if not made:  # failed before its memory was made
-                recorder.resident_change(Tier.DEVICE, -nbytes)
-            error = outcome.error
-            if error is None:
-                recorder.transfer_finished((handle.kind, Tier.NVME, Tier.DEVICE), handle.nbytes,
-                                           outcome.start, outcome.end, "load", handle.label)
-            self._load_finished(handle, entry, None if error else made[0], error)
-
-        try:
-            self._arena.read_new(entry.slot, make_destination, on_done,
-                                 on_start=lambda now: recorder.lane_begin("load", now))
-        except BaseException:
-            recorder.resident_change(Tier.DEVICE, -nbytes)
-            raise
-
     def _load_finished(self, handle, entry, result, error) -> None:
         with self._lock:
             entry.readers -= 1
         self._release_if_unused(entry)
         handle._finish(result, error)
 
-    # -- CUDA host and device copies --------------------------------------------
-
-    def _copy_to_host(self, source: torch.Tensor, block: HostBlock, entry: _Entry):
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            _typed_view(block.buffer, entry).copy_(source, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
-
-    def _copy_from_host(self, result: torch.Tensor, block: HostBlock, entry: _Entry,
-                        *, wait: bool):
-        stream = self._copy_stream
-        with torch.cuda.stream(stream):
-            result.copy_(_typed_view(block.buffer, entry), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        if wait:
-            event.synchronize()
-        return event
-
-    def _store_host_cuda(self, handle, entry, source) -> None:
-        block = self._pool().allocate(entry.nbytes, handle.key)
-        self._recorder.resident_change(Tier.HOST, entry.nbytes)
-        event = self._copy_to_host(source, block, entry)
-        entry.host_block, entry.last_event = block, event
-        handle._cuda_event = event
-        self._install(entry)
-        now = time.perf_counter()
-        self._recorder.transfer_finished(
-            (handle.kind, handle.source, Tier.HOST), entry.nbytes, now, now, "store", handle.label
-        )
-        handle._finish(source, None)
-
-    def _store_device_cuda(self, handle, entry, source) -> None:
-        # Allocated on the compute stream, which is where it will be used and freed.
-        result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            result.copy_(source, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        entry.tensor = result
-        handle._cuda_event = event
-        self._recorder.resident_change(Tier.DEVICE, entry.nbytes)
-        self._install(entry)
-        now = time.perf_counter()
-        self._recorder.transfer_finished(
-            (handle.kind, handle.source, Tier.DEVICE), entry.nbytes, now, now, "store",
-            handle.label,
-        )
-        handle._finish(result, None)
-
-    def _load_host_cuda(self, handle, entry, into=None) -> None:
-        try:
-            result = into
-            if result is None:
-                # Allocated on the compute stream, which is where it will be used and freed.
-                result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
-                self._track_delivered(result, Tier.DEVICE, entry.nbytes)
-            stream = self._copy_stream
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            if entry.host_block is not None:
-                event = self._copy_from_host(result, entry.host_block, entry, wait=False)
-            else:
-                with torch.cuda.stream(stream):
-                    result.copy_(entry.tensor, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-            entry.last_event = event
-            handle._cuda_event = event
-            now = time.perf_counter()
-            self._recorder.transfer_finished(
-                (handle.kind, Tier.HOST, Tier.DEVICE), entry.nbytes, now, now, "load",
-                handle.label,
-            )
-            self._load_finished(handle, entry, result, None)
-        except OffloadError as error:
-            self._load_finished(handle, entry, None, error)
-            raise
 
 
-    def _load_host_cuda_together(self, loads: list[tuple[TransferHandle, _Entry]]) -> None:
-        """Host-tier loads of pinned blocks onto the device, issued as one: each
-        result allocated on the compute stream, then one wait of the copy stream for
-        it, every copy, and one event that all the loads' waits wait on."""
-        results = []
-        try:
-            for _, entry in loads:
-                result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
-                self._track_delivered(result, Tier.DEVICE, entry.nbytes)
-                results.append(result)
-            stream = self._copy_stream
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for (_, entry), result in zip(loads, results):
-                    result.copy_(_typed_view(entry.host_block.buffer, entry), non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-        except Exception as error:  # noqa: BLE001 - every load must finish
-            failure = error if isinstance(error, OffloadError) else \
-                TransferFailedError(f"load could not start: {error!r}", key=loads[0][0].key)
-            for handle, entry in loads:
-                self._load_finished(handle, entry, None, failure)
-            raise failure from error
-        now = time.perf_counter()
-        for (handle, entry), result in zip(loads, results):
-            entry.last_event = event
-            handle._cuda_event = event
-            self._recorder.transfer_finished(
-                (handle.kind, Tier.HOST, Tier.DEVICE), entry.nbytes, now, now, "load", handle.label,
-            )
-            self._load_finished(handle, entry, result, None)
+def _uncount(entries: dict[str, _Entry], recorder: Recorder) -> None:
+    """Takes what the keys of an engine that is gone held off the tiers' resident bytes."""
+    for entry in entries.values():
+        if entry.slot is not None and not entry.slot.released:
+            recorder.resident_change(Tier.NVME, -entry.nbytes)
+        if entry.tensor is not None:
+            recorder.resident_change(entry.tier, -entry.nbytes)
+        if entry.host_block is not None:
+            recorder.resident_change(Tier.HOST, -entry.nbytes)
 
 
 _ENGINE: TransferEngine | None = None
-# Offload directory -> its engine: one per directory named in the options, for the
-# life of the process (one arena, one set of I/O threads each).
-_ENGINES: dict[str, TransferEngine] = {}
+# Offload directory -> its engine, one per directory named in the options, while
+# something holds it: the runtime objects that store and load through it (weight
+# streamers, activation stashes, gradient sinks, KV stores), the offloaded weights
+# resting in it, a compile in progress. An engine nothing holds goes, and its arena
+# and I/O threads with it.
+_ENGINES: weakref.WeakValueDictionary[str, TransferEngine] = weakref.WeakValueDictionary()
 _ENGINE_LOCK = threading.Lock()
 
 
@@ -1070,6 +640,10 @@ def get_engine(offload_dir: str | None = None) -> TransferEngine:
     "which engine" for a configuration (a stored weight's engine is
     `slcompile.runtime.weights.weight_home(param)[0]`).
 
+    The engine of an `offload_dir` is made when none is alive and lives as long as
+    something holds it (the registry does not): whoever needs that same engine later
+    (its keys, its arena, its pinned pool) keeps it.
+
     Args:
         offload_dir: the `offload_dir` option; None: the process-wide engine, made
             with the defaults on first use.
@@ -1077,9 +651,10 @@ def get_engine(offload_dir: str | None = None) -> TransferEngine:
     global _ENGINE
     with _ENGINE_LOCK:
         if offload_dir is not None:
-            if offload_dir not in _ENGINES:
-                _ENGINES[offload_dir] = TransferEngine(offload_dir=offload_dir)
-            return _ENGINES[offload_dir]
+            engine = _ENGINES.get(offload_dir)
+            if engine is None:
+                engine = _ENGINES[offload_dir] = TransferEngine(offload_dir=offload_dir)
+            return engine
         if _ENGINE is None:
             _ENGINE = TransferEngine()
         return _ENGINE

@@ -51,7 +51,7 @@ from slcompile.kv_segments import KV_STORES_IN_FLIGHT, forgettable_segments, mer
 from slcompile.plans import new_name
 
 from .engine import TransferEngine, TransferHandle
-from .nvme import PageBufferCache
+from .page_buffers import PageBufferCache
 from .tiers import PAGE_BYTES, Tier, TransferKind
 
 __all__ = ["KVStore", "PartRows"]

@@ -45,7 +45,7 @@ from slcompile import vocabulary
 
 from .engine import TransferEngine, TransferHandle
 from .errors import OffloadError
-from .nvme import profiler_sees_buffers
+from .page_buffers import profiler_sees_buffers
 from .stats import RECORDER
 
 __all__ = [

@@ -332,7 +332,7 @@ def test_an_offload_dir_others_may_rename_in_is_used_with_a_warning_naming_it(tm
     below = shared / "mine"  # made by the arena, mode 0700, but movable with its parent's entries
     for offload_dir in (shared, below):
         caplog.clear()
-        with caplog.at_level("WARNING", logger="slcompile.runtime.nvme"):
+        with caplog.at_level("WARNING", logger="slcompile.runtime.offload_dirs"):
             arena = NvmeArena(str(offload_dir))
             arena.close()
         messages = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]

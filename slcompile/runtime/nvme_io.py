@@ -1,0 +1,157 @@
+"""The nvme arena's I/O: its threads, the chunks of one slot transfer, their outcome.
+
+Where it sits: below the nvme arena (``slcompile.runtime.nvme``), which cuts each
+slot write or read into chunks and submits them here.
+
+Guarantees:
+- ``IoThreads.submit`` costs the submitting thread one queue put; the threads start
+  with the first submission and ``shutdown`` runs what was queued, then stops them.
+- An ``IoBatch`` reports once, from the last of its chunks to finish, with the
+  first error any chunk had; ``on_start`` runs once, when the first chunk starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from .errors import OffloadError
+from .ranges import ByteRange
+
+__all__ = ["NvmeSlot", "IoOutcome", "IoBatch", "IoThreads"]
+
+log = logging.getLogger(__name__)
+
+
+class NvmeSlot:
+    """One tensor's range of the arena file.
+
+    Attributes:
+        key: The tensor key the slot was allocated for.
+        byte_range: Offset and padded size in the file.
+        nbytes: The tensor's logical size.
+        valid: True only once every byte of the write has reached the file.
+        released: True once the range went back to the free list.
+        checksums: The CRC-32C of each chunk's bytes as written (chunk ``i`` holds
+            bytes ``i * chunk_bytes`` on), or None when the arena does not checksum.
+    """
+
+    __slots__ = ("key", "byte_range", "nbytes", "valid", "released", "checksums")
+
+    def __init__(self, key: str, byte_range: ByteRange, nbytes: int):
+        self.key = key
+        self.byte_range = byte_range
+        self.nbytes = nbytes
+        self.valid = False
+        self.released = False
+        self.checksums: list[int | None] | None = None
+
+
+class IoOutcome:
+    """How one slot write or read went.
+
+    Attributes:
+        start: ``perf_counter`` time the first chunk began (None if none ran).
+        end: ``perf_counter`` time the last chunk ended.
+        error: The first error of any chunk, or None.
+    """
+
+    __slots__ = ("start", "end", "error")
+
+    def __init__(self):
+        self.start: float | None = None
+        self.end: float | None = None
+        self.error: OffloadError | None = None
+
+
+class IoBatch:
+    """Chunks of one slot transfer in flight; the last one to finish reports."""
+
+    def __init__(
+        self,
+        chunks: int,
+        on_start: Callable[[float], None] | None,
+        on_done: Callable[[IoOutcome], None],
+        before: Callable[[], None] | None,
+    ):
+        self.remaining = chunks
+        self.lock = threading.Lock()
+        self.outcome = IoOutcome()
+        self.on_start = on_start
+        self.on_done = on_done
+        self.before = before
+
+    def chunk_started(self) -> None:
+        now = time.perf_counter()
+        with self.lock:
+            first = self.outcome.start is None
+            if first:
+                self.outcome.start = now
+        if first and self.on_start is not None:
+            self.on_start(now)
+
+    def chunk_finished(self, error: OffloadError | None) -> None:
+        with self.lock:
+            if error is not None and self.outcome.error is None:
+                self.outcome.error = error
+            self.remaining -= 1
+            last = self.remaining == 0
+            if last:
+                self.outcome.end = time.perf_counter()
+        if last:
+            self.on_done(self.outcome)
+
+
+class IoThreads:
+    """The arena's I/O threads, fed by one queue: `submit(fn, *args)` costs the
+    submitting thread a queue put, where `concurrent.futures` makes a future, a
+    condition and a work item per call (the transfer ops call it on the compute
+    thread's hot path). The threads start with the first submission; `shutdown`
+    runs what was queued, then stops them."""
+
+    def __init__(self, count: int, name: str):
+        self._count = count
+        self._name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., None], *args) -> None:
+        if self._closed:
+            raise RuntimeError("the nvme arena's I/O threads are shut down")
+        if not self._threads:
+            self._start()
+        self._queue.put((fn, args))
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the nvme arena's I/O threads are shut down")
+            while len(self._threads) < self._count:
+                thread = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}",
+                                          daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, args = item
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - a chunk reports its own errors; this is a bug
+                log.exception("nvme I/O task %r failed", fn)
+            del item, fn, args
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            threads, self._threads = self._threads, []
+        for _ in threads:
+            self._queue.put(None)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join()

@@ -1,0 +1,219 @@
+"""The transfer engine's nvme tier: stores into arena slots and loads out of them.
+
+Where it sits: a part of ``TransferEngine`` (``slcompile.runtime.engine``), between
+its public ``store``/``load`` and the ``NvmeArena`` (``slcompile.runtime.nvme``) whose
+I/O threads do the reads and writes.
+
+Needs: the engine's ``_get_arena``/``_arena``, ``_buffers`` (the ``PageBufferCache``),
+``_pool()`` and the CUDA copies (``CudaCopies``) on a CUDA machine, ``_recorder`` and
+its bookkeeping (``_install``, ``_fail_entry``, ``_release_if_unused``,
+``_load_finished``, ``_track_delivered``).
+
+Guarantees: a store writes straight from the source's memory (on CUDA from a pinned
+staging block the copy stream fills) and leaves the entry failed if the write fails;
+a load reads into the caller's ``into``, into reused page-aligned memory, or on a CPU
+machine into memory made on the I/O thread that reads it. Errors of a load reach the
+waiting thread through its handle, never as an exception on an I/O thread. Every
+finished transfer is counted and put on the ``"store"`` or ``"load"`` lane.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .errors import OffloadError, TransferFailedError
+from .handles import TransferHandle, _Entry
+from .nvme_io import IoOutcome, NvmeSlot
+from .page_buffers import profiler_sees_buffers
+from .tiers import Tier
+
+__all__ = ["NvmeTransfers"]
+
+log = logging.getLogger(__name__)
+
+
+class NvmeTransfers:
+    """The nvme-tier stores and loads of ``TransferEngine``."""
+
+    def _store_nvme(self, handle: TransferHandle, entry: _Entry, source: torch.Tensor,
+                    reserved: NvmeSlot | None = None) -> None:
+        arena = self._get_arena(handle.key)
+        if entry.nbytes == 0:
+            self._install(entry)
+            now = time.perf_counter()
+            self._recorder.transfer_finished(
+                (handle.kind, handle.source, Tier.NVME), 0, now, now, "store", handle.label
+            )
+            handle._finish(source, None)
+            return
+        if reserved is not None and reserved.nbytes == entry.nbytes and not reserved.released:
+            slot = reserved
+            slot.key = handle.key
+        else:
+            if reserved is not None:
+                arena.release(reserved)
+            slot = arena.allocate(entry.nbytes, handle.key)
+        entry.slot = slot
+        entry.store_handle = handle
+        handle._keep = source
+        self._recorder.resident_change(Tier.NVME, entry.nbytes)
+        before = None
+        block = None
+        if source.device.type == "cuda":
+            block = self._pool().allocate(slot.byte_range.size, handle.key)
+            event = self._copy_to_host(source, block, entry)
+            handle._cuda_event = event
+            before = event.synchronize
+            address, readable = block.buffer.data_ptr(), block.byte_range.size
+        else:
+            address = source.data_ptr()
+            readable = source.untyped_storage().nbytes() - (
+                source.storage_offset() * source.element_size()
+            )
+        self._install(entry)
+
+        # The I/O thread reaches the source only through `handle._keep`: no frame of
+        # its own may hold it once the waiting thread wakes (see `_finish`).
+        def on_done(outcome: IoOutcome) -> None:
+            if block is not None:
+                self._host_pool.release(block)
+            self._store_nvme_done(handle, entry, outcome)
+
+        try:
+            arena.write(slot, address, readable, on_done,
+                        on_start=lambda now: self._recorder.lane_begin("store", now),
+                        before=before)
+        except OffloadError as error:
+            if block is not None:
+                self._host_pool.release(block)
+            self._fail_entry(entry, error)
+            handle._finish(None, error)
+            raise
+
+    def _store_nvme_done(self, handle, entry, outcome: IoOutcome) -> None:
+        if outcome.start is not None:
+            self._recorder.lane_end("store", outcome.end)
+        if outcome.error is not None:
+            log.warning("store of %r failed: %s", handle.key, outcome.error)
+            self._fail_entry(entry, outcome.error)
+            handle._finish(None, outcome.error)
+        else:
+            self._recorder.transfer_finished(
+                (handle.kind, handle.source, Tier.NVME), handle.nbytes,
+                outcome.start, outcome.end, "store", handle.label,
+            )
+            handle._finish(None if handle.forget_source else handle._keep, None)
+        with self._lock:
+            # A finished store's handle holds its source: the entry keeps only the slot,
+            # or an entry resting on nvme would hold its tensor in memory as well.
+            if entry.store_handle is handle:
+                entry.store_handle = None
+        self._release_if_unused(entry)
+
+    def _load_nvme(self, handle: TransferHandle, entry: _Entry, into: torch.Tensor | None = None) -> None:
+        # May run on an I/O thread (chained after a store): report errors, never raise.
+        try:
+            if entry.error is not None:
+                raise TransferFailedError(
+                    f"the store this load waited for failed ({entry.error.reason})",
+                    key=handle.key, path=entry.error.path,
+                )
+            if entry.nbytes == 0:
+                result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+                now = time.perf_counter()
+                self._recorder.transfer_finished(
+                    (handle.kind, Tier.NVME, Tier.DEVICE), 0, now, now, "load", handle.label
+                )
+                self._load_finished(handle, entry, result, None)
+                return
+            slot = entry.slot
+            if self._cuda:
+                result = into
+                if result is None:
+                    result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+                    self._track_delivered(result, Tier.DEVICE, entry.nbytes)
+                block = self._pool().allocate(slot.byte_range.size, handle.key)
+                address, writable = block.buffer.data_ptr(), block.byte_range.size
+            elif into is None and not profiler_sees_buffers():
+                self._load_nvme_new(handle, entry)
+                return
+            else:
+                block = None
+                if into is not None:
+                    result = into
+                else:
+                    nbytes = entry.nbytes
+                    self._recorder.resident_change(Tier.DEVICE, nbytes)
+                    result = self._buffers.tensor(
+                        nbytes, entry.dtype, entry.shape,
+                        on_release=lambda: self._recorder.resident_change(Tier.DEVICE, -nbytes),
+                    )
+                storage = result.untyped_storage()
+                address = result.data_ptr()
+                writable = storage.nbytes() - (address - storage.data_ptr())
+
+            def on_done(outcome: IoOutcome) -> None:
+                if outcome.start is not None:
+                    self._recorder.lane_end("load", outcome.end)
+                error = outcome.error
+                if error is None and block is not None:
+                    self._copy_from_host(result, block, entry, wait=True)
+                if block is not None:
+                    self._host_pool.release(block)
+                if error is None:
+                    self._recorder.transfer_finished(
+                        (handle.kind, Tier.NVME, Tier.DEVICE), handle.nbytes,
+                        outcome.start, outcome.end, "load", handle.label,
+                    )
+                self._load_finished(handle, entry, None if error else result, error)
+
+            self._arena.read(slot, address, writable, on_done,
+                             on_start=lambda now: self._recorder.lane_begin("load", now))
+        except OffloadError as error:
+            self._load_finished(handle, entry, None, error)
+        except Exception as error:  # noqa: BLE001 - must reach the waiting thread
+            self._load_finished(
+                handle, entry, None,
+                TransferFailedError(f"load could not start: {error!r}", key=handle.key),
+            )
+
+    def _load_nvme_new(self, handle: TransferHandle, entry: _Entry) -> None:
+        """A load on a CPU machine into new page-aligned memory, made on the I/O
+        thread that reads it: issuing costs the compute thread no tensor and no
+        system call (`NvmeArena.read_new`)."""
+        # Residency is counted from the issue, as the memory model counts a load, and
+        # lasts as long as the memory does, not as long as the handle. The release
+        # callback lives as long as the memory and must not reach the entry: a state
+        # loaded here and stored again would keep, through it, every earlier
+        # generation of that state alive.
+        nbytes, dtype, shape, recorder = entry.nbytes, entry.dtype, entry.shape, self._recorder
+        recorder.resident_change(Tier.DEVICE, nbytes)
+        made: list[torch.Tensor] = []
+
+        def make_destination() -> torch.Tensor:
+            tensor = self._buffers.tensor(
+                nbytes, dtype, shape, on_release=lambda: recorder.resident_change(Tier.DEVICE, -nbytes))
+            made.append(tensor)
+            return tensor
+
+        def on_done(outcome: IoOutcome) -> None:
+            if outcome.start is not None:
+                recorder.lane_end("load", outcome.end)
+            if not made:  # failed before its memory was made
+                recorder.resident_change(Tier.DEVICE, -nbytes)
+            error = outcome.error
+            if error is None:
+                recorder.transfer_finished((handle.kind, Tier.NVME, Tier.DEVICE), handle.nbytes,
+                                           outcome.start, outcome.end, "load", handle.label)
+            self._load_finished(handle, entry, None if error else made[0], error)
+
+        try:
+            self._arena.read_new(entry.slot, make_destination, on_done,
+                                 on_start=lambda now: recorder.lane_begin("load", now))
+        except BaseException:
+            recorder.resident_change(Tier.DEVICE, -nbytes)
+            raise
+
