@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from slcompile.analysis.batch_propagation import BatchPlan, propagate_batch
+from slcompile.analysis.batch_propagation import PROPAGATE_BATCH_CODE, BatchPlan, propagate_batch
 from slcompile.analysis.inputs import GraphInput, classify_inputs
 from slcompile.analysis.machine import ProcessFacts
 from slcompile.analysis.memory import MemoryPrediction, predict_memory
@@ -276,7 +276,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("classify_inputs", "dynamo", "analysis", _classify, required=True, code=(classify_inputs,)),
     Pass("find_blocks", "dynamo", "analysis", _find_blocks, required=True, code=(find_blocks,)),
     Pass("find_batch_dim", "dynamo", "analysis", _find_batch_dim, required=True, code=(find_batch_dim,)),
-    Pass("propagate_batch", "dynamo", "analysis", _propagate, required=True, code=(propagate_batch,)),
+    Pass("propagate_batch", "dynamo", "analysis", _propagate, required=True, code=PROPAGATE_BATCH_CODE),
     Pass("check_splittable", "dynamo", "check", _check, code=(check_splittable,)),
     # The schedule orders every later stage's graphs, interleaved or not.
     Pass("plan_schedule", "dynamo", "analysis", _plan_schedule, required=True, code=(plan_schedule,)),

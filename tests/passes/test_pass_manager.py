@@ -223,5 +223,6 @@ def test_pass_declarations_are_checked_and_hashed():
         Pass("x", "lowering", "rewrite", lambda step: None)
     files = pass_modules(all_passes())
     for module in ("fuse_weight_grads", "order_layer_major", "offload_activations", "stream_weights",
-                   "annotate_streams", "mark_regions", "outline_regions", "find_blocks", "interleave", "memory", "derive"):
+                   "annotate_streams", "mark_regions", "outline_regions", "find_blocks", "interleave", "memory", "derive",
+                   "batch_propagation/propagate", "batch_propagation/routing", "batch_propagation/writes"):
         assert any(f.endswith(f"/{module}.py") for f in files), module

@@ -1,87 +1,8 @@
-"""An optimizer that steps off the device, block by block, as gradients arrive.
-
-`slcompile.offload_optimizer(model, torch.optim.AdamW, lr=1e-4, states="host")`
-returns an `OffloadedOptimizer`. With the model compiled by the speedloader backend
-and its block weights streamed (`weights="nvme"`, or `"host"` on a GPU machine), the
-backward stores each block's weight gradients once they are final (summed over the K
-sub-batches) to the `gradients` tier and returns no `.grad` for them
-(`slcompile.passes.offload_gradients`). As soon as all of a block's gradients have
-arrived, a worker thread on the host runs the user's optimizer class, torch's own
-implementation, over host copies of that block's parameters (one optimizer instance
-per block; fp32 copies for bf16/fp16 parameters), and writes the updated values to
-the weights' home tier, where the next forward's fetch reads them. The optimizer
-state rests on `states`: host memory, or nvme files loaded before the block's step
-and stored after it. `step()` waits for the block steps still running and steps the
-parameters that stay on the device (embeddings, head, ...), which keep their
-`.grad`, with the same optimizer class; no weight round trip, no
-`gathered_weights`.
-
-Needs: one backward per `step()` (gradient accumulation across backward calls is
-what `num_subbatches` does inside one step; a second backward before `step()` raises
-`OffloadError`); an optimizer whose update of a parameter reads only that
-parameter's gradient and state (SGD, Adam, AdamW, Adagrad, RMSprop, ...). LBFGS
-(a closure that re-evaluates the loss) and SparseAdam are refused with a
-`ValueError`; so is a closure passed to `step()`.
-
-`params=` takes parameters or param groups as `optimizer_class` does, and the
-optimizer is a `torch.optim.Optimizer` whose `param_groups` every step reads (the
-block steps on the worker included): `torch.optim.lr_scheduler` schedulers work
-on it, and `add_param_group` adds parameters of the model.
-
-A global gradient-norm clip needs every gradient before any step:
-`max_grad_norm=` runs it in two phases. As each block's gradients arrive, the
-worker takes them into host memory and computes their norms (the block does not
-step yet); `step()` adds the norms of the `.grad` of the other parameters, scales
-every gradient by `min(1, max_grad_norm / (total norm + 1e-6))`, as
-`torch.nn.utils.clip_grad_norm_` does, and then runs the block steps. The price:
-the streamed weights' gradients wait in host memory until `step()` (the size of
-the host copies), and the block steps no longer overlap the backward.
-(`torch.nn.utils.clip_grad_norm_(model.parameters())` would not see the streamed
-weights' gradients, which never become `.grad`.)
-
-A step is all or nothing. When the block steps write bytes (weights on nvme, or
-on the host of a GPU machine; states on nvme), each block's updated weights are
-written under staging keys and its states under fresh keys, beside the previous
-ones, which stay until `step()`: once every block has stepped and written, `step()`
-puts them all in place (renames, which need no room) and then steps the resident
-parameters. When any write fails (`DiskFullError` for a full disk, or any other
-error of a block step, a backward that failed part way included), `step()` drops
-what was written and puts every block back as it was before the step: its host
-copies (copied back from before the step, or, where the weight's tier holds the
-same values, loaded from it), its state in host memory and its previous state
-files. The resident parameters are not stepped either: weights, host copies and
-states are exactly the previous step's, and running the same batch again once
-there is room gives what an uninterrupted run gives. The price: the nvme tier
-holds a second copy of the block weights (and of the nvme states) until `step()`,
-and the host keeps, until then, a copy of the host states and of the fp32 copies
-of bf16/fp16 weights. The next forward's prefetches of the blocks' weights are
-issued by `step()` once their new values are in place.
-
-Guarantees: the parameters after each step equal what `optimizer_class` over the
-whole model computes (the update is elementwise per parameter, so one instance per
-block computes the same numbers); no fetch reads a weight older than its last
-update: the next forward's prefetches of a block are issued after that block's
-update (the compiled backward hands them over), and any load of it still pending
-from before is issued again.
-
-With `shard_weights=True` (`slcompile.runtime.collectives`) each rank receives its
-shard of a block's gradients (reduce-scattered, averaged over the ranks), keeps
-host copies and state for that shard only, and writes the updated shard back;
-`step()` first averages the `.grad` of the replicated parameters over the ranks.
-Every rank calls `step()`, `model.state_dict()` (which all-gathers the weights)
-and `model.load_state_dict()` together. With `max_grad_norm` the total norm is the
-whole model's on every rank: the squared norms of each rank's shards are summed by
-one all-reduce of a scalar, and the replicated parameters' are counted once.
-`slcompile.save_sharded` / `load_sharded` checkpoint the shards with
-`torch.distributed.checkpoint`, no weight gathered (`slcompile.checkpoint`).
-
-On a CPU-only machine the host tier is the device's memory: `gradients="host"` and
-`states="host"` move no bytes. When the model was compiled before the optimizer was
-created (and with `gradients="auto"`), the streamed weights' gradients come back as
-`.grad`; `step()` then steps them the same way from their `.grad` and says so once
-in the log. The host copies are the weights' master values: change weights through
-`model.load_state_dict` (which updates them), not inside `gathered_weights`.
-"""
+"""The offloaded optimizer (`offload_optimizer`, `OffloadedOptimizer`): a
+`torch.optim.Optimizer` that takes the streamed weights' gradients as the backward
+stores them, steps each block on a worker thread once its gradients are in
+(`host_step`), closes every step all or nothing, and steps the parameters that stay
+on the device itself. What it needs and guarantees: `slcompile.optim`'s docstring."""
 
 from __future__ import annotations
 
@@ -94,6 +15,7 @@ from typing import Any
 
 import torch
 
+from slcompile.optim.host_step import _copy, _HostStep, _options, _take_options
 from slcompile.runtime import gradients as gradient_runtime
 from slcompile.runtime.engine import TransferEngine, get_engine
 from slcompile.runtime.errors import OffloadError
@@ -109,7 +31,7 @@ from slcompile.runtime.weights import (
     weight_home,
 )
 
-__all__ = ["OffloadedOptimizer", "offload_optimizer"]
+__all__ = ["OffloadedOptimizer", "offload_optimizer", "attached_optimizer_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +68,7 @@ def offload_optimizer(
         max_grad_norm: clip the gradients to this total 2-norm before stepping, as
             `torch.nn.utils.clip_grad_norm_(params, max_grad_norm)` would (the norm
             is `last_grad_norm` after each step). The block steps then wait for
-            `step()`: see the module docstring.
+            `step()`: see `slcompile.optim`'s docstring.
         **optimizer_options: passed to `optimizer_class` (lr, betas, weight_decay, ...).
 
     Returns:
@@ -160,7 +82,7 @@ def offload_optimizer(
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
-    """See the module docstring; built by `offload_optimizer`.
+    """See `slcompile.optim`'s docstring; built by `offload_optimizer`.
 
     A `torch.optim.Optimizer`: `param_groups` holds the model's parameters and each
     group's options, which every step reads (the block steps included), so
@@ -299,7 +221,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
         Raises:
             DiskFullError: no room for a block's updated weights (that block's step is
-                undone) or nvme states; see the module docstring.
+                undone) or nvme states; see `slcompile.optim`'s docstring.
         """
         if closure is not None:
             raise ValueError("OffloadedOptimizer.step takes no closure: blocks step as their gradients arrive")
@@ -794,156 +716,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._open.append((host_step, staged))
 
 
-class _HostStep:
-    """One optimizer instance over host copies of one block's parameters, with its
-    state on the host or in nvme files between steps."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
-                 masters: list[torch.Tensor], tier: Tier, engine: TransferEngine, prefix: str,
-                 group_ids: list[int], param_groups: list[dict[str, Any]], names: list[str]):
-        self.optimizer = optimizer
-        self.names = names  # each parameter's name in the model: the state files' keys name it
-        self.group_ids = group_ids  # the user-facing group of each of `optimizer`'s groups
-        self.param_groups = param_groups
-        self.params = params
-        self.masters = masters
-        self.tier = tier
-        self.engine = engine
-        self.prefix = prefix
-        self.stored: dict[int, dict[str, str]] = {}  # master index -> state name -> its nvme key
-        self.generation = 0
-        # With keep_previous, until `commit` or `roll_back`: what the block was before
-        # the step. Masters: a host copy, or None where the weight's tier holds the
-        # same values (a master of the weight's own dtype). State: host copies of what
-        # no nvme file of `stored` keeps; and those files, kept until then.
-        self.previous: tuple[list[torch.Tensor | None], list[dict[str, Any]], dict[int, dict[str, str]]] | None = None
-
-    def step(self, keep_previous: bool = False) -> OffloadError | None:
-        """Steps the block.
-
-        Args:
-            keep_previous: keep what the block was before the step until `commit` or
-                `roll_back`, and store the new state beside the previous files; a
-                failure to store it is then raised after going back to before the step.
-                Without: a failure to store the state after the step is returned (not
-                raised), so the caller still writes the updated weights before raising it.
-        """
-        if self.tier is Tier.NVME:
-            self._load_states()
-        if keep_previous:
-            self.previous = (
-                [None if master.dtype == param.dtype else master.detach().clone()
-                 for param, master in zip(self.params, self.masters)],
-                [{k: _copy(v) for k, v in self.optimizer.state.get(master, {}).items()
-                  if k not in self.stored.get(index, {})} for index, master in enumerate(self.masters)],
-                self.stored,
-            )
-        _take_options(self.optimizer, self.group_ids, self.param_groups)
-        self.optimizer.step()
-        for master in self.masters:
-            master.grad = None
-        if self.tier is Tier.NVME:
-            try:
-                self._store_states()
-            except OffloadError as error:
-                if keep_previous:
-                    self.roll_back()
-                    raise
-                return error
-        return None
-
-    def commit(self) -> None:
-        """The step kept by `step(keep_previous=True)` stays: the previous files go."""
-        _, _, stored = self.previous
-        self.previous = None
-        if stored is not self.stored:
-            self._free(stored)
-
-    def _store_states(self) -> None:
-        """Stores every state tensor under a fresh key; only once all are written are
-        the host copies dropped, and the previous files (at `commit`, when the step
-        keeps what it was before). A failed store (a full disk) leaves no file of this
-        step behind, and the state whole in host memory."""
-        self.generation += 1
-        issued: dict[int, dict[str, str]] = {}
-        handles = []
-        try:
-            for index, master in enumerate(self.masters):
-                state = self.optimizer.state.get(master, {})
-                for name, value in state.items():
-                    # Scalars (Adam's step count) stay: not worth a file each.
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        key = f"{self.prefix}:{self.names[index]}:{name}#{self.generation}"
-                        issued.setdefault(index, {})[name] = key
-                        handles.append(self.engine.store(key, value, Tier.NVME, TransferKind.OPTIMIZER_STATE))
-            for handle in handles:
-                self.engine.wait(handle)
-        except OffloadError:
-            self._free(issued)
-            if self.previous is None:
-                self._free(self.stored)  # older than the state in host memory now
-                self.stored = {}
-            raise
-        if self.previous is None:
-            self._free(self.stored)
-        self.stored = issued
-        for index, keys in issued.items():
-            state = self.optimizer.state[self.masters[index]]
-            for name in keys:
-                del state[name]
-
-    def roll_back(self) -> None:
-        """Puts back what `step(keep_previous=True)` kept: the masters (copied back, or
-        loaded from the weights' tier, which still holds the previous values), the
-        state in host memory and the previous state files."""
-        masters, states, stored = self.previous
-        self.previous = None
-        loads = [(master, weight_home(param)[0], weight_home(param)[0].load(weight_home(param)[1], TransferKind.WEIGHT))
-                 for param, master, values in zip(self.params, self.masters, masters) if values is None]
-        with torch.no_grad():
-            for master, values in zip(self.masters, masters):
-                if values is not None:
-                    master.copy_(values)
-            for master, engine, load in loads:
-                master.copy_(engine.wait(load).view(master.shape))
-        if stored is not self.stored:
-            self._free(self.stored)  # the state stored after the step
-        self.stored = stored
-        for master, values in zip(self.masters, states):
-            if values:
-                self.optimizer.state[master] = values
-            else:
-                self.optimizer.state.pop(master, None)
-
-    def _load_states(self) -> None:
-        loads = [(index, name, self.engine.load(key, TransferKind.OPTIMIZER_STATE))
-                 for index, keys in self.stored.items() for name, key in keys.items()]
-        for index, name, handle in loads:
-            self.optimizer.state[self.masters[index]][name] = self.engine.wait(handle)
-
-    def state_of(self, index: int) -> dict[str, Any]:
-        """A host copy of one parameter's state, loaded from nvme where it rests there."""
-        values = {k: _copy(v) for k, v in self.optimizer.state.get(self.masters[index], {}).items()}
-        for name, key in self.stored.get(index, {}).items():
-            values[name] = self.engine.wait(self.engine.load(key, TransferKind.OPTIMIZER_STATE))
-        return values
-
-    def set_state(self, index: int, values: Mapping[str, Any]) -> None:
-        """Replaces one parameter's state (nvme copies are dropped; the next step stores it again)."""
-        self._free({index: self.stored.pop(index, {})})
-        self.optimizer.state[self.masters[index]] = {k: _copy(v) for k, v in values.items()}
-
-    def free(self) -> None:
-        self._free(self.stored)
-        self.stored = {}
-
-    def _free(self, stored: Mapping[int, Mapping[str, str]]) -> None:
-        for keys in stored.values():
-            for key in keys.values():
-                if key in self.engine:
-                    self.engine.free(key)
-
-
 def attached_optimizer_memory(params: Iterable[torch.Tensor], streamed: Iterable[Iterable[torch.Tensor]],
                               machine=None):
     """`OffloadedOptimizer.memory` of the offloaded optimizer that holds any of
@@ -962,18 +734,6 @@ def _raise_first(errors: Iterable[OffloadError | None]) -> None:
             raise error
 
 
-def _options(group: Mapping[str, Any]) -> dict[str, Any]:
-    """A param group's options: everything but its parameters."""
-    return {key: value for key, value in group.items() if key != "params"}
-
-
-def _take_options(optimizer: torch.optim.Optimizer, group_ids: list[int], param_groups: list[dict[str, Any]]) -> None:
-    """Sets the options of `optimizer`'s groups from the user-facing groups they
-    stand for (a scheduler may have changed the learning rate since the last step)."""
-    for group, index in zip(optimizer.param_groups, group_ids):
-        group.update(_options(param_groups[index]))
-
-
 def _check_state_size(param: torch.nn.Parameter, name: str, values: Mapping[str, Any], master: torch.Tensor) -> None:
     """Refuses a loaded state of a sharded weight whose tensors are not the size of
     the host copy, this rank's shard, they step with (an elementwise optimizer's
@@ -988,10 +748,6 @@ def _check_state_size(param: torch.nn.Parameter, name: str, values: Mapping[str,
                 "not sharded); load it with slcompile.load_sharded into a model compiled with the same "
                 "shard_weights"
             )
-
-
-def _copy(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _check_optimizer_class(optimizer_class) -> None:
