@@ -31,3 +31,10 @@ def test_design_draws_every_stage_and_pass_in_the_tables_order():
     for declared in all_passes():
         tables.setdefault(declared.stage, []).append(declared.name)
     assert drawn_stages() == tables
+
+
+def test_no_module_of_the_package_is_over_800_lines():
+    package = DESIGN.parent / "slcompile"
+    long = {str(path.relative_to(package)): count for path in package.rglob("*.py")
+            if (count := len(path.read_text().splitlines())) > 800}
+    assert long == {}
