@@ -7,11 +7,16 @@ module:factory` prints what the backend would do with a model (`factory()` retur
 `(model, args)` or `(model, args, kwargs)`; the module is looked up in the current
 folder too, and `slcompile.examples:tiny_gpt` is ready to try); with `--dot`,
 `--plot` or `--trace` it also compiles the model, runs one training step and writes
-those pictures. `slcompile tune module:factory --memory-budget 2GiB` chooses the
-options that fit a budget. `slcompile compare module:factory --policies a,b` trains
-one step per policy and prints their figures side by side, the schedule diff, and
-writes the pictures of each (`slcompile.compare_policies`). Errors print one line and exit non-zero; `--debug`
-(before or after the command) shows the traceback.
+those pictures; `--profile` names the machine its step time is predicted for and
+`--predicted-trace` draws that prediction, with no step run. `slcompile tune
+module:factory --memory-budget 2GiB` chooses the options that fit a budget
+(`--schedule a,b` searches over policies too). `slcompile compare module:factory
+--policies a,b` trains one step per policy and prints their figures side by side,
+the schedule diff, and writes the pictures of each (`slcompile.compare_policies`;
+`--no-run` ranks the policies from predictions alone). A schedule goes out as JSON
+with `explain --write-schedule PATH` and comes back, replayed as the policy
+(`slcompile.schedules.replay`), with `--schedule-file PATH`. Errors print one line
+and exit non-zero; `--debug` (before or after the command) shows the traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib
+import itertools
 import logging
 import pathlib
 import re
@@ -30,6 +36,7 @@ import time
 import torch
 
 from slcompile.config import GENERATION_ONLY, SpeedLoaderConfig
+from slcompile.errors import OptionError
 from slcompile.units import format_bytes
 from slcompile.viz.dot import AUTO_SUMMARY_NODES
 
@@ -40,15 +47,17 @@ log = logging.getLogger(__name__)
 DEFAULT_OUT = "slcompile-out"
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
-    """One flag per config option (`--num-subbatches 4`), documented from the dataclass."""
+def _add_config_flags(parser: argparse.ArgumentParser, defaults: dict | None = None,
+                      helps: dict | None = None) -> None:
+    """One flag per config option (`--num-subbatches 4`), documented from the dataclass
+    (or by `helps[name]`, where the command reads the flag its own way)."""
     doc = SpeedLoaderConfig.__doc__ or ""
     group = parser.add_argument_group("backend options (as in torch.compile(..., options={...}))")
     for field in dataclasses.fields(SpeedLoaderConfig):
         if field.name in GENERATION_ONLY:
             continue
         flag = "--" + field.name.replace("_", "-")
-        help_text = _field_doc(doc, field.name)
+        help_text = (helps or {}).get(field.name) or _field_doc(doc, field.name)
         kind = str if field.default is None else type(field.default)
         if defaults and field.name in defaults:  # this command's own default
             help_text = f"{_without_default(help_text)} (default here: {defaults[field.name]})"
@@ -88,6 +97,12 @@ def _add_picture_flags(parser: argparse.ArgumentParser) -> None:
                              "(auto; default)")
 
 
+def _add_schedule_file_flag(parser: argparse.ArgumentParser, help_text: str, repeat: bool = False) -> None:
+    dest = "schedule_files" if repeat else "schedule_file"
+    parser.add_argument("--schedule-file", dest=dest, metavar="PATH", help=help_text,
+                        **({"action": "append", "default": []} if repeat else {}))
+
+
 def _options(args: argparse.Namespace, **defaults) -> dict:
     _import_policy_modules(args)
     options = dict(defaults)
@@ -97,20 +112,72 @@ def _options(args: argparse.Namespace, **defaults) -> dict:
         value = getattr(args, field.name)
         if value is not None:
             options[field.name] = value
-    _check_policy_name(options.get("schedule"))
+    if "schedule" in options:
+        names = _policy_names(options["schedule"], "--schedule")
+        if len(names) > 1 and args.command != "tune":
+            compare = " (compare takes its policies as --policies A,B)" if args.command == "compare" else ""
+            raise OptionError(f"--schedule names one policy for {args.command}, got {options['schedule']!r}; a "
+                              f"comma-separated list is for tune{compare}")
+        options["schedule"] = names if len(names) > 1 else names[0]
     return options
+
+
+def _policy_names(text: str, flag: str) -> list[str]:
+    """The policy names of a comma-separated flag value, each checked."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise OptionError(f"{flag} needs a policy name (or several, comma-separated), got {text!r}")
+    for name in names:
+        _check_policy_name(name)
+    return names
 
 
 def _check_policy_name(name) -> None:
     """Refuses a `--schedule` no policy is registered under, saying how the command
     line registers one."""
-    from slcompile.errors import OptionError
     from slcompile.schedules.policies import unknown_policy
 
     problem = unknown_policy(name) if name is not None else None
     if problem:
         raise OptionError(f"{problem}; on the command line, --policy-module MODULE imports a module that "
                           "registers it")
+
+
+def _replayed(path: str):
+    """The policy that replays the schedule of a `--schedule-file` (the JSON of
+    `Schedule.to_json()`), named after the file."""
+    from slcompile.schedules import Schedule, replay
+
+    file = pathlib.Path(path)
+    try:
+        text = file.read_text()
+    except OSError as err:
+        raise OptionError(f"--schedule-file {path}: cannot read it ({err.strerror or err})") from None
+    try:
+        schedule = Schedule.from_json(text)
+    except (ValueError, TypeError) as err:
+        raise OptionError(f"--schedule-file {path}: {err}; give the JSON of Schedule.to_json(), as "
+                          "`slcompile explain TARGET --write-schedule PATH` writes it") from None
+    return replay(schedule, name=file.stem)
+
+
+def _machine(args: argparse.Namespace, options: dict):
+    """The `MachineProfile` of `--profile` (None for "none")."""
+    from slcompile.measure import machine_profile
+
+    if args.profile is None or args.profile.lower() == "none":
+        return None
+    try:
+        return machine_profile(args.profile, offload_dir=options.get("offload_dir"))
+    except (ValueError, TypeError, OSError) as err:
+        raise OptionError(f"--profile {args.profile}: {err}; --profile takes current, none, a named profile or "
+                          "a profile's JSON file") from None
+
+
+def _named_profiles() -> str:
+    from slcompile.analysis.machine import NAMED_PROFILES
+
+    return ", ".join(NAMED_PROFILES)
 
 
 def _import_policy_modules(args: argparse.Namespace) -> None:
@@ -305,17 +372,59 @@ def _explain(args: argparse.Namespace) -> int:
 
     model, call_args, call_kwargs = _load_target(args.target)
     options = _options(args)
+    if args.schedule_file is not None:
+        if "schedule" in options:
+            raise OptionError("--schedule and --schedule-file both choose the policy: give one of them")
+        options["schedule"] = _replayed(args.schedule_file)
+    machine = _machine(args, options)
+    if args.predicted_trace and machine is None:
+        raise OptionError("--predicted-trace draws the step predicted on --profile, and --profile none predicts "
+                          "none: give --profile current or a named profile")
     pictures = [name for name in ("dot", "trace", "plot") if getattr(args, name)]
     # explain() runs the model once; the pictures compile and run a copy.
     copied = copy.deepcopy(model) if pictures else None
-    explanation = explain(model, *call_args, kwargs=call_kwargs, **options)
+    explanation = explain(model, *call_args, kwargs=call_kwargs, profile=machine, **options)
     print(explanation)
+    if args.write_schedule is not None:
+        _write_schedule(explanation, pathlib.Path(args.write_schedule))
+    out = pathlib.Path(args.out)
+    written = {}
+    if args.predicted_trace:
+        if explanation.time is None:
+            raise OptionError("--predicted-trace: the first graph would compile plainly (its fallback is printed "
+                              "above), so there is no predicted step to draw")
+        written.update(explanation.write_predicted_timeline(out))
+    recorded_report = None
     if pictures:
-        _explain_pictures(copied, call_args, call_kwargs, options, pictures, args)
+        drawn, recorded_report = _explain_pictures(copied, call_args, call_kwargs, options, pictures, args)
+        written.update(drawn)
+    if written:
+        _print_written(out, written)
+    if recorded_report is not None:
+        _note_whole_graphs(recorded_report.config, recorded_report)
     return 0
 
 
-def _explain_pictures(model, call_args, call_kwargs, options, pictures, args) -> None:
+def _write_schedule(explanation, path: pathlib.Path) -> None:
+    """Writes the first graph's schedule as JSON (`Schedule.to_json()`), which
+    `--schedule-file` replays."""
+    schedule = explanation.planned_schedule
+    if schedule is None:
+        raise OptionError(f"--write-schedule {path}: the first graph would compile plainly (its fallback is printed "
+                          "above), so it has no schedule to write")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(schedule.to_json())
+    others = len(explanation.graphs) - 1
+    policy = getattr(schedule.policy, "name", None)
+    print(f"schedule written to {path} ({len(schedule.steps)} steps"
+          + (f", policy {policy}" if policy else "")
+          + (f"; graph 0's, of {others + 1} graphs" if others else "")
+          + f"); --schedule-file {path} replays it")
+
+
+def _explain_pictures(model, call_args, call_kwargs, options, pictures, args):
+    """Compiles `model`, runs a training step and writes `pictures`; returns the paths
+    by picture and the compile report when a step was recorded (else None)."""
     from slcompile.report import compile_reports
     from slcompile.viz.pictures import record_step, write_pictures
 
@@ -331,11 +440,8 @@ def _explain_pictures(model, call_args, call_kwargs, options, pictures, args) ->
     config = SpeedLoaderConfig.from_options(options)
     recorded = record_step(step, _sample_interval(config)) if {"trace", "plot"} & set(pictures) else None
     report = compile_reports()[-1]
-    out = pathlib.Path(args.out)
-    written = write_pictures(out, report, recorded, pictures, detail=args.detail)
-    _print_written(out, written)
-    if recorded is not None:
-        _note_whole_graphs(config, report)
+    written = write_pictures(pathlib.Path(args.out), report, recorded, pictures, detail=args.detail)
+    return written, report if recorded is not None else None
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -349,15 +455,42 @@ def _tune(args: argparse.Namespace) -> int:
     for fixed in ("num_subbatches", "live_blocks"):  # tune chooses these
         if fixed in options:
             options[fixed] = [options[fixed]]
-    result = tune(model, *call_args, kwargs=call_kwargs, memory_budget=budget, **options)
-    print(f"chosen options: {result.options}")
+    if args.schedule_files:
+        named = options.get("schedule", [])
+        named = named if isinstance(named, list) else [named]
+        options["schedule"] = [*named, *map(_replayed, args.schedule_files)]
+    machine = _machine(args, options)
+    result = tune(model, *call_args, kwargs=call_kwargs, memory_budget=budget, profile=machine, **options)
+    chosen = dict(result.options)
+    if machine is not None:  # the profile as the option names it, not its object
+        chosen["machine_profile"] = args.profile
+    policy = chosen.get("schedule")
+    if policy is not None and not isinstance(policy, str):  # a replayed schedule: its file
+        chosen["schedule"] = policy.name
+    print(f"chosen options: {chosen}")
+    if isinstance(options.get("schedule"), list):
+        policies = [getattr(p, "name", p) for p in options["schedule"]]
+        print(f"chosen policy: {getattr(policy, 'name', policy)} (of {', '.join(policies)})")
     print(result.memory)
     if result.why:
         print(f"why: {result.why}")
-    print("candidates tried (predicted device peak):")
-    for candidate in result.tried:
-        print(f"  {candidate.describe()}")
+    print("candidates tried (predicted device peak" + (", step time" if machine is not None else "") + "):")
+    for line in _candidate_lines(result.tried):
+        print(f"  {line}")
     return 0
+
+
+def _candidate_lines(tried) -> list[str]:
+    """One line per candidate, but a run of candidates refused for one reason under one
+    policy (`no_offload` with weights off the device) is its first line and a count."""
+    lines: list[str] = []
+    for (policy, refused), run in itertools.groupby(
+            tried, key=lambda c: (c.policy, c.refused) if c.refused is not None else (id(c), None)):
+        run = list(run)
+        lines.append(run[0].describe())
+        if len(run) > 1:
+            lines.append(f"  ({len(run) - 1} more candidates of schedule={policy} refused the same way)")
+    return lines
 
 
 def _loss_of(output) -> torch.Tensor | None:
@@ -373,10 +506,21 @@ def _compare(args: argparse.Namespace) -> int:
     options = _options(args)
     if "schedule" in options:
         raise ValueError("compare takes the policies to compare as --policies a,b, not --schedule")
-    policies = [name.strip() for name in args.policies.split(",") if name.strip()]
-    for name in policies:
-        _check_policy_name(name)
-    comparison = compare_policies(model, *call_args, policies=policies, kwargs=call_kwargs, **options)
+    if args.policies is None and not args.schedule_files:
+        raise ValueError("compare needs the policies to compare: --policies a,b and/or --schedule-file PATH")
+    policies = _policy_names(args.policies, "--policies") if args.policies is not None else []
+    for replayed in map(_replayed, args.schedule_files):
+        if replayed.name in [getattr(p, "name", p) for p in policies]:
+            raise OptionError(f"--schedule-file: two policies named {replayed.name!r} (a file is replayed under "
+                              "its name without .json): rename the file")
+        policies.append(replayed)
+    machine = _machine(args, options)
+    comparison = compare_policies(model, *call_args, policies=policies, kwargs=call_kwargs, profile=machine,
+                                  run=not args.no_run, **options)
+    if args.no_run:
+        print("no step ran (--no-run): every figure is predicted"
+              + (f", the step time on {machine.name}" if machine is not None else "")
+              + "; best first (lowest peak, then bytes moved, then step time)")
     print(comparison)
     out = pathlib.Path(args.out)
     written = comparison.write(out, detail=args.detail)
@@ -418,11 +562,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
 
     explain = commands.add_parser(
-        "explain", parents=[debug], help="what the backend would do with a model; --dot/--plot/--trace draw it",
-        description="Prints the blocks, the batch dimension, K, the fallback reason and the schedule of "
-                    "the model factory() builds. With --dot, --plot or --trace it then compiles a copy "
-                    "of the model with these options, runs one training step (backward on the loss) and "
-                    "writes the pictures into --out.",
+        "explain", parents=[debug],
+        help="what the backend would do with a model, its predicted peak and step time; --dot/--plot/--trace draw it",
+        description="Prints the blocks, the batch dimension, K, the fallback reason, the predicted peak "
+                    "memory and step time (on --profile) and the schedule of the model factory() builds. "
+                    "--predicted-trace writes the predicted step's timeline into --out without running one; "
+                    "--write-schedule writes the schedule as JSON, which --schedule-file replays. With --dot, "
+                    "--plot or --trace it then compiles a copy of the model with these options, runs one "
+                    "training step (backward on the loss) and writes the pictures into --out.",
     )
     target_help = ("module:factory, the module found in the current folder or installed; factory() returns "
                    "(model, args) or (model, args, kwargs). Ready to try: slcompile.examples:tiny_gpt, "
@@ -437,36 +584,74 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--trace", action="store_true",
                          help="run one training step and write its timeline: trace.json (Chrome trace, open "
                               "in https://ui.perfetto.dev or chrome://tracing) and timeline.png")
+    explain.add_argument("--profile", default="current", metavar="PROFILE",
+                         help="the machine the step's time is predicted for (printed under the peak): current "
+                              f"(this machine, measured once and cached; the default), a named profile "
+                              f"({_named_profiles()}), a profile's JSON file, or none")
+    explain.add_argument("--predicted-trace", action="store_true",
+                         help="write the predicted step on --profile into --out, without running a step: "
+                              "predicted_trace.json (Chrome trace) and predicted_timeline.png")
+    _add_schedule_file_flag(explain, "replay the schedule in PATH (the JSON of Schedule.to_json()) as the "
+                                     "policy, named after the file; instead of --schedule")
+    explain.add_argument("--write-schedule", metavar="PATH",
+                         help="write the explained schedule (the first graph's) to PATH as JSON, with the "
+                              "request it was written for; --schedule-file PATH replays it")
     _add_picture_flags(explain)
     _add_config_flags(explain)
     explain.set_defaults(run=_explain)
 
     tune = commands.add_parser(
-        "tune", parents=[debug], help="choose K, live blocks and recomputation that fit a memory budget",
+        "tune", parents=[debug], help="choose K, live blocks, recomputation and policy that fit a memory budget",
         description="Captures the model factory() builds once and evaluates candidate plans on that graph "
                     "without running a step (fewer sub-batches first, then more live blocks, keeping "
                     "activations before recomputing); prints the first plan whose predicted device peak fits "
-                    "--memory-budget, as options for torch.compile. --num-subbatches and --live-blocks fix "
-                    "those instead of trying them; the other options are fixed as given.",
+                    "--memory-budget, as options for torch.compile, or with --profile the fitting plan "
+                    "predicted fastest on that machine. --num-subbatches and --live-blocks fix those instead "
+                    "of trying them; --schedule A,B tries each policy in turn; the other options are fixed as "
+                    "given.",
     )
     tune.add_argument("target", help=target_help)
-    _add_config_flags(tune)
+    tune.add_argument("--profile", metavar="PROFILE",
+                      help="time every plan that fits on this machine and choose the fastest: current (this "
+                           f"machine, measured once and cached), a named profile ({_named_profiles()}) or a "
+                           "profile's JSON file; the planner then decides by it too (machine_profile). Without "
+                           "it, the first plan that fits wins")
+    _add_schedule_file_flag(tune, "replay the schedule in PATH (the JSON of Schedule.to_json()) as one more "
+                                  "policy to try, after those of --schedule, named after the file; repeatable",
+                            repeat=True)
+    _add_config_flags(tune, helps={"schedule": (
+        "the policy, or several comma-separated (speedloader,grad_accumulation): each is tried with every tier, "
+        "K and window before the next, so without --profile the first listed that fits wins; the output says "
+        "which won and why (default: speedloader)")})
     tune.set_defaults(run=_tune)
 
     compare = commands.add_parser(
         "compare", parents=[debug], help="scheduling policies side by side: peaks, bytes, schedule diff, pictures",
         description="Compiles the model factory() builds once per policy (a copy each, with the same options), "
                     "trains a step of each and prints one line per policy (predicted and measured peak, bytes "
-                    "moved per kind and tiers, transfers, loss) and the diff of the first two schedules; writes "
-                    "the table, every schedule's diff against the first, each policy's graphs (DOT, in the order "
-                    "the sub-batches run, with the bytes of every transfer) and timeline, and timelines.png "
-                    "into --out (slcompile.compare_policies).",
+                    "moved per kind and tiers, transfers, loss, predicted step time on --profile) and the diff "
+                    "of the first two schedules; writes the table, every schedule's diff against the first, "
+                    "each policy's graphs (DOT, in the order the sub-batches run, with the bytes of every "
+                    "transfer) and timeline, and timelines.png into --out (slcompile.compare_policies). With "
+                    "--no-run nothing compiles to code and no step runs: the policies are ranked from "
+                    "predictions alone.",
     )
     compare.add_argument("target", help=target_help)
-    compare.add_argument("--policies", required=True, metavar="A,B,...",
+    compare.add_argument("--policies", metavar="A,B,...",
                          help="the policies to compare, comma-separated: built-in names (speedloader, "
                               "grad_accumulation, no_offload, lifetime_aware, spilling, zigzag_spilling) or names registered by a "
                               "--policy-module")
+    _add_schedule_file_flag(compare, "compare the schedule in PATH (the JSON of Schedule.to_json()) too, "
+                                     "replayed as a policy named after the file, after --policies; repeatable",
+                            repeat=True)
+    compare.add_argument("--no-run", action="store_true",
+                         help="compile nothing and run no step: each policy's row holds explain's predictions "
+                              "(the plan's peaks, the bytes each kind of transfer moves, the step time on "
+                              "--profile), best first; the table and the schedule diffs are written")
+    compare.add_argument("--profile", default="current", metavar="PROFILE",
+                         help="the machine each step's time is predicted for: current (this machine, measured "
+                              f"once and cached; the default), a named profile ({_named_profiles()}), a "
+                              "profile's JSON file, or none")
     _add_picture_flags(compare)
     _add_config_flags(compare)
     compare.set_defaults(run=_compare)

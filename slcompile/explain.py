@@ -72,6 +72,9 @@ class GraphExplanation:
             profile (`slcompile.analysis.time.TimePrediction`: per block compute,
             stalls and transfers per lane, the step time, tokens/s and what bounds
             it), or None. A prediction, not a measurement.
+        planned_schedule: the `Schedule` whose text is `schedule` (with the
+            policy and the request that wrote it, so `to_json()` keeps what it was
+            written for), or None when the graph would compile plainly.
     """
 
     blocks: tuple[str, ...]
@@ -88,6 +91,7 @@ class GraphExplanation:
     activation_plan: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     time: Any = None
+    planned_schedule: Any = dataclasses.field(default=None, repr=False)
 
     def __str__(self) -> str:
         lines = [
@@ -170,6 +174,11 @@ class Explanation:
     def time(self):
         """The first graph's predicted timeline (`TimePrediction`), or None."""
         return self._first().time
+
+    @property
+    def planned_schedule(self):
+        """The first graph's `Schedule`, or None when it would compile plainly."""
+        return self._first().planned_schedule
 
     def write_predicted_timeline(self, out_dir, title: str | None = None):
         """Writes the first graph's predicted timeline into `out_dir` as
@@ -336,16 +345,16 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None
             grapharg = names[name].meta.get("grapharg")
             source = getattr(getattr(grapharg, "source", None), "name", name)
             sources[source() if callable(source) else source] = dim
-    planned = getattr(state, "schedule", None)
-    schedule = planned.text() if planned is not None and reason is None else ""
+    planned = getattr(state, "schedule", None) if reason is None else None
+    schedule = planned.text() if planned is not None else ""
     memory, budget_error, activation_plan, timeline = None, None, (), None
     if reason is None and state is not None and state.interleaved is not None:
         try:
             memory, budget_error, lowered, report = _predict(state, example_inputs, optimizer, optimizer_options)
         except RefusedError as err:  # as the backend: a failed lowering compiles plainly
-            reason, schedule, lowered, report = str(err), "", None, None
+            reason, schedule, planned, lowered, report = str(err), "", None, None, None
         if lowered is not None:  # with the transfers placed from the lifetimes
-            schedule = lowered.text()
+            planned, schedule = lowered, lowered.text()
             activation_plan = describe(lowered)
         if machine is not None and report is not None and (report.graphs or report.partitioned):
             timeline = predict_step_time(report, state, example_inputs, machine, tiers)
@@ -364,6 +373,7 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None
         activation_plan=activation_plan,
         notes=state.notes if state is not None else (),
         time=timeline,
+        planned_schedule=planned,
     )
 
 

@@ -1,4 +1,4 @@
-"""The command line, run as a user would, in a subprocess."""
+"""The command line, run as a user would: in a subprocess, or by `main(argv)` in this process."""
 
 import json
 import os
@@ -123,9 +123,11 @@ def test_help_documents_every_option(command):
     assert result.returncode == 0
     flags = ["--num-subbatches", "--lowering", "--schedule", "--batch-dim", "--on-refusal", "--weights",
              "--live-blocks", "--offload-dir", "--memory-budget", "--policy-module"]
-    flags += {"explain": ["--dot", "--plot", "--trace", "--out", "--detail"],
-              "demo": ["--steps", "--layers", "--width", "--out", "--detail"], "tune": [],
-              "compare": ["--policies", "--out", "--detail"]}[command]
+    flags += {"explain": ["--dot", "--plot", "--trace", "--out", "--detail", "--profile", "--predicted-trace",
+                          "--schedule-file", "--write-schedule"],
+              "demo": ["--steps", "--layers", "--width", "--out", "--detail"],
+              "tune": ["--profile", "--schedule-file"],
+              "compare": ["--policies", "--out", "--detail", "--no-run", "--profile", "--schedule-file"]}[command]
     for flag in flags:
         assert flag in result.stdout, flag
     assert "(default:" in result.stdout
@@ -215,3 +217,104 @@ def test_an_unknown_policy_names_the_flag_that_registers_one(args):
     assert line.startswith("slcompile: error: OptionError: speedloader option 'schedule' must be a registered "
                            "policy's name") and "got 'zigzga'" in line
     assert line.endswith("on the command line, --policy-module MODULE imports a module that registers it")
+
+
+def _main(capsys, *args) -> tuple[int, str, str]:
+    """`slcompile ARGS` run in this process: (exit status, stdout, stderr)."""
+    from slcompile.cli import main
+
+    status = main([str(arg) for arg in args])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+TINY = ("cli_targets:tiny", "--lowering", "aot_eager", "--num-subbatches", "2", "--weights", "nvme")
+
+
+def test_tune_searches_the_listed_policies_and_says_which_won(capsys):
+    status, out, err = _main(capsys, "tune", *TINY, "--live-blocks", "2", "--memory-budget", "1GiB",
+                             "--schedule", "no_offload,grad_accumulation,speedloader", "--profile", "h100-pcie5-nvme")
+    assert status == 0, err
+    # Listed before it, grad_accumulation loses on the predicted time; no_offload cannot take nvme weights.
+    assert "'schedule': 'speedloader'" in out and "'machine_profile': 'h100-pcie5-nvme'" in out
+    assert "chosen policy: speedloader (of no_offload, grad_accumulation, speedloader)" in out
+    assert re.search(r"why: predicted fastest on h100-pcie5-nvme of 2 plans that fit \(policies no_offload, "
+                     r"grad_accumulation, speedloader\): [\d.]+ ms a step", out)
+    tried = out.split("candidates tried (predicted device peak, step time):\n")[1].splitlines()
+    assert "schedule=no_offload: refused (speedloader options 'schedule' and 'weights' conflict" in tried[0]
+    assert [line.split("schedule=")[1].split(":")[0] for line in tried[1:]] == ["grad_accumulation", "speedloader"]
+    status, _, err = _main(capsys, "explain", *TINY, "--schedule", "speedloader,grad_accumulation")
+    assert status == 1 and "--schedule names one policy for explain" in err and "list is for tune" in err
+
+
+def test_compare_no_run_ranks_predictions_without_a_step(capsys, tmp_path):
+    import slcompile
+
+    status, out, err = _main(capsys, "compare", *TINY, "--policies", "grad_accumulation,speedloader", "--no-run",
+                             "--profile", "h100-pcie5-nvme", "--out", tmp_path)
+    assert status == 0, err
+    assert out.startswith("no step ran (--no-run): every figure is predicted, the step time on h100-pcie5-nvme")
+    lines = out.splitlines()
+    assert lines[1].split()[:3] == ["policy", "peak", "(plan)"] and "step predicted" in lines[1]
+    assert "measured" not in lines[1] and "loss" not in lines[1]
+    # Best first: speedloader fetches each block once for both sub-batches.
+    assert [line.split()[0] for line in lines[3:5]] == ["speedloader", "grad_accumulation"]
+    assert all(re.search(r"[\d.]+ ms\s+\w+$", line) for line in lines[3:5])
+    assert slcompile.compile_reports() == []
+    assert {p.name for p in _written(out)} == {"table.txt", "schedule.diff"}
+
+
+def test_explain_predicts_on_a_named_profile_and_draws_it_without_a_step(capsys, tmp_path):
+    import slcompile
+
+    status, out, err = _main(capsys, "explain", *TINY, "--profile", "h100-pcie5-nvme", "--predicted-trace",
+                             "--out", tmp_path)
+    assert status == 0, err
+    assert re.search(r"predicted time \(profile h100-pcie5-nvme; a prediction, not a measurement\):\n"
+                     r"\s+step [\d.]+ ms, bound by", out)
+    assert set(_written(out)) == {tmp_path / "predicted_trace.json", tmp_path / "predicted_timeline.png"}
+    trace = json.loads((tmp_path / "predicted_trace.json").read_text())
+    assert any(event.get("ph") == "X" for event in trace["traceEvents"])
+    assert slcompile.compile_reports() == []
+    status, _, err = _main(capsys, "explain", *TINY, "--profile", "h200-nowhere")
+    assert status == 1 and err.startswith("slcompile: error: OptionError: --profile h200-nowhere: no machine profile")
+    status, _, err = _main(capsys, "explain", *TINY, "--profile", "none", "--predicted-trace", "--out", tmp_path)
+    assert status == 1 and "--predicted-trace" in err and "--profile none" in err
+
+
+def test_explain_writes_the_schedule_that_schedule_file_replays(capsys, tmp_path):
+    solver = tmp_path / "solver.json"
+    status, written, err = _main(capsys, "explain", *TINY, "--schedule", "grad_accumulation", "--profile", "none",
+                                 "--write-schedule", solver)
+    assert status == 0, err
+    assert f"schedule written to {solver} (32 steps, policy grad_accumulation)" in written
+    assert json.loads(solver.read_text())["request"]["num_subbatches"] == 2
+    status, replayed, err = _main(capsys, "explain", *TINY, "--profile", "none", "--schedule-file", solver)
+    assert status == 0, err
+    assert "schedule=Policy(name='solver', build=_Replay(name='solver')) (options)" in replayed
+    assert replayed.split("schedule:\n")[1] == written.split("schedule:\n")[1].split("schedule written")[0]
+    (tmp_path / "broken.json").write_text("{}")
+    status, _, err = _main(capsys, "explain", *TINY, "--schedule-file", tmp_path / "broken.json")
+    assert status == 1 and err.startswith(f"slcompile: error: OptionError: --schedule-file {tmp_path / 'broken.json'}: "
+                                          "not a schedule's JSON")
+
+
+def test_compare_and_tune_take_a_schedule_file(capsys, tmp_path):
+    import slcompile
+    from cli_targets import tiny
+
+    model, inputs = tiny()
+    explanation = slcompile.explain(model, *inputs, profile=None, schedule="grad_accumulation",
+                                    **slcompile.options(lowering="aot_eager", num_subbatches=2, weights="nvme"))
+    (tmp_path / "solver.json").write_text(explanation.planned_schedule.to_json())
+    status, out, err = _main(capsys, "compare", *TINY, "--schedule-file", tmp_path / "solver.json", "--no-run",
+                             "--profile", "none", "--out", tmp_path / "compare")
+    assert status == 0, err
+    assert out.splitlines()[3].split()[0] == "solver"
+    status, out, err = _main(capsys, "tune", *TINY[:3], "--weights", "nvme", "--memory-budget", "1GiB",
+                             "--schedule-file", tmp_path / "solver.json")
+    assert status == 0, err
+    assert "'schedule': 'solver'" in out and "'num_subbatches': 2" in out
+    # Written for K=2: tune's K=1 candidates are refused, naming what differs.
+    assert "schedule=solver: refused (schedule policy 'solver': replays a schedule written for another request: " \
+           "num_subbatches=2 (the request has 1)" in out

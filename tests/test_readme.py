@@ -69,16 +69,53 @@ def _cli_lines() -> list[str]:
     return [line for line in lines if line.startswith("slcompile ")]
 
 
-@pytest.mark.parametrize("line", [line for line in _cli_lines() if not line.startswith("slcompile demo")])
-def test_command_line_examples_run_as_written(tmp_path, line):
-    command = line.split()
+def _flag(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+def _cli_examples() -> list[list[str]]:
+    """The command lines but the demo, one example each, except that a line reading a
+    schedule (`--schedule-file PATH`) runs after the line writing it
+    (`--write-schedule PATH`), in the same folder."""
+    examples: list[list[str]] = []
+    for line in _cli_lines():
+        read = _flag(line.split(), "--schedule-file")
+        if line.startswith("slcompile demo"):
+            continue
+        if read is None:
+            examples.append([line])
+        else:
+            next(e for e in examples if _flag(e[0].split(), "--write-schedule") == read).append(line)
+    return examples
+
+
+@pytest.mark.parametrize("lines", _cli_examples(), ids=lambda lines: lines[-1])
+def test_command_line_examples_run_as_written(tmp_path, lines):
+    for line in lines:
+        _check_command_line(line.split(), tmp_path)
+
+
+def _check_command_line(command: list[str], tmp_path: pathlib.Path) -> None:
     result = _run([sys.executable, "-m", "slcompile", *command[1:]], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / (_flag(command, "--out") or "slcompile-out")
+    read = _flag(command, "--schedule-file")
+    if read is not None:
+        assert f"build=_Replay(name='{pathlib.Path(read).stem}')" in result.stdout or \
+            f"\n{pathlib.Path(read).stem} " in result.stdout
     if command[1] == "explain":
         assert "fallback: none" in result.stdout
-        assert (tmp_path / "pics" / "memory.png").stat().st_size > 0
-    else:
+        for flag, name in (("--plot", "memory.png"), ("--predicted-trace", "predicted_timeline.png")):
+            assert flag not in command or (out / name).stat().st_size > 0, name
+        written = _flag(command, "--write-schedule")
+        assert written is None or '"request": {' in (tmp_path / written).read_text()
+    elif command[1] == "tune":
         assert "chosen options: {" in result.stdout
+        assert "--schedule" not in command or "chosen policy: " in result.stdout
+    else:
+        assert command[1] == "compare" and "--no-run" in command, "a compare example that trains: keep it cheap"
+        assert result.stdout.startswith("no step ran (--no-run)")
+        assert (out / "table.txt").read_text().startswith("policy ")
 
 
 def test_readme_set_up_commands_are_the_ones_ci_runs():

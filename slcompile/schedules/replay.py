@@ -52,11 +52,12 @@ def replay(schedule: Schedule, name: str = "replay") -> Policy:
 @dataclasses.dataclass(frozen=True)
 class _Replay:
     """A replay's `build`: a module-level class, so that the options holding the
-    policy pickle (Inductor's cache hashes them)."""
+    policy pickle (Inductor's cache hashes them). Its repr is its name: the steps
+    would fill a line of `explain`'s options."""
 
     name: str
-    steps: tuple[Step, ...]
-    wanted: tuple[tuple[str, object], ...]
+    steps: tuple[Step, ...] = dataclasses.field(repr=False)
+    wanted: tuple[tuple[str, object], ...] = dataclasses.field(repr=False)
 
     def __call__(self, request: ScheduleRequest) -> Schedule:
         differences = [
