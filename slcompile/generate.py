@@ -100,6 +100,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     offload_dir: str | None = None,
+    schedule: Any = "speedloader",
     backend: str | Callable = "inductor",
     progress: bool = True,
     return_dict_in_generate: bool = False,
@@ -140,6 +141,11 @@ def generate(
             decode sub-batch whose sequences have all finished is no longer computed.
         pad_token_id: default: the model's, else the first EOS token.
         offload_dir: parent directory of the nvme tier's files (default: temp dir).
+        schedule: the policy that writes each pass's schedule: "speedloader" (each
+            layer for every sub-batch before the next, `slcompile.schedules.policies.
+            GENERATION`) or a `slcompile.schedules.Policy` whose build takes a
+            `slcompile.schedules.generation.PassRequest`; each schedule is
+            validated (`validate_pass`: PolicyError naming the first bad step).
         backend: the `torch.compile` backend of the layer steps ("inductor",
             "aot_eager", or a backend callable).
         progress: show a progress bar over the generated tokens.
@@ -155,7 +161,8 @@ def generate(
         OptionError: a bad argument (the message names it and a fix).
         RefusedError: the model has no repeated decoder layers or no KV cache.
     """
-    config = generation_config(num_subbatches, prefill_subbatches, weights, kv_cache, live_blocks, offload_dir)
+    config = generation_config(num_subbatches, prefill_subbatches, weights, kv_cache, live_blocks, offload_dir,
+                               schedule)
     plan = _plan(model, input_ids, attention_mask, config, max_new_tokens=max_new_tokens, do_sample=do_sample,
                  temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
                  pad_token_id=pad_token_id)
@@ -183,7 +190,7 @@ def generation(model: nn.Module, **options: Any) -> Iterator[nn.Module]:
         model: as for `generate`.
         **options: `generate`'s options for every call in the block:
             num_subbatches, prefill_subbatches, weights, kv_cache, live_blocks,
-            offload_dir, backend, progress.
+            offload_dir, schedule, backend, progress.
 
     Inside the block `model.generate` takes `input_ids` (or `inputs`),
     `attention_mask`, `max_new_tokens` (default: the generation config's, else its

@@ -437,6 +437,38 @@ MEMORY_CASES = [
 ]
 
 
+def test_a_generation_policy_of_the_kit_writes_the_passes_and_a_bad_one_is_refused_before_anything_runs(tmp_path):
+    """`schedule=` takes a `Policy` of `PassRequest`s: one that issues every layer's
+    weights at the start of the pass gives eager's tokens and its schedules; one
+    that leaves out the suffix is refused, naming the step; a training policy's name
+    is refused."""
+    import dataclasses
+
+    from slcompile.schedules import Policy
+    from slcompile.schedules.base import Schedule
+    from slcompile.schedules.generation import generation_pass
+
+    def all_ahead(request):
+        return generation_pass(dataclasses.replace(request, live_blocks=request.layers))
+
+    def no_suffix(request):
+        return Schedule(generation_pass(request).steps[:-1])
+
+    model = hf_llama(num_hidden_layers=3, hidden_size=64, vocab_size=VOCAB).eval()
+    input_ids = torch.randint(3, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
+    options = dict(num_subbatches=2, weights="nvme", offload_dir=str(tmp_path))
+    expected = eager_generate(model, input_ids, None, 3, eos=[])
+    output = run_generate(model, input_ids, None, 3, [], schedule=Policy("all_ahead", all_ahead),
+                          return_dict_in_generate=True, **options)
+    assert torch.equal(output.sequences, expected)
+    wider = explain_generation(model, input_ids.shape, 3, live_blocks=3, **options)
+    assert [step.schedule for step in output.steps] == [step.schedule for step in wider.steps]
+    with pytest.raises(slcompile.PolicyError, match=r"'no_suffix' at step `prefill suffix`: a step of the pass is"):
+        run_generate(model, input_ids, None, 3, [], schedule=Policy("no_suffix", no_suffix), **options)
+    with pytest.raises(slcompile.OptionError, match="schedule='grad_accumulation': a generation pass is written"):
+        run_generate(model, input_ids, None, 3, [], schedule="grad_accumulation", **options)
+
+
 def test_a_wider_window_of_live_layers_gives_the_tokens_of_eager_and_holds_one_layer_more(tmp_path):
     """`live_blocks=3` on nvme: each layer's weights load two layers ahead, once per
     pass as with 2; the predicted peak holds one more layer's weights, within 5% of

@@ -7,7 +7,10 @@ import itertools
 import pytest
 
 from slcompile.schedules import TRANSFER_KINDS
+from slcompile.errors import PolicyError
+from slcompile.schedules.base import Schedule, Step
 from slcompile.schedules.generation import HIDDEN_STORES_IN_FLIGHT, KV_AHEAD, PassRequest, generation_pass
+from slcompile.schedules.validate import validate_pass
 
 
 def _lines(request):
@@ -52,7 +55,7 @@ def test_every_pass_computes_each_step_once_with_its_transfers_issued_before_it_
     subbatches = tuple(range(parts))
     request = PassRequest(phase, subbatches, fetched=(True,) * layers, kv_moves=kv_moves, stores=True,
                           rows=(2, 2), spill_hidden=spill)
-    steps = generation_pass(request).steps
+    steps = validate_pass(generation_pass(request), request).steps
     assert {step.phase for step in steps} == {phase}
     assert all(step.kind == "compute" or step.kind in TRANSFER_KINDS for step in steps)
     at = {}
@@ -110,10 +113,51 @@ def test_while_a_layer_computes_the_weights_of_live_blocks_layers_from_it_are_is
     request = PassRequest("decode", (0, 1), fetched=(True,) * layers, kv_moves=False, stores=False,
                           live_blocks=live_blocks)
     issued: list[int] = []
-    for step in generation_pass(request).steps:
+    for step in validate_pass(generation_pass(request), request).steps:
         if step.kind == "fetch.issue":
             issued.append(step.block)
         elif step.kind == "compute" and step.region == "block":
             window = set(range(step.block, min(step.block + live_blocks, layers)))
             assert {block for block in issued if block >= step.block} == window, (step.text(), issued)
     assert issued == list(range(layers))
+
+
+def _edited(request, edit):
+    steps = list(generation_pass(request).steps)
+    edit(steps)
+    return Schedule(tuple(steps))
+
+
+def _at(steps, text):
+    return next(i for i, step in enumerate(steps) if step.text() == text)
+
+
+DECODE = PassRequest("decode", (0, 1), fetched=(True, True), kv_moves=True, stores=True)
+PREFILL = PassRequest("prefill", (0, 1, 2), fetched=(True, True), kv_moves=True, stores=True, rows=(2, 3),
+                      spill_hidden=True)
+
+
+@pytest.mark.parametrize("request_,edit,step,problem", [
+    (DECODE, lambda steps: steps.remove(steps[_at(steps, "decode blk1.sb1")]),
+     "decode store_kv.issue blk1.sb1", "stores the cache of layer 1 before it computed"),
+    (DECODE, lambda steps: steps.pop(), "decode suffix", "a step of the pass is missing"),
+    (DECODE, lambda steps: steps.append(steps.pop(_at(steps, "decode fetch.wait blk1"))),
+     "decode blk1.sb0", "computes before its weights arrive: no `decode fetch.wait blk1`"),
+    (DECODE, lambda steps: steps.append(steps.pop(_at(steps, "decode load_kv.issue blk1.sb1"))),
+     "decode blk1.sb1", "before its cache's load was issued"),
+    (DECODE, lambda steps: steps.insert(0, Step("prefill", "block", 0, 0)),
+     "prefill blk0.sb0", "a decode pass has steps of phase 'decode' only"),
+    (DECODE, lambda steps: steps.insert(0, Step("decode", "block", 0, 0, "spill.issue")),
+     "decode spill.issue blk0.sb0", "this pass keeps them on the device"),
+    (PREFILL, lambda steps: steps.remove(steps[_at(steps, "prefill fill.wait blk0.sb2")]),
+     "prefill blk1.sb2", "no `fill.wait` of layer 0"),
+    (PREFILL, lambda steps: steps.insert(0, steps.pop(_at(steps, "prefill spill.issue blk0.sb1"))),
+     "prefill spill.issue blk0.sb1", "spills an output before its layer computed it"),
+    (PREFILL, lambda steps: steps.append(Step("prefill", "block", 1, 5, "store_kv.issue")),
+     "prefill store_kv.issue blk1.sb5", "decode sub-batch 5, which does not exist"),
+])
+def test_a_pass_schedule_that_generate_cannot_run_is_refused_naming_its_first_bad_step(request_, edit, step, problem):
+    validate_pass(generation_pass(request_), request_)
+    with pytest.raises(PolicyError, match=problem) as refused:
+        validate_pass(_edited(request_, edit), request_, "edited")
+    assert step in str(refused.value) and "edited" in str(refused.value)

@@ -37,7 +37,7 @@ from slcompile.runtime.step import StepRuntime
 from slcompile.runtime.tiers import Tier
 from slcompile.runtime.weights import stored_key_for
 from slcompile.schedules.base import Schedule
-from slcompile.schedules.generation import PassRequest, generation_pass, offloads_hidden
+from slcompile.schedules.generation import PassRequest, offloads_hidden
 from slcompile.vocabulary import WeightKey
 
 log = logging.getLogger(__name__)
@@ -191,10 +191,10 @@ class _Generation:
         return [first if index == 0 and first is not None else alone(part) for index, part in enumerate(parts)], False
 
     def _pass(self, request: PassRequest, parts: list[tuple[int, int, int]]) -> tuple[Schedule, PassGraph]:
-        """The schedule of a pass (`generation_pass`) and its FX graph (`lower_pass`),
+        """The schedule of a pass (the plan's policy's, validated) and its FX graph (`lower_pass`),
         lowered once per request in a call."""
         if request not in self.passes:
-            schedule = generation_pass(request)
+            schedule = self.plan.policy(request)
             stash = self.runtime.stash.name if request.spill_hidden else None
             self.passes[request] = schedule, lower_pass(schedule, PassLayout(tuple(parts), self.layer_tensors, stash))
         return self.passes[request]

@@ -23,7 +23,7 @@ from slcompile.meta import format_tag
 from slcompile.runtime.stats import TransferKey
 from slcompile.runtime.tiers import Tier, TransferKind
 from slcompile.schedules.base import Schedule
-from slcompile.schedules.generation import PassRequest, generation_pass, offloads_hidden
+from slcompile.schedules.generation import PassRequest, offloads_hidden
 
 __all__ = ["GenerationExplanation", "explain_generation"]
 
@@ -169,6 +169,7 @@ def explain_generation(
     kv_cache: str = "device",
     live_blocks: int = 2,
     offload_dir: str | None = None,
+    schedule: Any = "speedloader",
     machine: MachineFacts | None = None,
     padded: bool = False,
     profile: Any = None,
@@ -181,7 +182,7 @@ def explain_generation(
 
     Args:
         model, max_new_tokens, num_subbatches, prefill_subbatches, weights, kv_cache,
-            live_blocks, offload_dir: as for `generate`; the problem's size (the shape and
+            live_blocks, offload_dir, schedule: as for `generate`; the problem's size (the shape and
             `max_new_tokens`) may be given by position, the options by keyword only.
         input_shape: `input_ids.shape`, `(batch, length)`.
         machine: the machine's facts the memory is predicted with (`MachineFacts`:
@@ -211,7 +212,8 @@ def explain_generation(
         from slcompile.measure import machine_profile
 
         rates = machine_profile(profile, offload_dir=offload_dir)
-    config = generation_config(num_subbatches, prefill_subbatches, weights, kv_cache, live_blocks, offload_dir)
+    config = generation_config(num_subbatches, prefill_subbatches, weights, kv_cache, live_blocks, offload_dir,
+                               schedule)
     return _explain_generation(model, input_shape, max_new_tokens, config, machine, {}, padded, rates, backend)
 
 
@@ -262,7 +264,7 @@ def _explain_generation(model, input_shape, max_new_tokens, config: SpeedLoaderC
 
     def schedule(phase: str, stores: bool) -> Schedule:
         subbatches = kp if phase == "prefill" else kd
-        return generation_pass(PassRequest(phase, tuple(range(subbatches)), fetched, kv_moves, stores,
+        return plan.policy(PassRequest(phase, tuple(range(subbatches)), fetched, kv_moves, stores,
                                            (size_p, size_d), phase == "prefill" and offloads, plan.live_blocks))
 
     def moved(stored: int, loaded: int, hidden: int = 0) -> dict[TransferKey, int]:

@@ -21,18 +21,24 @@ __all__ = ["cache_parameter", "find_decoder_layers", "generation_config"]
 
 
 _ENGINE_OPTIONS = ("num_subbatches", "prefill_subbatches", "weights", "kv_cache", "live_blocks", "offload_dir",
-                   "backend", "progress")
+                   "schedule", "backend", "progress")
 _CALL_OPTIONS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id")
 
 
 def generation_config(num_subbatches: int = 1, prefill_subbatches: int | None = None, weights: str = "device",
-                      kv_cache: str = "device", live_blocks: int = 2,
-                      offload_dir: str | None = None) -> SpeedLoaderConfig:
+                      kv_cache: str = "device", live_blocks: int = 2, offload_dir: str | None = None,
+                      schedule: Any = "speedloader") -> SpeedLoaderConfig:
     """Generation's engine options as the backend's `SpeedLoaderConfig`, checked by
-    it (an error names `generate`)."""
+    it (an error names `generate`). `schedule` is "speedloader" (the built-in
+    policy) or a `Policy` whose build takes a `PassRequest`."""
+    if isinstance(schedule, str) and schedule != "speedloader":
+        raise OptionError(f"generate: schedule={schedule!r}: a generation pass is written by 'speedloader' (the "
+                          "layer-major policy) or by a slcompile.schedules.Policy whose build takes a "
+                          "slcompile.schedules.generation.PassRequest; the training policies write training steps")
     try:
         return SpeedLoaderConfig(num_subbatches=num_subbatches, prefill_subbatches=prefill_subbatches,
-                                 weights=weights, kv_cache=kv_cache, live_blocks=live_blocks, offload_dir=offload_dir)
+                                 weights=weights, kv_cache=kv_cache, live_blocks=live_blocks, offload_dir=offload_dir,
+                                 schedule=schedule)
     except OptionError as err:
         raise OptionError(f"generate: {err}") from None
 
@@ -82,6 +88,13 @@ class _Plan:
     @property
     def offload_dir(self) -> str | None:
         return self.config.offload_dir
+
+    @property
+    def policy(self):
+        """The policy that writes each pass's schedule (validated: `validate_pass`)."""
+        from slcompile.schedules.policies import GENERATION
+
+        return GENERATION if isinstance(self.config.schedule, str) else self.config.schedule
 
 
 # What a parameter that takes a KV cache was called before it was annotated with

@@ -199,9 +199,10 @@ class Schedule:
     def to_json(self) -> str:
         """The schedule as JSON text: `format` (`SCHEDULE_FORMAT`), `policy` (the
         writer's name, or null), `request` (its `REQUEST_FIELDS`, or null) and
-        `steps`, one object a line with every `Step` field (null where None)."""
+        `steps`, one object a line with every `Step` field (null where None); a
+        generation pass's request (`PassRequest`) is not written."""
         request = None
-        if self.request is not None:
+        if isinstance(self.request, ScheduleRequest):
             request = {name: getattr(self.request, name) for name in REQUEST_FIELDS}
             request["blocks"] = list(request["blocks"])
         head = [

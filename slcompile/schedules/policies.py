@@ -15,10 +15,12 @@ from slcompile.schedules.base import Schedule, ScheduleRequest
 from slcompile.schedules.policy import Policy
 from slcompile.schedules.examples.lifetime_aware import LIFETIME_AWARE
 from slcompile.schedules.examples.spilling import SPILLING, ZIGZAG_SPILLING
+from slcompile.schedules.generation import generation_pass
 from slcompile.schedules.grad_accumulation import GRAD_ACCUMULATION
 from slcompile.schedules.speedloader import NO_OFFLOAD, SPEEDLOADER
 
-__all__ = ["POLICIES", "BUILTIN_POLICIES", "policy_for", "plan_schedule", "register_policy", "unknown_policy"]
+__all__ = ["POLICIES", "BUILTIN_POLICIES", "GENERATION", "policy_for", "plan_schedule", "register_policy",
+           "unknown_policy"]
 
 POLICIES: dict[str, Policy] = {
     policy.name: policy
@@ -28,6 +30,12 @@ POLICIES: dict[str, Policy] = {
 
 BUILTIN_POLICIES = tuple(POLICIES)
 """The names of the policies slcompile ships (`register_policy` cannot replace them)."""
+
+GENERATION = Policy("speedloader", generation_pass)
+"""A generation pass's policy (`slcompile.generate`'s default `schedule`): each layer
+for every sub-batch before the next layer, its weights fetched once for all of them
+(`slcompile.schedules.generation`). Its request is a `PassRequest`; its schedules
+are validated by `validate_pass`."""
 
 
 def register_policy(policy: Policy, *, replace: bool = False) -> Policy:

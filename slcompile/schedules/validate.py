@@ -1,4 +1,5 @@
-"""Checks a policy's schedule before anything compiles it.
+"""Checks a policy's schedule before anything compiles it (a generation pass's too:
+`validate_pass`, below).
 
 The passes emit the graphs in a schedule's compute order and move what its transfer
 steps name, so a schedule that leaves a step out, names a block or sub-batch that does
@@ -42,12 +43,16 @@ from __future__ import annotations
 
 from slcompile.errors import PolicyError
 from slcompile.schedules.base import TRANSFER_KINDS, Schedule, ScheduleRequest, Step, next_region
+from slcompile.schedules.generation import PassRequest
 
-__all__ = ["validate_schedule", "check_agreement"]
+__all__ = ["validate_schedule", "validate_pass", "check_agreement"]
 
 
-def validate_schedule(schedule: Schedule, request: ScheduleRequest, policy: str = "<unnamed>") -> Schedule:
-    """Checks that `schedule` is one the passes can compile for `request`.
+def validate_schedule(schedule: Schedule, request: ScheduleRequest | PassRequest,
+                      policy: str = "<unnamed>") -> Schedule:
+    """Checks that `schedule` is one the passes can compile for `request` (a training
+    or evaluation step's), or one a generation pass runs (`validate_pass`, for a
+    `PassRequest`).
 
     Args:
         schedule: what the policy returned.
@@ -60,6 +65,8 @@ def validate_schedule(schedule: Schedule, request: ScheduleRequest, policy: str 
     Raises:
         PolicyError: naming the policy and the first offending step.
     """
+    if isinstance(request, PassRequest):
+        return validate_pass(schedule, request, policy)
     if not isinstance(schedule, Schedule):
         raise PolicyError(policy, f"build returned a {type(schedule).__name__}, not a "
                                   "slcompile.schedules.Schedule (wrap the steps: Schedule(tuple(steps)))")
@@ -267,3 +274,158 @@ def _transfer_lines(schedule: Schedule, phase: str) -> list[str]:
         if step.kind != "compute" and (not lines or lines[-1] != step.text()):
             lines.append(step.text())
     return lines
+
+
+_PASS_KINDS = ("compute", "fetch.issue", "fetch.wait", "load_kv.issue", "store_kv.issue",
+               "spill.issue", "spill.wait", "fill.issue", "fill.wait")
+
+
+def validate_pass(schedule: Schedule, request: PassRequest, policy: str = "<unnamed>") -> Schedule:
+    """Checks that `schedule` is a generation pass `lower_pass` runs for `request`
+    (`slcompile.schedules.generation`).
+
+    What a valid pass is:
+
+    - every step of the request's phase, of kind "compute" or one of a pass's
+      transfers (`fetch.*`, `load_kv.issue`, `store_kv.issue`, `spill.*`, `fill.*`),
+      region "prefix", "block" (a layer, 0..layers-1) or "suffix";
+    - compute: each (layer, sub-batch) of `request.subbatches` once; the prefix once
+      for every sub-batch and the suffix once, or, where the prefill spills its
+      hidden states, no prefix and the suffix once per sub-batch after its last layer;
+    - weights: a layer whose weights are fetched (`request.fetched`) has one
+      `fetch.wait` before its first compute, after its `fetch.issue` when it has one;
+      other layers have no fetch steps;
+    - KV cache: where a decode pass's cache moves, each (layer, sub-batch) has one
+      `load_kv.issue` before its compute, and none elsewhere; `store_kv.issue` of a
+      layer only where the pass stores its cache, after that layer computed (in a
+      decode pass, that (layer, sub-batch)); in a prefill it names the decode
+      sub-batch whose rows it completes;
+    - hidden states (only where the prefill spills them): a (layer, sub-batch) but the
+      last layer's; `spill.issue` after the unit's compute and before the sub-batch's
+      next layer, then `spill.wait` and `fill.issue` each after it, `fill.wait` after
+      the `fill.issue`, and the next layer's compute after the `fill.wait`.
+
+    Raises:
+        PolicyError: naming the policy and the first offending step.
+    """
+    if not isinstance(schedule, Schedule):
+        raise PolicyError(policy, f"build returned a {type(schedule).__name__}, not a "
+                                  "slcompile.schedules.Schedule (wrap the steps: Schedule(tuple(steps)))")
+    steps = schedule.steps
+    layers, parts = request.layers, set(request.subbatches)
+    owners = range(request.rows[0] * len(request.subbatches) // request.rows[1]) \
+        if request.phase == "prefill" else request.subbatches
+    moves_kv = request.phase == "decode" and request.kv_moves
+    done: set[tuple] = set()  # (kind, region, block, sub-batch) of every step so far
+    for step in steps:
+        where = (step.region, step.block, step.subbatch)
+        problem = _malformed_pass_step(step, request, layers, parts, owners)
+        if problem is None and step.kind == "compute":
+            problem = _pass_compute_problem(step, request, done, moves_kv)
+        elif problem is None:
+            problem = _pass_transfer_problem(step, request, done, moves_kv)
+        if problem is None and (step.kind, *where) in done:
+            problem = "the same step twice in one pass"
+        if problem:
+            raise PolicyError(policy, problem, step.text())
+        done.add((step.kind, *where))
+    missing = [Step(request.phase, "block", layer, sb) for layer in range(layers) for sb in request.subbatches]
+    if request.spill_hidden:
+        missing += [Step(request.phase, "suffix", None, sb) for sb in request.subbatches]
+        missing += [Step(request.phase, "block", layer, sb, kind) for layer in range(layers - 1)
+                    for sb in request.subbatches for kind in _SPILL_STEPS]
+    else:
+        missing = [Step(request.phase, "prefix", None, None), *missing, Step(request.phase, "suffix", None, None)]
+    for step in missing:
+        if (step.kind, step.region, step.block, step.subbatch) not in done:
+            raise PolicyError(policy, "a step of the pass is missing", step.text())
+    return schedule
+
+
+_SPILL_STEPS = ("spill.issue", "spill.wait", "fill.issue", "fill.wait")
+
+
+def _malformed_pass_step(step: Step, request: PassRequest, layers: int, parts: set, owners) -> str | None:
+    if step.phase != request.phase:
+        return f"phase {step.phase!r}: a {request.phase} pass has steps of phase {request.phase!r} only"
+    if step.kind not in _PASS_KINDS:
+        return f"kind {step.kind!r} is not one of a generation pass's: {', '.join(_PASS_KINDS)}"
+    if step.region not in ("prefix", "block", "suffix"):
+        return f"region {step.region!r} is not 'prefix', 'block' or 'suffix'"
+    if step.region == "block" and not (isinstance(step.block, int) and 0 <= step.block < layers):
+        return f"layer {step.block!r} does not exist (layers 0..{layers - 1})"
+    if step.region != "block" and (step.block is not None or step.kind != "compute"):
+        return f"the {step.region} is computed, with no layer index"
+    if step.kind == "store_kv.issue":
+        if step.subbatch not in owners:
+            return f"stores the cache of decode sub-batch {step.subbatch!r}, which does not exist"
+    elif step.kind == "fetch.issue" or step.kind == "fetch.wait":
+        if step.subbatch is not None:
+            return "fetches a layer's weights once for every sub-batch of the pass (subbatch=None)"
+    elif step.subbatch is not None and step.subbatch not in parts or step.subbatch is None and (
+            step.region == "block" or step.region == "suffix" and request.spill_hidden):
+        return f"sub-batch {step.subbatch!r} is not one the pass computes ({', '.join(map(str, sorted(parts)))})"
+    return None
+
+
+def _pass_compute_problem(step: Step, request: PassRequest, done: set, moves_kv: bool) -> str | None:
+    if step.region == "prefix":
+        return "a prefill that spills its hidden states captures each layer's arguments at its step (no prefix)" \
+            if request.spill_hidden else None
+    if step.region == "suffix":
+        if request.spill_hidden:
+            if step.subbatch is None:
+                return "a prefill that spills its hidden states computes the suffix per sub-batch"
+            last = ("compute", "block", request.layers - 1, step.subbatch)
+            return None if last in done else "computes the suffix of a sub-batch before its last layer"
+        if step.subbatch is not None:
+            return "the suffix is computed once for every sub-batch of the pass (subbatch=None)"
+        pending = [sb for sb in request.subbatches if ("compute", "block", request.layers - 1, sb) not in done]
+        return f"computes the suffix before sub-batch {pending[0]} ran the last layer" if pending else None
+    layer, sb = step.block, step.subbatch
+    if not request.spill_hidden and ("compute", "prefix", None, None) not in done:
+        return "computes a layer before the prefix captured its arguments"
+    if layer and ("compute", "block", layer - 1, sb) not in done:
+        return f"computes layer {layer} of a sub-batch before layer {layer - 1}"
+    if request.fetched[layer] and ("fetch.wait", "block", layer, None) not in done:
+        return (f"computes before its weights arrive: no "
+                f"`{Step(request.phase, 'block', layer, None, 'fetch.wait').text()}` before it")
+    if moves_kv and ("load_kv.issue", "block", layer, sb) not in done:
+        return "computes before its cache's load was issued (a `load_kv.issue` of the same step before it)"
+    if request.spill_hidden and layer and ("fill.wait", "block", layer - 1, sb) not in done:
+        return f"computes before its input arrives: no `fill.wait` of layer {layer - 1}, the same sub-batch"
+    return None
+
+
+def _pass_transfer_problem(step: Step, request: PassRequest, done: set, moves_kv: bool) -> str | None:
+    kind, layer, sb = step.kind, step.block, step.subbatch
+    if kind.startswith("fetch."):
+        if not request.fetched[layer]:
+            return "fetches the weights of a layer whose weights are not copied onto the device"
+        if kind == "fetch.wait" and ("compute", "block", layer, sb) in done:
+            return "waits for a layer's weights after the layer computed"
+        return None
+    if kind == "load_kv.issue":
+        if not moves_kv:
+            return "loads a cache that does not move (a decode pass whose cache rests on a tier that copies)"
+        return "loads the cache of a step that already computed" if ("compute", "block", layer, sb) in done \
+            else None
+    if kind == "store_kv.issue":
+        if not request.stores:
+            return "stores the cache of a pass whose cache no later pass reads (stores=False)"
+        computed = [part for part in request.subbatches if ("compute", "block", layer, part) in done]
+        if request.phase == "decode" and sb not in computed or not computed:
+            return f"stores the cache of layer {layer} before it computed"
+        return None
+    if not request.spill_hidden:
+        return "spills a hidden state, but this pass keeps them on the device (spill_hidden=False)"
+    if layer == request.layers - 1:
+        return "spills the last layer's output, which the suffix reads next"
+    if kind == "spill.issue":
+        if ("compute", "block", layer, sb) not in done:
+            return "spills an output before its layer computed it"
+        if ("compute", "block", layer + 1, sb) in done:
+            return "spills an output its next layer already read"
+        return None
+    needed = {"spill.wait": "spill.issue", "fill.issue": "spill.issue", "fill.wait": "fill.issue"}[kind]
+    return None if (needed, "block", layer, sb) in done else f"comes before its `{needed}` of the same step"
