@@ -265,7 +265,7 @@ def _stream(state: PipelineState) -> PipelineState:
     )
     gm, streamed = stream_weights(
         state.gm, state.blocks, state.inputs, functools.partial(facts.stored_key, streamer.name), streamer.graph_key,
-        per_subbatch=state.schedule.fetches_per_subbatch(),
+        fetch_groups=state.schedule.fetch_groups(),
     )
     return dataclasses.replace(state, gm=gm, streamer=streamer, streamed=streamed)
 

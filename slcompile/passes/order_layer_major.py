@@ -22,7 +22,8 @@ the region's place in the schedule:
   the next), shared work runs with the first sub-batch to reach the region, or after
   its latest input: ranked before its inputs, it would pull a whole sub-batch's pass
   ahead of the one before it. A sub-batch's own weight fetches open its run of the
-  block.
+  block; a fetch per run of sub-batches (`Schedule.fetch_groups`) opens the run of the
+  first of them in the phase's order.
 The graphs AOTAutograd hands over already run the blocks in the schedule's order
 (TinyGPT, GPT-2, Llama at K=2 and 4), but not always the rest: sample-major on Llama,
 sub-batch 1's embedding comes before sub-batch 0's blocks (`interleave` keeps it
@@ -63,6 +64,12 @@ def order_layer_major(
     order = schedule.order(phase)
     nodes = list(gm.graph.nodes)
     rank: dict[torch.fx.Node, tuple[int, ...]] = {}
+    # The sub-batches that read each fetch named by a sub-batch (a run's fetch serves
+    # several, and in the backward they may run in another order than forward).
+    readers: dict[tuple[int, int], list[int]] = {}
+    for (block, subbatch), group in schedule.fetch_groups().items():
+        if group is not None:
+            readers.setdefault((block, group), []).append(subbatch)
 
     def tag_rank(node):
         meta = get_slc_meta(node)
@@ -73,9 +80,15 @@ def order_layer_major(
         if first is None:
             return None  # a region the schedule does not run in this phase
         if meta.subbatch is not None:
+            if is_fetch(node):
+                # A sub-batch's own weight fetches open its run of the region; a run's,
+                # the first of its sub-batches to run in this phase.
+                steps = [order.step(meta.region, block, sb) for sb in readers.get((block, meta.subbatch),
+                                                                                   [meta.subbatch])]
+                steps = [step for step in steps if step is not None]
+                return (min(steps) if steps else first, 0)
             position = order.step(meta.region, block, meta.subbatch)
-            # A sub-batch's own weight fetches open its run of the region.
-            return (first if position is None else position, 0 if is_fetch(node) else 1)
+            return (first if position is None else position, 1)
         if order.contiguous(meta.region, block):
             if meta.role == "combine":
                 return order.last(meta.region, block), 2  # after the last sub-batch

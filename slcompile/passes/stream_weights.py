@@ -12,10 +12,11 @@ resident. `tag_fetch_views` finishes the job on the joint graph: views of a fetc
 weight (`t` for a matmul) are recomputed with it, else the partitioner would save the
 view and with it the whole weight.
 
-When the schedule fetches per sub-batch (`Schedule.fetches_per_subbatch()`, the
+When the schedule fetches per sub-batch (`Schedule.fetch_groups()`, the
 grad_accumulation policy) each sub-batch gets its own fetch of the block's weights,
 inserted before that sub-batch's first use and read by it alone, tagged with the
-sub-batch: K fetches per block per pass, as gradient accumulation loads them. Ops of
+sub-batch: K fetches per block per pass, as gradient accumulation loads them; per run
+of sub-batches, each run's sub-batches read one fetch, tagged with its first. Ops of
 the block shared by all sub-batches run with sub-batch 0 and read its fetch. The
 fetches' keys (`WeightKey`) differ by sub-batch (`...#sb1`): with equal keys,
 Inductor's common-subexpression elimination merges the K fetches of a weight into one.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import defaultdict
+from collections.abc import Mapping
 
 import torch
 import torch.fx
@@ -78,7 +80,7 @@ def stream_weights(
     key_for,
     graph_key_for,
     *,
-    per_subbatch: bool = False,
+    fetch_groups: Mapping[tuple[int, int], int | None] | None = None,
 ) -> tuple[torch.fx.GraphModule, StreamedWeights]:
     """Inserts the fetches into the interleaved graph `gm` (changed in place).
 
@@ -88,8 +90,9 @@ def stream_weights(
         inputs: the classified placeholders (parameters carry their real values).
         key_for: `key_for(placeholder name, parameter) -> stored key`.
         graph_key_for: `graph_key_for(stored key) -> WeightKey` of the fetch op.
-        per_subbatch: one fetch per (block, sub-batch) instead of one per block
-            (`Schedule.fetches_per_subbatch()`).
+        fetch_groups: (block, sub-batch) -> the sub-batch naming the fetch it reads
+            (`Schedule.fetch_groups()`); None, or None for a block: one fetch of
+            each weight for all the block's sub-batches.
 
     Returns:
         (gm, what was streamed).
@@ -111,7 +114,7 @@ def stream_weights(
         block = readers.pop()
         key = key_for(node.name, params[node.name].value)
         value = params[node.name].value
-        for subbatch, users in _user_groups(node, per_subbatch, order_of):
+        for subbatch, users in _user_groups(node, block, fetch_groups or {}, order_of):
             graph_key = dataclasses.replace(graph_key_for(key), subbatch=subbatch).format()
             with gm.graph.inserting_before(users[0]):
                 fetch = gm.graph.call_function(FETCH_WEIGHT, (node, graph_key))
@@ -133,15 +136,16 @@ def stream_weights(
     return gm, result
 
 
-def _user_groups(param: torch.fx.Node, per_subbatch: bool, order_of) -> list[tuple[int | None, list]]:
-    """(sub-batch or None, the users that read one fetch, first user first)."""
+def _user_groups(param: torch.fx.Node, block: int, fetch_groups, order_of) -> list[tuple[int | None, list]]:
+    """(the sub-batch naming a fetch or None, the users that read it, first user first).
+    Ops of the block shared by its sub-batches read sub-batch 0's."""
     users = sorted(param.users, key=order_of)
-    if not per_subbatch:
+    if not any(group is not None for (b, _), group in fetch_groups.items() if b == block):
         return [(None, users)]
     groups: dict[int, list] = defaultdict(list)
     for user in users:
         meta = get_slc_meta(user)
-        groups[meta.subbatch if meta.subbatch is not None else 0].append(user)
+        groups[fetch_groups.get((block, meta.subbatch if meta.subbatch is not None else 0))].append(user)
     return sorted(groups.items(), key=lambda group: order_of(group[1][0]))
 
 

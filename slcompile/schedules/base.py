@@ -271,9 +271,29 @@ class Schedule:
         return PhaseOrder(position)
 
     def fetches_per_subbatch(self) -> bool:
-        """Whether each sub-batch fetches a block's weights for itself (K fetches per
-        block per pass) instead of one fetch shared by all sub-batches."""
+        """Whether a block's weights are fetched more than once a pass: a
+        `fetch.wait` names a sub-batch (per sub-batch, or per run of sub-batches)."""
         return any(s.kind == "fetch.wait" and s.subbatch is not None for s in self.steps)
+
+    def fetch_groups(self) -> dict[tuple[int, int], int | None]:
+        """(block, sub-batch) -> the sub-batch naming the fetch of the block's weights
+        it computes with: the one of the forward's last `fetch.wait` of the block
+        before its compute step (None: one fetch for every sub-batch). A `fetch.wait
+        blk3.sb2` serves sub-batch 2 and those after it, up to the block's next
+        wait: per sub-batch, or per run of a block's sub-batches. The backward
+        computes with the fetch of the same group (the graphs recompute each forward
+        fetch for its readers)."""
+        phase = "fwd" if any(s.phase == "fwd" for s in self.steps) else None
+        groups: dict[tuple[int, int], int | None] = {}
+        current: dict[int, int | None] = {}
+        for step in self.steps:
+            if phase is not None and step.phase != phase or step.region != "block":
+                continue
+            if step.kind == "fetch.wait":
+                current[step.block] = step.subbatch
+            elif step.kind == "compute" and step.block in current:
+                groups[step.block, step.subbatch] = current[step.block]
+        return groups
 
     def stashes(self) -> frozenset[tuple[str, int | None, int]]:
         """(region, block, sub-batch) whose saved activations the schedule stores
@@ -418,11 +438,14 @@ def next_region(key: tuple[str, int | None, int], request: ScheduleRequest) -> t
     return ("suffix", None, subbatch) if request.has_suffix else None
 
 
-def add_fetches(compute: list[Step], request: ScheduleRequest, *, per_subbatch: bool) -> list[Step]:
+def add_fetches(compute: list[Step], request: ScheduleRequest, *, per_subbatch: bool,
+                per_run: bool = False) -> list[Step]:
     """Compute steps with the weight fetches a streamed plan needs around them.
 
-    Each visit of a block (each block once, or each (block, sub-batch) when
-    `per_subbatch`) waits for its weights just before its first compute step and,
+    Each visit of a block (each block once, each (block, sub-batch) when
+    `per_subbatch`, or, `per_run`, each run of the forward's consecutive compute
+    steps of the block, named by its first sub-batch, the backward fetching for the
+    same runs) waits for its weights just before its first compute step and,
     `live_blocks - 1` visits earlier, issues their load. Visits form a cycle (forward,
     backward, the next step's forward), so the last visits of a graph issue the first
     ones of the next graph; the first `live_blocks - 1` visits of a graph are issued
@@ -432,18 +455,28 @@ def add_fetches(compute: list[Step], request: ScheduleRequest, *, per_subbatch: 
         compute: the compute steps, forward then backward.
         request: the request (live blocks, whether weights are streamed).
         per_subbatch: one visit per (block, sub-batch) instead of one per block.
+        per_run: one visit per run of a block's sub-batches.
 
     Returns:
         the steps with `fetch.issue` and `fetch.wait` steps inserted.
     """
     if not request.weights_streamed:
         return list(compute)
+    run: dict[tuple[int, int], int] = {}  # (block, sub-batch) -> the first sub-batch of its forward run
+    previous = None
+    for step in compute:
+        if step.phase == "fwd" and step.kind == "compute":
+            if step.region == "block":
+                same = previous is not None and previous.region == "block" and previous.block == step.block
+                run[step.block, step.subbatch] = run[previous.block, previous.subbatch] if same else step.subbatch
+            previous = step
     visits: list[tuple[int, Step]] = []  # (position of the first compute step, wait)
     seen = set()
     for position, step in enumerate(compute):
         if step.region != "block":
             continue
-        visit = (step.phase, step.block, step.subbatch if per_subbatch else None)
+        group = step.subbatch if per_subbatch else run.get((step.block, step.subbatch)) if per_run else None
+        visit = (step.phase, step.block, group)
         if visit not in seen:
             seen.add(visit)
             visits.append((position, Step(step.phase, "block", step.block, visit[2], "fetch.wait")))

@@ -155,7 +155,8 @@ def _check_compute(schedule: Schedule, request: ScheduleRequest, phases: tuple[s
 
 def _check_transfers(schedule: Schedule, request: ScheduleRequest, policy: str) -> None:
     steps = schedule.steps
-    per_subbatch = schedule.fetches_per_subbatch()
+    groups = schedule.fetch_groups()
+    per_subbatch = {s.block: s.subbatch is not None for s in steps if s.kind == "fetch.wait"}
     done: set[tuple] = set()  # (phase, kind, key) of every step so far
     computed: set[tuple] = set()  # (phase, key) of the compute steps so far
     filled_for = {next_region(s.key, request): s.key for s in steps if s.kind == "spill.issue"}
@@ -172,13 +173,14 @@ def _check_transfers(schedule: Schedule, request: ScheduleRequest, policy: str) 
                                           f"{Step('fwd', *spilled).tag}` before it", step.text())
             last_compute = step
             if step.region == "block" and request.weights_streamed:
-                wait = Step(step.phase, "block", step.block, step.subbatch if per_subbatch else None, "fetch.wait")
+                wait = Step(step.phase, "block", step.block, groups.get((step.block, step.subbatch)), "fetch.wait")
                 if (wait.phase, wait.kind, wait.key) not in done:
                     raise PolicyError(policy, f"computes before its weights arrive: no `{wait.text()}` before "
                                               "it (a streamed block's compute needs its fetch)", step.text())
             computed.add((step.phase, key))
-        elif step.kind == "fetch.wait" and (step.subbatch is not None) != per_subbatch:
-            raise PolicyError(policy, "mixes fetches per sub-batch with fetches per block", step.text())
+        elif step.kind == "fetch.wait" and (step.subbatch is not None) != per_subbatch[step.block]:
+            raise PolicyError(policy, "mixes fetches per sub-batch (or run) with one fetch per block in a block",
+                              step.text())
         elif step.kind == "fetch.issue":
             # Visits form a cycle (forward, backward, the next step's forward): the
             # wait may be in another graph, or earlier in this one for the next step.

@@ -190,7 +190,7 @@ def streamed(pipeline):
         state = pipeline("interleave", **options)
         gm, weights = stream_weights(
             state.gm, state.blocks, state.inputs, lambda name, value: short_name(name), weight_key,
-            per_subbatch=state.schedule.fetches_per_subbatch(),
+            fetch_groups=state.schedule.fetch_groups(),
         )
         graphs = {}
 

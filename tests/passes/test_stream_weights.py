@@ -23,9 +23,11 @@ class _Resident(torch.fx.Interpreter):
 
 def _stream(state, printer, per_subbatch=False):
     before = printer.lines(state.gm)
+    k = state.config.num_subbatches
+    groups = {(block.index, sb): sb for block in state.blocks.blocks for sb in range(k)} if per_subbatch else None
     gm, weights = stream_weights(
         state.gm, state.blocks, state.inputs, lambda name, value: printer.name(name), weight_key,
-        per_subbatch=per_subbatch,
+        fetch_groups=groups,
     )
     return printer.diff(before, printer.lines(gm)), weights
 
