@@ -284,10 +284,14 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"  forward and backward: {summarize_bytes(passes.bytes_moved, passes.transfers)}")
         print(f"  optimizer step:       {summarize_bytes({k: n for k, n in update.items() if n}, update_count)}")
         if report.streamed_bytes:
-            fetches = 2
-            if report.planned_schedule is not None and report.planned_schedule.fetches_per_subbatch():
-                fetches *= config.num_subbatches
+            groups = report.planned_schedule.fetch_groups() if report.planned_schedule is not None else {}
+            block = min((b for b, _ in groups), default=None)
+            visits = len({group for (b, _), group in groups.items() if b == block}) or 1
+            fetches = 2 * visits
+            if visits == config.num_subbatches > 1:
                 how = f"fetched once per sub-batch: {config.num_subbatches} times in the forward and in the backward"
+            elif visits > 1:
+                how = f"fetched once per run of sub-batches: {visits} times in the forward and in the backward"
             else:
                 how = f"forward and backward each fetch every block once, for all {config.num_subbatches} sub-batches"
             print(f"block weights streamed: P = {format_bytes(report.streamed_bytes)} ({how})")

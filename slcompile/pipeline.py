@@ -378,7 +378,7 @@ class StepState:
     recompute: str = "none"
     num_fwd_outputs: int | None = None
     lowering: str = "aot_eager"
-    results: StepResults = dataclasses.field(default_factory=lambda: StepResults())
+    results: StepResults = dataclasses.field(default_factory=StepResults)
 
     @property
     def config(self):

@@ -464,7 +464,7 @@ def add_fetches(compute: list[Step], request: ScheduleRequest, *, per_subbatch: 
         return list(compute)
     run: dict[tuple[int, int], int] = {}  # (block, sub-batch) -> the first sub-batch of its forward run
     previous = None
-    for step in compute:
+    for step in compute if per_run else ():
         if step.phase == "fwd" and step.kind == "compute":
             if step.region == "block":
                 same = previous is not None and previous.region == "block" and previous.block == step.block
