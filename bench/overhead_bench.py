@@ -4,6 +4,7 @@ Inductor on a launch-bound model, the CPU counterpart of the GPU's host-bound st
 Usage:
     python bench/overhead_bench.py [--steps 15] [--out bench/results/overhead_bench.json]
     python bench/overhead_bench.py --quick        # 5 steps a row, results in a temp dir
+    python bench/overhead_bench.py --wrapper      # Inductor's Python against its C++ wrapper
 
 Model: a Hugging Face Llama from a config (2 layers, hidden 64, intermediate 128, 4
 heads, vocabulary 32000), batch 8 x 32, float32, Inductor, one compute thread: the
@@ -25,6 +26,13 @@ accumulation apart) and the median host microseconds of each `slc::` op; and, fo
 speedloader rows, the step the time model predicts (`predict_time`, lowering
 "inductor", on a profile measured first in the parent process with one thread and
 `steps=True`).
+
+With `--wrapper` (results in overhead_bench_wrapper.json) the rows are plain
+Inductor and speedloader K=4 compiled flat (`compile_regions=False`), each with
+Inductor's Python wrapper and with its C++ wrapper (`cpp_wrapper`, set while the
+step compiles), and K=4 with outlined regions: how much of K=4's extra host time is
+the wrapper's per-kernel calls. Outlined regions cannot take the C++ wrapper
+(Inductor has no `invoke_subgraph` for it).
 
 Goals (ratios within the run): K=1 within 1.15x plain Inductor's CPU time, K=4 on any
 tier within 1.3x; no prims op outside compiled code; every transfer op within 20 us
@@ -56,6 +64,13 @@ ROWS = (  # (name, speedloader options or None for plain Inductor)
     ("k4_activations_nvme", {"num_subbatches": 4, "activations": "nvme", "min_offload_bytes": 0,
                              "recompute": "none"}),
 )
+WRAPPER_ROWS = (  # (name, options, Inductor's C++ wrapper)
+    ("plain_inductor", None, False),
+    ("plain_cpp_wrapper", None, True),
+    ("k4_device", {"num_subbatches": 4}, False),
+    ("k4_flat", {"num_subbatches": 4, "compile_regions": False}, False),
+    ("k4_flat_cpp_wrapper", {"num_subbatches": 4, "compile_regions": False}, True),
+)
 GOALS = {"k1_ratio": 1.15, "k4_ratio": 1.3, "transfer_op_us": 20.0, "prediction_error": 0.25}
 
 
@@ -68,7 +83,11 @@ def build(spec: dict):
                          intermediate_size=SHAPE["intermediate"], num_attention_heads=SHAPE["heads"],
                          num_key_value_heads=SHAPE["heads"], vocab_size=SHAPE["vocab"],
                          max_position_embeddings=SHAPE["seq"], use_cache=False)
-    model = LlamaForCausalLM(config)
+    # A class of the row's own: Dynamo's cached graphs of an equal compile (the same
+    # backend and options, another wrapper) would otherwise serve it.
+    # (Hugging Face reads the loss from the class name's "ForCausalLM".)
+    name = "".join(part.title() for part in spec["row"].split("_")) + "LlamaForCausalLM"
+    model = type(name, (LlamaForCausalLM,), {})(config)
     ids = torch.randint(0, SHAPE["vocab"], (SHAPE["batch"], SHAPE["seq"]), generator=torch.Generator().manual_seed(1))
     options = spec["options"]
     if options is None:
@@ -89,6 +108,7 @@ def run_rows(specs: list[dict], steps: int, profile_path: str) -> list[dict]:
     round-robin, one step of every row a round, so that a burst of load from another
     process falls on all of them alike."""
     import torch
+    import torch._inductor.config
     from tqdm import tqdm
 
     import slcompile
@@ -97,12 +117,16 @@ def run_rows(specs: list[dict], steps: int, profile_path: str) -> list[dict]:
     from slcompile.step_profile import profile_step
 
     torch.set_num_threads(1)
+    # Every row compiles in this process, each model of a class of its own: Dynamo
+    # recompiles the shared inner code once per row.
+    torch._dynamo.config.recompile_limit = 64
     profile = machine_profile(profile_path)
     built = []
     for spec in tqdm(specs, desc="compiling"):
         step = build(spec)
         start = time.perf_counter()
-        step()
+        with torch._inductor.config.patch(cpp_wrapper=spec.get("cpp_wrapper", False)):
+            step()  # compiles
         first = time.perf_counter() - start
         report = slcompile.compile_reports()[-1] if spec["options"] is not None else None
         for _ in range(3):
@@ -206,6 +230,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="5 steps a row, results in a temp dir")
     parser.add_argument("--only", default=None, help="comma-separated row names")
+    parser.add_argument("--wrapper", action="store_true",
+                        help="Inductor's Python wrapper against its C++ wrapper (overhead_bench_wrapper.json)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -217,7 +243,8 @@ def main() -> int:
 
     steps = 5 if args.quick else args.steps
     out = args.out or (os.path.join(tempfile.mkdtemp(prefix="slc-overhead-"), "overhead_bench.json") if args.quick
-                       else os.path.join(HERE, "results", "overhead_bench.json"))
+                       else os.path.join(HERE, "results",
+                                         "overhead_bench_wrapper.json" if args.wrapper else "overhead_bench.json"))
     offload_dir = tempfile.mkdtemp(prefix="slc-overhead-nvme-")
     torch.set_num_threads(1)
     profile = measure_profile(offload_dir=offload_dir, steps=True)
@@ -225,8 +252,9 @@ def main() -> int:
     with open(profile_path, "w") as f:
         f.write(profile.to_json())
     wanted = set(args.only.split(",")) if args.only else None
-    specs = [{"row": name, "options": options, "offload_dir": offload_dir}
-             for name, options in ROWS if wanted is None or name in wanted]
+    rows = WRAPPER_ROWS if args.wrapper else tuple((name, options, False) for name, options in ROWS)
+    specs = [{"row": name, "options": options, "offload_dir": offload_dir, "cpp_wrapper": cpp_wrapper}
+             for name, options, cpp_wrapper in rows if wanted is None or name in wanted]
     rows = run_rows(specs, steps, profile_path)
     record = {
         "machine": platform.node() or "cpu", "torch": torch.__version__, "model": SHAPE, "steps": steps,
