@@ -32,6 +32,7 @@ import pathlib
 import re
 import sys
 import time
+from types import MappingProxyType
 
 import torch
 
@@ -209,7 +210,7 @@ def _print_written(out: pathlib.Path, written: dict) -> None:
 
 # -- demo ----------------------------------------------------------------------
 
-DEMO_DEFAULTS = {"num_subbatches": 4, "weights": "nvme"}
+DEMO_DEFAULTS = MappingProxyType({"num_subbatches": 4, "weights": "nvme"})
 
 
 def _demo(args: argparse.Namespace) -> int:

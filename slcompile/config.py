@@ -13,6 +13,7 @@ import os
 import re
 import threading
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from slcompile.errors import OptionError
@@ -30,8 +31,8 @@ RECOMPUTE = ("auto", "none", "blocks")
 GRADIENTS = ("auto",) + TIERS
 GENERATION_ONLY = ("kv_cache", "prefill_subbatches")
 """The options only `slcompile.generate` reads (a compiled step keeps no KV cache)."""
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,7 +405,7 @@ def _check_sharding(config: SpeedLoaderConfig) -> None:
 # set in code through `slcompile.defaults` (kept here, with the fields they default),
 # else the environment, else the field's default.
 _PREFIX = "SLC_"
-_FIELDS = {field.name: field for field in dataclasses.fields(SpeedLoaderConfig)}
+_FIELDS = MappingProxyType({field.name: field for field in dataclasses.fields(SpeedLoaderConfig)})
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _defaults_lock = threading.Lock()
 _overrides: dict[str, Any] = {}  # values set in code: assignment or patch

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+from types import MappingProxyType
 
 import torch
 import torch.fx
@@ -92,7 +93,7 @@ __all__ = [
 
 _LIB = torch.library.Library("slc", "DEF")
 
-_SCHEMAS = {
+_SCHEMAS = MappingProxyType({
     "fetch_issue": "(str key) -> Tensor",
     "fetch_weight": "(Tensor param, str key) -> Tensor",
     "stash": "(Tensor x, str key) -> Tensor",
@@ -101,7 +102,7 @@ _SCHEMAS = {
     "unstash_wait": "(Tensor load_token, SymInt[] size, ScalarType dtype, Device device) -> Tensor",
     "mark": "(str label, bool begin) -> Tensor",
     "offload_grad": "(Tensor grad, str key) -> Tensor",
-}
+})
 _ORDERED = ("fetch_issue", "stash", "wait", "unstash", "unstash_wait", "mark", "offload_grad")
 
 for _name, _schema in _SCHEMAS.items():
@@ -173,7 +174,7 @@ SLC_OPS = (FETCH_ISSUE, FETCH_WEIGHT, STASH, WAIT, UNSTASH, UNSTASH_WAIT, MARK, 
 """Every op of the vocabulary."""
 
 # What moves, and which half of its issue + wait pair a node is.
-_TRANSFERS = {
+_TRANSFERS = MappingProxyType({
     FETCH_ISSUE: ("fetch", "issue"),
     FETCH_WEIGHT: ("fetch", "wait"),
     STASH: ("stash", "issue"),
@@ -181,7 +182,7 @@ _TRANSFERS = {
     UNSTASH: ("unstash", "issue"),
     UNSTASH_WAIT: ("unstash", "wait"),
     OFFLOAD_GRAD: ("store_grad", "issue"),
-}
+})
 
 
 def _calls(node: torch.fx.Node, *targets) -> bool:

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping
+from types import MappingProxyType
 
 __all__ = ["MachineProfile", "MachineFacts", "ProcessFacts", "NAMED_PROFILES", "named_profile", "LARGE_OUTPUT"]
 
@@ -263,7 +264,7 @@ _HOPPER_HOST_OPS = tuple((f"{op}@host", us * 1e-6) for op, us in (
     ("fetch_issue", 12.7), ("fetch_weight", 31.0), ("mark", 13.2), ("stash", 269.9), ("wait", 28.5),
     ("unstash", 121.4), ("unstash_wait", 14.9)))
 
-NAMED_PROFILES: dict[str, MachineProfile] = {
+NAMED_PROFILES: Mapping[str, MachineProfile] = MappingProxyType({
     "h100-pcie5-nvme": MachineProfile(
         name="h100-pcie5-nvme", matmul_flops=989e12 * 0.65, memory_bandwidth=3.35e12 * 0.8,
         op_overhead_seconds=5e-6, transfer_op_seconds=10e-6, call_overhead_seconds=50e-6,
@@ -280,7 +281,7 @@ NAMED_PROFILES: dict[str, MachineProfile] = {
         source=_H100_SOURCE + "; per GPU one 400 Gb/s InfiniBand NIC at 80% (40 GB/s) for collectives "
         "across machines",
     ),
-}
+})
 """Profiles of machines one may not be on, by name."""
 
 

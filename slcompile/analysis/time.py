@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import sympy
 import torch
@@ -53,17 +54,18 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-LANE_RESOURCE = {"compute": "compute", "link.h2d": "link", "link.d2h": "link", "disk": "disk", "network": "network"}
+LANE_RESOURCE = MappingProxyType(
+    {"compute": "compute", "link.h2d": "link", "link.d2h": "link", "disk": "disk", "network": "network"})
 """The resource a lane uses: what bounds a block whose busiest lane it is."""
 
 # Loads move tier -> device; stores device -> tier.
-_DIRECTION = {"fetch": "read", "unstash": "read", "stash": "write", "store_grad": "write"}
+_DIRECTION = MappingProxyType({"fetch": "read", "unstash": "read", "stash": "write", "store_grad": "write"})
 # aten ops of the CPU build without a formula of their own, counted by the formula of
 # the op they compute the same thing as (same leading arguments).
-_SAME_FORMULA = {
+_SAME_FORMULA = MappingProxyType({
     "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu_backward": "_scaled_dot_product_flash_attention_backward",
-}
+})
 
 
 @dataclasses.dataclass(frozen=True)

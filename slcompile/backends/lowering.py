@@ -34,26 +34,26 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
 import torch.fx
-
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn, get_hash_for_files
 
+from slcompile import pipeline
 from slcompile.analysis.machine import MachineFacts
 from slcompile.errors import BudgetError, PolicyError
-from slcompile.passes.mark_regions import drop_marks
-from slcompile.passes.offload_activations import OffloadedActivations
-from slcompile import pipeline
 from slcompile.passes import manager as pass_manager
 from slcompile.passes.manager import pass_modules
+from slcompile.passes.mark_regions import drop_marks
+from slcompile.passes.offload_activations import OffloadedActivations
 from slcompile.pipeline import (
-    StepState,
     COMPILED_PASSES,
     INFERENCE_PASSES,
     JOINT_PASSES,
     PARTITIONED_PASSES,
+    StepState,
     all_passes,
     run_stage,
 )
@@ -68,7 +68,7 @@ __all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES", "failed_stage", "hold_runtim
 log = logging.getLogger(__name__)
 
 # reorder_for_locality would also sink compute below transfer waits.
-INDUCTOR_PATCHES = {"reorder_for_peak_memory": False, "reorder_for_locality": False}
+INDUCTOR_PATCHES = MappingProxyType({"reorder_for_peak_memory": False, "reorder_for_locality": False})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from torch import nn
@@ -223,8 +224,8 @@ def _explain_generation(model, input_shape, max_new_tokens, config: SpeedLoaderC
     """`explain_generation`; `memo` keeps the traced memory of the capture, the layer
     steps and the tail between calls for one model and input shape (they do not
     depend on the tiers)."""
-    from slcompile.runtime.facts import machine_facts
     from slcompile.kv_segments import forgettable_segments, merged_segments
+    from slcompile.runtime.facts import machine_facts
     from slcompile.runtime.weights import weight_home
 
     weights, kv_cache = config.weights, config.kv_cache
@@ -362,10 +363,10 @@ def transfer_name(block: int, what: str, subbatch: int | None = None) -> str:
     return name if subbatch is None else f"{name}.sb{subbatch}"
 
 
-_ACTION_OF = {
+_ACTION_OF = MappingProxyType({
     "fetch.issue": ("load", "w"), "load_kv.issue": ("load", "kv"), "store_kv.issue": ("store", "kv"),
     "fill.issue": ("load", "h"), "spill.issue": ("store", "h"), "spill.wait": ("wait", "h"),
-}
+})
 """A pass's transfer step -> (`PassAction` kind, what moves: weights, cache or hidden
 states). A fill's wait adds no action: the layer step that takes the state waits
 for its load."""

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from types import MappingProxyType
 
 import torch
 import torch.fx
@@ -75,12 +76,12 @@ log = logging.getLogger(__name__)
 
 COPY = "copy"
 COMM = "comm"
-STREAMS = {
+STREAMS = MappingProxyType({
     COPY: "the transfer engine's copy stream (CUDA) or I/O threads (CPU)",
     COMM: "the collectives' communication thread (sharded weights)",
-}
+})
 """Stream name -> what it is."""
-STREAM_LANES = {COPY: ("load", "store"), COMM: ("collective",)}
+STREAM_LANES = MappingProxyType({COPY: ("load", "store"), COMM: ("collective",)})
 """Stream name -> the runtime timeline lanes its transfers are recorded on."""
 
 STREAM_KEY = "stream"

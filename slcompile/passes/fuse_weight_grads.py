@@ -86,7 +86,7 @@ def _leaves(root: torch.fx.Node) -> list[torch.fx.Node]:
     return leaves
 
 
-_VIEWS = {_aten.t.default, _aten.permute.default, _aten.view.default, _aten._unsafe_view.default}
+_VIEWS = frozenset({_aten.t.default, _aten.permute.default, _aten.view.default, _aten._unsafe_view.default})
 
 
 def _view_chain(term: torch.fx.Node):

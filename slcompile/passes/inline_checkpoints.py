@@ -140,9 +140,9 @@ def _adopt(gm: torch.fx.GraphModule, body: torch.fx.GraphModule, target: str) ->
 
 
 # Operators that write into their first argument.
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
-                      operator.ilshift, operator.irshift, operator.imatmul, operator.setitem}
+                      operator.ilshift, operator.irshift, operator.imatmul, operator.setitem})
 
 
 def _has_effects(node: torch.fx.Node) -> bool:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from types import MappingProxyType
 
 import torch
 import torch.fx
@@ -57,7 +58,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PHASES = {"forward": "fwd", "backward": "bwd", "inference": "fwd"}
+PHASES = MappingProxyType({"forward": "fwd", "backward": "bwd", "inference": "fwd"})
 
 @dataclasses.dataclass(frozen=True)
 class MarkedRegion:

@@ -70,6 +70,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
@@ -205,8 +206,8 @@ def _reads_metadata(func) -> bool:
     return getattr(getattr(func, "__self__", None), "__name__", None) not in _VALUE_PROPERTIES
 
 
-_CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64, torch.Tensor.half: torch.float16,
-          torch.Tensor.bfloat16: torch.bfloat16}
+_CASTS = MappingProxyType({torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64,
+                           torch.Tensor.half: torch.float16, torch.Tensor.bfloat16: torch.bfloat16})
 
 
 def _leaves_as_is(func, args, kwargs) -> bool:
@@ -459,8 +460,7 @@ class WeightStreamer:
             if handle.kind is TransferKind.ALL_GATHER:
                 self.shards.wait(handle)  # every rank issued it, so it ends
                 if self.shards.world_size > 1:
-                    _release_shard(self._engine_of(WeightKey.parse(graph_key).stored),
-                                   shard_loads[graph_key])
+                    _release_shard(self._engine_of(WeightKey.parse(graph_key).stored), shard_loads[graph_key])
             else:
                 try:
                     self.engine.wait(handle)

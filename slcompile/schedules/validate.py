@@ -41,6 +41,8 @@ What a valid schedule is, for a `ScheduleRequest`:
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from slcompile.errors import PolicyError
 from slcompile.schedules.base import TRANSFER_KINDS, Schedule, ScheduleRequest, Step, next_region
 from slcompile.schedules.generation import PassRequest
@@ -207,7 +209,7 @@ def _check_transfers(schedule: Schedule, request: ScheduleRequest, policy: str) 
         done.add((step.phase, step.kind, key))
 
 
-_SPILL_ORDER = {"spill.wait": "spill.issue", "fill.issue": "spill.wait", "fill.wait": "fill.issue"}
+_SPILL_ORDER = MappingProxyType({"spill.wait": "spill.issue", "fill.issue": "spill.wait", "fill.wait": "fill.issue"})
 
 
 def _check_spill(step: Step, done: set[tuple], last_compute: Step | None, policy: str) -> None:

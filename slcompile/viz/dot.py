@@ -48,13 +48,13 @@ import re
 import shutil
 import subprocess
 from collections.abc import Sequence
+from types import MappingProxyType
 
 import graphviz
 import torch
 import torch.fx
 
 from slcompile.meta import parse_tag
-from slcompile.vocabulary import StashKey, is_stash, is_stash_wait, is_unstash, is_unstash_wait
 from slcompile.passes.annotate_streams import COMM, COPY, STREAMS, transfer_stream
 from slcompile.viz.roles import (
     INSERTED_ROLES,
@@ -67,6 +67,7 @@ from slcompile.viz.roles import (
     short_op_name,
     transfer_bytes,
 )
+from slcompile.vocabulary import StashKey, is_stash, is_stash_wait, is_unstash, is_unstash_wait
 
 __all__ = [
     "graph_to_dot",
@@ -86,25 +87,25 @@ AUTO_SUMMARY_NODES = 160
 RENDER_TIMEOUT = 120.0
 DETAILS = ("auto", "ops", "summary")
 
-ROLE_COLORS = {
+ROLE_COLORS = MappingProxyType({
     "split": "#9ecae1",
     "combine": "#fdae6b",
     "load": "#ffe45c",
     "store": "#c994c7",
     "wait": "#d9d9d9",
     "free": "#f0f0f0",
-}
+})
 # The outline of a transfer node, by the stream it runs on.
-STREAM_COLORS = {COPY: "#c51b7d", COMM: "#01665e"}
+STREAM_COLORS = MappingProxyType({COPY: "#c51b7d", COMM: "#01665e"})
 _STREAM_PEN = "2.5"
 # An invisible edge that ranks a node with no drawn inputs (a block's weight fetches)
 # after the work that runs before it, instead of at the top beside the first block.
-_ANCHOR = {"style": "invis"}
+_ANCHOR = MappingProxyType({"style": "invis"})
 _SUBBATCH_COLORS = ("#3182bd", "#31a354", "#e6550d", "#756bb1", "#636363", "#d6616b", "#8c6d31", "#17becf")
-_REGION_FILL = {"prefix": "#eef5ee", "suffix": "#eef5ee", "block": "#f3f3f3"}
+_REGION_FILL = MappingProxyType({"prefix": "#eef5ee", "suffix": "#eef5ee", "block": "#f3f3f3"})
 # Ops that only rename or pick a value; summaries count them apart from real work.
-_BOOKKEEPING = {"getitem", "view", "unsafe_view", "reshape", "t", "transpose", "permute", "expand",
-                "detach", "alias", "squeeze", "unsqueeze", "clone", "split", "slice"}
+_BOOKKEEPING = frozenset({"getitem", "view", "unsafe_view", "reshape", "t", "transpose", "permute", "expand",
+                           "detach", "alias", "squeeze", "unsqueeze", "clone", "split", "slice"})
 _ABBREVIATIONS = (("scaled_dot_product_flash_attention_for_cpu", "sdpa"),
                   ("scaled_dot_product_flash_attention", "sdpa"),
                   ("scaled_dot_product_efficient_attention", "sdpa"),

@@ -27,25 +27,26 @@ import collections
 import logging
 import pathlib
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import torch.fx
 
+from slcompile.analysis.memory import MemoryPrediction, predict_step_memory
 from slcompile.runtime.stats import TimelineEvent
 from slcompile.units import bytes_unit, format_bytes
-from slcompile.vocabulary import parse_region_label
-from slcompile.analysis.memory import MemoryPrediction, predict_step_memory
 from slcompile.viz.memory import DeviceLayers, ResidentSample, device_layers
 from slcompile.viz.trace import trace_lanes
+from slcompile.vocabulary import parse_region_label
 
 __all__ = ["plot_memory", "plot_timeline", "plot_timelines", "align_regions", "TRANSFER_COLORS"]
 
 log = logging.getLogger(__name__)
 
-_TIER_COLORS = {"device": "#3182bd", "host": "#31a354", "nvme": "#756bb1"}
+_TIER_COLORS = MappingProxyType({"device": "#3182bd", "host": "#31a354", "nvme": "#756bb1"})
 _WEIGHTS_COLOR = "#f2c80f"
 _HELD_COLOR = "#d9d9d9"
 _OTHER_COLOR = "#9ecae1"
-_LANE_COLORS = {"compute": "#6baed6", "stall": "#de2d26", "load": "#f2c80f", "store": "#c994c7"}
+_LANE_COLORS = MappingProxyType({"compute": "#6baed6", "stall": "#de2d26", "load": "#f2c80f", "store": "#c994c7"})
 _SHARED_COLOR = "#9e9ac8"
 _PHASES = (("forward", "fwd"), ("backward", "bwd"), ("inference", "fwd"))
 
@@ -309,15 +310,15 @@ def plot_timelines(path: str | pathlib.Path, traces: Mapping[str, dict]) -> path
 
 
 # One colour per kind of data moved; the lane (load, store) says the direction.
-TRANSFER_COLORS = {
+TRANSFER_COLORS = MappingProxyType({
     "weight": "#f2c80f",
     "activation": "#31a354",
     "gradient": "#e6550d",
     "optimizer_state": "#756bb1",
     "kv": "#17becf",
-}
-_KIND_NAMES = {"weight": "weights", "activation": "activations", "gradient": "gradients",
-               "optimizer_state": "optimizer state", "kv": "KV cache"}
+})
+_KIND_NAMES = MappingProxyType({"weight": "weights", "activation": "activations", "gradient": "gradients",
+                                 "optimizer_state": "optimizer state", "kv": "KV cache"})
 _OTHER_TRANSFER_COLOR = "#999999"
 
 

@@ -53,7 +53,7 @@ TRANSFER_ROLES = ("load", "store", "wait")
 INSERTED_ROLES = ("split", "combine", *TRANSFER_ROLES)
 """Roles of nodes the rewrite inserted (pictures highlight them)."""
 
-_SLICING = {"slice", "narrow", "split", "split_with_sizes", "chunk", "tensor_split", "unbind", "select"}
+_SLICING = frozenset({"slice", "narrow", "split", "split_with_sizes", "chunk", "tensor_split", "unbind", "select"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,6 +44,7 @@ import json
 import logging
 import pathlib
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,9 +66,9 @@ TRANSFER_LANES = ("load", "store")
 DEFAULT_STREAM = "default"
 """The stream of the compute lanes (graph nodes without a stream annotation)."""
 _PID = 1  # the default stream's process
-_LANE_STREAMS = {lane: stream for stream, lanes in STREAM_LANES.items() for lane in lanes}
+_LANE_STREAMS = MappingProxyType({lane: stream for stream, lanes in STREAM_LANES.items() for lane in lanes})
 _LANE_ORDER = ("compute", "stall", "load", "store")
-_LANE_NAMES = {"compute": "compute", "stall": "compute waits", "load": "load", "store": "store"}
+_LANE_NAMES = MappingProxyType({"compute": "compute", "stall": "compute waits", "load": "load", "store": "store"})
 
 
 def chrome_trace(
@@ -153,8 +154,8 @@ def write_chrome_trace(
 
 
 # A predicted transfer's kind -> (its slice's category, the data it moves).
-_PREDICTED_TRANSFERS = {"fetch": ("load", "weight"), "unstash": ("load", "activation"),
-                        "stash": ("store", "activation"), "store_grad": ("store", "gradient")}
+_PREDICTED_TRANSFERS = MappingProxyType({"fetch": ("load", "weight"), "unstash": ("load", "activation"),
+                                          "stash": ("store", "activation"), "store_grad": ("store", "gradient")})
 _PREDICTED_LANE_ORDER = ("compute", "link.h2d", "link.d2h", "disk", "network")
 
 

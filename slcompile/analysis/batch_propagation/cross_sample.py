@@ -16,10 +16,10 @@ from slcompile.analysis.batch_propagation.sample_index import _NOT_A_GATHER
 __all__: list[str] = []
 
 # Ops whose `dim` may equal the batch dimension without mixing samples.
-_DIM_SAFE = {"unsqueeze", "stack", "squeeze", "size", "movedim", "transpose", "swapaxes"}
-_CROSS_ENTROPY = {F.cross_entropy, F.nll_loss}
-_SUM = {torch.sum, "sum"}
-_MEAN = {torch.mean, "mean"}
+_DIM_SAFE = frozenset({"unsqueeze", "stack", "squeeze", "size", "movedim", "transpose", "swapaxes"})
+_CROSS_ENTROPY = frozenset({F.cross_entropy, F.nll_loss})
+_SUM = frozenset({torch.sum, "sum"})
+_MEAN = frozenset({torch.mean, "mean"})
 
 
 class _CrossSample:

@@ -22,13 +22,13 @@ __all__ = ["is_barrier"]
 log = logging.getLogger(__name__)
 
 # Methods that use their tensor argument only for dtype and device.
-_CREATION_METHODS = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
+_CREATION_METHODS = frozenset({"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"})
 # Ops that change global state; they keep their place relative to everything else.
-_BARRIER_TARGETS: set[object] = {
+_BARRIER_TARGETS: frozenset[object] = frozenset({
     torch._C._set_grad_enabled,
     torch.amp.autocast_mode._enter_autocast,
     torch.amp.autocast_mode._exit_autocast,
-}
+})
 
 
 def is_barrier(node: torch.fx.Node) -> bool:

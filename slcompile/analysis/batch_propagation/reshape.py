@@ -16,7 +16,7 @@ __all__: list[str] = []
 
 # Ops that merge or split dimensions: sub-batches stay contiguous chunks only when the
 # batch is the outermost dimension of what is merged.
-_RESHAPES = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
+_RESHAPES = frozenset({"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"})
 
 
 class _Reshapes:

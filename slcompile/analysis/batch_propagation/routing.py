@@ -51,11 +51,11 @@ class _Route:
 
 # The result of a routing op in token order again: an ordinary per-sample value.
 _TOKENS = _Route("tokens")
-_SORTS = {"sort", "argsort", "msort"}
-_COUNTS = {"histc", "bincount"}
-_SCATTERS = {"setitem", "index_add", "index_add_", "index_copy", "index_copy_"}
+_SORTS = frozenset({"sort", "argsort", "msort"})
+_COUNTS = frozenset({"histc", "bincount"})
+_SCATTERS = frozenset({"setitem", "index_add", "index_add_", "index_copy", "index_copy_"})
 # Ops that keep what the values mean (a dtype, a copy).
-_KEEP_VALUES = {"to", "float", "int", "long", "clone", "contiguous", "detach"}
+_KEEP_VALUES = frozenset({"to", "float", "int", "long", "clone", "contiguous", "detach"})
 
 
 def _is_counts(route) -> bool:

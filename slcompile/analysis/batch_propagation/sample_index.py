@@ -16,8 +16,8 @@ __all__: list[str] = []
 
 _NOT_A_GATHER = object()
 # Ops that can keep a sample index a sample index (checked on real values).
-_INDEX_PRESERVING = {"getitem", "unsqueeze", "view", "reshape", "expand", "to", "contiguous", "clone",
-                     "detach", "long", "int", "squeeze", "add", "sub", "permute", "transpose"}
+_INDEX_PRESERVING = frozenset({"getitem", "unsqueeze", "view", "reshape", "expand", "to", "contiguous", "clone",
+                               "detach", "long", "int", "squeeze", "add", "sub", "permute", "transpose"})
 # Largest sample index (elements) checked on real values.
 _REAL_CHECK_LIMIT = 1 << 22
 

@@ -8,6 +8,7 @@ else is fine after the blocks, computed once from the sub-batches concatenated."
 from __future__ import annotations
 
 import operator
+from types import MappingProxyType
 
 import torch
 import torch.fx
@@ -19,15 +20,17 @@ from slcompile.analysis.batch_propagation.plan import BATCHED_INT, NodeSplit
 
 __all__: list[str] = []
 
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem}
+_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem})
 # Ops that make a tensor of one value from sizes: where the sizes start in their args.
-_SIZE_ARG = {"new_zeros": 1, "new_ones": 1, "new_empty": 1, "new_full": 1,
-             torch.zeros: 0, torch.ones: 0, torch.empty: 0, torch.full: 0}
+_SIZE_ARG = MappingProxyType({"new_zeros": 1, "new_ones": 1, "new_empty": 1, "new_full": 1,
+                              torch.zeros: 0, torch.ones: 0, torch.empty: 0, torch.full: 0})
 # Views a write into a fresh tensor may go through.
-_VIEWS = {"narrow", "select", "unsqueeze", "squeeze", "view", "transpose", "permute", "movedim", "swapaxes"}
+_VIEWS = frozenset({"narrow", "select", "unsqueeze", "squeeze", "view", "transpose", "permute", "movedim", "swapaxes"})
 # In-place writes that keep samples apart when the batch dimension is left whole.
-_PER_SAMPLE_WRITES = {"setitem", "index_put_", "copy_", "fill_", "masked_fill_", "add_", "sub_", "mul_", "div_",
-                      "iadd", "isub", "imul", "itruediv"}
+_PER_SAMPLE_WRITES = frozenset({
+    "setitem", "index_put_", "copy_", "fill_", "masked_fill_", "add_", "sub_", "mul_", "div_", "iadd", "isub", "imul",
+    "itruediv",
+})
 
 
 def _is_inplace(node: torch.fx.Node, full_args) -> bool:
