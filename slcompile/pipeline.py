@@ -64,7 +64,7 @@ from slcompile.passes.order_layer_major import order_layer_major
 from slcompile.passes.spill_boundaries import SpilledBoundaries, spill_boundaries
 from slcompile.passes.stream_weights import PlacedPrefetches, StreamedWeights, place_prefetches, stream_weights, tag_fetch_views
 from slcompile.plans import StreamerPlan, new_name
-from slcompile.schedules.base import Schedule
+from slcompile.schedules.base import STASH_TIERS, Schedule
 from slcompile.schedules.derive import schedule_of
 from slcompile.schedules.planner import TransferTiming
 from slcompile.schedules.policies import BUILTIN_POLICIES, plan_schedule
@@ -228,6 +228,7 @@ def _plan_schedule(state: PipelineState) -> PipelineState:
         weights_streamed=weights_streamed,
         activations_offloaded=machine.copies(config.activations),
         gradients_offloaded=weights_streamed and gradients_leave(config, state.blocks, state.inputs, state.facts),
+        stash_tiers=tuple(tier for tier in STASH_TIERS if machine.copies(tier)),
     )
     return dataclasses.replace(state, schedule=schedule)
 
@@ -529,6 +530,7 @@ def _predict_memory(step: StepState):
         live_blocks=plan.live_blocks if plan.streamer is not None else 1,
         weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes,
         activations_tier=plan.activations_tier, offloaded_bytes=offloaded.bytes,
+        offloaded_tiers=offloaded.bytes_by_tier(plan.activations_tier) if offloaded.tier_bytes else None,
         recompute=step.recompute, optimizer=plan.optimizer,
         gradients_tier=plan.gradients.tier if plan.gradients is not None else None, machine=plan.machine,
     )

@@ -73,7 +73,8 @@ class StashPlan:
 
     Attributes:
         name: the stash's name in stash keys (`a2`).
-        tier: where the stashed activations rest ("host" or "nvme").
+        tier: where the stashed activations rest ("host" or "nvme"), unless a
+            key names another (a unit whose schedule step names its tier).
         offload_dir: the transfer engine's directory (None: the default).
     """
 
@@ -81,9 +82,10 @@ class StashPlan:
     tier: str
     offload_dir: str | None = None
 
-    def graph_key(self, name: str) -> str:
-        """The key of the stash of the saved tensor `name` (its tag and node name)."""
-        return StashKey(self.name, name).format()
+    def graph_key(self, name: str, tier: str | None = None) -> str:
+        """The key of the stash of the saved tensor `name` (its tag and node name),
+        onto `tier` (None: the stash's `tier`)."""
+        return StashKey(self.name, name, tier).format()
 
 
 @dataclasses.dataclass(frozen=True)

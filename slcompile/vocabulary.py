@@ -39,7 +39,7 @@ on the runtime's timeline: `region_label` writes it, `parse_region_label` reads 
 
 Keys are strings in the graph (they appear verbatim in generated code) with one format
 and one parser each: `WeightKey` (`w3|w0:layers_0_fc_weight#sb1@bwd`), `StashKey`
-(`a2|blk3.sb1.mul_4`) and `GradientKey` (`g1|w0:layers_0_fc_weight`).
+(`a2|blk3.sb1.mul_4`, `a2@host|blk3.sb1.mul_4`) and `GradientKey` (`g1|w0:layers_0_fc_weight`).
 """
 
 from __future__ import annotations
@@ -365,18 +365,22 @@ SPILL_MARK = "spill"
 
 @dataclasses.dataclass(frozen=True)
 class StashKey:
-    """The key a `slc::stash` carries: `a2|blk3.sb1.mul_4`.
+    """The key a `slc::stash` carries: `a2|blk3.sb1.mul_4`, or `a2@host|blk3.sb1.mul_4`
+    for a unit whose schedule names its stash's tier (`Step.tier`).
 
     Attributes:
         stash: the activation stash of the compiled graph (engine and tier), `a2`.
         name: the saved tensor: its (block, sub-batch) tag and forward node name.
+        tier: the tier the tensor goes to, or None: the stash's own.
     """
 
     stash: str
     name: str
+    tier: str | None = None
 
     def format(self) -> str:
-        return f"{self.stash}|{self.name}"
+        tier = f"@{self.tier}" if self.tier is not None else ""
+        return f"{self.stash}{tier}|{self.name}"
 
     @property
     def spills(self) -> bool:
@@ -387,9 +391,10 @@ class StashKey:
     @classmethod
     def parse(cls, key: str) -> StashKey:
         stash, bar, name = key.partition("|")
-        if not bar or not stash or not name:
+        stash, at, tier = stash.partition("@")
+        if not bar or not stash or not name or at and not tier:
             raise ValueError(f"not a stash key: {key!r}")
-        return cls(stash, name)
+        return cls(stash, name, tier or None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -417,6 +417,7 @@ def predict_memory(
     streamed_bytes: int = 0,
     activations_tier: str = "device",
     offloaded_bytes: sympy.Expr = sympy.Integer(0),
+    offloaded_tiers: Mapping[str, sympy.Expr] | None = None,
     recompute: str = "none",
     sizes: Mapping[sympy.Symbol, int] | None = None,
     optimizer: OptimizerMemory | None = None,
@@ -432,6 +433,9 @@ def predict_memory(
         live_blocks: the streamer's window (1: no prefetch).
         weights_tier: where streamed weights rest; `streamed_bytes` of them.
         activations_tier: where offloaded activations rest; `offloaded_bytes` of them.
+        offloaded_tiers: `offloaded_bytes` per tier, where the schedule sends some
+            units' activations to another tier than `activations_tier` (None: all
+            rest there); spills that share no stash rest on `activations_tier`.
         recompute: recorded in the prediction.
         sizes: values of the size symbols; default: the example inputs'.
         optimizer: the optimizer's share (`optimizer_memory`): a training step then
@@ -499,7 +503,11 @@ def predict_memory(
         tier_exprs[weights_tier] += (streamed_bytes if weight_shards == 1
                                      else sharded_weight_bytes(graphs, weight_shards))
     if activations_tier != "device":
-        tier_exprs[activations_tier] += _stored_activations(forward, offloaded_bytes)
+        by_tier = dict(offloaded_tiers) if offloaded_tiers is not None else {activations_tier: offloaded_bytes}
+        tier_exprs[activations_tier] += _stored_activations(
+            forward, by_tier.pop(activations_tier, sympy.Integer(0)), activations_tier)
+        for tier, nbytes in by_tier.items():
+            tier_exprs[tier] += nbytes
     evaluated = {tier: int(expr.subs(subs)) for tier, expr in tier_exprs.items()}
     kinds = ["forward", "backward"] if backward is not None else [graph_kind]
     per_node = tuple(
@@ -527,12 +535,13 @@ def predict_memory(
     )
 
 
-def _stored_activations(forward: torch.fx.GraphModule, offloaded_bytes) -> sympy.Expr:
-    """The most activation bytes resting on their tier at once: `offloaded_bytes` (the
-    stashes, all there when the backward starts) or, with spills of the forward's
-    boundary activations that no stash shares (`spill_boundaries`), the most the
-    stores so far and those spills hold together at any node, a spill's copy counted
-    until its fill is waited for."""
+def _stored_activations(forward: torch.fx.GraphModule, offloaded_bytes, tier: str) -> sympy.Expr:
+    """The most activation bytes resting on `tier` (the stash's own) at once:
+    `offloaded_bytes` (its stashes, all there when the backward starts) or, with
+    spills of the forward's boundary activations that no stash shares
+    (`spill_boundaries`), the most the stores so far and those spills hold together
+    at any node, a spill's copy counted until its fill is waited for (stores whose
+    key names another tier are not counted)."""
     output = forward.graph.output_node()
     handed = {v for v in output.args[0] if isinstance(v, torch.fx.Node)}
     own = {n for n in forward.graph.nodes if is_stash(n) and n not in handed and StashKey.parse(n.args[1]).spills}
@@ -540,7 +549,7 @@ def _stored_activations(forward: torch.fx.GraphModule, offloaded_bytes) -> sympy
         return offloaded_bytes
     held, most = sympy.Integer(0), [sympy.sympify(offloaded_bytes)]
     for node in forward.graph.nodes:
-        if is_stash(node):
+        if is_stash(node) and StashKey.parse(node.args[1]).tier in (None, tier):
             held += tensor_bytes(node.args[0].meta["val"])
             most.append(held)
         elif node.target is UNSTASH_WAIT and node.args[0].args[0] in own:

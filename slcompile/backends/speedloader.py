@@ -272,8 +272,9 @@ def _size_host_pool(state, report) -> None:
     on_host = state.config.weights == "host" and state.streamed is not None
     streamed = [pair for block in state.streamed.blocks for pair in block] if on_host else []
     values = {i.name: i.value for i in state.inputs}
-    activations = report.offloaded_activations.names if state.config.activations == "host" and \
-        report.offloaded_activations is not None else ()
+    offloaded = report.offloaded_activations
+    activations = [name for name, tier in zip(offloaded.names, offloaded.tiers or [None] * len(offloaded.names))
+                   if (tier or state.config.activations) == "host"] if offloaded is not None else []
     engine.reserve_host(
         report.memory.peak_bytes["host"] - engine.host_bytes_of(key for _, key in streamed)
         + PAGE_BYTES * (len(streamed) + len(activations)),

@@ -24,7 +24,9 @@ Around AOTAutograd's partitioner:
   `unstash.issue` and `unstash.wait` steps are. A step runs just before the first
   node of the compute step after it in the schedule. Model outputs and graph inputs
   (and views of them) stay as they are, and so do the saved tensors of a step the
-  schedule keeps on the device.
+  schedule keeps on the device and those it keeps by name (`Schedule.kept_saved`).
+  A step's `stash.issue` may name the tier its tensors go to (`Step.tier`): their
+  keys name it (`a2@host|...`), and the stash stores them there.
 """
 
 from __future__ import annotations
@@ -57,11 +59,26 @@ class OffloadedActivations:
         names: the offloaded saved tensors (forward node names), in forward order.
         bytes: their total size per step, a sympy expression of the size symbols.
         kept: saved tensors left on the device, with the reason.
+        tiers: the tier each of `names` goes to, where its unit's schedule step
+            names one (`Step.tier`), else None (the stash's tier).
+        tier_bytes: (tier, bytes) of the tensors whose tier is named, per tier.
     """
 
     names: tuple[str, ...] = ()
     bytes: sympy.Expr = sympy.Integer(0)
     kept: tuple[tuple[str, str], ...] = ()
+    tiers: tuple[str | None, ...] = ()
+    tier_bytes: tuple[tuple[str, sympy.Expr], ...] = ()
+
+    def bytes_by_tier(self, default: str) -> dict[str, sympy.Expr]:
+        """Their size per tier, `default` standing for the stash's own tier (only
+        tiers that hold some)."""
+        named = dict(self.tier_bytes)
+        rest = sympy.expand(self.bytes - sum(named.values(), sympy.Integer(0)))
+        by_tier = {default: rest} if rest != 0 else {}
+        for tier, nbytes in named.items():
+            by_tier[tier] = sympy.expand(by_tier.get(tier, sympy.Integer(0)) + nbytes)
+        return by_tier
 
 
 def forward_nodes(joint: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -241,8 +258,10 @@ def offload_saved(
     """Moves the saved tensors of a partitioned pair to the stash (in place), where
     the schedule's stash and unstash steps are.
 
-    Each tensor the schedule stashes (its owner has a `stash.issue` step) is stored
-    right after it is made. Its other transfers go where the schedule's steps of
+    Each tensor the schedule stashes (its owner has a `stash.issue` step, and the
+    schedule does not keep it by name: `Schedule.kept_saved`) is stored right after
+    it is made, onto the tier the owner's `stash.issue` names (`Step.tier`, in its
+    key), else the stash's. Its other transfers go where the schedule's steps of
     its owner are: each step runs just before the first node of the compute step
     that follows it in the schedule (after that step's weight fetches), or at the
     end of its graph. A tensor takes the first `stash.wait` after its last forward
@@ -254,12 +273,13 @@ def offload_saved(
     Args:
         fw, bw: the partitioned forward and backward.
         num_fwd_outputs: how many of the forward's outputs are the model's.
-        graph_key: `graph_key(name) -> key` of the `slc::stash` op (a `StashKey`'s text).
+        graph_key: `graph_key(name, tier) -> key` of the `slc::stash` op (a
+            `StashKey`'s text; tier None: the stash's).
         saved: `saved_activations(fw, bw, ...)`.
         schedule: the schedule, written with `saved` (`Schedule.replan(saved=...)`).
     """
-    stashes = schedule.stashes()
-    chosen = [a for a in saved if a.stays is None and a.owner in stashes]
+    stashes, tiers = schedule.stashes(), schedule.stash_tiers()
+    chosen = [a for a in saved if a.stays is None and a.owner in stashes and a.name not in schedule.kept_saved]
     kept = [(a.name, a.stays if a.stays is not None else "kept on the device by the schedule")
             for a in saved if a not in chosen]
     fw_nodes = {node.name: node for node in fw.graph.nodes}
@@ -285,6 +305,7 @@ def offload_saved(
     # Where each tensor's transfers go: (step index in the schedule, anchor node).
     places = _Places(schedule)
     total = sympy.Integer(0)
+    tier_bytes: dict[str, sympy.Expr] = {}
     pairs = []
     waits: list[tuple[int, torch.fx.Node, list]] = []  # (schedule index, anchor, [(token, source, group)])
     for activation in chosen:
@@ -301,7 +322,8 @@ def offload_saved(
             source.meta["val"] = node.meta["val"].contiguous()
             set_slc_meta(source, _meta(group, "store"))
         with fw.graph.inserting_after(source):
-            token = fw.graph.call_function(STASH, (source, graph_key(f"{_tag(group)}.{node.name}")))
+            key = graph_key(f"{_tag(group)}.{node.name}", tiers.get(activation.owner))
+            token = fw.graph.call_function(STASH, (source, key))
         token.meta["val"] = fake_token()
         set_slc_meta(token, _meta(group, "store"))
         place = places.stash_wait(activation, fw_first, output)
@@ -315,6 +337,9 @@ def offload_saved(
         outputs = [token if value is node else value for value in outputs]
         pairs.append((node, token, activation))
         total += tensor_bytes(node.meta["val"])
+        if activation.owner in tiers:
+            tier = tiers[activation.owner]
+            tier_bytes[tier] = tier_bytes.get(tier, sympy.Integer(0)) + tensor_bytes(node.meta["val"])
     for _, anchor, entries in sorted(waits, key=lambda w: w[0]):
         for token, source, group in entries:
             with fw.graph.inserting_before(anchor):
@@ -328,7 +353,10 @@ def offload_saved(
     _reload(bw, pairs, places, sizes)
     names = tuple(a.name for a in chosen)
     log.debug("offloading %d saved activations (%s bytes per step)", len(names), total)
-    return OffloadedActivations(names, sympy.expand(total), tuple(kept))
+    return OffloadedActivations(
+        names, sympy.expand(total), tuple(kept), tuple(tiers.get(a.owner) for a in chosen),
+        tuple((tier, sympy.expand(nbytes)) for tier, nbytes in sorted(tier_bytes.items())),
+    )
 
 
 class _Places:

@@ -36,7 +36,7 @@ from slcompile.errors import PolicyError
 from slcompile.meta import SlcMeta, get_slc_meta, set_slc_meta
 from slcompile.passes.offload_activations import _base, _SizeSources, _step_of_nodes
 from slcompile.schedules.base import Schedule, Step, next_region
-from slcompile.vocabulary import SPILL_MARK, STASH, UNSTASH, UNSTASH_WAIT, WAIT, fake_token, is_slc_op
+from slcompile.vocabulary import SPILL_MARK, STASH, UNSTASH, UNSTASH_WAIT, WAIT, StashKey, fake_token, is_slc_op
 
 __all__ = ["SpilledBoundaries", "spill_boundaries", "boundary_outputs"]
 
@@ -180,14 +180,14 @@ def _store(fw: torch.fx.GraphModule, h: torch.fx.Node, key: tuple, graph_key):
     forward already makes of it for the backward (its wait removed: the spill's
     replaces it), else a new store right after it."""
     tag = Step("fwd", *key).tag
-    spill_key = graph_key(f"{tag}.{SPILL_MARK}.{h.name}")
+    name = f"{tag}.{SPILL_MARK}.{h.name}"
     copies = [u for u in h.users if u.target is torch.ops.aten.clone.default
               and getattr(get_slc_meta(u), "role", None) == "store"]  # a stash's contiguous copy
     for source in (h, *copies):
         for token in [u for u in source.users if u.target is STASH]:
             for wait in [u for u in token.users if u.target is WAIT]:
                 fw.graph.erase_node(wait)
-            token.args = (source, spill_key)
+            token.args = (source, graph_key(name, StashKey.parse(token.args[1]).tier))  # on the stash's tier
             return h, source, token
     source = h
     if not h.meta["val"].is_contiguous():
@@ -197,7 +197,7 @@ def _store(fw: torch.fx.GraphModule, h: torch.fx.Node, key: tuple, graph_key):
         source.meta["val"] = h.meta["val"].contiguous()
         _tagged(source, key, "store")
     with fw.graph.inserting_after(source):
-        token = fw.graph.call_function(STASH, (source, spill_key))
+        token = fw.graph.call_function(STASH, (source, graph_key(name)))
     token.meta["val"] = fake_token()
     token.meta["slc_spill_stores"] = True
     _tagged(token, key, "store")

@@ -8,11 +8,13 @@ registers what `slc::stash`, `slc::unstash` and `slc::unstash_wait` do (their sc
 are in `slcompile.vocabulary`; `slc::wait` is in `ops`).
 
 Keys in the graph are `StashKey`s, `a2|blk3.sb1.mul_4`: the `ActivationStash` (engine
-and tier) and the tensor's name. Every store gets a fresh stored key (`...#17`), so two
-forwards of the same graph before their backwards never overwrite each other. The
-stored copy lives as long as the stash token: AOTAutograd keeps the token as a saved
-tensor and drops it when the backward is done with it (or when the graph is freed
-without a backward), and the token's finalizer frees the copy. A second backward
+and tier) and the tensor's name; `a2@host|blk3.sb1.mul_4` stores onto the tier it
+names instead of the stash's (a unit whose schedule chose its tier). Every store gets
+a fresh stored key (`...#17`), so two forwards of the same graph before their
+backwards never overwrite each other. The stored copy lives as long as the stash
+token: AOTAutograd keeps the token as a saved tensor and drops it when the backward
+is done with it (or when the graph is freed without a backward), and the token's
+finalizer frees the copy. A second backward
 through one graph (`retain_graph=True`) is not supported: AOTAutograd donates the
 backward's saved buffers, and torch refuses the second backward of such a graph.
 """
@@ -60,8 +62,8 @@ class ActivationStash:
         with _LOCK:
             _STASHES[self.name] = self
 
-    def graph_key(self, name: str) -> str:
-        return StashKey(self.name, name).format()
+    def graph_key(self, name: str, tier: str | None = None) -> str:
+        return StashKey(self.name, name, tier).format()
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -78,6 +80,17 @@ def _stash_of(key: str) -> ActivationStash:
     return stash
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _named_tier(key: str) -> Tier | None:
+    tier = _parsed_key(key).tier
+    return Tier(tier) if tier is not None else None
+
+
+def _tier_of(key: str, owner: ActivationStash) -> Tier:
+    """The tier a key's tensor goes to: the one it names, else its stash's."""
+    return _named_tier(key) or owner.tier
+
+
 def _free_stored(engine: TransferEngine, stored_key: str) -> None:
     if stored_key in engine:
         engine.free(stored_key)
@@ -87,13 +100,14 @@ def stash(x: torch.Tensor, key: str) -> torch.Tensor:
     """Issues the store of a saved activation; returns the stash token."""
     owner = _stash_of(key)
     engine = owner.engine
-    if engine.copies_nothing(engine.tier_of(x), owner.tier):
+    tier = _tier_of(key, owner)
+    if engine.copies_nothing(engine.tier_of(x), tier):
         x = x.detach().clone(memory_format=torch.contiguous_format)
         RECORDER.local_copy(x.numel() * x.element_size())
     stored_key = f"{_parsed_key(key).name}#{next(_STORES)}"
     # The handle must not keep the source as its result for as long as the token
     # lives (until the backward): that memory is what offloading frees.
-    handle = engine.store(stored_key, x, owner.tier, TransferKind.ACTIVATION, forget_source=True)
+    handle = engine.store(stored_key, x, tier, TransferKind.ACTIVATION, forget_source=True)
     return ops._token_for(engine, handle, (_free_stored, engine, stored_key))
 
 

@@ -2,7 +2,7 @@
 the schedule read back from compiled graphs.
 
 The kit for writing a policy: the vocabulary (`Step`, `Schedule`, `ScheduleRequest`,
-`Policy`, `TRANSFER_KINDS`), the helpers the built-in policies are made of
+`SavedActivation`, `Policy`, `TRANSFER_KINDS`, `STASH_TIERS`), the helpers the built-in policies are made of
 (`layer_major_compute` writes the compute steps in speedloader's order; `add_fetches`,
 `add_stashes`, `add_spills`, `add_stores` and `add_gradient_stores` add the transfers a request
 needs around any compute order), `validate_schedule` (what every schedule a `Policy`
@@ -13,7 +13,9 @@ returns must pass), `register_policy`, which makes a policy's name a value of th
 
 from slcompile.schedules.base import (
     REQUEST_FIELDS,
+    STASH_TIERS,
     TRANSFER_KINDS,
+    SavedActivation,
     Schedule,
     ScheduleRequest,
     Step,
@@ -39,9 +41,11 @@ __all__ = [
     "Schedule",
     "Step",
     "ScheduleRequest",
+    "SavedActivation",
     "Policy",
     "TRANSFER_KINDS",
     "REQUEST_FIELDS",
+    "STASH_TIERS",
     "replay",
     "layer_major_compute",
     "add_fetches",

@@ -21,6 +21,8 @@ line per step:
     fwd fetch.wait blk4          block 4's weights are needed now
     fwd fetch.wait blk4.sb1      a fetch for sub-batch 1 alone (grad_accumulation)
     fwd stash.issue blk2.sb0     start storing the saved activations of (2, 0)
+    fwd stash.issue blk2.sb0 host  ... onto the host tier (without a tier: the
+                                 `activations` option's)
     fwd stash.wait blk2.sb0      their store is done (their memory may go)
     bwd unstash.issue blk2.sb0   start loading them back
     bwd unstash.wait blk2.sb0    they are needed now
@@ -38,7 +40,15 @@ line per step:
     decode store_kv.issue blk2.sb0  store its new positions
 
 `<phase> <kind> <tag>`, where the tag names whose data moves (`blk4`: the weights of
-block 4 for all sub-batches; `blk2.sb0`: what (block 2, sub-batch 0) owns). In the
+block 4 for all sub-batches; `blk2.sb0`: what (block 2, sub-batch 0) owns); a
+`stash.issue` may end with the tier its unit's saved activations go to (`Step.tier`:
+"host" or "nvme"). A saved tensor the schedule keeps on the device although its unit
+stashes (`Schedule.kept_saved`, by its `SavedActivation.name`) is one line after the
+steps:
+
+    keep mul_4                   the saved tensor `mul_4` stays on the device
+
+In the
 schedule read back from graphs (`schedule_of`), runs of the same line collapse into
 one, and transfer lines do not interrupt a compute run: a compute line is written when
 the computing (block, sub-batch) changes.
@@ -62,7 +72,7 @@ from slcompile.vocabulary import issued_visit
 
 __all__ = [
     "Step", "Schedule", "SavedActivation", "PhaseOrder", "ScheduleRequest", "TRANSFER_KINDS", "add_fetches",
-    "add_gradient_stores", "next_region", "REQUEST_FIELDS", "SCHEDULE_FORMAT",
+    "add_gradient_stores", "next_region", "REQUEST_FIELDS", "SCHEDULE_FORMAT", "STASH_TIERS",
 ]
 
 SCHEDULE_FORMAT = "slcompile.schedule/1"
@@ -74,9 +84,12 @@ REQUEST_FIELDS = (
 )
 """The `ScheduleRequest` fields a schedule is written for and `to_json` keeps: what
 the compiled graph is (its blocks, K, its tiers), not what the planner learnt on the
-way (`saved`, `offload_at_least`, `stash_everything`, `timing`)."""
+way (`saved`, `offload_at_least`, `stash_everything`, `stash_tiers`, `timing`)."""
 
-_STEP_FIELDS = ("phase", "region", "block", "subbatch", "kind", "serves")
+_STEP_FIELDS = ("phase", "region", "block", "subbatch", "kind", "serves", "tier")
+
+STASH_TIERS = ("host", "nvme")
+"""The slower tiers a unit's saved activations may be stashed to (`Step.tier`)."""
 
 TRANSFER_KINDS = (
     "fetch.issue", "fetch.wait", "stash.issue", "stash.wait", "unstash.issue", "unstash.wait",
@@ -102,6 +115,8 @@ class Step:
         kind: "compute" or one of `TRANSFER_KINDS`.
         serves: for an issue, the phase of the wait it serves when that is the other
             graph's (issued at the end of the forward for the backward), else None.
+        tier: for a `stash.issue`, the tier (one of `STASH_TIERS`) the unit's saved
+            activations go to; None: the `activations` option's.
     """
 
     phase: str
@@ -110,6 +125,7 @@ class Step:
     subbatch: int | None = None
     kind: str = "compute"
     serves: str | None = None
+    tier: str | None = None
 
     def __post_init__(self) -> None:
         # An issue serving its own phase is written without `@phase`: one step, one text.
@@ -119,14 +135,16 @@ class Step:
     @classmethod
     def from_text(cls, line: str) -> Step:
         """The step of one text line (`Step.text()`'s inverse): `fwd blk3.sb1`,
-        `fwd fetch.issue blk0@bwd`, `prefill prefix`.
+        `fwd fetch.issue blk0@bwd`, `fwd stash.issue blk2.sb0 host`, `prefill prefix`.
 
         Raises:
             ValueError: the line is not a step's text.
         """
         words = line.split()
-        if len(words) not in (2, 3):
-            raise ValueError(f"not a schedule step: {line!r} (`<phase> <tag>` or `<phase> <kind> <tag>`)")
+        if len(words) not in (2, 3, 4):
+            raise ValueError(f"not a schedule step: {line!r} (`<phase> <tag>`, `<phase> <kind> <tag>` or "
+                             "`<phase> stash.issue <tag> <tier>`)")
+        tier = words.pop() if len(words) == 4 else None
         phase, tag = words[0], words[-1]
         kind = "compute" if len(words) == 2 else words[1]
         if kind != "compute" and kind not in TRANSFER_KINDS:
@@ -135,7 +153,7 @@ class Step:
         if "@" in tag and kind != "compute":
             tag, serves = tag.split("@", 1)
         region, block, subbatch = parse_tag(tag)
-        return cls(phase, region, block, subbatch, kind, serves)
+        return cls(phase, region, block, subbatch, kind, serves, tier)
 
     @property
     def tag(self) -> str:
@@ -150,7 +168,8 @@ class Step:
         if self.kind == "compute":
             return f"{self.phase} {self.tag}"
         serves = f"@{self.serves}" if self.serves is not None and self.serves != self.phase else ""
-        return f"{self.phase} {self.kind} {self.tag}{serves}"
+        tier = f" {self.tier}" if self.tier is not None else ""
+        return f"{self.phase} {self.kind} {self.tag}{serves}{tier}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,12 +181,22 @@ class Schedule:
         policy, request: what wrote it (None for a schedule read from graphs), so
             a later stage can ask the policy again with what it learnt
             (`replan`); not compared.
+        kept_saved: names (`SavedActivation.name`) of saved tensors that stay on
+            the device although their unit stashes (any collection of names; kept
+            as a frozenset). Only a schedule written with the saved tensors known
+            (`request.saved`) can name them.
     """
 
     steps: tuple[Step, ...]
     # The `Policy` (`slcompile.schedules.policy`) that wrote it: request -> schedule.
     policy: Callable[[ScheduleRequest], Schedule] | None = dataclasses.field(default=None, compare=False, repr=False)
     request: ScheduleRequest | None = dataclasses.field(default=None, compare=False, repr=False)
+    kept_saved: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kept_saved, frozenset):
+            kept = self.kept_saved
+            object.__setattr__(self, "kept_saved", frozenset([kept] if isinstance(kept, str) else kept))
 
     def replan(self, **changes) -> Schedule:
         """The policy's schedule for the same request with `changes` (its fields),
@@ -177,30 +206,39 @@ class Schedule:
         return self.policy(dataclasses.replace(self.request, **changes))
 
     def text(self) -> str:
-        return "\n".join(step.text() for step in self.steps)
+        """One line per step, then a `keep <name>` line per kept saved tensor (sorted)."""
+        kept = (f"keep {name}" for name in sorted(self.kept_saved))
+        return "\n".join([*(step.text() for step in self.steps), *kept])
 
     @classmethod
     def from_text(cls, text: str) -> Schedule:
-        """The schedule of `text()`, one step per line (blank lines skipped); it
-        carries no policy and no request.
+        """The schedule of `text()`, one step or `keep <name>` per line (blank lines
+        skipped); it carries no policy and no request.
 
         Raises:
             ValueError: naming the line that is not a step.
         """
-        steps = []
+        steps, kept = [], []
         for number, line in enumerate(text.splitlines(), 1):
-            if line.strip():
+            words = line.split()
+            if words[:1] == ["keep"]:
+                if len(words) != 2:
+                    raise ValueError(f"schedule line {number}: not a kept saved tensor: {line!r} (`keep <name>`)")
+                kept.append(words[1])
+            elif words:
                 try:
                     steps.append(Step.from_text(line))
                 except ValueError as err:
                     raise ValueError(f"schedule line {number}: {err}") from None
-        return cls(tuple(steps))
+        return cls(tuple(steps), kept_saved=frozenset(kept))
 
     def to_json(self) -> str:
         """The schedule as JSON text: `format` (`SCHEDULE_FORMAT`), `policy` (the
-        writer's name, or null), `request` (its `REQUEST_FIELDS`, or null) and
-        `steps`, one object a line with every `Step` field (null where None); a
-        generation pass's request (`PassRequest`) is not written."""
+        writer's name, or null), `request` (its `REQUEST_FIELDS`, or null),
+        `steps`, one object a line with every `Step` field (null where None; `tier`
+        only where a step names one), and `kept_saved` (sorted names) when the
+        schedule keeps saved tensors; a generation pass's request (`PassRequest`)
+        is not written."""
         request = None
         if isinstance(self.request, ScheduleRequest):
             request = {name: getattr(self.request, name) for name in REQUEST_FIELDS}
@@ -210,17 +248,21 @@ class Schedule:
             f'  "policy": {json.dumps(self.policy.name if self.policy is not None else None)}',
             f'  "request": {json.dumps(request)}',
         ]
+        if self.kept_saved:
+            head.append(f'  "kept_saved": {json.dumps(sorted(self.kept_saved))}')
         steps = ",\n".join(
-            "    " + json.dumps({name: getattr(step, name) for name in _STEP_FIELDS}) for step in self.steps
+            "    " + json.dumps({name: getattr(step, name) for name in _STEP_FIELDS
+                             if name != "tier" or step.tier is not None}) for step in self.steps
         )
         return "{\n" + ",\n".join(head) + ',\n  "steps": [\n' + steps + "\n  ]\n}\n"
 
     @classmethod
     def from_json(cls, text: str) -> Schedule:
         """The schedule of `to_json()`'s text (or any JSON of that shape: a step's
-        `block`, `subbatch` and `serves` may be left out for None, its `kind` for
-        "compute"). Its `request` (the `REQUEST_FIELDS`; the others at their
-        defaults) says what it was written for; its policy is not kept.
+        `block`, `subbatch`, `serves` and `tier` may be left out for None, its `kind`
+        for "compute"; `kept_saved` for none). Its `request` (the `REQUEST_FIELDS`;
+        the others at their defaults) says what it was written for; its policy is
+        not kept.
 
         Raises:
             ValueError: not that format, naming the step or field at fault.
@@ -241,7 +283,10 @@ class Schedule:
             if not isinstance(request, dict) or set(request) != set(REQUEST_FIELDS):
                 raise ValueError(f"\"request\" must have exactly the fields {', '.join(REQUEST_FIELDS)}")
             request = ScheduleRequest(**{**request, "blocks": tuple(request["blocks"])})
-        return cls(tuple(steps), request=request)
+        kept = data.get("kept_saved", [])
+        if not isinstance(kept, list) or not all(isinstance(name, str) for name in kept):
+            raise ValueError("\"kept_saved\" must be a list of saved tensors' names")
+        return cls(tuple(steps), request=request, kept_saved=frozenset(kept))
 
     def phase(self, phase: str) -> Schedule:
         return Schedule(tuple(s for s in self.steps if s.phase == phase))
@@ -299,6 +344,11 @@ class Schedule:
         """(region, block, sub-batch) whose saved activations the schedule stores
         off the device between the forward and the backward."""
         return frozenset(s.key for s in self.steps if s.kind == "stash.issue")
+
+    def stash_tiers(self) -> dict[tuple[str, int | None, int], str]:
+        """(region, block, sub-batch) -> the tier its stash goes to, for the units
+        whose `stash.issue` names one (the others' go to the `activations` option's)."""
+        return {s.key: s.tier for s in self.steps if s.kind == "stash.issue" and s.tier is not None}
 
     def spills(self) -> tuple[tuple[str, int | None, int], ...]:
         """(region, block, sub-batch) whose output the forward stores off the device
@@ -404,6 +454,9 @@ class ScheduleRequest:
             (`slcompile.schedules.planner`).
         stash_everything: stash every activation that may leave, hidden or not
             (the lowering's last resort under a budget).
+        stash_tiers: the tiers a unit's stash may name (`Step.tier`): those of
+            `STASH_TIERS` that copy on this machine (on a CPU machine the host's
+            memory is the device's: "nvme" alone); None: all of `STASH_TIERS`.
         timing: the time model's facts (`slcompile.schedules.planner.TransferTiming`)
             when a machine profile is given: the planner then decides which
             transfers hide, and places them, by time; None: by counting steps.
@@ -421,6 +474,7 @@ class ScheduleRequest:
     saved: tuple[SavedActivation, ...] | None = None
     offload_at_least: int | None = None
     stash_everything: bool = False
+    stash_tiers: tuple[str, ...] | None = None
     timing: Any = None
 
 

@@ -15,7 +15,8 @@ line by line with the schedule the policy wrote.
 - activations: `slc::stash` / `slc::wait` carry the (block, sub-batch) they store
   (gradients: `slc::offload_grad` and its `slc::wait`, the block they belong to);
   `slc::unstash` / `slc::unstash_wait` load what the stash token handed to the
-  backward names (`StashKey`), whatever (block, sub-batch) they are issued in.
+  backward names (`StashKey`), whatever (block, sub-batch) they are issued in; a
+  stash key naming a tier (`a2@host|...`) writes it on the `stash.issue`.
 - boundary activations: a stash whose key says `spill` (`spill_boundaries`) is a
   `spill.issue` (also a `stash.issue` when the forward hands its token to the
   backward: one store serves both), its `slc::wait` a `spill.wait`; loads in the
@@ -99,8 +100,10 @@ def _steps(phase: str, gm: torch.fx.GraphModule, block_of, stashed) -> list[Step
             meta = get_slc_meta(node)
             if meta is None:
                 continue
-            step = Step(phase, meta.region, meta.block, meta.subbatch, text)
             store = node if half == "issue" else node.args[0]
+            # A stash's key names the tier its unit's schedule step named, if any.
+            tier = StashKey.parse(store.args[1]).tier if text == "stash.issue" and is_stash(store) else None
+            step = Step(phase, meta.region, meta.block, meta.subbatch, text, tier=tier)
             if what == "stash" and is_stash(store) and StashKey.parse(store.args[1]).spills:
                 if half == "issue" and node in handed:
                     lines.append(step)

@@ -209,8 +209,15 @@ def kept_bytes(schedule) -> int:
     if request is None or request.saved is None or not request.activations_offloaded:
         return 0
     stashed = schedule.stashes()
-    units = unit_lifetimes(list(schedule.steps), request.saved, request.timing)
-    return sum(unit.nbytes for unit in units.values() if unit.unit not in stashed)
+    units = unit_lifetimes(list(schedule.steps), _leaving(schedule), request.timing)
+    kept_saved = sum(a.nbytes for a in request.saved
+                     if a.stays is None and a.owner in stashed and a.name in schedule.kept_saved)
+    return kept_saved + sum(unit.nbytes for unit in units.values() if unit.unit not in stashed)
+
+
+def _leaving(schedule) -> tuple[SavedActivation, ...]:
+    """The request's saved tensors but those the schedule keeps by name (`kept_saved`)."""
+    return tuple(a for a in schedule.request.saved if a.name not in schedule.kept_saved)
 
 
 def describe(schedule) -> tuple[str, ...]:
@@ -218,16 +225,19 @@ def describe(schedule) -> tuple[str, ...]:
     request = schedule.request
     if request is None or request.saved is None or not request.activations_offloaded:
         return ()
-    stashed = schedule.stashes()
+    stashed, tiers = schedule.stashes(), schedule.stash_tiers()
     lines = []
-    units = unit_lifetimes(list(schedule.steps), request.saved, request.timing)
+    units = unit_lifetimes(list(schedule.steps), _leaving(schedule), request.timing)
     for unit in sorted(units.values(), key=lambda u: (-u.idle_steps, -u.nbytes)):
         region, block, subbatch = unit.unit
         why = f"{unit.nbytes} B, idle {unit.idle_steps} steps"
         if unit.round_trip_seconds is not None:
             why += f", round trip {unit.round_trip_seconds * 1e3:.3f} ms"
         if unit.unit in stashed:
-            decision = "stash"
+            decision = "stash" + (f" to {tiers[unit.unit]}" if unit.unit in tiers else "")
+            kept = sorted(a.name for a in request.saved if a.owner == unit.unit and a.name in schedule.kept_saved)
+            if kept:
+                decision += f", keeping {', '.join(kept)}"
         elif not unit.hidden and request.offload_at_least:
             decision = "keep (its transfers would not hide)" if unit.covered is False else \
                 "keep (its reload would not hide)"

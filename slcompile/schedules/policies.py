@@ -92,6 +92,7 @@ def plan_schedule(
     activations_offloaded: bool = False,
     backward: bool = True,
     gradients_offloaded: bool = False,
+    stash_tiers: tuple[str, ...] | None = None,
 ) -> Schedule:
     """The schedule the configured policy writes for one graph's blocks.
 
@@ -102,6 +103,8 @@ def plan_schedule(
         activations_offloaded: saved activations rest off the device.
         backward: the graph is trained (a forward and a backward).
         gradients_offloaded: the streamed weights' gradients leave the device.
+        stash_tiers: the tiers a unit's stash may name on this machine (None: any
+            slower tier).
     """
     request = ScheduleRequest(
         blocks=tuple(block.index for block in blocks.blocks),
@@ -111,5 +114,6 @@ def plan_schedule(
         activations_offloaded=activations_offloaded,
         backward=backward,
         gradients_offloaded=gradients_offloaded,
+        stash_tiers=stash_tiers,
     )
     return policy_for(config.schedule)(request)

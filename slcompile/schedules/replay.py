@@ -46,7 +46,7 @@ def replay(schedule: Schedule, name: str = "replay") -> Policy:
     if not isinstance(schedule, Schedule):
         raise PolicyError(name, f"replay takes a slcompile.schedules.Schedule, got a {type(schedule).__name__} "
                                 "(Schedule.from_json(text) or Schedule.from_text(text) reads one)")
-    return Policy(name, _Replay(name, schedule.steps, tuple(written_for(schedule).items())))
+    return Policy(name, _Replay(name, schedule.steps, tuple(written_for(schedule).items()), schedule.kept_saved))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,7 @@ class _Replay:
     name: str
     steps: tuple[Step, ...] = dataclasses.field(repr=False)
     wanted: tuple[tuple[str, object], ...] = dataclasses.field(repr=False)
+    kept_saved: frozenset[str] = dataclasses.field(default=frozenset(), repr=False)
 
     def __call__(self, request: ScheduleRequest) -> Schedule:
         differences = [
@@ -66,7 +67,7 @@ class _Replay:
         ]
         if differences:
             raise PolicyError(self.name, "replays a schedule written for another request: " + ", ".join(differences))
-        return Schedule(self.steps)
+        return Schedule(self.steps, kept_saved=self.kept_saved)
 
 
 def written_for(schedule: Schedule) -> dict[str, object]:

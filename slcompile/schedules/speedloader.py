@@ -15,8 +15,10 @@ block's last sub-batch's backward.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 from slcompile.schedules.base import (
+    STASH_TIERS,
     Schedule,
     ScheduleRequest,
     Step,
@@ -56,11 +58,19 @@ def layer_major_compute(request: ScheduleRequest) -> list[Step]:
     return forward + [dataclasses.replace(step, phase="bwd") for step in reversed(forward)]
 
 
-def add_stashes(steps: list[Step], request: ScheduleRequest, keep=lambda step: False) -> list[Step]:
+def add_stashes(steps: list[Step], request: ScheduleRequest, keep=lambda step: False, *,
+                tier=lambda step: None, kept_saved: Collection[str] = frozenset()) -> list[Step]:
     """Stashes the saved activations of the forward (prefix or block, sub-batch)
     steps that `keep(step)` does not keep on the device and, once their lifetimes
     are known (`request.saved`), that the planner moves off the device under the
     memory budget (`slcompile.schedules.planner.choose_stashes`).
+
+    `tier(step)` names the tier a step's stash goes to (`Step.tier`: "host" or
+    "nvme"; None: the `activations` option's); a step whose tier copies nothing on
+    this machine (not in `request.stash_tiers`: the host of a CPU machine) keeps its
+    activations on the device. The saved tensors named in `kept_saved` stay on the
+    device whatever their unit does: the policy writes the same names into its
+    `Schedule(..., kept_saved=...)`, and the planner counts and places the others.
 
     The stash is issued after the step's compute. Once the saved activations are
     known (`request.saved`), their transfers are placed from their lifetimes: the
@@ -74,15 +84,18 @@ def add_stashes(steps: list[Step], request: ScheduleRequest, keep=lambda step: F
     """
     if not (request.activations_offloaded and request.backward):
         return steps
+    allowed = STASH_TIERS if request.stash_tiers is None else request.stash_tiers
+    tiers = {s.key: tier(s) for s in steps if s.phase == "fwd" and s.kind == "compute" and s.region != "suffix"}
     units = [s.key for s in steps if s.phase == "fwd" and s.kind == "compute" and s.region != "suffix"
-             and not keep(s)]
+             and not keep(s) and (tiers[s.key] is None or tiers[s.key] in allowed)]
     if request.saved is None:
         leaving = []
     else:
-        lifetimes = unit_lifetimes(steps, request.saved, request.timing)
+        saved = tuple(a for a in request.saved if a.name not in kept_saved)
+        lifetimes = unit_lifetimes(steps, saved, request.timing)
         chosen = choose_stashes([lifetimes[unit] for unit in units if unit in lifetimes], request)
         units = [unit for unit in units if unit in chosen]
-        leaving = [a for a in request.saved if a.stays is None and a.owner in chosen]
+        leaving = [a for a in saved if a.stays is None and a.owner in chosen]
     compute = {phase: [s.key for s in steps if s.phase == phase and s.kind == "compute"] for phase in ("fwd", "bwd")}
     position = {phase: {key: i for i, key in enumerate(keys)} for phase, keys in compute.items()}
     before: dict[tuple[str, int], list[Step]] = {}  # (phase, compute position) -> transfers
@@ -124,7 +137,7 @@ def add_stashes(steps: list[Step], request: ScheduleRequest, keep=lambda step: F
             seen[step.phase] += 1
         out.append(step)
         if step.kind == "compute" and step.phase == "fwd" and step.key in units:
-            out.append(Step("fwd", step.region, step.block, step.subbatch, "stash.issue"))
+            out.append(Step("fwd", step.region, step.block, step.subbatch, "stash.issue", tier=tiers[step.key]))
         ends_phase = index + 1 == len(steps) or steps[index + 1].phase != step.phase
         if ends_phase:
             out += before.get((step.phase, len(compute[step.phase])), [])

@@ -27,7 +27,11 @@ What a valid schedule is, for a `ScheduleRequest`:
   forward after that unit's forward compute, `stash.wait` after its issue,
   `unstash.issue` in the backward of a stashed unit, `unstash.wait` after its issue
   (where it waits is the policy's: the first backward reader of a stashed tensor
-  may run in another unit than the one that owns it);
+  may run in another unit than the one that owns it); only a `stash.issue` names a
+  tier (`Step.tier`), one of `STASH_TIERS` that copies on this machine
+  (`request.stash_tiers`);
+- kept saved tensors (`Schedule.kept_saved`): each the name of a saved tensor of the
+  graph (`request.saved`; not checked before the saved tensors are known);
 - boundary activations (`spill.*`, `fill.*`, only when `activations_offloaded`):
   the prefix or a block, one sub-batch, in the forward, whose output the sub-batch's
   next region reads (`next_region`); once per unit: `spill.issue` right after the
@@ -44,7 +48,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from slcompile.errors import PolicyError
-from slcompile.schedules.base import TRANSFER_KINDS, Schedule, ScheduleRequest, Step, next_region
+from slcompile.schedules.base import STASH_TIERS, TRANSFER_KINDS, Schedule, ScheduleRequest, Step, next_region
 from slcompile.schedules.generation import PassRequest
 
 __all__ = ["validate_schedule", "validate_pass", "check_agreement"]
@@ -81,7 +85,19 @@ def validate_schedule(schedule: Schedule, request: ScheduleRequest | PassRequest
             raise PolicyError(policy, problem, step.text())
     _check_compute(schedule, request, phases, policy)
     _check_transfers(schedule, request, policy)
+    _check_kept_saved(schedule, request, policy)
     return schedule
+
+
+def _check_kept_saved(schedule: Schedule, request: ScheduleRequest, policy: str) -> None:
+    """Each name a schedule keeps on the device is a saved tensor of the request's graph."""
+    if not schedule.kept_saved or request.saved is None:
+        return
+    names = {activation.name for activation in request.saved}
+    for name in sorted(schedule.kept_saved):
+        if not isinstance(name, str) or name not in names:
+            raise PolicyError(policy, f"keeps {name!r} on the device, which is not a saved tensor of this graph "
+                                      "(`request.saved` names them: `SavedActivation.name`)", f"keep {name}")
 
 
 def _malformed(step: Step, request: ScheduleRequest, phases: tuple[str, ...]) -> str | None:
@@ -105,6 +121,15 @@ def _malformed(step: Step, request: ScheduleRequest, phases: tuple[str, ...]) ->
         return "a compute step runs one sub-batch (subbatch=None)"
     if step.serves is not None and (not step.kind.endswith(".issue") or step.serves not in phases):
         return f"serves={step.serves!r}: only an issue serves a phase, one of {', '.join(map(repr, phases))}"
+    if step.tier is not None:
+        if step.kind != "stash.issue":
+            return f"tier {step.tier!r}: only a `stash.issue` names the tier its unit's activations go to"
+        if step.tier not in STASH_TIERS:
+            return f"tier {step.tier!r} is not a slower tier (a stash goes to one of {', '.join(STASH_TIERS)})"
+        allowed = STASH_TIERS if request.stash_tiers is None else request.stash_tiers
+        if step.tier not in allowed:
+            return (f"tier {step.tier!r} is the device's own memory on this machine: a stash moves nothing "
+                    f"there (it may go to {', '.join(allowed) or 'no tier'})")
     what = step.kind.split(".")[0]
     if what == "fetch":
         if not request.weights_streamed:
