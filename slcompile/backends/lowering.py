@@ -412,7 +412,7 @@ def _inductor(gm, example_inputs, prepare, partition_hook, hold):
             kind = "inference"
         else:
             kind = "forward"
-        with inductor_config.patch(INDUCTOR_PATCHES):
+        with inductor_config.patch(dict(INDUCTOR_PATCHES)):
             step = prepare(kind, graph)
             if step.results.compile_regions is None:
                 return hold(compile_fx_inner(graph, inputs, **kwargs))
