@@ -232,10 +232,9 @@ def _plan_schedule(state: PipelineState) -> PipelineState:
     )
     notes = state.notes
     if schedule.recompute is not None and schedule.request.backward:
-        chosen = recompute_text(schedule.recompute).split()[1:]
+        chosen = recompute_text(schedule.recompute).split()[1:] if schedule.recompute else []
         units = len(schedule.request.blocks) * config.num_subbatches
-        shown = "" if not schedule.recompute else \
-            f" ({', '.join(chosen[:4])}{', ...' if len(chosen) > 4 else ''})"
+        shown = f" ({', '.join(chosen[:4])}{', ...' if len(chosen) > 4 else ''})" if chosen else ""
         note = (f"the {schedule.policy.name} policy recomputes {len(schedule.recompute)} of {units} block units "
                 f"in the backward{shown}, in place of recompute={config.recompute!r}")
         log.info("speedloader: %s", note)
@@ -476,7 +475,7 @@ def _plan_transfers(step: StepState) -> Schedule:
 
 
 def _recompute_line(schedule: Schedule) -> str:
-    return recompute_text(schedule.recompute) if schedule.recompute is not None else "recompute unchosen"
+    return recompute_text(schedule.recompute) if schedule.recompute is not None else "no recompute line"
 
 
 def _transfer_timing(step: StepState) -> TransferTiming | None:

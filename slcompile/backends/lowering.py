@@ -221,8 +221,9 @@ class _PlannedPartition:
     until one fits the budget.
 
     The plans, in order: for each recompute choice (`recompute="auto"`: none, then
-    blocks; a schedule that names its units: those alone), the saved activations the planner moves off the device under the
-    budget (`slcompile.schedules.planner`: only transfers that hide); then, when
+    blocks; a schedule that names its units: those alone), the saved activations
+    the planner moves off the device under the budget
+    (`slcompile.schedules.planner`: only transfers that hide); then, when
     activations may leave, for each recompute choice every one of them, unless the
     planned attempt showed that even shedding all it kept would not fit.
     """
