@@ -7,7 +7,8 @@ A graph Dynamo hands the backend goes through these stages (see
   propagate the batch, check the graph splits, plan the policy's schedule,
   interleave the sub-batches in its order, stream the block weights. `run_pipeline` runs them.
 - `JOINT_PASSES` ("joint"): tag AOTAutograd's joint graph for the partitioner
-  (fetched weights and, when the plan recomputes blocks, their internals).
+  (fetched weights and, when the plan recomputes blocks, their internals: every
+  block's, or those of the units the policy's schedule names).
 - `PARTITIONED_PASSES` ("partitioned"): on the forward and backward graphs the
   partitioner returned: fuse the weight gradients, restore the schedule's order,
   ask the policy again with the saved activations' lifetimes (`plan_transfers`),
@@ -64,7 +65,7 @@ from slcompile.passes.order_layer_major import order_layer_major
 from slcompile.passes.spill_boundaries import SpilledBoundaries, spill_boundaries
 from slcompile.passes.stream_weights import PlacedPrefetches, StreamedWeights, place_prefetches, stream_weights, tag_fetch_views
 from slcompile.plans import StreamerPlan, new_name
-from slcompile.schedules.base import STASH_TIERS, Schedule
+from slcompile.schedules.base import STASH_TIERS, Schedule, recompute_text
 from slcompile.schedules.derive import schedule_of
 from slcompile.schedules.planner import TransferTiming
 from slcompile.schedules.policies import BUILTIN_POLICIES, plan_schedule
@@ -230,7 +231,16 @@ def _plan_schedule(state: PipelineState) -> PipelineState:
         gradients_offloaded=weights_streamed and gradients_leave(config, state.blocks, state.inputs, state.facts),
         stash_tiers=tuple(tier for tier in STASH_TIERS if machine.copies(tier)),
     )
-    return dataclasses.replace(state, schedule=schedule)
+    notes = state.notes
+    if schedule.recompute is not None and schedule.request.backward:
+        chosen = recompute_text(schedule.recompute).split()[1:] if schedule.recompute else []
+        units = len(schedule.request.blocks) * config.num_subbatches
+        shown = f" ({', '.join(chosen[:4])}{', ...' if len(chosen) > 4 else ''})" if chosen else ""
+        note = (f"the {schedule.policy.name} policy recomputes {len(schedule.recompute)} of {units} block units "
+                f"in the backward{shown}, in place of recompute={config.recompute!r}")
+        log.info("speedloader: %s", note)
+        notes += (note,)
+    return dataclasses.replace(state, schedule=schedule, notes=notes)
 
 
 def gradients_leave(config: SpeedLoaderConfig, blocks: BlockGraph, inputs, facts: ProcessFacts) -> bool:
@@ -365,7 +375,8 @@ class StepState:
         report: the graph's `CompileReport` (its `config` holds the options).
         graphs: the graphs by kind ("joint", "forward", "backward", "inference").
         kind: in the "compiled" stage, the kind of the graph being compiled.
-        recompute: the recompute choice being tried ("none" or "blocks").
+        recompute: the recompute choice being tried ("none", "blocks", or
+            "policy": the units the schedule names, `Schedule.recompute`).
         num_fwd_outputs: the partitioner's count of the forward's user outputs.
         lowering: "aot_eager" or "inductor".
         results: what each pass returned, one attribute per pass name
@@ -399,9 +410,11 @@ def _tag_fetch_views(step: StepState) -> int:
 
 
 def _tag_block_recompute(step: StepState) -> int:
-    if step.recompute != "blocks":
+    if step.recompute not in ("blocks", "policy"):
         return 0
-    tagged = tag_block_recompute(_joint_graph(step))
+    # The Dynamo stage's schedule: the one asked before the partition.
+    units = step.plan.schedule.recompute if step.recompute == "policy" else None
+    tagged = tag_block_recompute(_joint_graph(step), units)
     log.debug("recomputing %d forward nodes of the blocks in the backward", tagged)
     return tagged
 
@@ -450,10 +463,20 @@ def _plan_transfers(step: StepState) -> Schedule:
         # What keeping every saved activation would take over the budget.
         kept_peak = _predict_memory(step).peak_bytes["device"]
         offload_at_least = max(kept_peak - plan.memory_budget, 0)
-    return plan.schedule.replan(
+    schedule = plan.schedule.replan(
         saved=saved, offload_at_least=offload_at_least, stash_everything=plan.stash_everything,
         timing=_transfer_timing(step),
     )
+    if schedule.recompute != plan.schedule.recompute and schedule.policy is not None:
+        # The joint graph was tagged with the first answer, before the partition.
+        raise PolicyError(schedule.policy.name, "recomputes other units once the saved activations are known "
+                          f"(`{_recompute_line(plan.schedule)}` before, `{_recompute_line(schedule)}` now): "
+                          "the units are chosen before the partition, when request.saved is None")
+    return schedule
+
+
+def _recompute_line(schedule: Schedule) -> str:
+    return recompute_text(schedule.recompute) if schedule.recompute is not None else "no recompute line"
 
 
 def _transfer_timing(step: StepState) -> TransferTiming | None:

@@ -65,8 +65,8 @@ class Candidate:
             compiling with them builds this plan.
         peak_bytes: its predicted device peak when it fits; the least it would need
             when it does not; None when the graph cannot be split so.
-        recompute: the recomputation it fits with ("none" or "blocks"), or None
-            when it does not fit.
+        recompute: the recomputation it fits with ("none", "blocks", or "policy":
+            the units its schedule names), or None when it does not fit.
         seconds: its predicted step time with `profile=`, else None.
         refused: why it was not compiled, when it was not (the graph cannot be
             split so, or the policy's schedule is refused: a `PolicyError`'s

@@ -2,6 +2,7 @@
 predicted against measured peak memory."""
 
 import copy
+import dataclasses
 import gc
 
 import pytest
@@ -15,6 +16,7 @@ from slcompile.analysis.memory import measured_peak_bytes, predict_memory
 from slcompile.runtime import Tier, TransferKind, get_engine, reset_runtime_stats, runtime_stats
 from slcompile.runtime.nvme import buffers_seen_by_profiler
 from slcompile.runtime.tiers import PAGE_BYTES
+from slcompile.schedules import Policy, speedloader_schedule
 
 CFG = GPTConfig()
 STORE = (TransferKind.ACTIVATION, Tier.DEVICE, Tier.NVME)
@@ -50,14 +52,23 @@ def test_tiny_gpt_with_activations_on_nvme_matches_eager(k, recompute):
     assert report.memory.peak_bytes["nvme"] == nvme_peak
 
 
+def _recomputing(units):
+    """Speedloader's schedule, recomputing the (block, sub-batch) units `units`."""
+    return Policy("some_units", lambda request: dataclasses.replace(speedloader_schedule(request), recompute=units))
+
+
 def test_block_recompute_saves_only_each_block_input():
     idx, targets = make_gpt_batch(CFG, 8)
-    kept, recomputed = {}, {}
-    for recompute, into in (("none", kept), ("blocks", recomputed)):
+    kept, recomputed, some = {}, {}, {}
+    # The third plan: a schedule recomputing 3 of the 8 (block, sub-batch) units, its
+    # choice standing for the option's.
+    units = frozenset({(0, 1), (2, 0), (3, 1)})
+    for options, into in (({"recompute": "none"}, kept), ({"recompute": "blocks"}, recomputed),
+                          ({"recompute": "none", "schedule": _recomputing(units)}, some)):
         torch._dynamo.reset()
         compiled = torch.compile(
             TinyGPT(CFG), backend="speedloader",
-            options={**OFFLOAD, "num_subbatches": 2, "recompute": recompute},
+            options={**OFFLOAD, "num_subbatches": 2, **options},
         )
         compiled(idx, targets)[1].backward()
         report = slcompile.compile_reports()[-1]
@@ -71,6 +82,12 @@ def test_block_recompute_saves_only_each_block_input():
     assert recomputed["bytes"] == (CFG.n_layers + 1) * 2 * boundary
     assert kept["bytes"] > 4 * recomputed["bytes"]
     assert recomputed["peak"] < kept["peak"]
+    # Each unit saves what the option would make it save: the units recomputed one
+    # boundary, the others all they keep.
+    per_unit, rest = divmod(kept["bytes"] - recomputed["bytes"], CFG.n_layers * 2)
+    assert rest == 0 and some["bytes"] == kept["bytes"] - len(units) * per_unit
+    assert len(some["names"]) < len(kept["names"])
+    assert recomputed["peak"] <= some["peak"] <= kept["peak"]
 
 
 def test_hf_gpt2_with_weights_and_activations_on_nvme_matches_eager():

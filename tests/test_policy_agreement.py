@@ -165,3 +165,46 @@ def test_a_fetch_per_run_loads_each_block_once_per_pair_and_matches_eager():
     run = comparison.rows[1]
     assert abs(run.predicted_peak_bytes - run.measured_peak_bytes) <= 8, (run.predicted_peak_bytes,
                                                                          run.measured_peak_bytes)
+
+
+def recomputing(name, units):
+    """Speedloader's schedule, the backward recomputing the (block, sub-batch) units
+    `units(request)` names (`Schedule.recompute`)."""
+    def build(request):
+        return dataclasses.replace(speedloader_schedule(request), recompute=units(request))
+
+    return Policy(name, build)
+
+
+def test_a_policy_recomputing_some_units_matches_eager_and_peaks_as_predicted():
+    """A schedule recomputing block 1 alone, with recompute="none" in the options
+    (the schedule's choice stands for it): eager's numbers, the planned transfers,
+    block 1's units saving their output alone, the time model counting block 1's
+    forward matmuls once more (it reads the recomputation from the graphs), and
+    the predicted peak as measured."""
+    options = {**OPTIONS, "num_subbatches": 2, "min_offload_bytes": 0, "recompute": "none"}
+    block_1 = recomputing("block_1", lambda request: {(request.blocks[1], s) for s in range(2)})
+    idx, targets = make_gpt_batch(SMALL, 8)
+    assert_matches_eager(TinyGPT(SMALL), lambda m: m(idx, targets), {**options, "schedule": block_1})
+    report = slcompile.compile_reports()[-1]
+    assert report.fallback_reason is None and report.memory.recompute == "policy"
+    planned = report.planned_schedule
+    assert planned.text().splitlines()[0] == "recompute blk1.sb0 blk1.sb1"
+    assert report.schedule == dataclasses.replace(planned, recompute=None).text()
+    saved = {}
+    for activation in planned.request.saved:
+        if activation.stays is None:
+            saved.setdefault(activation.owner, []).append(activation.nbytes)
+    boundary = 4 * SMALL.seq_len * SMALL.d_model * 4  # one sub-batch's block output
+    assert saved[("block", 1, 0)] == saved[("block", 1, 1)] == [boundary]
+    assert sum(saved[("block", 0, 0)]) == sum(saved[("block", 0, 1)]) > 4 * boundary
+
+    row, = slcompile.compare_policies(TinyGPT(SMALL), idx, targets, policies=[block_1], profile="h100-pcie5-nvme",
+                                      **options).rows
+    assert abs(row.predicted_peak_bytes - row.measured_peak_bytes) <= 8, (row.predicted_peak_bytes,
+                                                                         row.measured_peak_bytes)
+    flops = {block.region: block.flops for block in row.time.blocks}
+    # The backward runs block 1's matmuls whose outputs it reads once more: qkv and
+    # fc, d_model -> 7 * d_model for each of the batch's 8 * seq_len tokens.
+    tokens, d_model = 8 * SMALL.seq_len, SMALL.d_model
+    assert flops["blk1"] - flops["blk0"] == 2 * tokens * d_model * 7 * d_model, flops

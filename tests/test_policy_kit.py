@@ -82,6 +82,21 @@ def test_a_sub_batch_that_does_not_exist():
             "sub-batch 2 does not exist (K=2: sub-batches 0..1)")
 
 
+def test_recomputing_a_unit_that_does_not_exist():
+    def recomputing(*units):
+        return Policy("recomputing",
+                      lambda request: dataclasses.replace(speedloader_schedule(request), recompute=units))
+
+    _raises(recomputing((1, 0), (7, 0)), OFFLOADED, "recompute blk7.sb0",
+            "recomputes block 7, which does not exist (the blocks are 0, 1)")
+    _raises(recomputing((1, 2)), OFFLOADED, "recompute blk1.sb2",
+            "recomputes sub-batch 2, which does not exist (K=2: sub-batches 0..1)")
+    with pytest.raises(slcompile.PolicyError, match=r"recomputes \(1,\), which is not a \(block, sub-batch\) pair"):
+        recomputing((1,))(OFFLOADED)
+    # Any collection of pairs is the set of them.
+    assert recomputing([1, 0], (1, 1))(OFFLOADED).recompute == frozenset({(1, 0), (1, 1)})
+
+
 def test_a_wait_before_its_issue():
     def wait_first(steps):
         stash = next(i for i, s in enumerate(steps) if s.kind == "stash.issue")

@@ -1,5 +1,6 @@
 """A schedule is data: every built-in policy's schedule, training and generation,
-goes through its text and its JSON and comes back equal; `replay(schedule)` compiles
+goes through its text and its JSON and comes back equal (with the units it
+recomputes, when it chooses them); `replay(schedule)` compiles
 a schedule read back that way into the graphs its policy compiled, matching eager,
 and refuses a request the schedule was not written for, naming what differs."""
 
@@ -61,6 +62,30 @@ def test_a_generation_pass_round_trips(phase):
     schedule = generation_pass(GENERATION[phase])
     assert {s.phase for s in schedule.steps} == {phase}
     _round_trips(schedule)
+
+
+def test_the_units_a_schedule_recomputes_round_trip():
+    request = REQUESTS["streamed"]
+    plain = POLICIES["speedloader"](request)
+    chosen = dataclasses.replace(plain, recompute=frozenset({(2, 1), (0, 0), (0, 2)}))
+    _round_trips(chosen)
+    assert chosen != plain and chosen.steps == plain.steps
+    assert chosen.text().splitlines()[0] == "recompute blk0.sb0 blk0.sb2 blk2.sb1"
+    assert json.loads(chosen.to_json())["recompute"] == [[0, 0], [0, 2], [2, 1]]
+    assert Schedule.from_json(chosen.to_json()).request == request
+    none = dataclasses.replace(plain, recompute=frozenset())
+    _round_trips(none)
+    assert none.text().splitlines()[0] == "recompute none" and none != plain
+    # A schedule that does not choose writes neither, as before, and reads back None.
+    assert "recompute" not in plain.to_json() and "recompute" not in plain.text()
+    assert Schedule.from_json(plain.to_json()).recompute is Schedule.from_text(plain.text()).recompute is None
+    # A replay recomputes what the replayed schedule does.
+    assert replay(Schedule.from_text(chosen.text()))(request).recompute == chosen.recompute
+    with pytest.raises(ValueError, match=r"^schedule line 1: `recompute` names \(block, sub-batch\) units "
+                                         r"\(`blk1.sb0`\), got 'prefix.sb0'"):
+        Schedule.from_text("recompute prefix.sb0\nfwd blk0.sb0")
+    with pytest.raises(ValueError, match=r"\"recompute\" must be a list of \[block, sub-batch\] pairs"):
+        Schedule.from_json(json.dumps({**json.loads(plain.to_json()), "recompute": [[0]]}))
 
 
 def test_an_issue_serving_its_own_phase_is_the_step_without_serves():

@@ -154,7 +154,8 @@ class MemoryPrediction:
         prefetch_bytes: the most weight bytes prefetched ahead at once.
         offloaded_activation_bytes: saved activations stored off the device per step.
         expressions: the symbolic form of `peak_bytes` and `step_peak_bytes`.
-        recompute: the recompute choice the plan was made with.
+        recompute: the recompute choice the plan was made with ("none", "blocks",
+            or "policy": the units of the policy's schedule, `Schedule.recompute`).
         graphs: per graph, in the order they run, the device bytes live at each node
             by kind; without an optimizer the largest total is `step_peak_bytes`.
         optimizer: the optimizer's share (`OptimizerMemory`), or None when the

@@ -82,7 +82,9 @@ class StepPlan:
             the device.
         stash: the activation stash's `StashPlan` when saved activations rest off
             the device.
-        recompute: "auto", "none" or "blocks" (see `SpeedLoaderConfig`).
+        recompute: "auto", "none" or "blocks" (see `SpeedLoaderConfig`), or
+            "policy" when the schedule names the units it recomputes
+            (`Schedule.recompute`), whatever the option said.
         min_offload_bytes: saved tensors smaller than this stay on the device.
         memory_budget: the device's limit in bytes, or None.
         live_blocks: the weight streamer's window.
@@ -219,8 +221,9 @@ class _PlannedPartition:
     until one fits the budget.
 
     The plans, in order: for each recompute choice (`recompute="auto"`: none, then
-    blocks), the saved activations the planner moves off the device under the
-    budget (`slcompile.schedules.planner`: only transfers that hide); then, when
+    blocks; a schedule that names its units: those alone), the saved activations
+    the planner moves off the device under the budget
+    (`slcompile.schedules.planner`: only transfers that hide); then, when
     activations may leave, for each recompute choice every one of them, unless the
     planned attempt showed that even shedding all it kept would not fit.
     """

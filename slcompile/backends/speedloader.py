@@ -212,7 +212,8 @@ def step_plan(state) -> StepPlan:
         num_subbatches=config.num_subbatches,
         streamer=state.streamer,
         stash=_stash_plan(config),
-        recompute=config.recompute,
+        recompute="policy" if state.schedule is not None and state.schedule.recompute is not None
+        else config.recompute,
         min_offload_bytes=config.min_offload_bytes,
         memory_budget=config.memory_budget,
         live_blocks=config.live_blocks,

@@ -7,7 +7,9 @@ Around AOTAutograd's partitioner:
   block or the suffix reads: the boundary activations) and random ops (recomputing
   them would draw new numbers). The partitioner then saves, per (block, sub-batch),
   only its input and its random masks, and the backward recomputes the rest from
-  them just before it needs them. Weights fetched from a tier are recomputed anyway
+  them just before it needs them. Given the (block, sub-batch) units a schedule
+  recomputes (`Schedule.recompute`), it tags those alone and leaves the others'
+  activations to be saved. Weights fetched from a tier are recomputed anyway
   (`stream_weights`).
 - `saved_activations` (the partitioned pair, read only): every tensor the forward
   saves for the backward, the (block, sub-batch) step that makes it, its bytes, the
@@ -130,8 +132,12 @@ def _is_random(node: torch.fx.Node) -> bool:
     return True
 
 
-def tag_block_recompute(joint: torch.fx.Graph) -> int:
+def tag_block_recompute(joint: torch.fx.Graph, units: frozenset[tuple[int, int]] | None = None) -> int:
     """Tags a joint graph so the backward recomputes each block from its input.
+
+    Args:
+        joint: the joint graph.
+        units: the (block, sub-batch) units to recompute; None: every one.
 
     Returns:
         the number of forward nodes tagged for recomputation.
@@ -142,6 +148,8 @@ def tag_block_recompute(joint: torch.fx.Graph) -> int:
         group = _group(node)
         if node.op != "call_function" or group is None or group[0] == _PREFIX:
             continue
+        if units is not None and group not in units:
+            continue  # the partitioner saves what the backward reads of it
         if node.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
             continue  # a fetched weight or its view
         leaves_group = any(_group(user) != group for user in node.users if user.op != "output")

@@ -1,7 +1,8 @@
 """Policies: functions that turn the block graph and a config into a Schedule, and
 the schedule read back from compiled graphs.
 
-The kit for writing a policy: the vocabulary (`Step`, `Schedule`, `ScheduleRequest`,
+The kit for writing a policy: the vocabulary (`Step`, `Schedule`, whose `recompute`
+names the (block, sub-batch) units the backward recomputes, `ScheduleRequest`,
 `SavedActivation`, `Policy`, `TRANSFER_KINDS`, `STASH_TIERS`), the helpers the built-in policies are made of
 (`layer_major_compute` writes the compute steps in speedloader's order; `add_fetches`,
 `add_stashes`, `add_spills`, `add_stores` and `add_gradient_stores` add the transfers a request

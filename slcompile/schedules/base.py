@@ -3,8 +3,9 @@
 A policy (`Policy.build(request) -> Schedule`) writes the schedule from the block graph
 and the options (`ScheduleRequest`); the passes emit the graphs in its order
 (`Schedule.order` orders compute, `fetches_per_subbatch`, `stashes` and
-`gradient_stores` say what to move). It is asked twice: at the Dynamo stage for the
-order, and once the forward and backward are partitioned with the saved
+`gradient_stores` say what to move, `Schedule.recompute` which units the backward
+recomputes). It is asked twice: at the Dynamo stage for the order and the units
+recomputed, and once the forward and backward are partitioned with the saved
 activations' lifetimes (`Schedule.replan(saved=...)`), which place the stash and
 unstash steps (`offload_saved` emits each where its step is). `schedule_of(forward,
 backward)` (`slcompile.schedules.derive`) reads the same steps back from the
@@ -53,6 +54,12 @@ schedule read back from graphs (`schedule_of`), runs of the same line collapse i
 one, and transfer lines do not interrupt a compute run: a compute line is written when
 the computing (block, sub-batch) changes.
 
+A schedule that chooses which forward units the backward recomputes
+(`Schedule.recompute`) opens with one more line, naming them in block and sub-batch
+order (`recompute none` when it recomputes none of them):
+
+    recompute blk1.sb0 blk1.sb1 blk3.sb0
+
 A schedule is data: `Schedule.from_text(schedule.text())` and
 `Schedule.from_json(schedule.to_json())` give back an equal schedule (steps compare
 equal; an issue serving its own phase is the same step with `serves=None`), so a
@@ -72,7 +79,7 @@ from slcompile.vocabulary import issued_visit
 
 __all__ = [
     "Step", "Schedule", "SavedActivation", "PhaseOrder", "ScheduleRequest", "TRANSFER_KINDS", "add_fetches",
-    "add_gradient_stores", "next_region", "REQUEST_FIELDS", "SCHEDULE_FORMAT", "STASH_TIERS",
+    "add_gradient_stores", "next_region", "recompute_text", "REQUEST_FIELDS", "SCHEDULE_FORMAT", "STASH_TIERS",
 ]
 
 SCHEDULE_FORMAT = "slcompile.schedule/1"
@@ -185,6 +192,17 @@ class Schedule:
             the device although their unit stashes (any collection of names; kept
             as a frozenset). Only a schedule written with the saved tensors known
             (`request.saved`) can name them.
+        recompute: the (block, sub-batch) units whose forward the backward
+            recomputes from the unit's input, saving only what leaves the unit (and
+            its random masks); every other unit saves its activations. None: the
+            schedule does not say, and the `recompute` option decides for every unit
+            ("blocks": all of them; "none": none; "auto": the budget search). A set,
+            empty or not, is the choice, whatever the option says. It is read from
+            the Dynamo stage's schedule (`request.saved` is None then): the joint
+            graph is tagged before the saved activations are known, so the schedule
+            asked again with them must name the same units. A step without a
+            backward recomputes nothing; the schedule read back from the graphs
+            (`schedule_of`) does not say.
     """
 
     steps: tuple[Step, ...]
@@ -192,11 +210,20 @@ class Schedule:
     policy: Callable[[ScheduleRequest], Schedule] | None = dataclasses.field(default=None, compare=False, repr=False)
     request: ScheduleRequest | None = dataclasses.field(default=None, compare=False, repr=False)
     kept_saved: frozenset[str] = frozenset()
+    recompute: frozenset[tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kept_saved, frozenset):
             kept = self.kept_saved
             object.__setattr__(self, "kept_saved", frozenset([kept] if isinstance(kept, str) else kept))
+        # Any collection of pairs is the same choice; `validate_schedule` names a unit
+        # that is not a (block, sub-batch) pair.
+        if self.recompute is not None and not isinstance(self.recompute, frozenset):
+            try:
+                units = frozenset(tuple(unit) if isinstance(unit, list) else unit for unit in self.recompute)
+            except TypeError:
+                return
+            object.__setattr__(self, "recompute", units)
 
     def replan(self, **changes) -> Schedule:
         """The policy's schedule for the same request with `changes` (its fields),
@@ -206,19 +233,23 @@ class Schedule:
         return self.policy(dataclasses.replace(self.request, **changes))
 
     def text(self) -> str:
-        """One line per step, then a `keep <name>` line per kept saved tensor (sorted)."""
-        kept = (f"keep {name}" for name in sorted(self.kept_saved))
-        return "\n".join([*(step.text() for step in self.steps), *kept])
+        """A `recompute` line when the schedule chooses, one line per step, then a
+        `keep <name>` line per kept saved tensor (sorted)."""
+        lines = [step.text() for step in self.steps]
+        if self.recompute is not None:
+            lines.insert(0, recompute_text(self.recompute))
+        return "\n".join([*lines, *(f"keep {name}" for name in sorted(self.kept_saved))])
 
     @classmethod
     def from_text(cls, text: str) -> Schedule:
         """The schedule of `text()`, one step or `keep <name>` per line (blank lines
-        skipped); it carries no policy and no request.
+        skipped), and the units it recomputes from a `recompute` line; it carries no
+        policy and no request.
 
         Raises:
             ValueError: naming the line that is not a step.
         """
-        steps, kept = [], []
+        steps, kept, recompute = [], [], None
         for number, line in enumerate(text.splitlines(), 1):
             words = line.split()
             if words[:1] == ["keep"]:
@@ -227,18 +258,24 @@ class Schedule:
                 kept.append(words[1])
             elif words:
                 try:
-                    steps.append(Step.from_text(line))
+                    if words[0] == "recompute":
+                        if recompute is not None:
+                            raise ValueError("a second `recompute` line")
+                        recompute = _recompute_of_text(line)
+                    else:
+                        steps.append(Step.from_text(line))
                 except ValueError as err:
                     raise ValueError(f"schedule line {number}: {err}") from None
-        return cls(tuple(steps), kept_saved=frozenset(kept))
+        return cls(tuple(steps), kept_saved=frozenset(kept), recompute=recompute)
 
     def to_json(self) -> str:
         """The schedule as JSON text: `format` (`SCHEDULE_FORMAT`), `policy` (the
         writer's name, or null), `request` (its `REQUEST_FIELDS`, or null),
-        `steps`, one object a line with every `Step` field (null where None; `tier`
-        only where a step names one), and `kept_saved` (sorted names) when the
-        schedule keeps saved tensors; a generation pass's request (`PassRequest`)
-        is not written."""
+        `recompute` (only when the schedule chooses: its units as [block,
+        sub-batch] pairs, sorted), `kept_saved` (sorted names) when the schedule keeps
+        saved tensors, and `steps`, one object a line with every `Step` field (null
+        where None; `tier` only where a step names one); a generation pass's request
+        (`PassRequest`) is not written."""
         request = None
         if isinstance(self.request, ScheduleRequest):
             request = {name: getattr(self.request, name) for name in REQUEST_FIELDS}
@@ -248,6 +285,8 @@ class Schedule:
             f'  "policy": {json.dumps(self.policy.name if self.policy is not None else None)}',
             f'  "request": {json.dumps(request)}',
         ]
+        if self.recompute is not None:
+            head.append(f'  "recompute": {json.dumps([list(unit) for unit in sorted(self.recompute)])}')
         if self.kept_saved:
             head.append(f'  "kept_saved": {json.dumps(sorted(self.kept_saved))}')
         steps = ",\n".join(
@@ -260,9 +299,9 @@ class Schedule:
     def from_json(cls, text: str) -> Schedule:
         """The schedule of `to_json()`'s text (or any JSON of that shape: a step's
         `block`, `subbatch`, `serves` and `tier` may be left out for None, its `kind`
-        for "compute"; `kept_saved` for none). Its `request` (the `REQUEST_FIELDS`;
-        the others at their defaults) says what it was written for; its policy is
-        not kept.
+        for "compute"; `kept_saved` for none; `recompute` for a schedule that does
+        not choose). Its `request` (the `REQUEST_FIELDS`; the others at their
+        defaults) says what it was written for; its policy is not kept.
 
         Raises:
             ValueError: not that format, naming the step or field at fault.
@@ -286,7 +325,15 @@ class Schedule:
         kept = data.get("kept_saved", [])
         if not isinstance(kept, list) or not all(isinstance(name, str) for name in kept):
             raise ValueError("\"kept_saved\" must be a list of saved tensors' names")
-        return cls(tuple(steps), request=request, kept_saved=frozenset(kept))
+        recompute = data.get("recompute")
+        if recompute is not None:
+            if not isinstance(recompute, list) or not all(
+                    isinstance(unit, list) and len(unit) == 2 and all(type(i) is int for i in unit)
+                    for unit in recompute):
+                raise ValueError(f"\"recompute\" must be a list of [block, sub-batch] pairs of integers, "
+                                 f"got {recompute!r}")
+            recompute = frozenset(map(tuple, recompute))
+        return cls(tuple(steps), request=request, kept_saved=frozenset(kept), recompute=recompute)
 
     def phase(self, phase: str) -> Schedule:
         return Schedule(tuple(s for s in self.steps if s.phase == phase))
@@ -362,6 +409,30 @@ class Schedule:
 
     def __len__(self) -> int:
         return len(self.steps)
+
+
+def recompute_text(units) -> str:
+    """The `recompute` line of a schedule's text: `recompute blk1.sb0 blk3.sb1`
+    (sorted), or `recompute none`."""
+    if not units:
+        return "recompute none"
+    return "recompute " + " ".join(format_tag("block", block, subbatch) for block, subbatch in sorted(units))
+
+
+def _recompute_of_text(line: str) -> frozenset[tuple[int, int]]:
+    """The units of a `recompute` line (`recompute_text`'s inverse)."""
+    tags = line.split()[1:]
+    if tags == ["none"]:
+        return frozenset()
+    units = set()
+    for tag in tags:
+        region, block, subbatch = parse_tag(tag)
+        if region != "block" or subbatch is None:
+            raise ValueError(f"`recompute` names (block, sub-batch) units (`blk1.sb0`), got {tag!r}")
+        units.add((block, subbatch))
+    if not units:
+        raise ValueError("a `recompute` line names its units, or `none`")
+    return frozenset(units)
 
 
 @dataclasses.dataclass(frozen=True)

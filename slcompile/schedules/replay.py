@@ -4,8 +4,9 @@ elsewhere (by an external solver, read with `Schedule.from_json` or
 compiles as it is.
 
 The policy is asked for each graph as any policy is (`Policy.__call__`, which
-validates what it returns), and answers every request with the same steps, once it
-has checked that the request is the one the schedule was written for: the
+validates what it returns), and answers every request with the same steps and the
+same units recomputed (`Schedule.recompute`), once it has checked that the request
+is the one the schedule was written for: the
 `REQUEST_FIELDS` of the schedule's request when it carries one (a schedule from
 `to_json` or from a policy), else what its steps fix (the blocks in their forward
 order, K, whether it has a backward, a prefix and a suffix, whether weights are
@@ -46,7 +47,8 @@ def replay(schedule: Schedule, name: str = "replay") -> Policy:
     if not isinstance(schedule, Schedule):
         raise PolicyError(name, f"replay takes a slcompile.schedules.Schedule, got a {type(schedule).__name__} "
                                 "(Schedule.from_json(text) or Schedule.from_text(text) reads one)")
-    return Policy(name, _Replay(name, schedule.steps, tuple(written_for(schedule).items()), schedule.kept_saved))
+    return Policy(name, _Replay(name, schedule.steps, tuple(written_for(schedule).items()), schedule.kept_saved,
+                                schedule.recompute))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,7 @@ class _Replay:
     steps: tuple[Step, ...] = dataclasses.field(repr=False)
     wanted: tuple[tuple[str, object], ...] = dataclasses.field(repr=False)
     kept_saved: frozenset[str] = dataclasses.field(default=frozenset(), repr=False)
+    recompute: frozenset[tuple[int, int]] | None = dataclasses.field(default=None, repr=False)
 
     def __call__(self, request: ScheduleRequest) -> Schedule:
         differences = [
@@ -67,7 +70,7 @@ class _Replay:
         ]
         if differences:
             raise PolicyError(self.name, "replays a schedule written for another request: " + ", ".join(differences))
-        return Schedule(self.steps, kept_saved=self.kept_saved)
+        return Schedule(self.steps, kept_saved=self.kept_saved, recompute=self.recompute)
 
 
 def written_for(schedule: Schedule) -> dict[str, object]:

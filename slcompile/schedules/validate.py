@@ -40,7 +40,9 @@ What a valid schedule is, for a `ScheduleRequest`:
   the `fill.wait`;
 - gradients (`store_grad.*`, only when `gradients_offloaded`, weights streamed): a
   block in the backward, issued after that block's (or that (block, sub-batch)'s)
-  last backward compute, waited for after the issue.
+  last backward compute, waited for after the issue;
+- recomputation (`Schedule.recompute`, when the schedule chooses): a set of (block,
+  sub-batch) pairs, each a block of `request.blocks` and a sub-batch in 0..K-1.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from slcompile.errors import PolicyError
-from slcompile.schedules.base import STASH_TIERS, TRANSFER_KINDS, Schedule, ScheduleRequest, Step, next_region
+from slcompile.schedules.base import (
+    STASH_TIERS, TRANSFER_KINDS, Schedule, ScheduleRequest, Step, next_region, recompute_text,
+)
 from slcompile.schedules.generation import PassRequest
 
 __all__ = ["validate_schedule", "validate_pass", "check_agreement"]
@@ -86,6 +90,7 @@ def validate_schedule(schedule: Schedule, request: ScheduleRequest | PassRequest
     _check_compute(schedule, request, phases, policy)
     _check_transfers(schedule, request, policy)
     _check_kept_saved(schedule, request, policy)
+    _check_recompute(schedule, request, policy)
     return schedule
 
 
@@ -98,6 +103,27 @@ def _check_kept_saved(schedule: Schedule, request: ScheduleRequest, policy: str)
         if not isinstance(name, str) or name not in names:
             raise PolicyError(policy, f"keeps {name!r} on the device, which is not a saved tensor of this graph "
                                       "(`request.saved` names them: `SavedActivation.name`)", f"keep {name}")
+
+
+def _check_recompute(schedule: Schedule, request: ScheduleRequest, policy: str) -> None:
+    """The units a schedule recomputes exist: (block, sub-batch) pairs of the request."""
+    units = schedule.recompute
+    if units is None:
+        return
+    if not isinstance(units, frozenset):
+        raise PolicyError(policy, f"Schedule.recompute must be a set of (block, sub-batch) pairs or None, got "
+                                  f"{type(units).__name__} {units!r}")
+    k = request.num_subbatches
+    for unit in sorted(units, key=repr):
+        if not (isinstance(unit, tuple) and len(unit) == 2 and all(type(i) is int for i in unit)):
+            raise PolicyError(policy, f"recomputes {unit!r}, which is not a (block, sub-batch) pair of integers")
+        block, subbatch = unit
+        if block not in request.blocks:
+            raise PolicyError(policy, f"recomputes block {block}, which does not exist (the blocks are "
+                                      f"{', '.join(map(str, request.blocks))})", recompute_text({unit}))
+        if not 0 <= subbatch < k:
+            raise PolicyError(policy, f"recomputes sub-batch {subbatch}, which does not exist (K={k}: "
+                                      f"sub-batches 0..{k - 1})", recompute_text({unit}))
 
 
 def _malformed(step: Step, request: ScheduleRequest, phases: tuple[str, ...]) -> str | None:

@@ -34,8 +34,8 @@ def summarize_schedule(schedule: str) -> str:
     runs: dict[str, list[tuple[str, list[int | None]]]] = collections.OrderedDict()
     for line in schedule.splitlines():
         words = line.split()
-        if len(words) != 2:
-            continue  # a transfer step (`fwd fetch.wait blk3`): the summary is compute
+        if len(words) != 2 or words[0] == "recompute":
+            continue  # a transfer step (`fwd fetch.wait blk3`), the units recomputed: the summary is compute
         phase, tag = words[0], words[-1]
         head, _, sub = tag.partition(".sb")
         subbatch = int(sub) if sub.isdigit() else None
