@@ -47,6 +47,7 @@ import contextlib
 import importlib
 import logging
 import sys
+import weakref
 
 import torch
 from torch.fx.experimental import symbolic_shapes as _symbolic_shapes
@@ -165,6 +166,7 @@ def capture_graphs(fn, args, kwargs, on_graph, *, fullgraph: bool = False, run_a
         return gm.forward if run_as is None else run_as(gm.forward)
 
     isolated = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+    finalizers = set(weakref.finalize._registry)
     with _full_collections_allowed():
         if isolated:
             compiled = torch.compile(fn, backend=backend, fullgraph=fullgraph, isolate_recompiles=True)
@@ -172,13 +174,33 @@ def capture_graphs(fn, args, kwargs, on_graph, *, fullgraph: bool = False, run_a
         else:  # 2.11, 2.12: the entries share the caller's region while they exist
             with torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
                 torch.compile(fn, backend=backend, fullgraph=fullgraph)(*args, **kwargs)
+    dropped = True
     for code in {code for code, _ in captured}:
         regions = {region for c, region in captured if c is code}
         ours = sum(len(eval_frame._get_cache_entries_for_region(code, region)) for region in regions) \
             if isolated else None
         if ours is not None and ours == eval_frame._get_total_cache_entry_count(code):
             eval_frame.reset_code(code)
+        else:
+            dropped = False
+    if dropped:
+        _detach_guard_finalizers(finalizers)
     _forget_backend(backend)
+
+
+def _detach_guard_finalizers(before: set) -> None:
+    """Detaches the finalizers Dynamo registered since `before` (the registry's
+    keys then) to invalidate the guards of the entries a capture made once an object
+    they guard dies. Dynamo puts them on long-lived objects (the model's modules, its
+    classes, builtins, code objects), and each holds its entry's guards and their
+    stack summaries: about 1 MB a capture, for as long as the model lives. The
+    entries are gone (`reset_code`), so there is nothing left to invalidate."""
+    for finalizer in set(weakref.finalize._registry) - before:
+        info = weakref.finalize._registry.get(finalizer)
+        method = getattr(getattr(info, "func", None), "func", None)  # partial(manager.invalidate, ...)
+        if getattr(method, "__name__", None) == "invalidate" and \
+                type(getattr(method, "__self__", None)).__name__ == "CheckFunctionManager":
+            finalizer.detach()
 
 
 def _full_collections_allowed():

@@ -148,9 +148,19 @@ def test_explain_calls_leave_no_graphs_behind():
         slcompile.explain(model, x, num_subbatches=2, lowering="aot_eager", profile=None)
     gc.collect()
     graphs_before = sum(torch.fx.GraphModule in type(o).__mro__ for o in gc.get_objects())
+    managers_before = _guard_managers()
     before = _rss_kib()
     for _ in range(10):
         slcompile.explain(model, x, num_subbatches=2, lowering="aot_eager", profile=None)
     gc.collect()
     assert sum(torch.fx.GraphModule in type(o).__mro__ for o in gc.get_objects()) <= graphs_before
+    # Nor the guards of the captures' cache entries, which Dynamo's finalizers on the
+    # model's modules and classes would keep as long as the model lives.
+    assert _guard_managers() <= managers_before
     assert _rss_kib() - before < 10 * 1024  # about 0.2 MiB a call is torch's own capture
+
+
+def _guard_managers() -> int:
+    from torch._dynamo.guards import CheckFunctionManager
+
+    return sum(isinstance(o, CheckFunctionManager) for o in gc.get_objects())
