@@ -9,12 +9,11 @@ import pytest
 import torch
 
 import slcompile
-from conftest import assert_matches_eager
+from conftest import assert_matches_eager, steady_step_peak_bytes
 from models import GPTConfig, TinyGPT, hf_gpt2, make_gpt_batch
 from slcompile.analysis.machine import MachineFacts
-from slcompile.analysis.memory import measured_peak_bytes, predict_memory
+from slcompile.analysis.memory import predict_memory
 from slcompile.runtime import Tier, TransferKind, get_engine, reset_runtime_stats, runtime_stats
-from slcompile.runtime.nvme import buffers_seen_by_profiler
 from slcompile.runtime.tiers import PAGE_BYTES
 from slcompile.schedules import Policy, speedloader_schedule
 
@@ -290,24 +289,7 @@ def test_predicted_peak_within_five_percent_with_weights_and_activations_on_nvme
         logits, loss = compiled(idx, targets)  # the caller holds the outputs, as usual
         loss.backward()
 
-    def measured_step():
-        # Between steps a training loop updates the weights inside gathered_weights,
-        # which drops prefetched loads: every allocation of the step is then made
-        # inside the profiled window.
-        for p in model.parameters():
-            p.grad = None
-        with slcompile.gathered_weights(model):
-            pass
-        return measured_peak_bytes(step)
-
-    with buffers_seen_by_profiler():
-        for _ in range(2):  # steady state: the prefetch plan has gone round once
-            step()
-            for p in model.parameters():
-                p.grad = None
-        # The smaller of two measured steps: a profiled step can include one-time
-        # allocations of the profiler and the runtime.
-        measured = min(measured_step(), measured_step())
+    measured = steady_step_peak_bytes(model, step)
     report = slcompile.compile_reports()[-1]
     predicted = predict_memory(
         report.graphs["forward"], report.graphs["backward"], live_blocks=live_blocks,

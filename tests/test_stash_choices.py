@@ -12,13 +12,12 @@ import pytest
 import torch
 
 import slcompile
-from conftest import assert_matches_eager
+from conftest import assert_matches_eager, steady_step_peak_bytes
 from devices import on_cuda
 from models import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.analysis.machine import MachineFacts
-from slcompile.analysis.memory import measured_peak_bytes, predict_memory
+from slcompile.analysis.memory import predict_memory
 from slcompile.runtime import Tier, TransferKind, get_engine, reset_runtime_stats, runtime_stats
-from slcompile.runtime.nvme import buffers_seen_by_profiler
 from slcompile.runtime.tiers import PAGE_BYTES
 from slcompile.schedules import (
     Policy, SavedActivation, Schedule, ScheduleRequest, Step, add_fetches, add_stashes, add_stores,
@@ -131,19 +130,7 @@ def test_predicted_peak_with_kept_tensors_and_unit_tiers_as_measured():
     def step():
         compiled(idx, targets)[1].backward()
 
-    def measured_step():
-        for p in model.parameters():
-            p.grad = None
-        with slcompile.gathered_weights(model):
-            pass
-        return measured_peak_bytes(step)
-
-    with buffers_seen_by_profiler():
-        for _ in range(2):
-            step()
-            for p in model.parameters():
-                p.grad = None
-        measured = min(measured_step(), measured_step())
+    measured = steady_step_peak_bytes(model, step)
     report = slcompile.compile_reports()[-1]
     assert report.planned_schedule.kept_saved and report.offloaded_activations.tier_bytes
     predicted = predict_memory(

@@ -8,13 +8,17 @@ from slcompile.meta import get_slc_meta
 from slcompile.passes.offload_activations import tag_block_recompute
 
 
-def test_tag_block_recompute_saves_block_outputs_and_recomputes_the_rest(streamed):
-    joint = streamed().joint.graph
-    tagged = tag_block_recompute(joint)
-    lines = [f"{tagged} tagged"]
+def _tagged(joint, units=None) -> str:
+    """tag_block_recompute's count, then each tagged node's tag and unit."""
+    lines = [f"{tag_block_recompute(joint, units)} tagged"]
     lines += [f"{node.name}: {node.meta['recompute'].name}  # {get_slc_meta(node).tag}"
               for node in joint.nodes if "recompute" in node.meta]
-    assert_expected_inline("\n".join(lines), """\
+    return "\n".join(lines)
+
+
+def test_tag_block_recompute_saves_block_outputs_and_recomputes_the_rest(streamed):
+    joint = streamed().joint.graph
+    assert_expected_inline(_tagged(joint), """\
 20 tagged
 fetch_weight: MUST_RECOMPUTE  # blk0
 fetch_weight_1: MUST_RECOMPUTE  # blk0
@@ -50,11 +54,7 @@ def test_tag_block_recompute_of_some_units_leaves_the_others_untagged(streamed):
     # Only (block 1, sub-batch 0) recomputes: block 0's nodes and block 1's other
     # sub-batch keep no tag but the fetched weights' own.
     joint = streamed().joint.graph
-    tagged = tag_block_recompute(joint, frozenset({(1, 0)}))
-    lines = [f"{tagged} tagged"]
-    lines += [f"{node.name}: {node.meta['recompute'].name}  # {get_slc_meta(node).tag}"
-              for node in joint.nodes if "recompute" in node.meta]
-    assert_expected_inline("\n".join(lines), """\
+    assert_expected_inline(_tagged(joint, frozenset({(1, 0)})), """\
 5 tagged
 fetch_weight: MUST_RECOMPUTE  # blk0
 fetch_weight_1: MUST_RECOMPUTE  # blk0
