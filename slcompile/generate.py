@@ -8,8 +8,9 @@ for all sub-batches before the next layer starts. The prefill and the decode ste
 may split the batch differently (`prefill_subbatches`, `num_subbatches`).
 
 Each pass is a `Schedule` (`slcompile.schedules.generation.generation_pass`, in
-training's step vocabulary) that the pass walks step by step; `explain_generation`
-writes the same schedules from the same requests, so what it explains is what runs.
+training's step vocabulary) lowered to an FX graph that the pass runs;
+`explain_generation` writes and lowers the same schedules from the same requests, and
+predicts memory and time from those graphs, so what it explains is what runs.
 How a pass runs, with no per-family code:
 
 1. Capture. The model's own forward runs once on the inputs that

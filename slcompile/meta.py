@@ -33,7 +33,10 @@ class SlcMeta:
         subbatch: the sub-batch this node computes, or None for a node shared by all
             sub-batches (batch-free values, reductions that combine sub-batches).
         role: what the node is for: "compute" (copied from the model), "split" (takes
-            a sub-batch out of a full-batch value), "combine" (joins sub-batches).
+            a sub-batch out of a full-batch value), "combine" (joins sub-batches); in
+            a generation pass's graph, a transfer's `slc::` op by name
+            ("fetch_issue", "stash", ...: the node's target is the op's
+            implementation) or "transfer" (a method of the KV cache's store).
     """
 
     region: str

@@ -1,16 +1,22 @@
 """The memory model of a generation pass: the device's peak of one prefill or
-decode pass, walked in its schedule (`predict_pass_memory`). `explain_generation`,
-`tune_generation` and `generate`'s records state a pass's predicted memory from
-here; a training step's is `slcompile.analysis.memory`'s.
+decode pass, walked in its lowered graph (`predict_pass_memory`).
+`explain_generation`, `tune_generation` and `generate`'s records state a pass's
+predicted memory from here; a training step's is `slcompile.analysis.memory`'s.
 
-A generation pass (`slcompile.schedules.generation`) runs compiled layer steps,
-not one graph, so its device memory is walked in its schedule: at every layer
-step of every sub-batch, what the device holds is summed by term, and the pass's
-peak is the largest sum. The sizes of what the pass makes (the capture's tensors,
+A generation pass runs compiled layer steps in turn from one FX graph
+(`slcompile.inference.pass_graph.lower_pass`), whose nodes carry what they do: the
+`slc::` ops of a weight fetch or a spilled state (by name in their `SlcMeta` role:
+their targets are the ops' implementations), the KV store's `issue`/`store`
+methods with their layer and sub-batch, each layer step with its own, and the
+tails. The graph is read here, never run: at every layer step of every sub-batch
+(and at each tail), what the device holds is summed by term, and the pass's peak
+is the largest sum; a value the step no longer holds is one whose last use (its
+FX users) came before it. The sizes of what the pass makes (the capture's tensors,
 each layer step's and the tail's temporaries) are traced by the caller
 (`slcompile.inference.memory`) and handed in as `TracedPass`; the rest follows from
-the schedule, the KV cache's segment rules (`slcompile.kv_segments`) and the
-machine's facts.
+the graph, the KV cache's segment rules (`slcompile.kv_segments`) and the
+machine's facts. `pass_nodes` and `pass_role` read a pass graph's nodes for the
+time model too (`slcompile.inference.explain`).
 """
 
 from __future__ import annotations
@@ -20,13 +26,16 @@ from collections.abc import Mapping, Sequence
 
 from slcompile.analysis.machine import MachineFacts
 from slcompile.kv_segments import KV_STORES_IN_FLIGHT, merged_segments, reads_in_place
-from slcompile.meta import format_tag
+from slcompile.meta import format_tag, get_slc_meta
 from slcompile.units import format_bytes
 
 __all__ = [
     "GenerationSizes",
     "PassMemory",
     "TracedPass",
+    "pass_nodes",
+    "pass_phase",
+    "pass_role",
     "predict_pass_memory",
     "spills_hidden",
 ]
@@ -155,17 +164,53 @@ class TracedPass:
     inputs: int = 0
 
 
-def spills_hidden(schedule) -> bool:
+def pass_nodes(graph) -> list:
+    """The nodes of a lowered generation pass (`slcompile.inference.pass_graph`: a
+    `PassGraph` or its `torch.fx.Graph`) in graph order."""
+    return list(getattr(graph, "graph", graph).nodes)
+
+
+def pass_role(node) -> tuple[str, int | None, int | None] | None:
+    """What a node of a pass graph does, read from the node: ("step", block,
+    sub-batch) for a layer step, ("prefix", None, None) for the capture,
+    ("suffix", None, sub-batch or None) for the tail of a sub-batch or of every
+    one, (the `slc::` op's name, block, sub-batch) for a weight fetch or a spill or
+    fill of hidden states, ("issue" or "store", block, sub-batch) for a load or a
+    store of the KV cache (the store's methods, with their block and sub-batch as
+    arguments); None for the rest."""
+    if node.op == "call_method" and node.target in ("issue", "store"):
+        return node.target, node.args[1], node.args[2]
+    place = get_slc_meta(node) if node.op == "call_function" else None
+    if place is None:
+        return None
+    if place.region == "block" and place.role == "compute":
+        return "step", node.args[2], node.args[3]  # layer_step(run, phase, block, subbatch, ...)
+    if place.region == "block":
+        return place.role, place.block, place.subbatch
+    return place.region, None, place.subbatch
+
+
+def pass_phase(graph) -> str:
+    """A pass graph's phase ("prefill" or "decode"), as its layer steps name it."""
+    return next(node.args[1] for node in pass_nodes(graph) if (pass_role(node) or ("",))[0] == "step")
+
+
+def _last_use(node, order: Mapping) -> int:
+    """Where a value is last used in its graph (FX's generated code frees it after)."""
+    return max((order[user] for user in node.users), default=order[node])
+
+
+def spills_hidden(graph) -> bool:
     """Whether a generation pass keeps its hidden states between layers on a tier
-    (its schedule has spills): it then captures, and computes the logits of, one
-    sub-batch at a time."""
-    return any(step.kind == "spill.issue" for step in schedule.steps)
+    (its graph spills them, `slc::stash`): it then captures, and computes the logits
+    of, one sub-batch at a time."""
+    return any((pass_role(node) or ("",))[0] == "stash" for node in pass_nodes(graph))
 
 
-def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, past: int,
+def predict_pass_memory(graph, sizes: GenerationSizes, traced: TracedPass, past: int,
                         segments: Sequence[Sequence[int]] = ()) -> PassMemory:
     """The device memory of the generation pass that follows `past` positions,
-    walked in its `schedule` (the one `generate` walks).
+    walked in its lowered graph (the one `generate` runs), node by node in order.
 
     At every moment of a pass the device holds:
 
@@ -174,15 +219,17 @@ def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, pa
       until the last layer step, and each sub-batch's hidden states between layers
       (`hidden`); in a prefill that offloads them, what the computing sub-batch's
       capture made but its hidden states, its hidden states, the next one's loading
-      and the sources of the stores in flight;
+      (an `slc::unstash` whose token is not yet waited for) and the sources of the
+      stores in flight (an `slc::stash` whose source is still used after the step);
     - the streamed weights of the layer computing and of the layers after it
-      whose `fetch.issue` came before its step (`weights`: with `live_blocks=2`,
-      the next one), each tensor padded as loads pad it;
+      whose `slc::fetch_issue` came before its step (`weights`: with
+      `live_blocks=2`, the next one), each tensor padded as loads pad it, until
+      the last use of the layer's weights;
     - the KV cache (`kv`): on a tier that copies nothing, every cache (the caches
       already computed by this pass at their new length); on one that copies, the
       cache of the (layer, sub-batch) computing and the loaded segments of those
-      whose `load_kv.issue` came before its step, and the stores still in flight
-      (the positions they write), in the order of the `store_kv.issue` steps;
+      whose load (`kv.issue`) came before its step, and the stores still in flight
+      (the positions they write), in the order of the `new_cache.store` nodes;
     - the temporaries of the compiled layer step (`step`, traced);
     - at the tail, the last layer's outputs, their concatenation, and the forward
       run again (`tail`); in a prefill that offloads hidden states, one
@@ -195,7 +242,8 @@ def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, pa
     sampling warpers' temporaries, and the transients of the capture itself.
 
     Args:
-        schedule: the pass's schedule (`generation_pass`), of every sub-batch.
+        graph: the pass's `PassGraph` (`lower_pass`) or its `torch.fx.Graph`, of
+            every sub-batch.
         sizes: what the generation holds (`GenerationSizes`).
         traced: what the pass makes (`TracedPass`), traced for its sub-batches.
         past: positions each sequence has before the pass (0 for the prefill).
@@ -203,48 +251,56 @@ def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, pa
             loads (on a tier that copies).
     """
     batch, n, kv_moves = sizes.batch, sizes.layers, sizes.kv_moves
-    phase = schedule.steps[0].phase
+    nodes = pass_nodes(graph)
+    order = {node: position for position, node in enumerate(nodes)}
+    roles = {node: role for node in nodes if (role := pass_role(node)) is not None}
+    layer_steps = [node for node, role in roles.items() if role[0] == "step"]
+    phase = pass_phase(graph)
     parts = sizes.prefill_subbatches if phase == "prefill" else sizes.num_subbatches
     size, decode_size = batch // parts, batch // sizes.num_subbatches
     query = sizes.length if phase == "prefill" else 1
-    offloads = spills_hidden(schedule)
+    offloads = any(role[0] == "stash" for role in roles.values())
     captured, other, steps, tail = traced.captured, traced.other, traced.steps, traced.tail
     part_hidden = traced.hidden if offloads else traced.hidden // parts
+    # A layer's weights are freed after their last use (its last layer step).
+    weights_of = {node.args[2]: node.args[4] for node in layer_steps}
 
     # The stores' sources in the order they are issued (the last
     # `kv_stores_in_flight` (layer, sub-batch)s' are alive), how many precede each
     # layer step, and the caches loading while it runs.
     issued, before, loading = [], {}, {}
     pending: set[tuple[int, int]] = set()
-    # An offloading prefill: at each layer step, the spills not yet waited for
-    # (their sources alive) and the fills issued but not yet waited for.
-    spilling: set[tuple[int, int]] = set()
-    filling: set[tuple[int, int]] = set()
+    # An offloading prefill: at each layer step, the spills whose sources are still
+    # used after it (not yet waited for) and the fills not yet waited for.
+    spilled, filled = [], []
     spills_alive, fills_loading = {}, {}
     fetching: set[int] = set()  # layers whose weights' loads were issued
     weights_at: dict[tuple[int, int], int] = {}
-    for step in schedule.steps:
-        where = (step.block, step.subbatch)
-        if step.kind in ("spill.issue", "fill.issue"):
-            (spilling if step.kind == "spill.issue" else filling).add(where)
-        elif step.kind in ("spill.wait", "fill.wait"):
-            (spilling if step.kind == "spill.wait" else filling).discard(where)
-        if step.kind == "store_kv.issue" and kv_moves:
+    for node, (kind, block, subbatch) in roles.items():
+        at = order[node]
+        if kind == "store" and kv_moves:
             if phase == "decode":
-                written = merged_segments(segments[step.block], 1, sizes.kept(step.block, past + 1))[1]
-                issued.append(sizes.cache_bytes(step.block, size, written))
+                written = merged_segments(segments[block], 1, sizes.kept(block, past + 1))[1]
+                issued.append(sizes.cache_bytes(block, size, written))
             else:
-                issued.append(sizes.cache_bytes(step.block, decode_size, sizes.kept(step.block, sizes.length)))
-        elif step.kind == "load_kv.issue":
-            pending.add((step.block, step.subbatch))
-        elif step.kind == "fetch.issue":
-            fetching.add(step.block)
-        elif step.kind == "compute" and step.region == "block":
-            weights_at[where] = sum(sizes.fetched(block) for block in fetching if block >= step.block)
+                issued.append(sizes.cache_bytes(block, decode_size, sizes.kept(block, sizes.length)))
+        elif kind == "issue":
+            pending.add((block, subbatch))
+        elif kind == "fetch_issue":
+            fetching.add(block)
+        elif kind == "stash":
+            spilled.append(node.args[0])
+        elif kind == "unstash":
+            filled.append(node)
+        elif kind == "step":
+            where = (block, subbatch)
+            weights_at[where] = sum(sizes.fetched(layer) for layer in fetching
+                                    if layer not in weights_of or _last_use(weights_of[layer], order) >= at)
             before[where] = len(issued)
             pending.discard(where)
             loading[where] = tuple(pending)
-            spills_alive[where], fills_loading[where] = len(spilling), len(filling)
+            spills_alive[where] = sum(_last_use(source, order) > at for source in spilled)
+            fills_loading[where] = sum(_last_use(token, order) > at for token in filled)
 
     def in_flight(count: int) -> int:
         return sum(issued[max(0, count - sizes.kv_stores_in_flight):count])
@@ -262,71 +318,79 @@ def predict_pass_memory(schedule, sizes: GenerationSizes, traced: TracedPass, pa
         return (traced.inputs + other + (part_hidden if index == 0 else loaded)
                 + fills_loading[where] * loaded + spills_alive[where] * part_hidden)
 
-    # Every moment of the pass.
+    def held_at(index: int, part: int) -> dict[str, int]:
+        return {"parameters": sizes.resident, "weights": weights_at[index, part],
+                "hidden": hidden_held(index, part) if offloads
+                else captured + (parts if index else part) * part_hidden}
+
+    def stored_after(index: int, part: int) -> int:
+        """The stores issued before the next sub-batch's step of the layer (all of
+        the pass's after its last sub-batch)."""
+        return before[index, part + 1] if part + 1 < parts else len(issued)
+
+    def rows_filling(index: int, part: int) -> int:
+        """The rows of a decode sub-batch that earlier prefill parts began to fill."""
+        whole = sizes.cache_bytes(index, decode_size, sizes.kept(index, sizes.length))
+        return whole if size < decode_size and (part * size) % decode_size else 0
+
+    # Every moment of the pass, in graph order.
     held = 0 if kv_moves else sum(sizes.cache_bytes(i, batch, sizes.kept(i, past)) for i in range(n))
     growth = [sizes.cache_bytes(i, size, sizes.kept(i, past + query)) - sizes.cache_bytes(
         i, size, sizes.kept(i, past)) for i in range(n)]
     moments: list[tuple[str, dict[str, int]]] = []
     grown = 0
-    for index in range(n):
-        for part in range(parts):
-            common = {"parameters": sizes.resident, "weights": weights_at[index, part],
-                      "hidden": hidden_held(index, part) if offloads
-                      else captured + (parts if index else part) * part_hidden}
-            if not kv_moves:
-                # Prefill parts smaller than a decode sub-batch wait as pieces: the same bytes.
-                moments.append((format_tag("block", index, part), {**common, "kv": held + grown, "step": steps[index]}))
-                grown += growth[index]
-                continue
-            stored = in_flight(before[index, part])
-            if phase == "prefill":
-                whole = sizes.cache_bytes(index, decode_size, sizes.kept(index, sizes.length))
-
-                def filling(part: int) -> int:
-                    # The rows of a decode sub-batch that earlier parts began to fill.
-                    return whole if size < decode_size and (part * size) % decode_size else 0
-
-                if offloads and index == n - 1 and part:
-                    common["logits"] = logits
-                moments.append((format_tag("block", index, part), {**common, "kv": stored + filling(part),
-                                                         "step": steps[index]}))
-                # Its stores: the step's output and new cache, the stores in
-                # flight, and the rows of the decode sub-batch it fills (one per
-                # store where it holds whole decode sub-batches, copied out).
-                first, last = before[index, part], (before[index, part + 1] if part + 1 < parts
-                                                    else len(issued))
-                made = sizes.cache_bytes(index, size, sizes.kept(index, sizes.length))
-                hidden = common["hidden"] + part_hidden
-                if size < decode_size:
-                    moments.append((f"store after {format_tag('block', index, part)}", {
-                        **common, "hidden": hidden, "kv": in_flight(first) + made + whole}))
-                else:
-                    moments += [(f"store after {format_tag('block', index, part)}", {
-                        **common, "hidden": hidden, "kv": in_flight(count) + made + issued[count]})
-                        for count in range(first, last)]
-                if offloads and index == n - 1:
-                    # The sub-batch's tail, once its caches are stored: its last
-                    # output instead of the step, and the forward again.
-                    after = before[index, part + 1] if part + 1 < parts else len(issued)
-                    moments.append((f"tail sb{part}", {
-                        **common, "hidden": common["hidden"] + captured, "logits": logits,
-                        "kv": in_flight(after) + filling(part + 1), "tail": tail}))
-                continue
-            ahead = sum(sizes.loaded_cache(block, size, segments[block]) for block, _ in loading[index, part])
-            own = segments[index]
-            if len(own) > 1 and not sizes.in_place(index, size):
-                joined = sizes.machine.loaded_bytes(sizes.cache_bytes(index, size, sum(own)))
-                moments.append((f"take {format_tag('block', index, part)}", {
-                    **common, "kv": stored + ahead + sizes.loaded_cache(index, size, own) + joined}))
+    for node, (kind, index, part) in roles.items():
+        if kind == "suffix" and part is not None and offloads and kv_moves and phase == "prefill":
+            # The sub-batch's tail, once its caches are stored: its last output
+            # instead of the step, and the forward again.
+            common = held_at(n - 1, part)
+            moments.append((f"tail sb{part}", {
+                **common, "hidden": common["hidden"] + captured, "logits": logits,
+                "kv": in_flight(stored_after(n - 1, part)) + rows_filling(n - 1, part + 1), "tail": tail}))
+        elif kind == "suffix" and part is None:
+            # Every sub-batch's last output, their concatenation, and the forward
+            # again, holding what it computes before the layers as the capture did
+            # (the capture's own is gone after the last layer step).
+            moments.append(("tail", {"parameters": sizes.resident, "hidden": captured + 2 * traced.hidden,
+                                     "kv": 0 if kv_moves else held + grown, "tail": tail}))
+        if kind != "step":
+            continue
+        common = held_at(index, part)
+        if not kv_moves:
+            # Prefill parts smaller than a decode sub-batch wait as pieces: the same bytes.
+            moments.append((format_tag("block", index, part), {**common, "kv": held + grown, "step": steps[index]}))
+            grown += growth[index]
+            continue
+        stored = in_flight(before[index, part])
+        if phase == "prefill":
+            whole = sizes.cache_bytes(index, decode_size, sizes.kept(index, sizes.length))
+            if offloads and index == n - 1 and part:
+                common["logits"] = logits
+            moments.append((format_tag("block", index, part), {**common, "kv": stored + rows_filling(index, part),
+                                                               "step": steps[index]}))
+            # Its stores: the step's output and new cache, the stores in flight,
+            # and the rows of the decode sub-batch it fills (one per store where it
+            # holds whole decode sub-batches, copied out).
+            first, last = before[index, part], stored_after(index, part)
+            made = sizes.cache_bytes(index, size, sizes.kept(index, sizes.length))
+            hidden = common["hidden"] + part_hidden
+            if size < decode_size:
+                moments.append((f"store after {format_tag('block', index, part)}", {
+                    **common, "hidden": hidden, "kv": in_flight(first) + made + whole}))
             else:
-                joined = sizes.loaded_cache(index, size, own)
-            moments.append((format_tag("block", index, part), {**common, "kv": stored + ahead + joined,
-                                                     "step": steps[index]}))
-    # The tail: every sub-batch's last output, their concatenation, and the
-    # forward again, holding what it computes before the layers as the capture did
-    # (the capture's own is gone after the last layer step).
-    if not offloads:
-        moments.append(("tail", {"parameters": sizes.resident, "hidden": captured + 2 * traced.hidden,
-                                 "kv": 0 if kv_moves else held + grown, "tail": tail}))
+                moments += [(f"store after {format_tag('block', index, part)}", {
+                    **common, "hidden": hidden, "kv": in_flight(count) + made + issued[count]})
+                    for count in range(first, last)]
+            continue
+        ahead = sum(sizes.loaded_cache(block, size, segments[block]) for block, _ in loading[index, part])
+        own = segments[index]
+        if len(own) > 1 and not sizes.in_place(index, size):
+            joined = sizes.machine.loaded_bytes(sizes.cache_bytes(index, size, sum(own)))
+            moments.append((f"take {format_tag('block', index, part)}", {
+                **common, "kv": stored + ahead + sizes.loaded_cache(index, size, own) + joined}))
+        else:
+            joined = sizes.loaded_cache(index, size, own)
+        moments.append((format_tag("block", index, part), {**common, "kv": stored + ahead + joined,
+                                                           "step": steps[index]}))
     moment, terms = max(moments, key=lambda item: sum(item[1].values()))
     return PassMemory(phase, sum(terms.values()), sizes.resident, moment, terms)

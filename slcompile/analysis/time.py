@@ -26,9 +26,10 @@ backward) carries over, and so does one issued by the backward for the next step
 forward: the step is walked three times and the second walk, the steady state, is
 the prediction. The step's time is when its compute lane ends.
 
-A generation pass is not one graph: its layer steps are compiled regions called in
-turn. `predict_pass_time` walks it from its schedule written as `PassAction`s (loads,
-stores, layer steps with the ops of their traced graphs) on the same lanes.
+A generation pass is not one compiled graph: its layer steps are compiled regions
+called in turn by its pass graph. `predict_pass_time` walks it as `PassAction`s read
+from that graph's nodes in order (loads, stores, layer steps with the ops of their
+traced graphs; `slcompile.inference.explain`) on the same lanes.
 
 A block is bound by whichever resource is busiest for it: its compute, or the lane
 of the transfers its compute waits for (loads) or made (stores).

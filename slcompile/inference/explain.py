@@ -1,6 +1,8 @@
 """`explain_generation`: each pass's schedule, bytes, device memory and (with a
-profile) time, predicted from the same pass requests `generate` walks, without
-running the model."""
+profile) time, predicted from the same pass requests `generate` runs, without
+running the model: each pass's schedule is lowered to the graph `generate` runs
+(`lower_pass`, with placeholder weights), and the memory and time models read that
+graph's nodes in order."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ from typing import Any
 from torch import nn
 
 from slcompile.analysis.machine import MachineFacts
-from slcompile.analysis.pass_memory import PassMemory
+from slcompile.analysis.pass_memory import PassMemory, pass_nodes, pass_role
 from slcompile.config import SpeedLoaderConfig
 from slcompile.inference.capture import _cache_windows
 from slcompile.inference.executor import _fetched, _streamed_parameters
 from slcompile.inference.memory import _hidden_row_bytes, _kv_row_bytes, _MemoryModel
 from slcompile.inference.options import _plan, generation_config
+from slcompile.inference.pass_graph import PassGraph, PassLayout, lower_pass
 from slcompile.inference.records import GenerationStep
 from slcompile.meta import format_tag
 from slcompile.runtime.stats import TransferKey
@@ -262,11 +265,24 @@ def _explain_generation(model, input_shape, max_new_tokens, config: SpeedLoaderC
     offloads = offloads_hidden(kv_moves, kp, n)
 
     fetched = _fetched(weights_move, [bool(params) for params in streamed])
+    streamed_counts = [len(params) for params in streamed]
 
     def schedule(phase: str, stores: bool) -> Schedule:
         subbatches = kp if phase == "prefill" else kd
         return plan.policy(PassRequest(phase, tuple(range(subbatches)), fetched, kv_moves, stores,
                                            (size_p, size_d), phase == "prefill" and offloads, plan.live_blocks))
+
+    graphs: dict[Schedule, PassGraph] = {}
+
+    def lowered(schedule: Schedule) -> PassGraph:
+        """The pass graph `generate` runs for `schedule`, lowered once, to be read."""
+        if schedule not in graphs:
+            prefill = schedule.steps[0].phase == "prefill"
+            size = size_p if prefill else size_d
+            parts = tuple((sb, sb * size, size) for sb in range(batch // size))
+            graphs[schedule] = lower_pass(schedule, PassLayout.placeholders(parts, streamed_counts,
+                                                                            prefill and offloads))
+        return graphs[schedule]
 
     def moved(stored: int, loaded: int, hidden: int = 0) -> dict[TransferKey, int]:
         kv = {store_key: stored, load_key: loaded} if kv_moves else {}
@@ -301,12 +317,12 @@ def _explain_generation(model, input_shape, max_new_tokens, config: SpeedLoaderC
     try:
         memory = _MemoryModel(model, plan, batch, length, layer_loads, machine,
                               memo.setdefault("padded", {}) if padded else memo, padded)
-        prefill_memory = memory.pass_memory(steps[0].schedule, 0)
+        prefill_memory = memory.pass_memory(lowered(steps[0].schedule), 0)
         # Every decode pass's layer steps are traced with the last one's cache length:
         # the longest, so no step's temporaries are underestimated.
         longest = length + max_new_tokens - 2
-        decode_memory = max((memory.pass_memory(steps[step].schedule, length + step - 1, loaded_segments[step],
-                                                longest)
+        decode_memory = max((memory.pass_memory(lowered(steps[step].schedule), length + step - 1,
+                                                loaded_segments[step], longest)
                              for step in range(1, max_new_tokens)), key=lambda m: m.peak_bytes, default=None)
     except Exception as error:  # noqa: BLE001 - the schedules and bytes stand without the memory
         log.warning("explain_generation: the device memory of %s's passes is not predicted: tracing its forward "
@@ -339,7 +355,7 @@ def _explain_generation(model, input_shape, max_new_tokens, config: SpeedLoaderC
                         transfers[f"store {transfer_name(index, 'kv', sb)}"] = (kv_cache, (kv_bytes(
                             index, written_positions[step][index]),))
             costs, tail = memory.pass_costs(phase, past)
-            return predict_pass_time(_pass_actions(steps[step].schedule, transfers, costs, tail),
+            return predict_pass_time(_pass_actions(lowered(steps[step].schedule), transfers, costs, tail),
                                      profile=rates, phase=phase, lowering=backend,
                                      tokens=batch * (length if step == 0 else 1))
 
@@ -364,42 +380,46 @@ def transfer_name(block: int, what: str, subbatch: int | None = None) -> str:
 
 
 _ACTION_OF = MappingProxyType({
-    "fetch.issue": ("load", "w"), "load_kv.issue": ("load", "kv"), "store_kv.issue": ("store", "kv"),
-    "fill.issue": ("load", "h"), "spill.issue": ("store", "h"), "spill.wait": ("wait", "h"),
+    "fetch_issue": ("load", "w"), "issue": ("load", "kv"), "store": ("store", "kv"),
+    "unstash": ("load", "h"), "stash": ("store", "h"), "wait": ("wait", "h"),
 })
-"""A pass's transfer step -> (`PassAction` kind, what moves: weights, cache or hidden
-states). A fill's wait adds no action: the layer step that takes the state waits
-for its load."""
+"""What a pass graph's transfer node does (`pass_role`) -> (`PassAction` kind, what
+moves: weights, cache or hidden states). A fill's wait adds no action: the layer
+step that takes the state waits for its load."""
 
 
-def _pass_actions(schedule: Schedule, transfers: Mapping[str, tuple[str, tuple[int, ...]]], costs,
-                  tail) -> list:
-    """The `PassAction`s of a pass from its schedule: each transfer step a load or
-    store of the sizes `transfers` gives (by name, `blk2.kv.sb1`, or by "load
-    name"/"store name" where the two differ), each layer step a compiled step of
-    `costs[layer]` that waits for the layer's weights, its cache and its input, and
-    each suffix step the tail (`tail`'s ops), and the pass's fixed cost first (at
-    its prefix, the capture, where it has one). The weights' waits add no action
-    (a layer step waits for them)."""
+def _pass_actions(graph, transfers: Mapping[str, tuple[str, tuple[int, ...]]], costs, tail) -> list:
+    """The `PassAction`s of a pass from its lowered graph (`PassGraph`), node by
+    node in order: each transfer a load or store of the sizes `transfers` gives (by
+    name, `blk2.kv.sb1`, or by "load name"/"store name" where the two differ; a
+    layer's weights are one load, at its first `slc::fetch_issue`), each layer step
+    a compiled step of `costs[layer]` that waits for the layer's weights, its cache
+    and its input, and each tail the suffix (`tail`'s ops), and the pass's fixed
+    cost first (at its prefix, the capture, where it has one). The weights' waits
+    add no action (a layer step waits for them)."""
     from slcompile.analysis.time import PassAction
 
     actions = [PassAction("compute", "prefix", passes=1)]
-    for step in schedule.steps:
-        if step.kind in _ACTION_OF:
-            kind, what = _ACTION_OF[step.kind]
-            name = transfer_name(step.block, what, step.subbatch)
-            if kind == "wait":
-                actions.append(PassAction(kind, name))
+    fetched: set[int] = set()
+    for node in pass_nodes(graph):
+        kind, block, sb = pass_role(node) or ("", None, None)
+        if kind == "fetch_issue":
+            if block in fetched:
                 continue
-            tier, sizes = transfers.get(f"{kind} {name}", transfers.get(name, ("device", ())))
-            actions.append(PassAction(kind, name, tier, tuple(sizes)))
-        elif step.kind == "compute" and step.region == "block":
-            block, sb = step.block, step.subbatch
+            fetched.add(block)
+        if kind in _ACTION_OF:
+            action, what = _ACTION_OF[kind]
+            name = transfer_name(block, what, sb)
+            if action == "wait":
+                actions.append(PassAction(action, name))
+                continue
+            tier, sizes = transfers.get(f"{action} {name}", transfers.get(name, ("device", ())))
+            actions.append(PassAction(action, name, tier, tuple(sizes)))
+        elif kind == "step":
             waits = (transfer_name(block, "w"), transfer_name(block, "kv", sb)) + (
                 (transfer_name(block - 1, "h", sb),) if block else ())
             actions.append(PassAction("compute", format_tag("block", block, None), nodes=costs[block], waits=waits,
-                                      calls=1,
-                                      layer_steps=1))
-        elif step.kind == "compute" and step.region == "suffix":
+                                      calls=1, layer_steps=1))
+        elif kind == "suffix":
             actions.append(PassAction("compute", "suffix", nodes=tail, calls=0))
     return actions

@@ -1,7 +1,7 @@
 """The sizes of what the passes of a generation make, traced on fake tensors
 (`_MemoryModel`), for the memory model of generation passes
 (`slcompile.analysis.pass_memory.predict_pass_memory`), which walks each pass's
-schedule."""
+lowered graph."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from slcompile.analysis.pass_memory import (
     GenerationSizes,
     PassMemory,
     TracedPass,
+    pass_phase,
     predict_pass_memory,
     spills_hidden,
 )
@@ -30,7 +31,6 @@ from slcompile.inference.capture import (
     _rows,
 )
 from slcompile.inference.options import _Plan
-from slcompile.schedules.base import Schedule
 from slcompile.schedules.generation import offloads_hidden
 
 __all__: list[str] = []
@@ -69,7 +69,7 @@ class _MemoryModel:
     the sizes of what each pass makes, traced on fake tensors as `generate` runs
     them (the capture, each compiled layer step, the tail), handed with the
     generation's other sizes to `slcompile.analysis.pass_memory.predict_pass_memory`,
-    which walks the pass's schedule.
+    which walks the pass's lowered graph.
 
     A layer step's and the tail's temporaries are the peaks of the values their
     ATen graphs make, from the graphs' lifetimes, as `aot_eager` runs them
@@ -280,26 +280,26 @@ class _MemoryModel:
         self._tail_peak(inputs, hidden)
         return steps, self.costs[("tail", tuple(hidden.shape))]
 
-    def pass_memory(self, schedule: Schedule, past: int, segments: Sequence[Sequence[int]] = (),
+    def pass_memory(self, graph, past: int, segments: Sequence[Sequence[int]] = (),
                     traced_past: int | None = None) -> PassMemory:
         """The device memory of the pass that follows `past` positions, walked in
-        its `schedule` (the one `generate` walks) by `predict_pass_memory`.
+        its lowered graph (the one `generate` runs) by `predict_pass_memory`.
 
         Args:
-            schedule: the pass's schedule (`generation_pass`), of every sub-batch.
+            graph: the pass's `PassGraph` (`lower_pass`), of every sub-batch.
             past: positions each sequence has before the pass (0 for the prefill).
             segments: per layer, the positions of each stored segment the decode
                 pass loads (on a tier that copies).
             traced_past: the past the capture and the layer steps are traced with
                 (default: `past`).
         """
-        phase = schedule.steps[0].phase
+        phase = pass_phase(graph)
         parts = self.plan.prefill_subbatches if phase == "prefill" else self.plan.num_subbatches
         size = self.batch // parts
         # An offloading prefill captures, and computes the logits of, one sub-batch at a time.
-        offloads = spills_hidden(schedule)
+        offloads = spills_hidden(graph)
         captured, other, hidden, steps, tail = self._traced(
             phase, past if traced_past is None else traced_past, size, size if offloads else self.batch)
         traced = TracedPass(captured, other, hidden, tuple(steps), tail,
                             self._input_bytes(phase, past) if offloads else 0)
-        return predict_pass_memory(schedule, self.sizes, traced, past, segments)
+        return predict_pass_memory(graph, self.sizes, traced, past, segments)

@@ -25,7 +25,11 @@ tail.
 A value is freed after its last use in the graph (FX's generated code drops it),
 which is where the memory model (`slcompile.analysis.pass_memory`) counts it gone: a
 layer's weights after its last step, a layer's input and its new cache after its
-step, a spilled output after its `spill.wait`.
+step, a spilled output after its `spill.wait`. The memory and time models read the
+graph, node by node in order: each node that moves data or computes carries its
+place (`SlcMeta`: a layer step's block and sub-batch, a transfer's and, as its
+role, the `slc::` op it calls, the prefix, a tail); `PassLayout.placeholders` gives
+a graph to read without the model's tensors.
 
 The graph's signature is `(run, inputs, kv, new_cache)`; it returns the pass's
 logits (the last position's, float32, of every row of the pass) and, per layer,
@@ -43,7 +47,7 @@ import torch
 import torch.fx
 
 from slcompile.inference.capture import _mark_length_dynamic, _rows
-from slcompile.meta import format_tag
+from slcompile.meta import SlcMeta, format_tag, set_slc_meta
 from slcompile.runtime import ops
 from slcompile.runtime.stats import compute_region
 from slcompile.schedules.base import Schedule
@@ -71,6 +75,18 @@ class PassLayout:
     @property
     def batch(self) -> int:
         return sum(rows for _, _, rows in self.parts)
+
+    @classmethod
+    def placeholders(cls, parts: Sequence[tuple[int, int, int]], streamed: Sequence[int],
+                     spills: bool = False) -> PassLayout:
+        """A layout for a pass graph that is read, not run (the memory and time
+        models): `parts` as above, `streamed[B]` streamed weights of layer B, each
+        an empty meta tensor under the key `blkB.wI`, and a stash named "a" where
+        the pass `spills`."""
+        empty = torch.empty(0, device="meta")
+        tensors = tuple(tuple((f"w{index}", empty, f"{format_tag('block', block, None)}.w{index}")
+                              for index in range(count)) for block, count in enumerate(streamed))
+        return cls(tuple(parts), tensors, "a" if spills else None)
 
 
 # -- what the compute steps call ----------------------------------------------------
@@ -144,6 +160,13 @@ def tails(run, inputs: dict, parts, batch: int, shared: bool, *outputs):
 
 
 # -- the lowering -------------------------------------------------------------------
+def _moves(block: int, subbatch: int | None = None, op: str = "transfer") -> SlcMeta:
+    """The place of a node that moves a layer's weights, or a (layer, sub-batch)'s
+    cache or hidden states; its role names the `slc::` op it calls (its target is
+    bound to the op's implementation), or is "transfer" for the KV store's methods."""
+    return SlcMeta("block", block, subbatch, role=op)
+
+
 class _Lowering:
     def __init__(self, schedule: Schedule, layout: PassLayout):
         self.schedule, self.layout = schedule, layout
@@ -168,8 +191,16 @@ class _Lowering:
         # Whether the pass keeps its new cache (every layer step's is collected).
         self.stores = any(step.kind == "store_kv.issue" for step in schedule.steps)
 
-    def call(self, target, args: tuple, name: str | None = None) -> torch.fx.Node:
-        return self.graph.create_node("call_function", target, args, name=name)
+    def call(self, target, args: tuple, name: str | None = None, place: SlcMeta | None = None) -> torch.fx.Node:
+        node = self.graph.create_node("call_function", target, args, name=name)
+        if place is not None:
+            set_slc_meta(node, place)
+        return node
+
+    def method(self, name: str, args: tuple, place: SlcMeta) -> torch.fx.Node:
+        node = self.graph.call_method(name, args)
+        set_slc_meta(node, place)
+        return node
 
     def attribute(self, block: int, name: str, tensor: torch.Tensor) -> torch.fx.Node:
         target = f"blk{block}.{name}"
@@ -179,14 +210,15 @@ class _Lowering:
     def fetch_issue(self, block: int) -> None:
         for _, _, key in self.layout.tensors[block]:
             if key is not None:
-                self.call(torch.ops.slc.fetch_issue.default, (key,))
+                self.call(torch.ops.slc.fetch_issue.default, (key,), place=_moves(block, None, "fetch_issue"))
 
     def fetch_wait(self, block: int) -> None:
         names, values = [], []
         for name, tensor, key in self.layout.tensors[block]:
             value = self.attribute(block, name, tensor)
             if key is not None:
-                value = self.call(torch.ops.slc.fetch_weight.default, (value, key))
+                value = self.call(torch.ops.slc.fetch_weight.default, (value, key),
+                                  place=_moves(block, None, "fetch_weight"))
             names.append(name)
             values.append(value)
         self.weights[block] = self.call(layer_weights, (tuple(names), *values), f"w_blk{block}")
@@ -210,7 +242,7 @@ class _Lowering:
             raise ValueError(f"generate: the {self.phase} schedule has no step fill.wait "
                              f"{format_tag('block', block - 1, sb)} before {format_tag('block', block, sb)}")
         step = self.call(layer_step, (self.run, self.phase, block, sb, self.weights[block],
-                                      self.hidden.pop(sb), call), f"blk{block}_sb{sb}")
+                                      self.hidden.pop(sb), call), f"blk{block}_sb{sb}", SlcMeta("block", block, sb))
         output = self.call(operator.getitem, (step, 1), f"out_blk{block}_sb{sb}")
         if block == n - 1:
             self.outputs[sb] = self.call(operator.getitem, (step, 0))
@@ -221,7 +253,8 @@ class _Lowering:
             self.layouts.append(self.call(cache_layout, (keys, output)))
         if self.stores:
             added = self.call(operator.getitem, (self.layouts[block], 3))
-            self.graph.call_method("collect", (self.new_cache, block, self.position[sb], sb, keys, values, added))
+            self.method("collect", (self.new_cache, block, self.position[sb], sb, keys, values, added),
+                        _moves(block, sb))
 
     def lower(self) -> PassGraph:
         steps = self.schedule.steps
@@ -233,32 +266,35 @@ class _Lowering:
             elif kind == "fetch.wait":
                 self.fetch_wait(block)
             elif kind == "load_kv.issue":
-                self.graph.call_method("issue", (self.kv, block, sb))
+                self.method("issue", (self.kv, block, sb), _moves(block, sb))
             elif kind == "store_kv.issue":
-                self.graph.call_method("store", (self.new_cache, block, sb))
+                self.method("store", (self.new_cache, block, sb), _moves(block, sb))
             elif kind == "spill.issue":
                 source = self.hidden.pop(sb)
                 token = self.call(torch.ops.slc.stash.default, (source, self.stash_key(block, sb)),
-                                  f"stash_blk{block}_sb{sb}")
+                                  f"stash_blk{block}_sb{sb}", _moves(block, sb, "stash"))
                 meta = (self.call(getattr, (source, "shape")), self.call(getattr, (source, "dtype")),
                         self.call(getattr, (source, "device")))
                 self.stored[block, sb] = token, source, meta
             elif kind == "spill.wait":
                 token, source, _ = self.stored[block, sb]
-                self.call(torch.ops.slc.wait.default, (token, [source]), f"stored_blk{block}_sb{sb}")
+                self.call(torch.ops.slc.wait.default, (token, [source]), f"stored_blk{block}_sb{sb}",
+                          _moves(block, sb, "wait"))
                 self.waited.add((block, sb))
             elif kind == "fill.issue":
                 token, _, _ = self.stored[block, sb]
-                self.loads[block, sb] = self.call(torch.ops.slc.unstash.default, (token,), f"load_blk{block}_sb{sb}")
+                self.loads[block, sb] = self.call(torch.ops.slc.unstash.default, (token,), f"load_blk{block}_sb{sb}",
+                                                  _moves(block, sb, "unstash"))
             elif kind == "fill.wait":
                 _, _, meta = self.stored[block, sb]
                 self.filled.add((block, sb))
                 self.hidden[sb] = self.call(torch.ops.slc.unstash_wait.default, (self.loads.pop((block, sb)), *meta),
-                                            f"h_blk{block + 1}_sb{sb}")
+                                            f"h_blk{block + 1}_sb{sb}", _moves(block, sb, "unstash_wait"))
             elif kind != "compute":
                 raise ValueError(f"generate: a generation pass has no step {step.text()!r}")
             elif step.region == "prefix":
-                captured = self.call(capture_pass, (self.run, self.phase, self.inputs, parts, batch), "prefix")
+                captured = self.call(capture_pass, (self.run, self.phase, self.inputs, parts, batch), "prefix",
+                                     SlcMeta("prefix"))
                 self.calls = self.call(operator.getitem, (captured, 0), "calls")
                 self.shared = self.call(operator.getitem, (captured, 1), "shared")
                 for position, (part, _, _) in enumerate(parts):
@@ -267,11 +303,12 @@ class _Lowering:
             elif step.region == "suffix" and sb is not None:
                 _, start, rows = parts[self.position[sb]]
                 part = self.call(tail_part, (self.run, self.inputs, start, rows, batch, self.outputs.pop(sb)),
-                                 f"logits_sb{sb}")
+                                 f"logits_sb{sb}", SlcMeta("suffix", None, sb))
                 self.logits = self.call(put_rows, (self.logits, part, start, batch), "logits")
             elif step.region == "suffix":
                 outputs = [self.outputs.pop(part) for part, _, _ in parts]
-                self.logits = self.call(tails, (self.run, self.inputs, parts, batch, self.shared, *outputs), "logits")
+                self.logits = self.call(tails, (self.run, self.inputs, parts, batch, self.shared, *outputs), "logits",
+                                        SlcMeta("suffix"))
             else:
                 self.compute(block, sb)
         left = [f"spill.wait {format_tag('block', *where)}" for where in sorted(self.stored.keys() - self.waited)]

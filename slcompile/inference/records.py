@@ -25,7 +25,7 @@ class GenerationStep:
         phase: "prefill" or "decode".
         subbatches: the sub-batches computed (a decode step skips finished ones).
         schedule: the pass's `Schedule` (`slcompile.schedules.generation`), which
-            `generate` walked; its text is training's, e.g. ``decode fetch.issue
+            `generate` lowered and ran; its text is training's, e.g. ``decode fetch.issue
             blk0``, ``decode blk0.sb1``, ``decode store_kv.issue blk0.sb1``.
         bytes_moved: bytes per ``(kind, source tier, destination tier)``, nonzero only.
         seconds: the pass's wall time, measured (None in a prediction; not compared:

@@ -2,9 +2,11 @@
 `slcompile.generate`, layer-major over sub-batches.
 
 `generation_pass(request)` writes one pass's `Schedule` from a `PassRequest` (plain
-data: the layers, the sub-batches, what the tiers copy). `generate` walks that
-schedule step by step, and `explain_generation` writes the same schedules from the
-same requests and predicts their time from them, so what is explained is what runs.
+data: the layers, the sub-batches, what the tiers copy). `generate` lowers that
+schedule to a pass graph (`slcompile.inference.pass_graph`) and runs it, and
+`explain_generation` writes the same schedules from the same requests, lowers them
+the same way and predicts their memory and time from those graphs, so what is
+explained is what runs.
 
 The steps are training's (`slcompile.schedules.base`), with phase "prefill" or
 "decode":
