@@ -274,7 +274,7 @@ def _size_host_pool(state, report) -> None:
     streamed = [pair for block in state.streamed.blocks for pair in block] if on_host else []
     values = {i.name: i.value for i in state.inputs}
     offloaded = report.offloaded_activations
-    activations = [name for name, tier in zip(offloaded.names, offloaded.tiers or [None] * len(offloaded.names))
+    activations = [name for name, tier in zip(offloaded.names, offloaded.tiers)
                    if (tier or state.config.activations) == "host"] if offloaded is not None else []
     engine.reserve_host(
         report.memory.peak_bytes["host"] - engine.host_bytes_of(key for _, key in streamed)

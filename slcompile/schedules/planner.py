@@ -49,7 +49,7 @@ from slcompile.schedules.base import SavedActivation, ScheduleRequest, Step
 
 __all__ = [
     "MIN_HIDDEN_STEPS", "TransferTiming", "UnitLifetime", "unit_lifetimes", "choose_stashes", "kept_bytes",
-    "describe", "store_wait_at", "load_issue_at",
+    "describe", "store_wait_at", "load_issue_at", "without_kept",
 ]
 
 MIN_HIDDEN_STEPS = 2
@@ -209,15 +209,15 @@ def kept_bytes(schedule) -> int:
     if request is None or request.saved is None or not request.activations_offloaded:
         return 0
     stashed = schedule.stashes()
-    units = unit_lifetimes(list(schedule.steps), _leaving(schedule), request.timing)
+    units = unit_lifetimes(list(schedule.steps), without_kept(request.saved, schedule.kept_saved), request.timing)
     kept_saved = sum(a.nbytes for a in request.saved
                      if a.stays is None and a.owner in stashed and a.name in schedule.kept_saved)
     return kept_saved + sum(unit.nbytes for unit in units.values() if unit.unit not in stashed)
 
 
-def _leaving(schedule) -> tuple[SavedActivation, ...]:
-    """The request's saved tensors but those the schedule keeps by name (`kept_saved`)."""
-    return tuple(a for a in schedule.request.saved if a.name not in schedule.kept_saved)
+def without_kept(saved, kept_saved) -> tuple[SavedActivation, ...]:
+    """The saved tensors but those a schedule keeps by name (`Schedule.kept_saved`)."""
+    return tuple(a for a in saved if a.name not in kept_saved)
 
 
 def describe(schedule) -> tuple[str, ...]:
@@ -227,7 +227,7 @@ def describe(schedule) -> tuple[str, ...]:
         return ()
     stashed, tiers = schedule.stashes(), schedule.stash_tiers()
     lines = []
-    units = unit_lifetimes(list(schedule.steps), _leaving(schedule), request.timing)
+    units = unit_lifetimes(list(schedule.steps), without_kept(request.saved, schedule.kept_saved), request.timing)
     for unit in sorted(units.values(), key=lambda u: (-u.idle_steps, -u.nbytes)):
         region, block, subbatch = unit.unit
         why = f"{unit.nbytes} B, idle {unit.idle_steps} steps"

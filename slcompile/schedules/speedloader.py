@@ -27,7 +27,7 @@ from slcompile.schedules.base import (
     next_region,
 )
 from slcompile.schedules.policy import Policy
-from slcompile.schedules.planner import choose_stashes, load_issue_at, store_wait_at, unit_lifetimes
+from slcompile.schedules.planner import choose_stashes, load_issue_at, store_wait_at, unit_lifetimes, without_kept
 
 __all__ = [
     "speedloader_schedule", "layer_major_compute", "add_stashes", "add_spills", "add_stores", "SPEEDLOADER",
@@ -91,7 +91,7 @@ def add_stashes(steps: list[Step], request: ScheduleRequest, keep=lambda step: F
     if request.saved is None:
         leaving = []
     else:
-        saved = tuple(a for a in request.saved if a.name not in kept_saved)
+        saved = without_kept(request.saved, kept_saved)
         lifetimes = unit_lifetimes(steps, saved, request.timing)
         chosen = choose_stashes([lifetimes[unit] for unit in units if unit in lifetimes], request)
         units = [unit for unit in units if unit in chosen]
