@@ -15,6 +15,7 @@ Usage:
     python -m bench overhead ...              # bench/overhead_bench.py
     python -m bench time ...                  # bench/time_bench.py
     python -m bench tune ...                  # bench/tune_bench.py
+    python -m bench explain [--calls 200]     # bench/explain_bench.py
     python -m bench soak [--steps 1000]       # bench/soak_bench.py
     python -m bench gpu [--small|--cpu-smoke] # bench/gpu_bench.py (CUDA)
     python -m bench gpu --check [--out DIR]   # bench/gpu_check.py: the CUDA validation in one command
@@ -91,6 +92,8 @@ SCENARIOS = (
              "host us per slc:: op"),
     Scenario("compile", "compile_bench.py", (), ("--quick",),
              "compile seconds of a training step: speedloader + Inductor at K and depth vs plain Inductor"),
+    Scenario("explain", "explain_bench.py", ("--calls", "200"), ("--calls", "20"),
+             "resident memory of a sweep of explain calls on one model: capture guards released vs kept"),
     Scenario("soak", "soak_bench.py", ("--steps", "300"), ("--steps", "20", "--warmup", "5"),
              "many training steps with weights, activations and AdamW states on nvme: resident memory, open "
              "files and arena disk bytes per step (growth after warm-up)"),
