@@ -21,13 +21,14 @@ from slcompile.errors import OptionError
 if TYPE_CHECKING:
     from slcompile.analysis.machine import MachineProfile
 
-__all__ = ["SpeedLoaderConfig", "options", "check_names", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "GRADIENTS", "GENERATION_ONLY", "parse_bytes", "resolve", "environment_variable"]
+__all__ = ["SpeedLoaderConfig", "options", "check_names", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "SUFFIXES", "GRADIENTS", "GENERATION_ONLY", "parse_bytes", "resolve", "environment_variable"]
 
 LOWERINGS = ("inductor", "aot_eager")
 TIERS = ("device", "host", "nvme")
 SCHEDULES = ("speedloader", "grad_accumulation", "no_offload", "lifetime_aware", "spilling", "zigzag_spilling")
 ON_REFUSAL = ("fallback", "raise")
 RECOMPUTE = ("auto", "none", "blocks")
+SUFFIXES = ("auto", "whole", "subbatches")
 GRADIENTS = ("auto",) + TIERS
 GENERATION_ONLY = ("kv_cache", "prefill_subbatches")
 """The options only `slcompile.generate` reads (a compiled step keeps no KV cache)."""
@@ -120,6 +121,19 @@ class SpeedLoaderConfig:
             step would not fit `memory_budget` with the activations whose transfers
             hide behind compute stashed (then it recomputes; stashing everything,
             hidden or not, comes last).
+        suffix: how the suffix of a compiled step (what runs after the last
+            block: the final norm, the head and the loss) meets the sub-batches. "whole" runs it once on
+            the whole batch, the last block's K outputs concatenated: the head's
+            weight is read once and its kernels run once, where per sub-batch a
+            step reads and runs them K times (on a small model that is most of a
+            step's time). "subbatches" runs it per sub-batch, the loss combined from
+            the K parts: the suffix's temporaries (the logits' float copies, their
+            gradient) are then a sub-batch's, not the batch's. "auto" (default) is
+            the policy's own choice (`Policy.suffix`: "whole" for the built-in
+            layer-major policies, "subbatches" for grad_accumulation, whose
+            micro-batches each run everything, and for a policy that does not
+            say); under a `memory_budget` that no plan meets with the suffix
+            whole, the step is planned again with it per sub-batch.
         memory_budget: the device tier's limit for one training step, in bytes or as
             a string ("2GiB", "512MB"); None means no limit. The peak is predicted
             from the compiled graphs before anything runs; when no plan fits,
@@ -186,6 +200,7 @@ class SpeedLoaderConfig:
     activations: str = "device"
     min_offload_bytes: int = 64 * 1024
     recompute: str = "auto"
+    suffix: str = "auto"
     memory_budget: int | str | None = None
     gradients: str = "auto"
     host_memory: int | str | None = None
@@ -212,6 +227,7 @@ class SpeedLoaderConfig:
         _check_choice("activations", self.activations, TIERS)
         _check_int("min_offload_bytes", self.min_offload_bytes, minimum=0)
         _check_choice("recompute", self.recompute, RECOMPUTE)
+        _check_choice("suffix", self.suffix, SUFFIXES)
         _check_choice("gradients", self.gradients, GRADIENTS)
         if self.memory_budget is not None:
             object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget, "memory_budget"))

@@ -40,6 +40,7 @@ from slcompile.pipeline import run_pipeline
 from slcompile.runtime.facts import process_facts
 from slcompile.runtime.weights import loading_released_weights
 from slcompile.schedules.planner import describe
+from slcompile.schedules.policies import suffix_plans
 
 __all__ = ["Explanation", "GraphExplanation", "explain"]
 
@@ -258,7 +259,12 @@ def explain(
 
     def explain_graph(gm: torch.fx.GraphModule, example_inputs):
         try:
-            graphs.append(_explain_graph(gm, example_inputs, planned, optimizer, optimizer_options, machine, tiers))
+            # As the backend: under a budget the whole suffix does not fit, per sub-batch.
+            for asked in suffix_plans(planned):
+                graph = _explain_graph(gm, example_inputs, asked, optimizer, optimizer_options, machine, tiers)
+                if graph.budget_error is None:
+                    break
+            graphs.append(graph)
         except (OptionError, OffloadError) as err:
             # What torch.compile raises for it: Dynamo re-raises a CompileError as it
             # is, where it would wrap anything else in its BackendCompilerFailed.

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from slcompile.analysis.batch_propagation import PROPAGATE_BATCH_CODE, BatchPlan, propagate_batch
+from slcompile.analysis.batch_propagation import PROPAGATE_BATCH_CODE, BatchPlan, propagate_batch, run_suffix_whole
 from slcompile.analysis.inputs import GraphInput, classify_inputs
 from slcompile.analysis.machine import ProcessFacts
 from slcompile.analysis.memory import MemoryPrediction, predict_memory
@@ -68,7 +68,7 @@ from slcompile.plans import StreamerPlan, new_name
 from slcompile.schedules.base import STASH_TIERS, Schedule, recompute_text
 from slcompile.schedules.derive import schedule_of
 from slcompile.schedules.planner import TransferTiming
-from slcompile.schedules.policies import BUILTIN_POLICIES, plan_schedule
+from slcompile.schedules.policies import BUILTIN_POLICIES, plan_schedule, suffix_choices
 from slcompile.schedules.validate import check_agreement
 
 __all__ = [
@@ -214,7 +214,13 @@ def _propagate(state: PipelineState) -> PipelineState:
         state.config.num_subbatches,
         state.blocks.regions,
     )
-    return dataclasses.replace(state, plan=plan)
+    notes = state.notes
+    if suffix_choices(state.config)[0]:
+        plan, reason = run_suffix_whole(state.gm, plan, state.blocks.regions)
+        if reason is not None:
+            log.info("speedloader: %s", reason)
+            notes += (reason,)
+    return dataclasses.replace(state, plan=plan, notes=notes)
 
 
 def _check(state: PipelineState) -> PipelineState:
@@ -230,6 +236,7 @@ def _plan_schedule(state: PipelineState) -> PipelineState:
         activations_offloaded=machine.copies(config.activations),
         gradients_offloaded=weights_streamed and gradients_leave(config, state.blocks, state.inputs, state.facts),
         stash_tiers=tuple(tier for tier in STASH_TIERS if machine.copies(tier)),
+        whole_suffix=state.plan.whole_suffix,
     )
     notes = state.notes
     if schedule.recompute is not None and schedule.request.backward:
@@ -287,7 +294,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("classify_inputs", "dynamo", "analysis", _classify, required=True, code=(classify_inputs,)),
     Pass("find_blocks", "dynamo", "analysis", _find_blocks, required=True, code=(find_blocks,)),
     Pass("find_batch_dim", "dynamo", "analysis", _find_batch_dim, required=True, code=(find_batch_dim,)),
-    Pass("propagate_batch", "dynamo", "analysis", _propagate, required=True, code=PROPAGATE_BATCH_CODE),
+    Pass("propagate_batch", "dynamo", "analysis", _propagate, required=True, code=(*PROPAGATE_BATCH_CODE, run_suffix_whole)),
     Pass("check_splittable", "dynamo", "check", _check, code=(check_splittable,)),
     # The schedule orders every later stage's graphs, interleaved or not.
     Pass("plan_schedule", "dynamo", "analysis", _plan_schedule, required=True, code=(plan_schedule,)),
@@ -560,11 +567,12 @@ def _predict_memory(step: StepState):
 
 
 def _derive_schedule(step: StepState) -> Schedule:
-    if "inference" in step.graphs:
-        derived = schedule_of(step.graphs["inference"])
-    else:
-        derived = schedule_of(step.graphs["forward"], step.graphs["backward"])
     planned = step_schedule(step)
+    whole_suffix = planned is not None and planned.request is not None and planned.request.whole_suffix
+    if "inference" in step.graphs:
+        derived = schedule_of(step.graphs["inference"], whole_suffix=whole_suffix)
+    else:
+        derived = schedule_of(step.graphs["forward"], step.graphs["backward"], whole_suffix=whole_suffix)
     if planned is not None and planned.policy is not None:
         if "inference" in step.graphs and planned.request.backward:
             # The Dynamo stage plans a training step; AOTAutograd found nothing to

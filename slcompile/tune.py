@@ -262,6 +262,7 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
     from slcompile.pipeline import run_pipeline
     from slcompile.report import CompileReport
     from slcompile.runtime.facts import process_facts
+    from slcompile.schedules.policies import suffix_plans
 
     tiers = tiers or [(options.get("weights", "device"), options.get("activations", "device"))]
     if num_subbatches is None:
@@ -295,10 +296,20 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
                 else:
                     config = SpeedLoaderConfig.from_options(chosen)
                 try:
-                    state = run_pipeline(gm, example_inputs, config, facts=process_facts(config, example_inputs))
-                    report = CompileReport(config=config)
-                    lower(state.gm, example_inputs, "aot_eager", report,
-                          plan_with_optimizer(state, optimizer, optimizer_options))
+                    # As the backend plans it: the suffix whole, else (under "auto") per sub-batch.
+                    for attempt, planned in enumerate(suffix_plans(config)):
+                        try:
+                            state = run_pipeline(gm, example_inputs, planned,
+                                                 facts=process_facts(planned, example_inputs))
+                            report = CompileReport(config=planned)
+                            lower(state.gm, example_inputs, "aot_eager", report,
+                                  plan_with_optimizer(state, optimizer, optimizer_options))
+                            break
+                        except BudgetError:
+                            if attempt == len(suffix_plans(config)) - 1:
+                                raise
+                    if planned.suffix == "subbatches" and config.suffix == "auto":
+                        chosen["suffix"] = "subbatches"
                 except (RefusedError, PolicyError) as err:
                     # A policy's schedule may be compilable for one plan and not for
                     # another (a fetch placed by hand, say): the others are still tried.

@@ -13,9 +13,10 @@ from torch import nn
 from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
 
 __all__ = ["GPTConfig", "TinyGPT", "make_gpt_batch", "hf_gpt2", "hf_llama", "Stack", "BatchNormBlock",
-           "EXPECTED_SCHEDULE_K2", "step_beside_eager"]
+           "EXPECTED_SCHEDULE_K2", "EXPECTED_SCHEDULE_K2_PER_SUBBATCH", "step_beside_eager"]
 
-# The schedule of any 2-block model at K=2 (speedloader's order), as explain() prints it.
+# The schedule of any 2-block model at K=2 (speedloader's order), as explain() prints
+# it: the suffix once, on the whole batch (the default), or per sub-batch.
 EXPECTED_SCHEDULE_K2 = """\
 fwd prefix.sb0
 fwd prefix.sb1
@@ -23,16 +24,16 @@ fwd blk0.sb0
 fwd blk0.sb1
 fwd blk1.sb0
 fwd blk1.sb1
-fwd suffix.sb0
-fwd suffix.sb1
-bwd suffix.sb1
-bwd suffix.sb0
+fwd suffix
+bwd suffix
 bwd blk1.sb1
 bwd blk1.sb0
 bwd blk0.sb1
 bwd blk0.sb0
 bwd prefix.sb1
 bwd prefix.sb0"""
+EXPECTED_SCHEDULE_K2_PER_SUBBATCH = EXPECTED_SCHEDULE_K2.replace(
+    "fwd suffix\nbwd suffix", "fwd suffix.sb0\nfwd suffix.sb1\nbwd suffix.sb1\nbwd suffix.sb0")
 
 
 class Stack(nn.Module):

@@ -50,7 +50,7 @@ def zigzag_registered():
     before = dict(POLICIES)
     import zigzag_policy  # its import registers the name too
 
-    register_policy(Policy("zigzag_test", zigzag_policy.zigzag), replace=True)
+    register_policy(Policy("zigzag_test", zigzag_policy.zigzag, suffix="whole"), replace=True)
     yield
     POLICIES.clear()
     POLICIES.update(before)
@@ -173,7 +173,8 @@ def test_write_puts_every_picture_in_one_folder(comparison, tmp_path):
     assert (tmp_path / "table.txt").read_text() == comparison.table() + "\n"
     assert (tmp_path / "schedule.diff").read_text() == comparison.schedule_diff() + "\n"
     for policy in COMPARED:
-        assert (tmp_path / policy / "forward.dot").read_text().count("runs 1/2") >= 4
+        # The prefix and each block: runs of K=2 sub-batches (the suffix runs whole).
+        assert (tmp_path / policy / "forward.dot").read_text().count("runs 1/2") >= 3
         assert json.loads((tmp_path / policy / "trace.json").read_text())["traceEvents"]
         assert (tmp_path / policy / "schedule.txt").read_text() == comparison[policy].schedule + "\n"
     assert written["timelines"][0].stat().st_size > 0

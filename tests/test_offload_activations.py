@@ -53,7 +53,8 @@ def test_tiny_gpt_with_activations_on_nvme_matches_eager(k, recompute):
 
 def _recomputing(units):
     """Speedloader's schedule, recomputing the (block, sub-batch) units `units`."""
-    return Policy("some_units", lambda request: dataclasses.replace(speedloader_schedule(request), recompute=units))
+    return Policy("some_units", lambda request: dataclasses.replace(speedloader_schedule(request), recompute=units),
+                  suffix="whole")
 
 
 def test_block_recompute_saves_only_each_block_input():
@@ -75,10 +76,11 @@ def test_block_recompute_saves_only_each_block_input():
         into["bytes"] = int(report.offloaded_activations.bytes)
         into["peak"] = report.memory.step_peak_bytes
     # One (batch/K, seq, d_model) tensor per sub-batch at each block boundary: the
-    # prefix's output and every block's output (the last one feeds the final norm).
+    # prefix's output and every block's output but the last (the suffix, run on the
+    # whole batch, saves the last outputs concatenated, on the device).
     boundary = 4 * CFG.seq_len * CFG.d_model * 4
-    assert len(recomputed["names"]) == (CFG.n_layers + 1) * 2
-    assert recomputed["bytes"] == (CFG.n_layers + 1) * 2 * boundary
+    assert len(recomputed["names"]) == CFG.n_layers * 2
+    assert recomputed["bytes"] == CFG.n_layers * 2 * boundary
     assert kept["bytes"] > 4 * recomputed["bytes"]
     assert recomputed["peak"] < kept["peak"]
     # Each unit saves what the option would make it save: the units recomputed one
@@ -234,7 +236,9 @@ def test_under_a_budget_the_planner_stashes_the_longest_idle_activations_it_need
 
     cfg = GPTConfig(n_layers=3)
     idx, targets = make_gpt_batch(cfg, 8)
-    options = {**OFFLOAD, "num_subbatches": 2}
+    # The suffix whole throughout: under "auto", a budget the whole suffix misses
+    # would be met with it per sub-batch before the activations' plans are told apart.
+    options = {**OFFLOAD, "num_subbatches": 2, "suffix": "whole"}
     roomy = slcompile.explain(TinyGPT(cfg), idx, targets, **options, memory_budget="1GiB").graphs[0]
     # Keeping fits: nothing moves.
     assert roomy.memory.peak_bytes["nvme"] == 0 and all(": keep (" in line for line in roomy.activation_plan)
@@ -260,7 +264,7 @@ def test_under_a_budget_the_planner_stashes_the_longest_idle_activations_it_need
 
     # A budget below what stashing every activation reaches: "auto" recomputes the
     # blocks; "none" (the user's choice) tried every activation stashed and refuses.
-    tight = int(0.6 * keep_peak)
+    tight = int(0.55 * keep_peak)
     auto = slcompile.explain(TinyGPT(cfg), idx, targets, **options, memory_budget=tight).graphs[0]
     assert auto.memory.recompute == "blocks" and auto.memory.peak_bytes["device"] <= tight
     kept = slcompile.explain(TinyGPT(cfg), idx, targets, **options, memory_budget=tight, recompute="none").graphs[0]

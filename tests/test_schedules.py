@@ -139,10 +139,8 @@ fwd fetch.issue blk2@bwd
 fwd fetch.wait blk2
 fwd blk2.sb0
 fwd blk2.sb1
-fwd suffix.sb0
-fwd suffix.sb1
-bwd suffix.sb1
-bwd suffix.sb0
+fwd suffix
+bwd suffix
 bwd fetch.issue blk1
 bwd fetch.wait blk2
 bwd blk2.sb1

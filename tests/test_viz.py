@@ -18,7 +18,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import slcompile
-from models import EXPECTED_SCHEDULE_K2, GPTConfig, TinyGPT, make_gpt_batch
+from models import EXPECTED_SCHEDULE_K2_PER_SUBBATCH, GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.meta import SlcMeta, set_slc_meta
 from slcompile.passes.annotate_streams import (
     COMM,
@@ -41,7 +41,8 @@ from slcompile.viz.summary import summarize_schedule
 from slcompile.viz.trace import chrome_trace, lane_stream, trace_lanes
 
 CFG = GPTConfig(n_layers=2)
-OPTIONS = {"lowering": "aot_eager", "num_subbatches": 2, "weights": "nvme"}
+# The suffix per sub-batch: the drawings' split and combine boxes and per-sub-batch markers.
+OPTIONS = {"lowering": "aot_eager", "num_subbatches": 2, "weights": "nvme", "suffix": "subbatches"}
 PARAMS_PER_BLOCK = 12  # ln1, qkv, proj, ln2, fc, out: weight and bias each
 
 pytestmark = pytest.mark.filterwarnings("ignore:'setParseAction' deprecated")  # pydot's own parser
@@ -84,7 +85,7 @@ def _dot_nodes(graph: pydot.Dot):
 def test_schedule_text_and_summary(compiled_step):
     report, _ = compiled_step
     compute = [line for line in report.schedule.splitlines() if len(line.split()) == 2]
-    assert compute == EXPECTED_SCHEDULE_K2.splitlines()
+    assert compute == EXPECTED_SCHEDULE_K2_PER_SUBBATCH.splitlines()
     assert "fwd fetch.issue blk1\nfwd fetch.wait blk0\nfwd blk0.sb0" in report.schedule
     assert summarize_schedule(report.schedule) == (
         "fwd prefix.sb0-1 blk0.sb0-1 blk1.sb0-1 suffix.sb0-1\n"

@@ -22,6 +22,8 @@ __all__ = [
     "BlockOrder",
     "block_order",
     "step_order",
+    "runs_suffix_whole",
+    "unit_key",
     "layer_major_violations",
     "sample_major_violations",
     "grads_ready_before_next_block",
@@ -49,16 +51,41 @@ def block_order(gm: torch.fx.GraphModule) -> BlockOrder:
     return BlockOrder(tuple(steps))
 
 
-def step_order(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+def runs_suffix_whole(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph runs the suffix once on the whole batch (`suffix="whole"`):
+    it computes in the suffix, and no suffix op computes for one sub-batch."""
+    suffix = [meta for node in gm.graph.nodes if is_compute(node)
+              and (meta := get_slc_meta(node)) is not None and meta.region == "suffix"]
+    return bool(suffix) and all(meta.subbatch is None for meta in suffix)
+
+
+def unit_key(meta, whole_suffix: bool) -> tuple[str, int | None, int | None] | None:
+    """The compute step (region, block, sub-batch) a node tagged `meta` runs in: its
+    (region, block, sub-batch), ("suffix", None, None) for the suffix run whole
+    (`whole_suffix`), None for work shared by the sub-batches or untagged."""
+    if meta is None:
+        return None
+    if meta.subbatch is not None:
+        return meta.region, meta.block if meta.region == "block" else None, meta.subbatch
+    if whole_suffix and meta.region == "suffix":
+        return "suffix", None, None
+    return None
+
+
+def step_order(gm: torch.fx.GraphModule, whole_suffix: bool | None = None) -> tuple[str, ...]:
     """The tags of the ops that compute for one sub-batch (prefix, blocks and suffix),
     runs collapsed: the steps a schedule's text lists for this graph's phase
-    (`fwd blk3.sb1` -> `blk3.sb1`). Shared and combining ops are left out."""
+    (`fwd blk3.sb1` -> `blk3.sb1`). Shared and combining ops are left out, but for a
+    suffix run on the whole batch (`whole_suffix`; None: `runs_suffix_whole(gm)`),
+    whose ops are one `suffix` step."""
+    if whole_suffix is None:
+        whole_suffix = runs_suffix_whole(gm)
     steps: list[str] = []
     for node in gm.graph.nodes:
         if not is_compute(node):
             continue
         meta = get_slc_meta(node)
-        if meta is None or meta.subbatch is None:
+        if meta is None or meta.subbatch is None and not (whole_suffix and meta.region == "suffix"):
             continue
         if not steps or steps[-1] != meta.tag:
             steps.append(meta.tag)

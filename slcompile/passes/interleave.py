@@ -106,6 +106,8 @@ class _Interleaver:
         self.sub_size: dict[str, torch.fx.Node] = {}
         # Per sub-batch denominators of means: label counts, element counts.
         self.counts: dict[tuple[str, int], torch.fx.Node] = {}
+        # Per-sub-batch values concatenated back, by node name: each once.
+        self.concatenated: dict[str, torch.fx.Node] = {}
         self.emitted_order: list[str] = []
 
     # -- regions and items -------------------------------------------------
@@ -223,6 +225,10 @@ class _Interleaver:
             region, block = "block", self.blocks.blocks[region_index - 1].index
         first = self.order.first(region, block)
         first = 0 if first is None else first
+        if region == "suffix" and self.plan.whole_suffix:
+            # One run of the suffix: its ops in the graph's order (an in-place write,
+            # `shifted[..., 1:] = labels[..., :-1]`, before what reads the tensor after it).
+            return first, 0, index
         if slot == _SHARED:
             return first, -1 if self.order.contiguous(region, block) else 0, index
         if slot == _COMBINE:
@@ -252,7 +258,9 @@ class _Interleaver:
         _, region, block = self._region(node)
         subbatch = slot if isinstance(slot, int) else None
         block_index = self.blocks.blocks[block].index if block is not None else None
-        role = "combine" if slot == _COMBINE else "compute"
+        # A suffix run whole is the suffix's compute, however its nodes read the sub-batches.
+        whole = region == "suffix" and self.plan.whole_suffix
+        role = "combine" if slot == _COMBINE and not whole else "compute"
         return SlcMeta(region=region, block=block_index, subbatch=subbatch, role=role)
 
     def _new_node(self, op, target, args, kwargs, like: torch.fx.Node, meta: SlcMeta, name=None):
@@ -430,18 +438,30 @@ class _Interleaver:
         return total
 
     def _concat_and_run(self, node, meta: SlcMeta) -> torch.fx.Node:
-        """The op runs once on the sub-batches concatenated back: exact, at full size."""
+        """The op runs once on the sub-batches concatenated back: exact, at full size.
+        A batch size given as an input is the sum of the sub-batches' (with a dynamic
+        batch, `K * (batch // K)`, as the concatenated tensors' sizes are: the input
+        itself would make Dynamo guard that the two are equal)."""
 
         def lookup(n: torch.fx.Node):
             split = self.plan.nodes[n.name]
+            if split.kind == "batched" and n.op == "placeholder" and split.out_bdims == BATCHED_INT:
+                if n.name not in self.concatenated:
+                    self.concatenated[n.name] = self._add_all([self.values[(n.name, k)] for k in range(self.k)],
+                                                              n, dataclasses.replace(meta, role="combine"), n.name)
+                return self.concatenated[n.name]
             if split.kind == "batched":
                 if not isinstance(split.out_bdims, int):
                     raise RefusedError(
                         f"node {node.name} mixes samples of {n.name}, which has no single batch dimension",
                         "interleave",
                     )
-                parts = [self.values[(n.name, k)] for k in range(self.k)]
-                return self._new_node("call_function", torch.cat, (parts,), {"dim": split.out_bdims}, n, meta)
+                if n.name not in self.concatenated:
+                    parts = [self.values[(n.name, k)] for k in range(self.k)]
+                    joined = dataclasses.replace(meta, role="combine")
+                    self.concatenated[n.name] = self._new_node(
+                        "call_function", torch.cat, (parts,), {"dim": split.out_bdims}, n, joined)
+                return self.concatenated[n.name]
             if split.kind == "combine":
                 return self.values[(n.name, _COMBINE)]
             return self.values[(n.name, _SHARED)]

@@ -42,6 +42,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from slcompile.analysis.order import runs_suffix_whole, unit_key
 from slcompile.analysis.lifetimes import tensor_bytes
 from slcompile.compat import optimization_hint
 from slcompile.meta import SlcMeta, get_slc_meta, set_slc_meta
@@ -187,14 +188,16 @@ def _bytes_hint(value: torch.Tensor) -> int:
 
 def _step_of_nodes(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, tuple | None], dict[tuple, torch.fx.Node]]:
     """(node -> the compute step it runs in: the step of the last node at or before
-    it that computes for one sub-batch; step -> its first such node)."""
+    it that computes for one sub-batch, or for the suffix run whole; step -> its
+    first such node)."""
     current = None
     step_of: dict[torch.fx.Node, tuple | None] = {}
     first: dict[tuple, torch.fx.Node] = {}
+    whole = runs_suffix_whole(gm)
     for node in gm.graph.nodes:
-        meta = get_slc_meta(node) if is_compute(node) else None
-        if meta is not None and meta.subbatch is not None:
-            current = (meta.region, meta.block if meta.region == "block" else None, meta.subbatch)
+        key = unit_key(get_slc_meta(node), whole) if is_compute(node) else None
+        if key is not None:
+            current = key
             first.setdefault(current, node)
         step_of[node] = current
     return step_of, first

@@ -31,6 +31,7 @@ import sympy
 import torch
 import torch.fx
 
+from slcompile.analysis.order import runs_suffix_whole, unit_key
 from slcompile.analysis.lifetimes import tensor_bytes
 from slcompile.errors import PolicyError
 from slcompile.meta import SlcMeta, get_slc_meta, set_slc_meta
@@ -59,11 +60,8 @@ class SpilledBoundaries:
     stored_bytes: sympy.Expr = sympy.Integer(0)
 
 
-def _key_of(node: torch.fx.Node) -> tuple[str, int | None, int] | None:
-    meta = get_slc_meta(node)
-    if meta is None or meta.subbatch is None:
-        return None
-    return meta.region, meta.block if meta.region == "block" else None, meta.subbatch
+def _key_of(node: torch.fx.Node, whole_suffix: bool) -> tuple[str, int | None, int | None] | None:
+    return unit_key(get_slc_meta(node), whole_suffix)
 
 
 def _tagged(node: torch.fx.Node, key: tuple, role: str) -> torch.fx.Node:
@@ -72,18 +70,21 @@ def _tagged(node: torch.fx.Node, key: tuple, role: str) -> torch.fx.Node:
     return node
 
 
-def boundary_outputs(fw: torch.fx.GraphModule, key: tuple, reader: tuple) -> tuple[list[torch.fx.Node], str | None]:
+def boundary_outputs(fw: torch.fx.GraphModule, key: tuple, reader: tuple,
+                     whole_suffix: bool = False) -> tuple[list[torch.fx.Node], str | None]:
     """The tensors the unit `key` makes that, outside itself, only `reader` reads
-    (slc ops and the graph's output aside), and why none can spill if one of them
-    is a view of another tensor (its memory is its base's), else None."""
+    (slc ops and the graph's output aside; `whole_suffix`: the suffix runs once,
+    its key is ("suffix", None, None)), and why none can spill if one of them is a
+    view of another tensor (its memory is its base's), else None."""
     found, problem = [], None
     for node in fw.graph.nodes:
-        if node.op != "call_function" or is_slc_op(node) or _key_of(node) != key:
+        if node.op != "call_function" or is_slc_op(node) or _key_of(node, whole_suffix) != key:
             continue
         if not isinstance(node.meta.get("val"), torch.Tensor):
             continue
-        outside = [u for u in node.users if u.op != "output" and not is_slc_op(u) and _key_of(u) != key]
-        if not outside or any(_key_of(u) != reader for u in outside):
+        outside = [u for u in node.users if u.op != "output" and not is_slc_op(u)
+                   and _key_of(u, whole_suffix) != key]
+        if not outside or any(_key_of(u, whole_suffix) != reader for u in outside):
             continue
         if _base(node) is not node:
             problem = f"its output {node.name} reaches the next region as a view of {_base(node).name}"
@@ -128,6 +129,7 @@ def spill_boundaries(
     request = schedule.request
     output = fw.graph.output_node()
     _, first = _step_of_nodes(fw)
+    whole = runs_suffix_whole(fw)
     sizes = _SizeSources(fw, set())
     outputs = list(output.args[0])
     spilled: dict[tuple, list[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]]] = {}  # key -> (h, source, token)
@@ -137,7 +139,7 @@ def spill_boundaries(
         key = step.key
         if step.kind == "spill.issue":
             reader = next_region(key, request)
-            nodes, problem = boundary_outputs(fw, key, reader)
+            nodes, problem = boundary_outputs(fw, key, reader, whole)
             if not nodes:
                 raise PolicyError(policy, f"the compiled forward has no output of `{step.tag}` that only "
                                           f"`{Step('fwd', *reader).tag}` reads ({problem or 'nothing to spill'})",
@@ -157,15 +159,15 @@ def spill_boundaries(
                 elif step.kind == "fill.issue":
                     node = loads[h] = fw.graph.call_function(UNSTASH, (token,))
                     node.meta["val"] = fake_token()
-                    _tagged(node, _key_of(anchor) or key, "load")
+                    _tagged(node, _key_of(anchor, whole) or key, "load")
                 else:
                     value = h.meta["val"]
                     node = fw.graph.call_function(UNSTASH_WAIT, (loads[h], sizes.emit(value.shape), value.dtype,
                                                                  value.device))
                     node.meta["val"] = value.contiguous()
-                    _tagged(node, _key_of(anchor) or key, "load")
+                    _tagged(node, _key_of(anchor, whole) or key, "load")
                     reader = next_region(key, request)
-                    h.replace_all_uses_with(node, delete_user_cb=lambda user, reader=reader: _key_of(user) == reader
+                    h.replace_all_uses_with(node, delete_user_cb=lambda user, reader=reader: _key_of(user, whole) == reader
                                             and not is_slc_op(user))
                     outputs = [node if value is h else value for value in outputs]
     output.args = (tuple(outputs),) + tuple(output.args[1:])

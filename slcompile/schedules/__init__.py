@@ -4,7 +4,8 @@ the schedule read back from compiled graphs.
 The kit for writing a policy: the vocabulary (`Step`, `Schedule`, whose `recompute`
 names the (block, sub-batch) units the backward recomputes, `ScheduleRequest`,
 `SavedActivation`, `Policy`, `TRANSFER_KINDS`, `STASH_TIERS`), the helpers the built-in policies are made of
-(`layer_major_compute` writes the compute steps in speedloader's order; `add_fetches`,
+(`layer_major_compute` writes the compute steps in speedloader's order, `suffix_compute`
+the suffix's, once on the whole batch or per sub-batch as the request says; `add_fetches`,
 `add_stashes`, `add_spills`, `add_stores` and `add_gradient_stores` add the transfers a request
 needs around any compute order), `validate_schedule` (what every schedule a `Policy`
 returns must pass), `register_policy`, which makes a policy's name a value of the
@@ -35,6 +36,7 @@ from slcompile.schedules.speedloader import (
     add_stores,
     layer_major_compute,
     speedloader_schedule,
+    suffix_compute,
 )
 from slcompile.schedules.validate import check_agreement, validate_schedule
 
@@ -49,6 +51,7 @@ __all__ = [
     "STASH_TIERS",
     "replay",
     "layer_major_compute",
+    "suffix_compute",
     "add_fetches",
     "add_stashes",
     "add_spills",

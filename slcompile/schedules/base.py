@@ -16,6 +16,7 @@ line per step:
 
     fwd blk3.sb1                 compute of block 3, sub-batch 1, in the forward
     fwd prefix.sb0               compute before the first block (suffix: after the last)
+    fwd suffix                   the suffix, once on the whole batch (`whole_suffix`)
     fwd fetch.issue blk4         start loading block 4's weights
     fwd fetch.issue blk0@bwd     ... for the fetch of the other phase's graph (issued at
                                  the end of this graph, waited for in the next one)
@@ -87,7 +88,7 @@ SCHEDULE_FORMAT = "slcompile.schedule/1"
 
 REQUEST_FIELDS = (
     "blocks", "num_subbatches", "live_blocks", "weights_streamed", "activations_offloaded", "backward",
-    "has_prefix", "has_suffix", "gradients_offloaded",
+    "has_prefix", "has_suffix", "gradients_offloaded", "whole_suffix",
 )
 """The `ScheduleRequest` fields a schedule is written for and `to_json` keeps: what
 the compiled graph is (its blocks, K, its tiers), not what the planner learnt on the
@@ -319,7 +320,9 @@ class Schedule:
             steps.append(Step(**fields))
         request = data.get("request")
         if request is not None:
-            if not isinstance(request, dict) or set(request) != set(REQUEST_FIELDS):
+            # A schedule written before the suffix could run whole has no `whole_suffix`: False.
+            if not isinstance(request, dict) or set(request) | {"whole_suffix"} != set(REQUEST_FIELDS) \
+                    or set(request) - set(REQUEST_FIELDS):
                 raise ValueError(f"\"request\" must have exactly the fields {', '.join(REQUEST_FIELDS)}")
             request = ScheduleRequest(**{**request, "blocks": tuple(request["blocks"])})
         kept = data.get("kept_saved", [])
@@ -515,6 +518,8 @@ class ScheduleRequest:
         activations_offloaded: saved activations may rest off the device.
         backward: the step has a backward (training), not only a forward.
         has_prefix, has_suffix: whether work runs before the first block / after the last.
+        whole_suffix: the suffix runs once on the whole batch (one compute step per
+            phase, `fwd suffix`, sub-batch None), not once per sub-batch.
         gradients_offloaded: the streamed weights' gradients leave the device in the
             backward (an offloaded optimizer takes them).
         saved: the saved activations and their lifetimes, once the forward and
@@ -542,6 +547,7 @@ class ScheduleRequest:
     has_prefix: bool = True
     has_suffix: bool = True
     gradients_offloaded: bool = False
+    whole_suffix: bool = False
     saved: tuple[SavedActivation, ...] | None = None
     offload_at_least: int | None = None
     stash_everything: bool = False
@@ -560,7 +566,9 @@ def next_region(key: tuple[str, int | None, int], request: ScheduleRequest) -> t
     following = blocks if region == "prefix" else blocks[blocks.index(block) + 1:]
     if following:
         return "block", following[0], subbatch
-    return ("suffix", None, subbatch) if request.has_suffix else None
+    if not request.has_suffix:
+        return None
+    return "suffix", None, None if request.whole_suffix else subbatch
 
 
 def add_fetches(compute: list[Step], request: ScheduleRequest, *, per_subbatch: bool,

@@ -8,7 +8,8 @@ line by line with the schedule the policy wrote.
 
 - compute: every op that computes for one sub-batch (`vocabulary.is_compute`, tagged
   with a sub-batch); a line when the (region, block, sub-batch) changes. Work shared
-  by the sub-batches, combining work and untagged ops write no line.
+  by the sub-batches, combining work and untagged ops write no line, but for a
+  suffix run on the whole batch (`whole_suffix`), whose ops write one `suffix` line.
 - fetches: `slc::fetch_issue` / `slc::fetch_weight` of a `WeightKey`: the block whose
   weights they move (the block the fetches of that stored key are tagged with), the
   key's sub-batch, and, for an issue, the phase its fetch runs in.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import torch.fx
 
+from slcompile.analysis.order import runs_suffix_whole
 from slcompile.meta import get_slc_meta, parse_tag
 from slcompile.schedules.base import Schedule, Step
 from slcompile.vocabulary import StashKey, WeightKey, is_compute, is_fetch, is_stash, transfer_kind
@@ -34,17 +36,24 @@ from slcompile.vocabulary import StashKey, WeightKey, is_compute, is_fetch, is_s
 __all__ = ["schedule_of"]
 
 
-def schedule_of(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule | None = None) -> Schedule:
+def schedule_of(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule | None = None, *,
+                whole_suffix: bool | None = None) -> Schedule:
     """The schedule the compiled graphs run, forward then backward.
 
     Args:
         forward: the forward (or inference) graph.
         backward: the backward graph of a training step, or None.
+        whole_suffix: the graphs run the suffix once on the whole batch
+            (`ScheduleRequest.whole_suffix`): its ops, tagged with no sub-batch,
+            write one `suffix` line. None: read from the forward, whose suffix ops
+            then all have no sub-batch.
 
     Returns:
         the Schedule, with compute and transfer steps.
     """
     graphs = [("fwd", forward)] + ([("bwd", backward)] if backward is not None else [])
+    if whole_suffix is None:
+        whole_suffix = runs_suffix_whole(forward)
     block_of: dict[str, int | None] = {}
     stashed: dict[str, tuple[str, int | None, int | None]] = {}
     for _, gm in graphs:
@@ -60,11 +69,11 @@ def schedule_of(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule | 
                 stashed[node.name] = parse_tag(".".join(name.split(".")[:2]))
     steps: list[Step] = []
     for phase, gm in graphs:
-        steps += _steps(phase, gm, block_of, stashed)
+        steps += _steps(phase, gm, block_of, stashed, whole_suffix)
     return Schedule(tuple(steps))
 
 
-def _steps(phase: str, gm: torch.fx.GraphModule, block_of, stashed) -> list[Step]:
+def _steps(phase: str, gm: torch.fx.GraphModule, block_of, stashed, whole_suffix: bool) -> list[Step]:
     steps: list[Step] = []
     computing = None
     token_of: dict[str, str] = {}  # unstash node -> the stash token it loads
@@ -74,7 +83,7 @@ def _steps(phase: str, gm: torch.fx.GraphModule, block_of, stashed) -> list[Step
         kind = transfer_kind(node)
         if kind is None:
             meta = get_slc_meta(node) if is_compute(node) else None
-            if meta is None or meta.subbatch is None:
+            if meta is None or meta.subbatch is None and not (whole_suffix and meta.region == "suffix"):
                 continue
             step = Step(phase, meta.region, meta.block, meta.subbatch)
             if step.key != computing:

@@ -9,6 +9,8 @@ asks it for the schedule of one graph. `register_policy(policy)` adds a name the
 
 from __future__ import annotations
 
+import dataclasses
+
 from slcompile.errors import PolicyError
 from slcompile.passes.find_blocks import BlockGraph
 from slcompile.schedules.base import Schedule, ScheduleRequest
@@ -20,7 +22,7 @@ from slcompile.schedules.grad_accumulation import GRAD_ACCUMULATION
 from slcompile.schedules.speedloader import NO_OFFLOAD, SPEEDLOADER
 
 __all__ = ["POLICIES", "BUILTIN_POLICIES", "GENERATION", "policy_for", "plan_schedule", "register_policy",
-           "unknown_policy"]
+           "unknown_policy", "suffix_choices", "suffix_plans"]
 
 POLICIES: dict[str, Policy] = {
     policy.name: policy
@@ -84,6 +86,31 @@ def policy_for(schedule: str | Policy) -> Policy:
     return POLICIES[schedule]
 
 
+def suffix_choices(config) -> tuple[bool, ...]:
+    """Whether the suffix runs whole, for each plan of the `suffix` option to try in
+    order: the option's own value, or under "auto" the policy's (`Policy.suffix`),
+    then, when a `memory_budget` may refuse it, per sub-batch. One sub-batch is the
+    whole batch either way."""
+    if config.num_subbatches == 1:
+        return (False,)
+    choice = config.suffix if config.suffix != "auto" else policy_for(config.schedule).suffix
+    if choice != "whole":
+        return (False,)
+    if config.suffix == "auto" and config.memory_budget is not None:
+        return (True, False)
+    return (True,)
+
+
+def suffix_plans(config) -> list:
+    """The configs to plan a graph with, in order (`suffix_choices`): `config`
+    itself, or under "auto" with a `memory_budget`, the suffix "whole" and then, if
+    no plan meets the budget that way, "subbatches"."""
+    choices = suffix_choices(config)
+    if len(choices) == 1:
+        return [config]
+    return [dataclasses.replace(config, suffix="whole" if whole else "subbatches") for whole in choices]
+
+
 def plan_schedule(
     blocks: BlockGraph,
     config,
@@ -93,6 +120,7 @@ def plan_schedule(
     backward: bool = True,
     gradients_offloaded: bool = False,
     stash_tiers: tuple[str, ...] | None = None,
+    whole_suffix: bool = False,
 ) -> Schedule:
     """The schedule the configured policy writes for one graph's blocks.
 
@@ -105,6 +133,7 @@ def plan_schedule(
         gradients_offloaded: the streamed weights' gradients leave the device.
         stash_tiers: the tiers a unit's stash may name on this machine (None: any
             slower tier).
+        whole_suffix: the suffix runs once on the whole batch (`BatchPlan.whole_suffix`).
     """
     request = ScheduleRequest(
         blocks=tuple(block.index for block in blocks.blocks),
@@ -115,5 +144,6 @@ def plan_schedule(
         backward=backward,
         gradients_offloaded=gradients_offloaded,
         stash_tiers=stash_tiers,
+        whole_suffix=whole_suffix,
     )
     return policy_for(config.schedule)(request)

@@ -23,10 +23,18 @@ class Policy:
     Attributes:
         name: the value of the `schedule` option that selects it.
         build: `build(request) -> Schedule`.
+        suffix: how the suffix meets the sub-batches under the `suffix` option's
+            "auto": "whole" (once, on the whole batch: one `fwd suffix` step) or
+            "subbatches" (per sub-batch, the default: a policy that writes its
+            suffix steps itself, one per sub-batch, keeps working). The request
+            says which the graph does (`ScheduleRequest.whole_suffix`), and the
+            schedule must write it so; `layer_major_compute` and `suffix_compute`
+            follow it.
     """
 
     name: str
     build: Callable[[ScheduleRequest], Schedule]
+    suffix: str = "subbatches"
 
     def __call__(self, request: ScheduleRequest) -> Schedule:
         """The schedule `build` writes for `request`, checked

@@ -47,8 +47,10 @@ def replay(schedule: Schedule, name: str = "replay") -> Policy:
     if not isinstance(schedule, Schedule):
         raise PolicyError(name, f"replay takes a slcompile.schedules.Schedule, got a {type(schedule).__name__} "
                                 "(Schedule.from_json(text) or Schedule.from_text(text) reads one)")
-    return Policy(name, _Replay(name, schedule.steps, tuple(written_for(schedule).items()), schedule.kept_saved,
-                                schedule.recompute))
+    written = written_for(schedule)
+    return Policy(name, _Replay(name, schedule.steps, tuple(written.items()), schedule.kept_saved,
+                                schedule.recompute),
+                  suffix="whole" if written.get("whole_suffix") else "subbatches")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +90,7 @@ def written_for(schedule: Schedule) -> dict[str, object]:
         "backward": any(s.phase == "bwd" for s in steps),
         "has_prefix": any(s.region == "prefix" for s in compute),
         "has_suffix": any(s.region == "suffix" for s in compute),
+        "whole_suffix": any(s.region == "suffix" and s.subbatch is None for s in compute),
         "weights_streamed": "fetch" in kinds,
     }
     # Nothing moved does not say the tier copies nothing (every activation may be kept).

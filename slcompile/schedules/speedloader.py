@@ -30,16 +30,25 @@ from slcompile.schedules.policy import Policy
 from slcompile.schedules.planner import choose_stashes, load_issue_at, store_wait_at, unit_lifetimes, without_kept
 
 __all__ = [
-    "speedloader_schedule", "layer_major_compute", "add_stashes", "add_spills", "add_stores", "SPEEDLOADER",
+    "speedloader_schedule", "layer_major_compute", "suffix_compute", "add_stashes", "add_spills", "add_stores", "SPEEDLOADER",
     "NO_OFFLOAD",
 ]
+
+
+def suffix_compute(request: ScheduleRequest) -> list[Step]:
+    """The forward's suffix steps: one on the whole batch when the request runs it
+    whole, else one per sub-batch in order."""
+    if request.whole_suffix:
+        return [Step("fwd", "suffix")]
+    return [Step("fwd", "suffix", subbatch=s) for s in range(request.num_subbatches)]
 
 
 def layer_major_compute(request: ScheduleRequest) -> list[Step]:
     """The compute steps in layer-major order, forward then (if any) backward.
 
     Forward: the prefix for sub-batches 0..K-1, then each block for sub-batches
-    0..K-1 before the next block, then the suffix for 0..K-1; the backward is the
+    0..K-1 before the next block, then the suffix for 0..K-1 (or once, on the whole
+    batch, when `request.whole_suffix`: `suffix_compute`); the backward is the
     forward reversed. A policy that keeps this order and changes only the transfers
     starts here; one with its own order writes its compute steps itself (each unit
     once per sub-batch per phase: `validate_schedule`) and adds the transfers with
@@ -52,7 +61,7 @@ def layer_major_compute(request: ScheduleRequest) -> list[Step]:
     for block in request.blocks:
         forward += [Step("fwd", "block", block, s) for s in range(k)]
     if request.has_suffix:
-        forward += [Step("fwd", "suffix", subbatch=s) for s in range(k)]
+        forward += suffix_compute(request)
     if not request.backward:
         return forward
     return forward + [dataclasses.replace(step, phase="bwd") for step in reversed(forward)]
@@ -235,5 +244,5 @@ def add_stores(steps: list[Step], request: ScheduleRequest) -> list[Step]:
     return add_gradient_stores(steps, per_subbatch=False)
 
 
-SPEEDLOADER = Policy("speedloader", speedloader_schedule)
-NO_OFFLOAD = Policy("no_offload", speedloader_schedule)
+SPEEDLOADER = Policy("speedloader", speedloader_schedule, suffix="whole")
+NO_OFFLOAD = Policy("no_offload", speedloader_schedule, suffix="whole")

@@ -143,7 +143,11 @@ def _malformed(step: Step, request: ScheduleRequest, phases: tuple[str, ...]) ->
     k = request.num_subbatches
     if step.subbatch is not None and not (isinstance(step.subbatch, int) and 0 <= step.subbatch < k):
         return f"sub-batch {step.subbatch!r} does not exist (K={k}: sub-batches 0..{k - 1})"
-    if step.kind == "compute" and step.subbatch is None:
+    if step.kind == "compute" and step.region == "suffix" and request.whole_suffix:
+        if step.subbatch is not None:
+            return (f"this graph runs the suffix once on the whole batch (suffix='whole'): write one "
+                    f"`{step.phase} suffix` step, not one per sub-batch")
+    elif step.kind == "compute" and step.subbatch is None:
         return "a compute step runs one sub-batch (subbatch=None)"
     if step.serves is not None and (not step.kind.endswith(".issue") or step.serves not in phases):
         return f"serves={step.serves!r}: only an issue serves a phase, one of {', '.join(map(repr, phases))}"
@@ -199,7 +203,8 @@ def _check_compute(schedule: Schedule, request: ScheduleRequest, phases: tuple[s
             seen.add(step)
     for phase in phases:
         for region, block in units:
-            for subbatch in range(request.num_subbatches):
+            whole = region == "suffix" and request.whole_suffix
+            for subbatch in [None] if whole else range(request.num_subbatches):
                 step = Step(phase, region, block, subbatch)
                 if step not in seen:
                     raise PolicyError(policy, "a compute step is missing (each unit runs once per sub-batch "

@@ -67,11 +67,14 @@ def dynamo_graph(mlp):
 
 @pytest.fixture
 def pipeline(dynamo_graph):
-    """`pipeline(stop_after, **options)`: the PipelineState after that Dynamo pass."""
+    """`pipeline(stop_after, **options)`: the PipelineState after that Dynamo pass.
+    The suffix runs per sub-batch unless `suffix` says otherwise: the expected graphs
+    show each pass on per-sub-batch work and partial sums throughout."""
 
     def run(stop_after: str, **options):
         gm, example_inputs = dynamo_graph
-        config = SpeedLoaderConfig.from_options({"num_subbatches": 2, "lowering": "aot_eager", **options})
+        config = SpeedLoaderConfig.from_options(
+            {"num_subbatches": 2, "lowering": "aot_eager", "suffix": "subbatches", **options})
         return run_pipeline(copy.deepcopy(gm), example_inputs, config, facts=process_facts(config, example_inputs),
                             stop_after=stop_after)
 

@@ -4,7 +4,7 @@ text form."""
 
 from expecttest import assert_expected_inline
 
-from models import EXPECTED_SCHEDULE_K2
+from models import EXPECTED_SCHEDULE_K2_PER_SUBBATCH
 from slcompile.passes.stream_weights import place_prefetches
 from slcompile.schedules.derive import schedule_of
 
@@ -12,7 +12,7 @@ from slcompile.schedules.derive import schedule_of
 def test_schedule_of_reads_the_layer_major_order(partitioned):
     forward, backward, _ = partitioned()
     # Layer-major: each block once for all sub-batches, as every 2-block model at K=2.
-    assert schedule_of(forward, backward).text() == EXPECTED_SCHEDULE_K2
+    assert schedule_of(forward, backward).text() == EXPECTED_SCHEDULE_K2_PER_SUBBATCH
 
 
 def test_schedule_of_reads_fetches_and_their_issues(streamed):

@@ -108,7 +108,7 @@ sum_1: suffix
 linear_7: suffix
 sum_2: suffix
 add_2: suffix
-prefix.sb0 prefix.sb1 blk0.sb0 blk0.sb1 blk1.sb0 blk1.sb1 blk2.sb0 blk2.sb1 blk3.sb0 blk3.sb1 suffix.sb0 suffix.sb1 suffix""")
+prefix.sb0 prefix.sb1 blk0.sb0 blk0.sb1 blk1.sb0 blk1.sb1 blk2.sb0 blk2.sb1 blk3.sb0 blk3.sb1 suffix""")
     torch.testing.assert_close(state.gm(*state.example_inputs)[0], model(x, y))
 
 

@@ -61,10 +61,13 @@ The modules, one idea each:
 - `sample_index`: sample indices and the gathers that read them.
 - `routing`: tokens routed per sub-batch (mixture of experts).
 - `nodes`: what the rules read off an FX node.
+- `whole_suffix`: the suffix run once on the whole batch (`run_suffix_whole`).
 """
 
 from slcompile.analysis.batch_propagation.nodes import is_barrier
 from slcompile.analysis.batch_propagation.plan import BATCHED_INT, BatchPlan, NodeSplit
 from slcompile.analysis.batch_propagation.propagate import PROPAGATE_BATCH_CODE, propagate_batch
+from slcompile.analysis.batch_propagation.whole_suffix import run_suffix_whole
 
-__all__ = ["NodeSplit", "BatchPlan", "propagate_batch", "BATCHED_INT", "is_barrier", "PROPAGATE_BATCH_CODE"]
+__all__ = ["NodeSplit", "BatchPlan", "propagate_batch", "BATCHED_INT", "is_barrier", "PROPAGATE_BATCH_CODE",
+           "run_suffix_whole"]

@@ -63,6 +63,8 @@ class BatchPlan:
             is "mixes-samples" (a cross-sample op before the suffix) or "mutation"
             (an in-place write that would repeat per sub-batch).
         output_bdims: per output leaf, its batch dimension or None.
+        whole_suffix: the suffix runs once on the whole batch (`run_suffix_whole`):
+            its nodes are shared, or concatenate the sub-batches they read.
     """
 
     num_subbatches: int
@@ -70,3 +72,4 @@ class BatchPlan:
     nodes: Mapping[str, NodeSplit]
     problems: tuple[tuple[str, str, str], ...]
     output_bdims: tuple
+    whole_suffix: bool = False

@@ -42,7 +42,7 @@ def lifetime_aware_policy(min_hidden_steps: int = 2) -> Policy:
         steps = add_fetches(compute, request, per_subbatch=False)
         return Schedule(tuple(add_stores(add_stashes(steps, request, keep), request)))
 
-    return Policy("lifetime_aware", build)
+    return Policy("lifetime_aware", build, suffix="whole")
 
 
 LIFETIME_AWARE = lifetime_aware_policy()

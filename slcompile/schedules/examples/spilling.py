@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from slcompile.schedules.base import Schedule, ScheduleRequest, Step, add_fetches
 from slcompile.schedules.policy import Policy
-from slcompile.schedules.speedloader import add_spills, add_stashes, add_stores, layer_major_compute
+from slcompile.schedules.speedloader import add_spills, add_stashes, add_stores, layer_major_compute, suffix_compute
 
 __all__ = ["spilling_policy", "zigzag_compute", "SPILLING", "ZIGZAG_SPILLING"]
 
@@ -33,7 +33,7 @@ def zigzag_compute(request: ScheduleRequest) -> list[Step]:
         order = range(k) if position % 2 == 0 else reversed(range(k))
         forward += [Step("fwd", "block", block, s) for s in order]
     if request.has_suffix:
-        forward += [Step("fwd", "suffix", subbatch=s) for s in range(k)]
+        forward += suffix_compute(request)
     backward = [Step("bwd", s.region, s.block, s.subbatch) for s in reversed(forward)] if request.backward else []
     return forward + backward
 
@@ -48,7 +48,7 @@ def spilling_policy(name: str = "spilling", *, zigzag: bool = False, min_wait: i
         steps = add_stashes(add_fetches(compute, request, per_subbatch=False), request)
         return Schedule(tuple(add_stores(add_spills(steps, request, min_wait=min_wait), request)))
 
-    return Policy(name, build)
+    return Policy(name, build, suffix="whole")
 
 
 SPILLING = spilling_policy()
