@@ -87,7 +87,7 @@ SCENARIOS = (
     Scenario("tune", "tune_bench.py", ("--rounds", "9"), ("--quick",),
              "slcompile.tune's choice under a memory budget (with the machine's profile) vs the fastest measured "
              "plan that fits"),
-    Scenario("overhead", "overhead_bench.py", ("--steps", "15"), ("--quick",),
+    Scenario("overhead", "overhead_bench.py", ("--steps", "30"), ("--quick",),
              "host time of a launch-bound step: speedloader vs plain Inductor, ops outside compiled code, "
              "host us per slc:: op"),
     Scenario("compile", "compile_bench.py", (), ("--quick",),
