@@ -122,11 +122,11 @@ class SpeedLoaderConfig:
             hide behind compute stashed (then it recomputes; stashing everything,
             hidden or not, comes last).
         suffix: how the suffix of a compiled step (what runs after the last
-            block: the final norm, the head and the loss) meets the sub-batches. "whole" runs it once on
-            the whole batch, the last block's K outputs concatenated: the head's
-            weight is read once and its kernels run once, where per sub-batch a
-            step reads and runs them K times (on a small model that is most of a
-            step's time). "subbatches" runs it per sub-batch, the loss combined from
+            block: the final norm, the head and the loss) meets the sub-batches.
+            "whole" runs it once on the whole batch, the last block's K outputs
+            concatenated: the head's weight is read once and its kernels run
+            once, where per sub-batch a step reads and runs them K times (on a
+            small model that is most of a step's time). "subbatches" runs it per sub-batch, the loss combined from
             the K parts: the suffix's temporaries (the logits' float copies, their
             gradient) are then a sub-batch's, not the batch's. "auto" (default) is
             the policy's own choice (`Policy.suffix`: "whole" for the built-in

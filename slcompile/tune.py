@@ -297,7 +297,8 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
                     config = SpeedLoaderConfig.from_options(chosen)
                 try:
                     # As the backend plans it: the suffix whole, else (under "auto") per sub-batch.
-                    for attempt, planned in enumerate(suffix_plans(config)):
+                    suffixes = suffix_plans(config)
+                    for attempt, planned in enumerate(suffixes):
                         try:
                             state = run_pipeline(gm, example_inputs, planned,
                                                  facts=process_facts(planned, example_inputs))
@@ -306,7 +307,7 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
                                   plan_with_optimizer(state, optimizer, optimizer_options))
                             break
                         except BudgetError:
-                            if attempt == len(suffix_plans(config)) - 1:
+                            if attempt == len(suffixes) - 1:
                                 raise
                     if planned.suffix == "subbatches" and config.suffix == "auto":
                         chosen["suffix"] = "subbatches"

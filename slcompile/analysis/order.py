@@ -85,7 +85,7 @@ def step_order(gm: torch.fx.GraphModule, whole_suffix: bool | None = None) -> tu
         if not is_compute(node):
             continue
         meta = get_slc_meta(node)
-        if meta is None or meta.subbatch is None and not (whole_suffix and meta.region == "suffix"):
+        if unit_key(meta, whole_suffix) is None:
             continue
         if not steps or steps[-1] != meta.tag:
             steps.append(meta.tag)

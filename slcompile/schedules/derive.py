@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from slcompile.analysis.order import runs_suffix_whole
+from slcompile.analysis.order import runs_suffix_whole, unit_key
 from slcompile.meta import get_slc_meta, parse_tag
 from slcompile.schedules.base import Schedule, Step
 from slcompile.vocabulary import StashKey, WeightKey, is_compute, is_fetch, is_stash, transfer_kind
@@ -83,7 +83,7 @@ def _steps(phase: str, gm: torch.fx.GraphModule, block_of, stashed, whole_suffix
         kind = transfer_kind(node)
         if kind is None:
             meta = get_slc_meta(node) if is_compute(node) else None
-            if meta is None or meta.subbatch is None and not (whole_suffix and meta.region == "suffix"):
+            if unit_key(meta, whole_suffix) is None:
                 continue
             step = Step(phase, meta.region, meta.block, meta.subbatch)
             if step.key != computing:

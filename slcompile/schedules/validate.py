@@ -148,6 +148,9 @@ def _malformed(step: Step, request: ScheduleRequest, phases: tuple[str, ...]) ->
             return (f"this graph runs the suffix once on the whole batch (suffix='whole'): write one "
                     f"`{step.phase} suffix` step, not one per sub-batch")
     elif step.kind == "compute" and step.subbatch is None:
+        if step.region == "suffix":
+            return ("this graph runs the suffix per sub-batch: one suffix step on the whole batch needs a "
+                    "request with whole_suffix (a Policy(..., suffix='whole'), or the suffix='whole' option)")
         return "a compute step runs one sub-batch (subbatch=None)"
     if step.serves is not None and (not step.kind.endswith(".issue") or step.serves not in phases):
         return f"serves={step.serves!r}: only an issue serves a phase, one of {', '.join(map(repr, phases))}"

@@ -5,9 +5,11 @@ A suffix node that reads a per-sub-batch value becomes a `combine="concat"` node
 (`interleave` concatenates those inputs along their batch dimension, each once, and
 adds up a batch size given as an input); a suffix node that read only such nodes'
 results is shared: it runs once. `interleave` emits the suffix's ops in the graph's
-order, so an in-place write keeps its place among the ops that read its tensor. The values are the same as per sub-batch (and the loss is the whole
-batch's, with no partial sums to add); the head's weight is read once and each of
-its kernels runs once.
+order, so an in-place write keeps its place among the ops that read its tensor.
+
+The values are the same as per sub-batch (and the loss is the whole batch's, with
+no partial sums to add); the head's weight is read once and each of its kernels
+runs once.
 """
 
 from __future__ import annotations
