@@ -262,7 +262,13 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
     from slcompile.pipeline import run_pipeline
     from slcompile.report import CompileReport
     from slcompile.runtime.facts import process_facts
-    from slcompile.schedules.policies import suffix_plans
+    from slcompile.schedules.policies import plan_suffix
+
+    def attempt(planned: SpeedLoaderConfig):
+        state = run_pipeline(gm, example_inputs, planned, facts=process_facts(planned, example_inputs))
+        report = CompileReport(config=planned)
+        lower(state.gm, example_inputs, "aot_eager", report, plan_with_optimizer(state, optimizer, optimizer_options))
+        return state, report
 
     tiers = tiers or [(options.get("weights", "device"), options.get("activations", "device"))]
     if num_subbatches is None:
@@ -297,18 +303,7 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
                     config = SpeedLoaderConfig.from_options(chosen)
                 try:
                     # As the backend plans it: the suffix whole, else (under "auto") per sub-batch.
-                    suffixes = suffix_plans(config)
-                    for attempt, planned in enumerate(suffixes):
-                        try:
-                            state = run_pipeline(gm, example_inputs, planned,
-                                                 facts=process_facts(planned, example_inputs))
-                            report = CompileReport(config=planned)
-                            lower(state.gm, example_inputs, "aot_eager", report,
-                                  plan_with_optimizer(state, optimizer, optimizer_options))
-                            break
-                        except BudgetError:
-                            if attempt == len(suffixes) - 1:
-                                raise
+                    planned, (state, report) = plan_suffix(config, attempt)
                     if planned.suffix == "subbatches" and config.suffix == "auto":
                         chosen["suffix"] = "subbatches"
                 except (RefusedError, PolicyError) as err:

@@ -259,7 +259,7 @@ def predict_pass_memory(graph, sizes: GenerationSizes, traced: TracedPass, past:
     parts = sizes.prefill_subbatches if phase == "prefill" else sizes.num_subbatches
     size, decode_size = batch // parts, batch // sizes.num_subbatches
     query = sizes.length if phase == "prefill" else 1
-    offloads = any(role[0] == "stash" for role in roles.values())
+    offloads = spills_hidden(graph)
     captured, other, steps, tail = traced.captured, traced.other, traced.steps, traced.tail
     part_hidden = traced.hidden if offloads else traced.hidden // parts
     # A layer's weights are freed after their last use (its last layer step).

@@ -37,7 +37,7 @@ from slcompile.errors import (
     compile_error, passes_through_fallback,
 )
 from slcompile.pipeline import run_pipeline
-from slcompile.schedules.policies import suffix_plans
+from slcompile.schedules.policies import plan_suffix
 from slcompile.runtime.facts import process_facts
 from slcompile.plans import StashPlan, new_name
 from slcompile.report import CompileReport, add_report, discard_report
@@ -101,20 +101,15 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     # One boundary around every stage: the Dynamo passes, and the lowering (AOTAutograd,
     # the joint, partitioned and compiled passes, the compiler, region outlining). What
     # fails there, unless it is the user's to fix, compiles the graph plainly instead.
+    def attempt(planned: SpeedLoaderConfig):
+        state = run_pipeline(gm, example_inputs, planned, facts=process_facts(planned, example_inputs),
+                             passes_log=report.pass_log)
+        plan = step_plan(state)
+        runtime = StepRuntime(plan.streamer, plan.stash, plan.gradients)
+        return state, runtime, lower(state.gm, example_inputs, planned.lowering, report, plan, runtime)
+
     try:
-        plans = suffix_plans(config)
-        for attempt, planned in enumerate(plans):
-            try:
-                state = run_pipeline(gm, example_inputs, planned, facts=process_facts(planned, example_inputs),
-                                     passes_log=report.pass_log)
-                plan = step_plan(state)
-                runtime = StepRuntime(plan.streamer, plan.stash, plan.gradients)
-                compiled = lower(state.gm, example_inputs, planned.lowering, report, plan, runtime)
-                break
-            except BudgetError as err:
-                if attempt == len(plans) - 1:
-                    raise
-                log.info("speedloader: %s with the suffix run whole; planning it per sub-batch", err)
+        _, (state, runtime, compiled) = plan_suffix(config, attempt)
         _size_host_pool(state, report)
     except Exception as err:  # noqa: BLE001  (any failure: see `as_refusal`)
         if passes_through_fallback(err):

@@ -321,8 +321,8 @@ class Schedule:
         request = data.get("request")
         if request is not None:
             # A schedule written before the suffix could run whole has no `whole_suffix`: False.
-            if not isinstance(request, dict) or set(request) | {"whole_suffix"} != set(REQUEST_FIELDS) \
-                    or set(request) - set(REQUEST_FIELDS):
+            if not isinstance(request, dict) or set(request) - set(REQUEST_FIELDS) \
+                    or set(REQUEST_FIELDS) - set(request) - {"whole_suffix"}:
                 raise ValueError(f"\"request\" must have exactly the fields {', '.join(REQUEST_FIELDS)}")
             request = ScheduleRequest(**{**request, "blocks": tuple(request["blocks"])})
         kept = data.get("kept_saved", [])

@@ -10,8 +10,11 @@ asks it for the schedule of one graph. `register_policy(policy)` adds a name the
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
 
-from slcompile.errors import PolicyError
+from slcompile.errors import BudgetError, PolicyError
 from slcompile.passes.find_blocks import BlockGraph
 from slcompile.schedules.base import Schedule, ScheduleRequest
 from slcompile.schedules.policy import Policy
@@ -22,7 +25,9 @@ from slcompile.schedules.grad_accumulation import GRAD_ACCUMULATION
 from slcompile.schedules.speedloader import NO_OFFLOAD, SPEEDLOADER
 
 __all__ = ["POLICIES", "BUILTIN_POLICIES", "GENERATION", "policy_for", "plan_schedule", "register_policy",
-           "unknown_policy", "suffix_choices", "suffix_plans"]
+           "unknown_policy", "suffix_choices", "suffix_plans", "plan_suffix"]
+
+log = logging.getLogger(__name__)
 
 POLICIES: dict[str, Policy] = {
     policy.name: policy
@@ -109,6 +114,18 @@ def suffix_plans(config) -> list:
     if len(choices) == 1:
         return [config]
     return [dataclasses.replace(config, suffix="whole" if whole else "subbatches") for whole in choices]
+
+
+def plan_suffix(config, attempt: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """`(planned, attempt(planned))` for the first of `suffix_plans(config)` whose
+    `attempt` raises no `BudgetError`; the last plan's `BudgetError` propagates."""
+    *first, last = suffix_plans(config)
+    for planned in first:
+        try:
+            return planned, attempt(planned)
+        except BudgetError as err:
+            log.info("speedloader: %s with the suffix run whole; planning it per sub-batch", err)
+    return last, attempt(last)
 
 
 def plan_schedule(
