@@ -45,6 +45,7 @@ from slcompile.analysis.time import step_seconds
 from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import PolicyError, RefusedError
 from slcompile.passes.check_splittable import check_splittable
+from slcompile.passes.coalesce_transfers import CoalescedTransfers, coalesce_transfers
 from slcompile.passes.find_batch_dim import BatchInfo, find_batch_dim
 from slcompile.passes.find_blocks import BlockGraph, find_blocks
 from slcompile.passes.fuse_weight_grads import fuse_weight_grads
@@ -367,6 +368,7 @@ class StepResults:
     derive_schedule: Schedule | None = None
     predict_memory: MemoryPrediction | None = None
     annotate_streams: StreamAnnotations | None = None
+    coalesce_transfers: CoalescedTransfers | None = None
     mark_regions: RegionMarks | None = None
     compile_regions: RegionOutline | None = None
     drop_marks: int | None = None
@@ -656,6 +658,13 @@ def _annotate_streams(step: StepState):
     )
 
 
+def _coalesce_transfers(step: StepState) -> CoalescedTransfers | None:
+    if step.lowering != "inductor":
+        return None
+    step.graphs[step.kind], done = coalesce_transfers(step.graphs[step.kind])
+    return done
+
+
 def _mark_regions(step: StepState):
     # Inductor fuses kernels across markers (see `mark_regions`), unless the regions
     # are outlined subgraphs (`compile_regions`): the markers then bracket the calls.
@@ -689,6 +698,11 @@ COMPILED_PASSES: tuple[Pass, ...] = (
     Pass(
         "annotate_streams", "compiled", "rewrite", _annotate_streams, graphs=("compiled",),
         code=(annotate_streams,),
+    ),
+    # With Inductor: a run of one kind of activation transfer is one op call.
+    Pass(
+        "coalesce_transfers", "compiled", "rewrite", _coalesce_transfers, graphs=("compiled",),
+        code=(coalesce_transfers,),
     ),
     Pass("mark_regions", "compiled", "rewrite", _mark_regions, graphs=("compiled",), code=(mark_regions,)),
     # With Inductor: each (block, sub-batch) region a call of its subgraph, one per

@@ -18,6 +18,16 @@ The ops (issue + wait pairs, so a schedule can move the two apart):
     slc::mark(str label, bool begin) -> ()                # a compute region boundary
     slc::offload_grad(Tensor grad, str key) -> Tensor     # issue a weight gradient's store
 
+Consecutive activation transfers of one kind go to the runtime as one call each
+(`passes/coalesce_transfers.py`, the last rewrite before Inductor; no analysis reads
+them), with the arguments of each member in order:
+
+    slc::stash_many(Tensor[] xs, str[] keys) -> Tensor[]  # their stash tokens
+    slc::wait_many(Tensor[] tokens, Tensor[] keepalive) -> Tensor
+    slc::unstash_many(Tensor[] stash_tokens) -> Tensor[]  # their load tokens
+    slc::unstash_wait_many(Tensor[] load_tokens, SymInt[] sizes, int[] ranks,
+                           ScalarType[] dtypes, Device device) -> Tensor[]
+
 `fetch_weight` is a pure function of its key (the compiler may re-run it; AOTAutograd
 recomputes it in the backward) and its gradient flows to `param` unchanged. Every other
 op is an ORDERED effect: AOTAutograd threads effect tokens through it, Inductor keeps it
@@ -63,7 +73,13 @@ __all__ = [
     "UNSTASH_WAIT",
     "MARK",
     "OFFLOAD_GRAD",
+    "STASH_MANY",
+    "WAIT_MANY",
+    "UNSTASH_MANY",
+    "UNSTASH_WAIT_MANY",
     "SLC_OPS",
+    "COALESCED",
+    "split_sizes",
     "WeightKey",
     "StashKey",
     "GradientKey",
@@ -102,8 +118,14 @@ _SCHEMAS = MappingProxyType({
     "unstash_wait": "(Tensor load_token, SymInt[] size, ScalarType dtype, Device device) -> Tensor",
     "mark": "(str label, bool begin) -> Tensor",
     "offload_grad": "(Tensor grad, str key) -> Tensor",
+    "stash_many": "(Tensor[] xs, str[] keys) -> Tensor[]",
+    "wait_many": "(Tensor[] tokens, Tensor[] keepalive) -> Tensor",
+    "unstash_many": "(Tensor[] stash_tokens) -> Tensor[]",
+    "unstash_wait_many": "(Tensor[] load_tokens, SymInt[] sizes, int[] ranks, ScalarType[] dtypes, "
+                         "Device device) -> Tensor[]",
 })
-_ORDERED = ("fetch_issue", "stash", "wait", "unstash", "unstash_wait", "mark", "offload_grad")
+_ORDERED = ("fetch_issue", "stash", "wait", "unstash", "unstash_wait", "mark", "offload_grad",
+            "stash_many", "wait_many", "unstash_many", "unstash_wait_many")
 
 for _name, _schema in _SCHEMAS.items():
     _LIB.define(_name + _schema)
@@ -156,6 +178,36 @@ def _(grad, key):
     return fake_token()
 
 
+@torch.library.register_fake("slc::stash_many", lib=_LIB)
+def _(xs, keys):
+    return [fake_token() for _ in xs]
+
+
+@torch.library.register_fake("slc::wait_many", lib=_LIB)
+def _(tokens, keepalive):
+    return fake_token()
+
+
+@torch.library.register_fake("slc::unstash_many", lib=_LIB)
+def _(stash_tokens):
+    return [fake_token() for _ in stash_tokens]
+
+
+@torch.library.register_fake("slc::unstash_wait_many", lib=_LIB)
+def _(load_tokens, sizes, ranks, dtypes, device):
+    return [torch.empty(size, dtype=dtype, device=device)
+            for size, dtype in zip(split_sizes(sizes, ranks), dtypes)]
+
+
+def split_sizes(sizes, ranks) -> list:
+    """The sizes of `unstash_wait_many`'s tensors: `sizes` cut after each one's rank."""
+    out, start = [], 0
+    for rank in ranks:
+        out.append(list(sizes[start:start + rank]))
+        start += rank
+    return out
+
+
 def _fetch_backward(ctx, grad: torch.Tensor):
     return grad, None
 
@@ -170,8 +222,16 @@ UNSTASH = torch.ops.slc.unstash.default
 UNSTASH_WAIT = torch.ops.slc.unstash_wait.default
 MARK = torch.ops.slc.mark.default
 OFFLOAD_GRAD = torch.ops.slc.offload_grad.default
-SLC_OPS = (FETCH_ISSUE, FETCH_WEIGHT, STASH, WAIT, UNSTASH, UNSTASH_WAIT, MARK, OFFLOAD_GRAD)
+STASH_MANY = torch.ops.slc.stash_many.default
+WAIT_MANY = torch.ops.slc.wait_many.default
+UNSTASH_MANY = torch.ops.slc.unstash_many.default
+UNSTASH_WAIT_MANY = torch.ops.slc.unstash_wait_many.default
+SLC_OPS = (FETCH_ISSUE, FETCH_WEIGHT, STASH, WAIT, UNSTASH, UNSTASH_WAIT, MARK, OFFLOAD_GRAD,
+           STASH_MANY, WAIT_MANY, UNSTASH_MANY, UNSTASH_WAIT_MANY)
 """Every op of the vocabulary."""
+COALESCED = MappingProxyType({STASH: STASH_MANY, WAIT: WAIT_MANY, UNSTASH: UNSTASH_MANY,
+                              UNSTASH_WAIT: UNSTASH_WAIT_MANY})
+"""The op that runs a run of consecutive calls of each op as one (`coalesce_transfers`)."""
 
 # What moves, and which half of its issue + wait pair a node is.
 _TRANSFERS = MappingProxyType({

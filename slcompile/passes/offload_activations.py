@@ -18,7 +18,10 @@ Around AOTAutograd's partitioner:
   sub-batch, smaller than `min_offload_bytes`). The policy is asked again with them
   (`Schedule.replan`): it decides which steps stash and where every transfer runs.
 - `offload_saved` (the partitioned pair): every saved tensor of a step the schedule
-  stashes is stored when it is made (`slc::stash`); the forward returns the stash
+  stashes is stored once its (block, sub-batch) is done computing (`slc::stash`, one
+  after another after the step's last node, so the step's compute stays one run
+  that `compile_regions` outlines whole, and its stores one run that
+  `coalesce_transfers` issues as one call); the forward returns the stash
   token instead of the tensor and waits for the store (`slc::wait`, which keeps it
   alive until then; a saved view is stored as its own contiguous copy, so its base
   can be freed) where the schedule's `stash.wait` step is; the backward issues the
@@ -270,8 +273,8 @@ def offload_saved(
     the schedule's stash and unstash steps are.
 
     Each tensor the schedule stashes (its owner has a `stash.issue` step, and the
-    schedule does not keep it by name: `Schedule.kept_saved`) is stored right after
-    it is made, onto the tier the owner's `stash.issue` names (`Step.tier`, in its
+    schedule does not keep it by name: `Schedule.kept_saved`) is stored after the
+    last node of its owner's compute, onto the tier the owner's `stash.issue` names (`Step.tier`, in its
     key), else the stash's. Its other transfers go where the schedule's steps of
     its owner are: each step runs just before the first node of the compute step
     that follows it in the schedule (after that step's weight fetches), or at the
@@ -318,6 +321,7 @@ def offload_saved(
     total = sympy.Integer(0)
     tier_bytes: dict[str, sympy.Expr] = {}
     pairs = []
+    stash_after: dict[tuple, torch.fx.Node] = {}
     waits: list[tuple[int, torch.fx.Node, list]] = []  # (schedule index, anchor, [(token, source, group)])
     for activation in chosen:
         node = fw_nodes[activation.name]
@@ -332,9 +336,12 @@ def offload_saved(
                 )
             source.meta["val"] = node.meta["val"].contiguous()
             set_slc_meta(source, _meta(group, "store"))
-        with fw.graph.inserting_after(source):
+        end = group_end[activation.owner]
+        anchor = stash_after.get(activation.owner) or (source if node is end else end)
+        with fw.graph.inserting_after(anchor):
             key = graph_key(f"{_tag(group)}.{node.name}", tiers.get(activation.owner))
             token = fw.graph.call_function(STASH, (source, key))
+        stash_after[activation.owner] = token
         token.meta["val"] = fake_token()
         set_slc_meta(token, _meta(group, "store"))
         place = places.stash_wait(activation, fw_first, output)

@@ -404,7 +404,8 @@ class NvmeArena:
                 "slot is not completely written; refusing to read it", key=slot.key,
                 path=self.file_path,
             )
-        self._executor.submit(self._start_read_new, slot, make_destination, on_done, on_start)
+        self._executor.submit(self._start_read_new, slot, make_destination, on_done, on_start,
+                              nbytes=slot.nbytes)
 
     def _start_read_new(self, slot, make_destination, on_done, on_start) -> None:
         try:
@@ -434,7 +435,7 @@ class NvmeArena:
         for start in starts:
             length = min(self.chunk_bytes, nbytes - start)
             self._executor.submit(
-                chunk_fn, batch, slot, start, address + start, length, memory_bytes - start
+                chunk_fn, batch, slot, start, address + start, length, memory_bytes - start, nbytes=length
             )
 
     def _check_file(self, key: str) -> None:

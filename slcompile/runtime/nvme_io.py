@@ -6,24 +6,75 @@ slot write or read into chunks and submits them here.
 Guarantees:
 - ``IoThreads.submit`` costs the submitting thread one queue put; the threads start
   with the first submission and ``shutdown`` runs what was queued, then stops them.
+- Within ``batched()``, what a thread submits is queued when the outermost
+  ``batched()`` ends, in order, as jobs of about ``JOB_BYTES`` each: a run of small
+  transfers wakes one I/O thread, not one per transfer.
 - An ``IoBatch`` reports once, from the last of its chunks to finish, with the
   first error any chunk had; ``on_start`` runs once, when the first chunk starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .errors import OffloadError
 from .ranges import ByteRange
 
-__all__ = ["NvmeSlot", "IoOutcome", "IoBatch", "IoThreads"]
+__all__ = ["NvmeSlot", "IoOutcome", "IoBatch", "IoThreads", "batched", "JOB_BYTES"]
 
 log = logging.getLogger(__name__)
+
+JOB_BYTES = 1 << 20
+"""Bytes of I/O one job of a ``batched()`` run holds before the next job starts (a
+larger transfer is a job of its own chunks, which the threads share)."""
+
+# The submissions a thread defers while inside `batched()`: (threads, fn, args, nbytes).
+_deferred = threading.local()
+
+
+@contextlib.contextmanager
+def batched() -> Iterator[None]:
+    """Defers this thread's ``IoThreads.submit`` calls to the end of the outermost
+    ``batched()``, then queues them (see the module's guarantees)."""
+    if getattr(_deferred, "items", None) is not None:
+        yield
+        return
+    _deferred.items = []
+    try:
+        yield
+    finally:
+        items, _deferred.items = _deferred.items, None
+        _queue_jobs(items)
+
+
+def _queue_jobs(items: list) -> None:
+    jobs: dict[IoThreads, list] = {}
+    for threads, fn, args, nbytes in items:
+        open_jobs = jobs.setdefault(threads, [])
+        if not open_jobs or open_jobs[-1][0] >= JOB_BYTES or nbytes >= JOB_BYTES:
+            open_jobs.append([0, []])
+        open_jobs[-1][0] += nbytes
+        open_jobs[-1][1].append((fn, args))
+    for threads, open_jobs in jobs.items():
+        for _, calls in open_jobs:
+            if len(calls) == 1:
+                fn, args = calls[0]
+                threads.submit(fn, *args)
+            else:
+                threads.submit(_run_each, calls)
+
+
+def _run_each(calls: list) -> None:
+    for fn, args in calls:
+        try:
+            fn(*args)
+        except BaseException:  # noqa: BLE001 - a chunk reports its own errors; this is a bug
+            log.exception("nvme I/O task %r failed", fn)
 
 
 class NvmeSlot:
@@ -120,9 +171,14 @@ class IoThreads:
         self._lock = threading.Lock()
         self._closed = False
 
-    def submit(self, fn: Callable[..., None], *args) -> None:
+    def submit(self, fn: Callable[..., None], *args, nbytes: int = 0) -> None:
+        """Queues `fn(*args)`, moving `nbytes` (how ``batched()`` cuts its jobs)."""
         if self._closed:
             raise RuntimeError("the nvme arena's I/O threads are shut down")
+        deferred = getattr(_deferred, "items", None)
+        if deferred is not None:
+            deferred.append((self, fn, args, nbytes))
+            return
         if not self._threads:
             self._start()
         self._queue.put((fn, args))

@@ -64,10 +64,12 @@ partitioned/offload_gradients
 partitioned/derive_schedule
 partitioned/predict_memory
 compiled[forward]/annotate_streams
+compiled[forward]/coalesce_transfers
 compiled[forward]/mark_regions
 compiled[forward]/compile_regions
 compiled[forward]/drop_marks
 compiled[backward]/annotate_streams
+compiled[backward]/coalesce_transfers
 compiled[backward]/mark_regions
 compiled[backward]/compile_regions
 compiled[backward]/drop_marks""")
@@ -118,13 +120,15 @@ def test_dumps_are_numbered_across_stages(mlp, monkeypatch, tmp_path):
 018_derive_schedule.txt
 019_predict_memory.txt
 020_annotate_streams.txt
-021_mark_regions.txt
-022_compile_regions.txt
-023_drop_marks.txt
-024_annotate_streams.txt
-025_mark_regions.txt
-026_compile_regions.txt
-027_drop_marks.txt""")
+021_coalesce_transfers.txt
+022_mark_regions.txt
+023_compile_regions.txt
+024_drop_marks.txt
+025_annotate_streams.txt
+026_coalesce_transfers.txt
+027_mark_regions.txt
+028_compile_regions.txt
+029_drop_marks.txt""")
     backward = (tmp_path / [t for t in texts if t.endswith("_fuse_weight_grads.txt")][0]).read_text()
     assert backward.startswith("# after partitioned/fuse_weight_grads (")
     assert "def forward(self" in backward

@@ -1,0 +1,145 @@
+"""Runs of consecutive activation transfers as one call (`coalesce_transfers`), and
+their nvme I/O as one job of the I/O threads (`nvme_io.batched`)."""
+
+from __future__ import annotations
+
+import gc
+import queue
+import threading
+
+import torch
+import torch.fx
+
+from slcompile.passes.coalesce_transfers import coalesce_transfers
+from slcompile.runtime import Tier, TransferKind, ops, runtime_stats
+from slcompile.runtime.activations import ActivationStash
+from slcompile.runtime.nvme_io import JOB_BYTES, IoThreads, batched
+from slcompile.vocabulary import (
+    STASH,
+    STASH_MANY,
+    UNSTASH,
+    UNSTASH_MANY,
+    UNSTASH_WAIT,
+    UNSTASH_WAIT_MANY,
+    WAIT,
+    WAIT_MANY,
+)
+
+ACT, DEVICE, NVME = TransferKind.ACTIVATION, Tier.DEVICE, Tier.NVME
+CPU = torch.device("cpu")
+SHAPES = (((3, 5), torch.float32), ((7,), torch.float16), ((2, 3, 4), torch.float32))
+
+
+def _offload_roundtrip(stash: ActivationStash) -> torch.fx.GraphModule:
+    """x0..x2 -> each made, all stored, waited for, loaded and returned (doubled)."""
+    graph = torch.fx.Graph()
+    inputs = [graph.placeholder(f"x{i}") for i in range(len(SHAPES))]
+    made = [graph.call_function(torch.ops.aten.mul.Tensor, (x, 2)) for x in inputs]
+    tokens = [graph.call_function(STASH, (value, stash.graph_key(f"blk0.sb0.v{i}")))
+              for i, value in enumerate(made)]
+    done = [graph.call_function(WAIT, (token, [value])) for token, value in zip(tokens, made)]
+    loads = [graph.call_function(UNSTASH, (token,)) for token in tokens]
+    loaded = [graph.call_function(UNSTASH_WAIT, (load, list(shape), dtype, CPU))
+              for load, (shape, dtype) in zip(loads, SHAPES)]
+    graph.output((*loaded, *done))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _inputs() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=generator).to(dtype) for shape, dtype in SHAPES]
+
+
+def test_runs_become_one_call_each_with_the_same_results_and_bytes(global_engine):
+    stash = ActivationStash(global_engine, "nvme")
+    single = _offload_roundtrip(stash)
+    grouped, done = coalesce_transfers(_offload_roundtrip(stash))
+    n = len(SHAPES)
+    assert (done.groups, done.members) == (4, 4 * n)
+    targets = [node.target for node in grouped.graph.nodes if node.op == "call_function"]
+    assert {t: targets.count(t) for t in (STASH, WAIT, UNSTASH, UNSTASH_WAIT)} == dict.fromkeys(
+        (STASH, WAIT, UNSTASH, UNSTASH_WAIT), 0)
+    assert {t: targets.count(t) for t in (STASH_MANY, WAIT_MANY, UNSTASH_MANY, UNSTASH_WAIT_MANY)} == dict.fromkeys(
+        (STASH_MANY, WAIT_MANY, UNSTASH_MANY, UNSTASH_WAIT_MANY), 1)
+    (wait_many,) = [node for node in grouped.graph.nodes if node.target is WAIT_MANY]
+    assert wait_many.args[1] == [node for node in grouped.graph.nodes if node.target is torch.ops.aten.mul.Tensor]
+
+    inputs = _inputs()
+    nbytes = sum(x.numel() * x.element_size() for x in inputs)
+    moved = {}
+    for name, module in (("single", single), ("grouped", grouped)):
+        before = dict(runtime_stats().cumulative.bytes_moved)
+        out = module(*inputs)
+        after = runtime_stats().cumulative.bytes_moved
+        moved[name] = {key: after[key] - before.get(key, 0) for key in after}
+        for got, x in zip(out[:n], inputs):
+            assert got.dtype == x.dtype and torch.equal(got, x * 2)
+        del out
+    assert moved["grouped"] == moved["single"] == {(ACT, DEVICE, NVME): nbytes, (ACT, NVME, DEVICE): nbytes}
+    gc.collect()
+    assert ops.pending_tokens() == 0
+    assert global_engine.keys() == []
+
+
+def test_a_run_of_loads_onto_two_devices_is_cut_between_them(global_engine):
+    stash = ActivationStash(global_engine, "nvme")
+    module = _offload_roundtrip(stash)
+    last = [node for node in module.graph.nodes if node.target is UNSTASH_WAIT][-1]
+    last.args = (*last.args[:3], torch.device("meta"))
+    _, done = coalesce_transfers(module)
+    waits = [node for node in module.graph.nodes if node.target in (UNSTASH_WAIT, UNSTASH_WAIT_MANY)]
+    assert [(node.target, len(node.args[0]) if node.target is UNSTASH_WAIT_MANY else 1) for node in waits] == [
+        (UNSTASH_WAIT_MANY, 2), (UNSTASH_WAIT, 1)]
+    assert done.groups == 4
+
+
+class _CountingQueue(queue.SimpleQueue):
+    def __init__(self):
+        self.puts = []
+
+    def put(self, item, block=True, timeout=None):
+        self.puts.append(item)
+        super().put(item, block, timeout)
+
+
+def _counting_threads(count: int) -> tuple[IoThreads, list]:
+    threads = IoThreads(count, "test-io")
+    threads._queue = _CountingQueue()
+    return threads, threads._queue.puts
+
+
+def test_batched_submissions_wake_the_threads_once_per_job_in_order():
+    threads, puts = _counting_threads(2)
+    ran, finished = [], threading.Event()
+    try:
+        with batched():
+            for i in range(5):
+                threads.submit(ran.append, i, nbytes=4096)
+            with batched():  # an inner batch joins the outer one
+                threads.submit(ran.append, 5, nbytes=4096)
+            assert ran == [] and puts == []
+        threads.submit(finished.set)
+        assert finished.wait(10)
+        assert ran == [0, 1, 2, 3, 4, 5]
+        assert len(puts) == 2  # the run's one job, then `finished.set`
+    finally:
+        threads.shutdown()
+
+
+def test_batched_jobs_hold_about_job_bytes_and_a_large_transfer_alone():
+    threads, puts = _counting_threads(1)
+    done = threading.Event()
+    ran = []
+    try:
+        with batched():
+            for i, nbytes in enumerate((JOB_BYTES // 2, JOB_BYTES // 2, 1, JOB_BYTES, 1)):
+                threads.submit(ran.append, i, nbytes=nbytes)
+        threads.submit(done.set)
+        assert done.wait(10)
+        assert ran == [0, 1, 2, 3, 4]
+        jobs = [item for item in puts if item[0] != done.set]
+        sizes = [len(args[0]) if len(args) == 1 and isinstance(args[0], list) else 1 for _, args in jobs]
+        # [half, half] reach JOB_BYTES; then [1]; the large one alone; then [1].
+        assert sizes == [2, 1, 1, 1]
+    finally:
+        threads.shutdown()
