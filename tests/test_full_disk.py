@@ -3,12 +3,12 @@ room gives exactly what an uninterrupted run gives (bit for bit)."""
 
 import copy
 import errno
-import os
 
 import pytest
 import torch
 
 import slcompile
+from io_faults import fail_writes
 from models import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.runtime import DiskFullError, OffloadError
 from slcompile.runtime.engine import get_engine
@@ -119,17 +119,14 @@ def test_gathered_weights_write_failing_on_exit_keeps_every_stored_weight_whole(
     _sgd_step(compiled, model, opt, *BATCHES[0])
     stored_before = _stored_weights(model)
     compiled(*BATCHES[1])[1].backward()
-    real_pwritev = os.pwritev
     writes = []
 
-    def failing_after_five_writes(fd, buffers, offset):
+    def failing_after_five_writes(offset):
         writes.append(offset)
-        if len(writes) > 5:
-            raise OSError(error, os.strerror(error))
-        return real_pwritev(fd, buffers, offset)
+        return error if len(writes) > 5 else None
 
     with monkeypatch.context() as patch:
-        patch.setattr(os, "pwritev", failing_after_five_writes)
+        fail_writes(patch, failing_after_five_writes)
         with pytest.raises(raised) as info:
             with slcompile.gathered_weights(model):
                 opt.step()

@@ -104,7 +104,10 @@ def test_an_engine_goes_with_the_last_model_storing_through_it_and_its_files_go_
     compiled(*make_gpt_batch(CFG, 4))[1].backward()
     offload_engine = engine._ENGINES[str(tmp_path)]
     gone = weakref.ref(offload_engine)
-    io_threads = list(offload_engine.arena._executor._threads)
+    arena = offload_engine.arena
+    io_threads = [*arena._executor._threads, *([arena._aio._reaper] if arena._aio is not None else [])]
+    io_threads = [thread for thread in io_threads if thread is not None]
+    del arena
     (private_dir,) = os.listdir(tmp_path)
     assert private_dir.startswith(PRIVATE_DIR_PREFIX) and io_threads
     assert runtime_stats().resident_bytes[Tier.NVME] > resident_before  # the streamed weights

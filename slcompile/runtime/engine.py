@@ -230,7 +230,8 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         """True when a move between the two tiers keeps the same memory: the same
         tier, or host and device on a CPU-only machine (host memory is device memory).
         """
-        source, destination = Tier(source), Tier(destination)
+        source = source if source.__class__ is Tier else Tier(source)
+        destination = destination if destination.__class__ is Tier else Tier(destination)
         if source is destination:
             return True
         return not self._cuda and {source, destination} <= {Tier.DEVICE, Tier.HOST}
@@ -277,7 +278,8 @@ class TransferEngine(NvmeTransfers, CudaCopies):
             OffloadDirError: the nvme arena's directory is unusable.
         """
         key = normalize_key(key)
-        tier, kind = Tier(tier), TransferKind(kind)
+        tier = tier if tier.__class__ is Tier else Tier(tier)
+        kind = kind if kind.__class__ is TransferKind else TransferKind(kind)
         source = self._prepare_source(key, tensor)
         nbytes = source.numel() * source.element_size()
         source_tier = self.tier_of(source)
@@ -378,7 +380,7 @@ class TransferEngine(NvmeTransfers, CudaCopies):
                     f"the last store of this key failed ({entry.error.reason})",
                     key=key, path=entry.error.path,
                 )
-            kind = TransferKind(kind) if kind is not None else entry.kind
+            kind = entry.kind if kind is None else kind if kind.__class__ is TransferKind else TransferKind(kind)
             handle = TransferHandle(
                 next(self._ids), key, kind, entry.tier, Tier.DEVICE, entry.nbytes, "load"
             )

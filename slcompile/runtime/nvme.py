@@ -42,7 +42,11 @@ Guarantees:
   the bytes free).
 - I/O runs on a small pool of threads using ``os.preadv``/``os.pwritev``, which
   release the GIL; a tensor larger than ``chunk_bytes`` is split into chunks so
-  several I/Os are in flight at once.
+  several I/Os are in flight at once. Where Linux offers native asynchronous I/O
+  (``nvme_aio``; ``aio=False`` or ``SLC_AIO=0`` turns it off), a transfer of at
+  most ``AIO_MAX_BYTES`` (and one chunk) is handed to the kernel by the issuing
+  thread instead: a source that is not page-aligned is first copied into staging
+  pages there, and its checksum taken there; the reaper thread checks a read's.
 - A slot becomes readable (``valid``) only after every chunk of its write has
   completed; half-written data is never read back. A failed write leaves the
   slot invalid.
@@ -67,6 +71,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -81,7 +86,8 @@ from .errors import (
     OffloadFileMissingError,
     ShortReadError,
 )
-from .nvme_io import IoBatch, IoOutcome, IoThreads, NvmeSlot
+from .nvme_aio import IOCB_CMD_PREAD, IOCB_CMD_PWRITE, AioQueue, aio_default
+from .nvme_io import IoBatch, IoOutcome, IoThreads, NvmeSlot, first_in_batch
 from .offload_dirs import (
     LIVE_DIRS,
     PRIVATE_DIR_PREFIX,
@@ -117,6 +123,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _ARENA_FILE = "arena.bin"
+AIO_MAX_BYTES = 1 << 20
+_STAGING_KEPT = 64  # staging buffers of one size kept for reuse
+"""The largest transfer handed to native AIO (larger ones go to the I/O threads,
+which copy, checksum and write their chunks in parallel)."""
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 CHECKSUMS_ENV = "SLC_CHECKSUMS"
 
@@ -148,6 +158,8 @@ class NvmeArena:
             grows by its own size up to this, so a small arena stays small).
         checksums: Checksum every slot when written and verify it when read
             (default: on, unless ``SLC_CHECKSUMS=0``).
+        aio: Hand small transfers to Linux's native AIO where it is available
+            (default: yes, unless ``SLC_AIO=0``).
 
     Raises:
         OffloadDirError: the directory is missing, not a directory, unwritable,
@@ -163,6 +175,7 @@ class NvmeArena:
         num_threads: int = 4,
         grow_bytes: int = 256 << 20,
         checksums: bool | None = None,
+        aio: bool | None = None,
     ):
         if offload_dir is None:
             offload_dir = tempfile.gettempdir()
@@ -186,8 +199,11 @@ class NvmeArena:
         self.file_path = os.path.join(self.path, _ARENA_FILE)
         fds: list[int] = [self._dir_fd]
         executor = IoThreads(num_threads, "slc-nvme")
+        self._aio = AioQueue.open() if (aio_default() if aio is None else aio) else None
+        self._aio_bytes = min(self.chunk_bytes, AIO_MAX_BYTES) if self._aio is not None else 0
         self._finalizer = weakref.finalize(
-            self, remove_private_dir, executor, fds, self.path, os.getpid()
+            self, remove_private_dir, (self._aio, executor) if self._aio is not None else (executor,),
+            fds, self.path, os.getpid()
         )
         try:
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -217,6 +233,7 @@ class NvmeArena:
         self._allocator = RangeAllocator(0, PAGE_BYTES)
         self._lock = threading.Lock()
         self._staging = threading.local()
+        self._staging_free: dict[int, list[PageBuffer]] = {}  # AIO writes' staging pages by size
         log.debug("nvme arena at %s (cap=%s)", self.file_path, capacity_bytes)
 
     # -- space -------------------------------------------------------------
@@ -347,6 +364,9 @@ class NvmeArena:
                 slot.valid = True
             on_done(outcome)
 
+        if slot.nbytes <= self._aio_bytes and before is None:
+            self._aio_write(slot, address, readable_bytes, finish, on_start)
+            return
         self._submit(slot, address, readable_bytes, self._write_chunk, finish, on_start, before)
 
     def read(
@@ -381,6 +401,9 @@ class NvmeArena:
             )
         if address % PAGE_BYTES or writable_bytes < slot.byte_range.size:
             raise ValueError("read destination must be page-aligned and padded to pages")
+        if slot.nbytes <= self._aio_bytes:
+            self._aio_read(slot, address, on_done, on_start)
+            return
         self._submit(slot, address, writable_bytes, self._read_chunk, on_done, on_start, None)
 
     def read_new(
@@ -404,6 +427,15 @@ class NvmeArena:
                 "slot is not completely written; refusing to read it", key=slot.key,
                 path=self.file_path,
             )
+        if slot.nbytes <= self._aio_bytes:
+            # Natively asynchronous: the destination is made here, the read is the kernel's.
+            try:
+                address = make_destination().data_ptr()
+            except Exception as failure:  # noqa: BLE001 - reported as the read's outcome
+                self._fail(on_done, failure, slot.key)
+                return
+            self._aio_read(slot, address, on_done, on_start)
+            return
         self._executor.submit(self._start_read_new, slot, make_destination, on_done, on_start,
                               nbytes=slot.nbytes)
 
@@ -437,6 +469,99 @@ class NvmeArena:
             self._executor.submit(
                 chunk_fn, batch, slot, start, address + start, length, memory_bytes - start, nbytes=length
             )
+
+    # -- native AIO (small transfers) -----------------------------------------
+
+    def _fail(self, on_done: Callable[[IoOutcome], None], failure: Exception, key: str) -> None:
+        outcome = IoOutcome()
+        outcome.error = failure if isinstance(failure, OffloadError) else OffloadError(
+            f"I/O failed: {failure!r}", key=key, path=self.file_path)
+        on_done(outcome)
+
+    def _aio_write(self, slot, address, readable, on_done, on_start) -> None:
+        nbytes, padded = slot.nbytes, slot.byte_range.size
+        staging = None
+        try:
+            if first_in_batch(self):
+                self._check_file(slot.key)
+            if address % PAGE_BYTES or readable < padded:
+                staging = self._take_staging(padded)
+                staged = address_of(staging)
+                ctypes.memmove(staged, address, nbytes)
+                if padded > nbytes:
+                    ctypes.memset(staged + nbytes, 0, padded - nbytes)
+                address = staged
+            if slot.checksums is not None:
+                slot.checksums[0] = _checksum(memory_at(address, nbytes))
+        except Exception as failure:  # noqa: BLE001 - reported as the write's outcome
+            if staging is not None:
+                self._give_staging(staging)
+            self._fail(on_done, failure, slot.key)
+            return
+        start = time.perf_counter()
+        if on_start is not None:
+            on_start(start)
+
+        def complete(result: int, end: float) -> None:
+            if staging is not None:
+                self._give_staging(staging)
+            outcome = IoOutcome()
+            outcome.start, outcome.end = start, end
+            if result < 0:
+                outcome.error = self._os_error(OSError(-result, os.strerror(-result)), "write failed", slot.key)
+            elif result < padded:
+                outcome.error = OffloadError(f"wrote {result} of {padded} bytes", key=slot.key,
+                                             path=self.file_path)
+            on_done(outcome)
+
+        self._aio.issue((self._fd, IOCB_CMD_PWRITE, address, padded, slot.byte_range.offset, complete))
+
+    def _aio_read(self, slot, address, on_done, on_start) -> None:
+        nbytes, padded, offset = slot.nbytes, slot.byte_range.size, slot.byte_range.offset
+        try:
+            if first_in_batch(self):  # once per run of transfers
+                self._check_file(slot.key)
+        except OffloadError as failure:
+            self._fail(on_done, failure, slot.key)
+            return
+        start = time.perf_counter()
+        if on_start is not None:
+            on_start(start)
+
+        def complete(result: int, end: float) -> None:
+            outcome = IoOutcome()
+            outcome.start, outcome.end = start, end
+            if result < 0:
+                outcome.error = self._os_error(OSError(-result, os.strerror(-result)), "read failed", slot.key)
+            elif result < nbytes:
+                outcome.error = ShortReadError(f"read {result} of {nbytes} bytes at file offset {offset}",
+                                               key=slot.key, path=self.file_path)
+            elif slot.checksums is not None:
+                found = _checksum(memory_at(address, nbytes))
+                if found != slot.checksums[0]:
+                    outcome.error = CorruptDataError(
+                        f"corrupt data: the {nbytes} bytes at file offset {offset} (byte 0 of the tensor) read "
+                        f"back with CRC-32C {found:08x}, written with {slot.checksums[0]:08x}",
+                        key=slot.key, path=self.file_path, offset=offset,
+                    )
+            on_done(outcome)
+
+        self._aio.issue((self._fd, IOCB_CMD_PREAD, address, padded, offset, complete))
+
+    def _take_staging(self, nbytes: int) -> PageBuffer:
+        with self._lock:
+            free = self._staging_free.get(nbytes)
+            if free:
+                return free.pop()
+        return PageBuffer.allocate(nbytes)
+
+    def _give_staging(self, buffer: PageBuffer) -> None:
+        with self._lock:
+            free = self._staging_free.setdefault(len(buffer), [])
+            if len(free) < _STAGING_KEPT:
+                free.append(buffer)
+                return
+        buffer.close()
 
     def _check_file(self, key: str) -> None:
         try:

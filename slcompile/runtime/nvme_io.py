@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from .errors import OffloadError
 from .ranges import ByteRange
 
-__all__ = ["NvmeSlot", "IoOutcome", "IoBatch", "IoThreads", "batched", "JOB_BYTES"]
+__all__ = ["NvmeSlot", "IoOutcome", "IoBatch", "IoThreads", "batched", "defer", "first_in_batch", "JOB_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ JOB_BYTES = 1 << 20
 """Bytes of I/O one job of a ``batched()`` run holds before the next job starts (a
 larger transfer is a job of its own chunks, which the threads share)."""
 
-# The submissions a thread defers while inside `batched()`: (threads, fn, args, nbytes).
+# What a thread holds back while inside `batched()`: (sink, payload).
 _deferred = threading.local()
 
 
@@ -44,29 +44,42 @@ def batched() -> Iterator[None]:
     if getattr(_deferred, "items", None) is not None:
         yield
         return
-    _deferred.items = []
+    _deferred.items, _deferred.seen = [], set()
     try:
         yield
     finally:
-        items, _deferred.items = _deferred.items, None
+        items, _deferred.items, _deferred.seen = _deferred.items, None, None
         _queue_jobs(items)
 
 
 def _queue_jobs(items: list) -> None:
-    jobs: dict[IoThreads, list] = {}
-    for threads, fn, args, nbytes in items:
-        open_jobs = jobs.setdefault(threads, [])
-        if not open_jobs or open_jobs[-1][0] >= JOB_BYTES or nbytes >= JOB_BYTES:
-            open_jobs.append([0, []])
-        open_jobs[-1][0] += nbytes
-        open_jobs[-1][1].append((fn, args))
-    for threads, open_jobs in jobs.items():
-        for _, calls in open_jobs:
-            if len(calls) == 1:
-                fn, args = calls[0]
-                threads.submit(fn, *args)
-            else:
-                threads.submit(_run_each, calls)
+    by_sink: dict = {}
+    for sink, payload in items:
+        by_sink.setdefault(sink, []).append(payload)
+    for sink, payloads in by_sink.items():
+        sink.flush_deferred(payloads)
+
+
+def first_in_batch(owner: object) -> bool:
+    """False when this thread is inside ``batched()`` and asked this already for
+    `owner` there (a check done once per run, not once per transfer); else True."""
+    seen = getattr(_deferred, "seen", None)
+    if seen is None:
+        return True
+    if id(owner) in seen:
+        return False
+    seen.add(id(owner))
+    return True
+
+
+def defer(sink, payload) -> bool:
+    """Holds `payload` back for `sink.flush_deferred` when this thread is inside
+    ``batched()``; False (nothing held) outside it."""
+    deferred = getattr(_deferred, "items", None)
+    if deferred is None:
+        return False
+    deferred.append((sink, payload))
+    return True
 
 
 def _run_each(calls: list) -> None:
@@ -175,13 +188,27 @@ class IoThreads:
         """Queues `fn(*args)`, moving `nbytes` (how ``batched()`` cuts its jobs)."""
         if self._closed:
             raise RuntimeError("the nvme arena's I/O threads are shut down")
-        deferred = getattr(_deferred, "items", None)
-        if deferred is not None:
-            deferred.append((self, fn, args, nbytes))
+        if defer(self, (fn, args, nbytes)):
             return
         if not self._threads:
             self._start()
         self._queue.put((fn, args))
+
+    def flush_deferred(self, payloads: list) -> None:
+        """Queues what ``batched()`` held back, `(fn, args, nbytes)` each, as jobs of
+        about ``JOB_BYTES``."""
+        jobs: list[list] = []
+        for fn, args, nbytes in payloads:
+            if not jobs or jobs[-1][0] >= JOB_BYTES or nbytes >= JOB_BYTES:
+                jobs.append([0, []])
+            jobs[-1][0] += nbytes
+            jobs[-1][1].append((fn, args))
+        for _, calls in jobs:
+            if len(calls) == 1:
+                fn, args = calls[0]
+                self.submit(fn, *args)
+            else:
+                self.submit(_run_each, calls)
 
     def _start(self) -> None:
         with self._lock:

@@ -30,7 +30,6 @@ import threading
 import time
 
 from .errors import OffloadDirError, OffloadError
-from .nvme_io import IoThreads
 
 __all__ = [
     "PRIVATE_DIR_PREFIX",
@@ -292,13 +291,15 @@ def _why_not_writable(error: OSError) -> str:
 
 
 def remove_private_dir(
-    executor: IoThreads, fds: list[int], path: str, owner: int
+    executors: tuple, fds: list[int], path: str, owner: int
 ) -> None:
     # Runs from close(), garbage collection or interpreter exit; must not use the arena.
     # A forked child inherits the arena but not the directory: only its maker removes it.
+    # `executors` (the I/O threads, the AIO queue) finish what was queued first.
     mine = os.getpid() == owner
     if mine:
-        executor.shutdown()
+        for executor in executors:
+            executor.shutdown()
         shutil.rmtree(path, ignore_errors=True)
         LIVE_DIRS.pop(path, None)
     # The lock file's descriptor is the last of `fds`: closed after the removal.

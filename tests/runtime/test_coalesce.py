@@ -1,5 +1,6 @@
 """Runs of consecutive activation transfers as one call (`coalesce_transfers`), and
-their nvme I/O as one job of the I/O threads (`nvme_io.batched`)."""
+their nvme I/O as one job of the I/O threads or one submission to native AIO
+(`nvme_io.batched`)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import gc
 import queue
 import threading
 
+import pytest
 import torch
 import torch.fx
 
 from slcompile.passes.coalesce_transfers import coalesce_transfers
-from slcompile.runtime import Tier, TransferKind, ops, runtime_stats
+from slcompile.runtime import Tier, TransferEngine, TransferKind, ops, runtime_stats
 from slcompile.runtime.activations import ActivationStash
+from slcompile.runtime.nvme_aio import AioQueue
 from slcompile.runtime.nvme_io import JOB_BYTES, IoThreads, batched
 from slcompile.vocabulary import (
     STASH,
@@ -143,3 +146,39 @@ def test_batched_jobs_hold_about_job_bytes_and_a_large_transfer_alone():
         assert sizes == [2, 1, 1, 1]
     finally:
         threads.shutdown()
+
+
+def test_a_run_of_small_transfers_reaches_the_kernel_in_one_submission(engine, monkeypatch):
+    if engine.arena._aio is None:
+        pytest.skip("no native AIO on this machine")
+    calls = []
+    real = AioQueue._submit_some
+    monkeypatch.setattr(AioQueue, "_submit_some", lambda self, requests: (calls.append(len(requests)),
+                                                                           real(self, requests))[1])
+    base = torch.randn(10 * 1000 + 3)
+    values = [base[3 + 1000 * i: 3 + 1000 * (i + 1)] for i in range(10)]  # not page-aligned
+    with engine.batched_io():
+        stores = [engine.store(f"v{i}", value, NVME, ACT) for i, value in enumerate(values)]
+    for handle in stores:
+        engine.wait(handle)
+    with engine.batched_io():
+        loads = [engine.load(f"v{i}") for i in range(10)]
+    assert [torch.equal(engine.wait(handle), value) for handle, value in zip(loads, values)] == [True] * 10
+    big = torch.randn(1 << 19)  # 2 MiB: the I/O threads' chunks
+    engine.wait(engine.store("big", big, NVME, ACT))
+    assert torch.equal(engine.wait(engine.load("big")), big)
+    assert calls == [10, 10]
+    nbytes = 10 * 1000 * 4 + big.numel() * 4
+    assert dict(runtime_stats().cumulative.bytes_moved) == {(ACT, DEVICE, NVME): nbytes, (ACT, NVME, DEVICE): nbytes}
+
+
+def test_native_aio_can_be_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLC_AIO", "0")
+    engine = TransferEngine(offload_dir=str(tmp_path))
+    try:
+        assert engine.arena._aio is None
+        value = torch.randn(100)
+        engine.wait(engine.store("x", value, NVME, ACT))
+        assert torch.equal(engine.wait(engine.load("x")), value)
+    finally:
+        engine.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import os
 import stat
 import threading
@@ -12,6 +13,7 @@ import threading
 import pytest
 import torch
 from devices import flip_bits, same_bits
+from io_faults import fail_writes
 
 from slcompile.runtime import (
     CorruptDataError,
@@ -26,6 +28,7 @@ from slcompile.runtime import (
     TransferFailedError,
     TransferKind,
 )
+from slcompile.runtime.nvme_aio import AioQueue
 
 NVME, WEIGHT = Tier.NVME, TransferKind.WEIGHT
 
@@ -126,15 +129,18 @@ def test_enospc_during_a_write_fails_the_store_and_its_loads(engine, monkeypatch
     assert engine.arena.used_bytes == 0
 
 
-def test_load_chained_behind_a_failing_store_fails_too(engine, monkeypatch):
+@pytest.fixture(params=["threads", "aio"])
+def io_path(request, monkeypatch):
+    """Small transfers through the arena's I/O threads, or through native AIO."""
+    monkeypatch.setenv("SLC_AIO", "1" if request.param == "aio" else "0")
+    return request.param
+
+
+def test_load_chained_behind_a_failing_store_fails_too(engine, monkeypatch, io_path):
     assert engine.arena is not None  # the arena exists before the I/O is broken
+    assert (engine.arena._aio is not None) == (io_path == "aio")
     load_issued = threading.Event()
-
-    def broken(fd, buffers, offset):
-        load_issued.wait(timeout=30)
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-    monkeypatch.setattr(os, "pwritev", broken)
+    fail_writes(monkeypatch, lambda offset: errno.EIO, before=lambda: load_issued.wait(timeout=30))
     store = engine.store("g", torch.ones(1000), NVME, TransferKind.GRADIENT)
     load = engine.load("g")  # issued while the store is still writing
     load_issued.set()
@@ -142,6 +148,26 @@ def test_load_chained_behind_a_failing_store_fails_too(engine, monkeypatch):
         engine.wait(store)
     with pytest.raises(TransferFailedError, match="store this load waited for failed"):
         engine.wait(load)
+
+
+def test_a_failed_read_names_its_error_and_the_data_reads_back_after(engine, monkeypatch, io_path):
+    engine.wait(engine.store("r", torch.arange(3000.0), NVME, WEIGHT))
+    real_preadv, real_submit = os.preadv, AioQueue.submit
+
+    def broken_preadv(fd, buffers, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    def broken_submit(self, requests):
+        real_submit(self, [(*r[:5], functools.partial(lambda cb, result, end: cb(-errno.EIO, end), r[5]))
+                           for r in requests])
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "preadv", broken_preadv)
+        patch.setattr(AioQueue, "submit", broken_submit)
+        with pytest.raises(OffloadError, match="read failed") as caught:
+            engine.wait(engine.load("r"))
+    assert_names(caught.value, "r", engine.arena.file_path)
+    assert same_bits(engine.wait(engine.load("r")), torch.arange(3000.0))
 
 
 def test_short_read_of_a_truncated_file(engine):
@@ -185,23 +211,20 @@ def test_a_slot_is_not_readable_before_its_write_completes(tmp_path):
     assert not os.path.exists(arena.path)
 
 
-def test_weight_update_that_fails_part_way_leaves_every_weight_as_it_was(engine, monkeypatch):
+def test_weight_update_that_fails_part_way_leaves_every_weight_as_it_was(engine, monkeypatch, io_path):
     from slcompile.runtime.weights import WeightStreamer, update_weights
 
     streamer = WeightStreamer(engine, NVME, live_blocks=1)
     params = [torch.nn.Parameter(torch.full((1024,), float(i))) for i in range(3)]
     for i, param in enumerate(params):
         streamer.offload(f"w{i}", param)
-    real_pwritev = os.pwritev
     writes = []
 
-    def full_after_first_write(fd, buffers, offset):
+    def full_after_first_write(offset):
         writes.append(offset)
-        if len(writes) > 1:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_pwritev(fd, buffers, offset)
+        return errno.ENOSPC if len(writes) > 1 else None
 
-    monkeypatch.setattr(os, "pwritev", full_after_first_write)
+    fail_writes(monkeypatch, full_after_first_write)
     with pytest.raises(DiskFullError):
         update_weights([(param, torch.full((1024,), 10.0 + i)) for i, param in enumerate(params)])
     monkeypatch.undo()

@@ -1,0 +1,212 @@
+"""Linux native asynchronous I/O (`io_submit`) for the nvme arena's small transfers.
+
+Where it sits: below the nvme arena (``slcompile.runtime.nvme``), beside its I/O
+threads (``nvme_io``). The arena sends a read or write that fits one I/O here, and
+the rest to its threads.
+
+Why: a Python I/O thread needs the GIL before and after each system call, and on a
+CPU machine Inductor's kernels hold the GIL while they run, so a thread's small
+transfer waits for gaps in the compute and every hand-over costs both threads
+context switches. Here the issuing thread hands the kernel the transfers (a run of
+them in one `io_submit`, see ``nvme_io.batched``) and the disk does the rest on its
+own; one reaper thread, blocked in `io_getevents` without the GIL, runs the
+completions of whatever finished, together.
+
+Needs: Linux on x86-64 or AArch64 (little-endian), the syscalls allowed (a seccomp
+profile may forbid them), room under `fs.aio-max-nr`; O_DIRECT descriptors,
+page-aligned memory, offsets and lengths. `AioQueue.open` returns None where any of
+it is missing, and the arena keeps to its threads.
+
+Guarantees:
+- ``submit`` only issues; ``on_complete(result, end)`` runs once per transfer on the
+  reaper thread with the byte count or ``-errno``. A transfer the kernel refuses at
+  submission completes the same way, with the error, on the submitting thread.
+- ``shutdown`` waits for every submitted transfer to complete, then stops the
+  reaper and frees the kernel context.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import platform
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import MappingProxyType
+
+from .nvme_io import defer
+
+__all__ = ["AioQueue", "IOCB_CMD_PREAD", "IOCB_CMD_PWRITE", "aio_default", "AIO_ENV"]
+
+log = logging.getLogger(__name__)
+
+AIO_ENV = "SLC_AIO"
+IOCB_CMD_PREAD, IOCB_CMD_PWRITE = 0, 1
+# (io_setup, io_destroy, io_getevents, io_submit)
+_SYSCALLS = MappingProxyType({"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)})
+_DEPTH = 1024  # transfers in flight at once
+_REAP = 256  # completions read at once
+
+
+def aio_default() -> bool:
+    """Whether arenas use native asynchronous I/O where the machine has it: yes,
+    unless the environment variable ``SLC_AIO`` is ``0`` (or ``false``/``no``/``off``)."""
+    return os.environ.get(AIO_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# struct iocb of linux/aio_abi.h (little-endian): data, key, rw_flags, opcode, reqprio,
+# fildes, buf, nbytes, offset, reserved2, flags, resfd; and struct io_event.
+_IOCB = struct.Struct("<QIiHhIQQqQII")
+_EVENT = struct.Struct("<QQqq")
+assert _IOCB.size == 64 and _EVENT.size == 32
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+
+_syscall = None
+
+
+def _libc_syscall():
+    global _syscall
+    if _syscall is None:
+        function = ctypes.CDLL(None, use_errno=True).syscall  # a CDLL call releases the GIL
+        function.restype = ctypes.c_long
+        _syscall = function
+    return _syscall
+
+
+class AioQueue:
+    """One kernel AIO context and its reaper thread."""
+
+    def __init__(self, context: int, numbers: tuple[int, int, int, int]):
+        self._context = ctypes.c_ulong(context)
+        self._setup, self._destroy, self._getevents, self._submit = numbers
+        self._syscall = _libc_syscall()
+        # One iocb per transfer in flight, in slots of one buffer, written by `_IOCB`
+        # (cheaper than a ctypes structure per transfer); slot -> its on_complete.
+        self._blocks = ctypes.create_string_buffer(_DEPTH * _IOCB.size)
+        self._base = ctypes.addressof(self._blocks)
+        self._free = list(range(_DEPTH))
+        self._pending: dict[int, Callable[[int, float], None]] = {}
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._reaper: threading.Thread | None = None
+        self._closed = False
+
+    @classmethod
+    def open(cls) -> AioQueue | None:
+        """A new queue, or None (logged) where the machine offers no native AIO."""
+        numbers = _SYSCALLS.get(platform.machine())
+        if sys.platform != "linux" or numbers is None or sys.byteorder != "little":
+            log.debug("no native AIO on %s %s", sys.platform, platform.machine())
+            return None
+        context = ctypes.c_ulong(0)
+        if _libc_syscall()(numbers[0], _DEPTH, ctypes.byref(context)) != 0:
+            log.info("native AIO unavailable (io_setup: %s); the nvme tier uses its I/O threads",
+                     os.strerror(ctypes.get_errno()))
+            return None
+        return cls(context.value, numbers)
+
+    def issue(self, request: tuple[int, int, int, int, int, Callable[[int, float], None]]) -> None:
+        """Issues one `(fd, opcode, address, nbytes, offset, on_complete)`, or holds it
+        back until the end of this thread's ``nvme_io.batched()``."""
+        if not defer(self, request):
+            self.submit([request])
+
+    def flush_deferred(self, requests: list) -> None:
+        self.submit(requests)
+
+    def submit(self, requests: list[tuple[int, int, int, int, int, Callable[[int, float], None]]]) -> None:
+        """Issues each `(fd, opcode, address, nbytes, offset, on_complete)`, in order, in
+        as few `io_submit` calls as the kernel takes them."""
+        for start in range(0, len(requests), _REAP):
+            self._submit_some(requests[start:start + _REAP])
+
+    def _submit_some(self, requests: list) -> None:
+        # At most `_REAP` at once: the slots this call takes before submitting any can
+        # never be all of them, so waiting for a free one always ends.
+        slots = []
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the nvme arena's AIO queue is shut down")
+            if self._reaper is None:
+                self._reaper = threading.Thread(target=self._reap, name="slc-nvme-aio", daemon=True)
+                self._reaper.start()
+            for fd, opcode, address, nbytes, offset, on_complete in requests:
+                while not self._free:
+                    self._idle.wait()  # every slot in flight: the reaper frees some
+                slot = self._free.pop()
+                _IOCB.pack_into(self._blocks, slot * _IOCB.size, slot, 0, 0, opcode, 0, fd, address, nbytes,
+                                offset, 0, 0, 0)
+                self._pending[slot] = on_complete
+                slots.append(slot)
+        pointers = (ctypes.c_uint64 * len(slots))(*[self._base + slot * _IOCB.size for slot in slots])
+        done = 0
+        while done < len(slots):
+            count = self._syscall(self._submit, self._context, len(slots) - done, ctypes.byref(pointers, done * 8))
+            if count > 0:
+                done += count
+                continue
+            failure = ctypes.get_errno() if count < 0 else errno.EIO
+            if failure == errno.EAGAIN:
+                time.sleep(0.0001)  # the kernel has no room until the reaper reads some
+                continue
+            # The kernel refused the first one left: it completes with the error.
+            with self._lock:
+                on_complete = self._pending.pop(slots[done])
+                self._free.append(slots[done])
+                self._idle.notify_all()
+            on_complete(-failure, time.perf_counter())
+            done += 1
+
+    def _reap(self) -> None:
+        events = ctypes.create_string_buffer(_REAP * _EVENT.size)
+        view = memoryview(events).cast("B")
+        on_complete = None
+        timeout = _Timespec(0, 20_000_000)  # how soon an idle reaper sees `shutdown`
+        while True:
+            count = self._syscall(self._getevents, self._context, 1, _REAP, events, ctypes.byref(timeout))
+            now = time.perf_counter()
+            if count < 0 and ctypes.get_errno() != errno.EINTR:
+                if not self._closed:
+                    log.error("io_getevents failed: %s", os.strerror(ctypes.get_errno()))
+                return
+            finished = []
+            with self._lock:
+                for slot, _, result, _ in _EVENT.iter_unpack(view[:max(count, 0) * _EVENT.size]):
+                    on_complete = self._pending.pop(slot, None)
+                    if on_complete is not None:
+                        finished.append((on_complete, result))
+                        self._free.append(slot)
+                self._idle.notify_all()
+                if self._closed and not self._pending:
+                    return
+            for on_complete, result in finished:
+                try:
+                    on_complete(result, now)
+                except BaseException:  # noqa: BLE001 - a completion reports its own errors; this is a bug
+                    log.exception("nvme AIO completion %r failed", on_complete)
+            # What a completion holds (a loaded tensor, its source) must not wait here for
+            # the next event.
+            finished = on_complete = None
+
+    def shutdown(self) -> None:
+        """Waits for what was submitted, then stops the reaper and frees the context."""
+        on_reaper = self._reaper is threading.current_thread()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            while self._pending and self._reaper is not None and not on_reaper:
+                self._idle.wait(1.0)
+            reaper = self._reaper
+        if reaper is not None and not on_reaper:
+            reaper.join()
+        self._syscall(self._destroy, self._context)
