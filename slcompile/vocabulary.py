@@ -18,9 +18,11 @@ The ops (issue + wait pairs, so a schedule can move the two apart):
     slc::mark(str label, bool begin) -> ()                # a compute region boundary
     slc::offload_grad(Tensor grad, str key) -> Tensor     # issue a weight gradient's store
 
-Consecutive activation transfers of one kind go to the runtime as one call each
+Consecutive transfer calls of one kind go to the runtime as one call each
 (`passes/coalesce_transfers.py`, the last rewrite before Inductor; no analysis reads
 them), with the arguments of each member in order:
+
+    slc::fetch_issue_many(str[] keys) -> Tensor
 
     slc::stash_many(Tensor[] xs, str[] keys) -> Tensor[]  # their stash tokens
     slc::wait_many(Tensor[] tokens, Tensor[] keepalive) -> Tensor
@@ -77,6 +79,7 @@ __all__ = [
     "WAIT_MANY",
     "UNSTASH_MANY",
     "UNSTASH_WAIT_MANY",
+    "FETCH_ISSUE_MANY",
     "SLC_OPS",
     "COALESCED",
     "split_sizes",
@@ -123,9 +126,10 @@ _SCHEMAS = MappingProxyType({
     "unstash_many": "(Tensor[] stash_tokens) -> Tensor[]",
     "unstash_wait_many": "(Tensor[] load_tokens, SymInt[] sizes, int[] ranks, ScalarType[] dtypes, "
                          "Device device) -> Tensor[]",
+    "fetch_issue_many": "(str[] keys) -> Tensor",
 })
 _ORDERED = ("fetch_issue", "stash", "wait", "unstash", "unstash_wait", "mark", "offload_grad",
-            "stash_many", "wait_many", "unstash_many", "unstash_wait_many")
+            "stash_many", "wait_many", "unstash_many", "unstash_wait_many", "fetch_issue_many")
 
 for _name, _schema in _SCHEMAS.items():
     _LIB.define(_name + _schema)
@@ -188,6 +192,11 @@ def _(tokens, keepalive):
     return fake_token()
 
 
+@torch.library.register_fake("slc::fetch_issue_many", lib=_LIB)
+def _(keys):
+    return fake_token()
+
+
 @torch.library.register_fake("slc::unstash_many", lib=_LIB)
 def _(stash_tokens):
     return [fake_token() for _ in stash_tokens]
@@ -226,11 +235,12 @@ STASH_MANY = torch.ops.slc.stash_many.default
 WAIT_MANY = torch.ops.slc.wait_many.default
 UNSTASH_MANY = torch.ops.slc.unstash_many.default
 UNSTASH_WAIT_MANY = torch.ops.slc.unstash_wait_many.default
+FETCH_ISSUE_MANY = torch.ops.slc.fetch_issue_many.default
 SLC_OPS = (FETCH_ISSUE, FETCH_WEIGHT, STASH, WAIT, UNSTASH, UNSTASH_WAIT, MARK, OFFLOAD_GRAD,
-           STASH_MANY, WAIT_MANY, UNSTASH_MANY, UNSTASH_WAIT_MANY)
+           STASH_MANY, WAIT_MANY, UNSTASH_MANY, UNSTASH_WAIT_MANY, FETCH_ISSUE_MANY)
 """Every op of the vocabulary."""
 COALESCED = MappingProxyType({STASH: STASH_MANY, WAIT: WAIT_MANY, UNSTASH: UNSTASH_MANY,
-                              UNSTASH_WAIT: UNSTASH_WAIT_MANY})
+                              UNSTASH_WAIT: UNSTASH_WAIT_MANY, FETCH_ISSUE: FETCH_ISSUE_MANY})
 """The op that runs a run of consecutive calls of each op as one (`coalesce_transfers`)."""
 
 # What moves, and which half of its issue + wait pair a node is.

@@ -1,11 +1,12 @@
-"""Runs of consecutive activation transfers as one call each.
+"""Runs of consecutive transfer calls as one call each.
 
 Runs on each graph Inductor compiles, after `annotate_streams` and before the
 markers and the outlined regions: every run of two or more consecutive calls of
-`slc::stash`, `slc::wait`, `slc::unstash` or `slc::unstash_wait` becomes one call of
-that op's `_many` form (`vocabulary.COALESCED`), taking the members' arguments in
-order and handing back their results in order (`getitem`s), so that what reads them
-is unchanged. The offloading passes place a unit's transfers together (its stashes
+`slc::stash`, `slc::wait`, `slc::unstash`, `slc::unstash_wait` or `slc::fetch_issue`
+becomes one call of that op's `_many` form (`vocabulary.COALESCED`), taking the
+members' arguments in order and handing back their results in order (`getitem`s; the
+waits' and the weight issues' one dependency token), so that what reads them is
+unchanged. The offloading passes place a unit's transfers together (its stashes
 after its compute, its waits and loads before the compute step they serve), so a
 (block, sub-batch) unit's dozen saved tensors cost the step one op call per kind,
 and their nvme I/O one job of one I/O thread (`TransferEngine.batched_io`), not a
@@ -17,7 +18,8 @@ Guarantees:
 - Program order is kept: the group call stands where its first member stood, and
   nothing ran between the members.
 - A `wait_many` keeps alive the union of its members' `keepalive` tensors; every
-  reader of a member's dependency token reads the group's.
+  reader of a member's dependency token (a wait's, a weight issue's) reads the
+  group's.
 - `unstash_wait_many` groups only loads onto one device.
 - Each group call carries its first member's slc meta and stream annotation.
 """
@@ -31,7 +33,7 @@ import operator
 import torch
 import torch.fx
 
-from slcompile.vocabulary import COALESCED, UNSTASH_WAIT, WAIT
+from slcompile.vocabulary import COALESCED, FETCH_ISSUE, UNSTASH_WAIT, WAIT
 
 __all__ = ["CoalescedTransfers", "coalesce_transfers"]
 
@@ -49,6 +51,9 @@ class CoalescedTransfers:
 
     groups: int = 0
     members: int = 0
+
+
+_ONE_RESULT = frozenset({WAIT, FETCH_ISSUE})  # dependency tokens: the run's one serves every reader
 
 
 def _runs(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
@@ -94,7 +99,7 @@ def coalesce_transfers(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
         with graph.inserting_before(first):
             group = graph.call_function(COALESCED[first.target], _group_args(run))
         group.meta.update({key: value for key, value in first.meta.items() if key != "val"})
-        if first.target is WAIT:
+        if first.target in _ONE_RESULT:
             group.meta["val"] = first.meta.get("val")
             for node in run:
                 node.replace_all_uses_with(group)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from . import activations, gradients, ops, weights  # registers the slc:: op implementations
+from . import activations, gradients, ops, runs, weights  # registers the slc:: op implementations
 from .engine import (
     StoredTensor,
     TransferEngine,

@@ -1,14 +1,13 @@
 """Saved activations that rest on a slower tier between the forward and the backward.
 
 The `offload_activations` pass rewrites a partitioned forward/backward pair: the
-forward stores each chosen saved tensor when it is made and hands the backward a
-*stash token* in its place; the backward issues the load one (block, sub-batch)
-before it needs the tensor and waits for it just before its first use. This module
-registers what `slc::stash`, `slc::unstash` and `slc::unstash_wait` do, and their
-`_many` forms, which run consecutive calls as one (their schemas are in
-`slcompile.vocabulary`; `slc::wait` and `slc::wait_many` are in `ops`). A run's nvme
-I/O goes to the I/O threads as one job (`TransferEngine.batched_io`): one wake-up of
-one thread for the run, not one per tensor.
+forward stores each chosen saved tensor once its (block, sub-batch) has run and
+hands the backward a *stash token* in its place; the backward issues the load one
+(block, sub-batch) before it needs the tensor and waits for it just before its first
+use. This module
+registers what `slc::stash`, `slc::unstash` and `slc::unstash_wait` do (their schemas
+are in `slcompile.vocabulary`; `slc::wait` is in `ops`, the ops' `_many` forms in
+`runs`).
 
 Keys in the graph are `StashKey`s, `a2|blk3.sb1.mul_4`: the `ActivationStash` (engine
 and tier) and the tensor's name; `a2@host|blk3.sb1.mul_4` stores onto the tier it
@@ -38,7 +37,7 @@ from slcompile.runtime.engine import TransferEngine
 from slcompile.runtime.errors import OffloadError
 from slcompile.runtime.stats import RECORDER
 from slcompile.runtime.tiers import Tier, TransferKind
-from slcompile.vocabulary import StashKey, split_sizes
+from slcompile.vocabulary import StashKey
 
 __all__ = ["ActivationStash"]
 
@@ -139,35 +138,6 @@ def unstash_wait(
     return result
 
 
-def stash_many(xs: Sequence[torch.Tensor], keys: Sequence[str]) -> list[torch.Tensor]:
-    """`stash` of each (x, key), in order, their I/O issued together."""
-    if not xs:
-        return []
-    with _stash_of(keys[0]).engine.batched_io():
-        return [stash(x, key) for x, key in zip(xs, keys)]
-
-
-def unstash_many(stash_tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """`unstash` of each token, in order, their I/O issued together."""
-    if not stash_tokens:
-        return []
-    with ops._lookup(stash_tokens[0])[0].batched_io():
-        return [unstash(token) for token in stash_tokens]
-
-
-def unstash_wait_many(
-    load_tokens: Sequence[torch.Tensor], sizes: Sequence[int], ranks: Sequence[int],
-    dtypes: Sequence[torch.dtype], device: torch.device,
-) -> list[torch.Tensor]:
-    """`unstash_wait` of each load token, in order (each one's size is its `rank`
-    numbers of `sizes`)."""
-    return [unstash_wait(token, size, dtype, device)
-            for token, size, dtype in zip(load_tokens, split_sizes(sizes, ranks), dtypes)]
-
-
 ops.implement("stash", stash)
 ops.implement("unstash", unstash)
 ops.implement("unstash_wait", unstash_wait)
-ops.implement("stash_many", stash_many)
-ops.implement("unstash_many", unstash_many)
-ops.implement("unstash_wait_many", unstash_wait_many)

@@ -124,9 +124,9 @@ log = logging.getLogger(__name__)
 
 _ARENA_FILE = "arena.bin"
 AIO_MAX_BYTES = 1 << 20
-_STAGING_KEPT = 64  # staging buffers of one size kept for reuse
 """The largest transfer handed to native AIO (larger ones go to the I/O threads,
 which copy, checksum and write their chunks in parallel)."""
+_STAGING_KEPT = 64  # staging buffers of one size kept for reuse
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 CHECKSUMS_ENV = "SLC_CHECKSUMS"
 
@@ -385,14 +385,15 @@ class NvmeArena:
             address: Page-aligned destination address.
             writable_bytes: Bytes writable from ``address``; at least the slot's
                 padded size.
-            on_done: Called once, on an I/O thread, with the outcome.
+            on_done: Called once, on an I/O thread (or the AIO reaper), with the
+                outcome.
             on_start: Called when the first chunk starts.
 
         Raises:
             OffloadError: the slot is not (or no longer) completely written.
 
-        An arena file removed underneath is found on the I/O thread, before the read:
-        `on_done` gets `OffloadFileMissingError`.
+        An arena file removed underneath is found before the read: `on_done` gets
+        `OffloadFileMissingError`.
         """
         if not slot.valid:
             raise OffloadError(
@@ -414,10 +415,11 @@ class NvmeArena:
         *,
         on_start: Callable[[float], None] | None = None,
     ) -> None:
-        """Reads a valid slot into a tensor that `make_destination()` makes on an I/O
-        thread (page-aligned, its storage padded to whole pages), so the issuing
-        thread makes no tensor and waits on no file check: the check that the arena
-        file is still there runs on the I/O thread too, its error in the outcome.
+        """Reads a valid slot into a tensor that `make_destination()` makes
+        (page-aligned, its storage padded to whole pages): on an I/O thread, so the
+        issuing thread makes no tensor and waits on no file check (the check that
+        the arena file is still there runs there too, its error in the outcome); for
+        a transfer native AIO takes, on the issuing thread, which then submits it.
 
         Raises:
             OffloadError: the slot is not (or no longer) completely written.

@@ -50,7 +50,6 @@ from .stats import RECORDER
 
 __all__ = [
     "wait",
-    "wait_many",
     "mark",
     "implement",
     "bind_implementations",
@@ -216,14 +215,6 @@ def wait(token: torch.Tensor, keepalive: Sequence[torch.Tensor]) -> torch.Tensor
     return _dependency_token()
 
 
-def wait_many(tokens: Sequence[torch.Tensor], keepalive: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Blocks until every token's transfer is done; returns a dependency token."""
-    for token in tokens:
-        engine, handle = _lookup(token)
-        engine.wait(handle)
-    return _dependency_token()
-
-
 def mark(label: str, begin: bool) -> torch.Tensor:
     """Opens (`begin`) or closes the compute region `label` on the timeline; returns
     a dependency token."""
@@ -250,5 +241,4 @@ _open = threading.local()
 _listener: Callable[[str, bool, float], None] | None = None
 
 implement("wait", wait)
-implement("wait_many", wait_many)
 implement("mark", mark)

@@ -17,7 +17,10 @@ from slcompile.runtime import Tier, TransferEngine, TransferKind, ops, runtime_s
 from slcompile.runtime.activations import ActivationStash
 from slcompile.runtime.nvme_aio import AioQueue
 from slcompile.runtime.nvme_io import JOB_BYTES, IoThreads, batched
+from slcompile.runtime.weights import WeightStreamer
 from slcompile.vocabulary import (
+    FETCH_ISSUE,
+    FETCH_ISSUE_MANY,
     STASH,
     STASH_MANY,
     UNSTASH,
@@ -182,3 +185,33 @@ def test_native_aio_can_be_turned_off(tmp_path, monkeypatch):
         assert torch.equal(engine.wait(engine.load("x")), value)
     finally:
         engine.close()
+
+
+def test_a_run_of_weight_issues_is_one_call_and_one_submission(global_engine, monkeypatch):
+    streamer = WeightStreamer(global_engine, "nvme", live_blocks=2)
+    values = {f"w{i}": torch.randn(16, 8 * (i + 1)) for i in range(3)}
+    expected = {name: value.clone() for name, value in values.items()}
+    keys = []
+    for name, value in values.items():
+        stored = streamer.stored_key_for(name, value)
+        streamer.offload(stored, value)
+        keys.append(streamer.graph_key(stored).format())
+    graph = torch.fx.Graph()
+    tokens = [graph.call_function(FETCH_ISSUE, (key,)) for key in keys]
+    graph.output(tuple(tokens))
+    module, done = coalesce_transfers(torch.fx.GraphModule(torch.nn.Module(), graph))
+    (group,) = [node for node in module.graph.nodes if node.op == "call_function"]
+    assert (group.target, group.args, done.members) == (FETCH_ISSUE_MANY, (keys,), 3)
+    assert list(module.graph.output_node().args[0]) == [group] * 3
+    calls = []
+    real = AioQueue._submit_some
+    monkeypatch.setattr(AioQueue, "_submit_some", lambda self, requests: (calls.append(len(requests)),
+                                                                           real(self, requests))[1])
+    module()
+    assert sorted(streamer.pending) == sorted(keys)
+    for (name, value), key in zip(values.items(), keys):
+        assert torch.equal(torch.ops.slc.fetch_weight(value, key), expected[name])
+    assert streamer.pending == {}
+    assert calls == ([3] if global_engine.arena._aio is not None else [])
+    assert runtime_stats().cumulative.bytes_moved[TransferKind.WEIGHT, NVME, DEVICE] == sum(
+        value.numel() * 4 for value in expected.values())
