@@ -699,7 +699,7 @@ COMPILED_PASSES: tuple[Pass, ...] = (
         "annotate_streams", "compiled", "rewrite", _annotate_streams, graphs=("compiled",),
         code=(annotate_streams,),
     ),
-    # With Inductor: a run of one kind of activation transfer is one op call.
+    # With Inductor: a run of stashes, of waits, of loads or of weight issues is one op call.
     Pass(
         "coalesce_transfers", "compiled", "rewrite", _coalesce_transfers, graphs=("compiled",),
         code=(coalesce_transfers,),

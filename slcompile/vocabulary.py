@@ -23,7 +23,6 @@ Consecutive transfer calls of one kind go to the runtime as one call each
 them), with the arguments of each member in order:
 
     slc::fetch_issue_many(str[] keys) -> Tensor
-
     slc::stash_many(Tensor[] xs, str[] keys) -> Tensor[]  # their stash tokens
     slc::wait_many(Tensor[] tokens, Tensor[] keepalive) -> Tensor
     slc::unstash_many(Tensor[] stash_tokens) -> Tensor[]  # their load tokens

@@ -274,8 +274,8 @@ def offload_saved(
 
     Each tensor the schedule stashes (its owner has a `stash.issue` step, and the
     schedule does not keep it by name: `Schedule.kept_saved`) is stored after the
-    last node of its owner's compute, onto the tier the owner's `stash.issue` names (`Step.tier`, in its
-    key), else the stash's. Its other transfers go where the schedule's steps of
+    last node of its owner's compute, onto the tier the owner's `stash.issue` names
+    (`Step.tier`, in its key), else the stash's. Its other transfers go where the schedule's steps of
     its owner are: each step runs just before the first node of the compute step
     that follows it in the schedule (after that step's weight fetches), or at the
     end of its graph. A tensor takes the first `stash.wait` after its last forward

@@ -6,9 +6,10 @@ slot write or read into chunks and submits them here.
 Guarantees:
 - ``IoThreads.submit`` costs the submitting thread one queue put; the threads start
   with the first submission and ``shutdown`` runs what was queued, then stops them.
-- Within ``batched()``, what a thread submits is queued when the outermost
-  ``batched()`` ends, in order, as jobs of about ``JOB_BYTES`` each: a run of small
-  transfers wakes one I/O thread, not one per transfer.
+- Within ``batched()``, what a thread submits is held back until the outermost
+  ``batched()`` ends, then queued in order: to the I/O threads as jobs of about
+  ``JOB_BYTES`` each, to native AIO (``nvme_aio``) in one submission. A run of small
+  transfers wakes one I/O thread (or the disk once), not one per transfer.
 - An ``IoBatch`` reports once, from the last of its chunks to finish, with the
   first error any chunk had; ``on_start`` runs once, when the first chunk starts.
 """
@@ -39,8 +40,10 @@ _deferred = threading.local()
 
 @contextlib.contextmanager
 def batched() -> Iterator[None]:
-    """Defers this thread's ``IoThreads.submit`` calls to the end of the outermost
-    ``batched()``, then queues them (see the module's guarantees)."""
+    """Holds back the I/O this thread submits (``IoThreads.submit``,
+    ``AioQueue.issue``) until the end of the outermost ``batched()``, then queues it
+    (see the module's guarantees). Nothing may wait inside it for I/O issued inside
+    it."""
     if getattr(_deferred, "items", None) is not None:
         yield
         return

@@ -92,7 +92,7 @@ def _compiled_stage(forward, monkeypatch, disable=""):
 def test_the_pass_table_outlines_marked_graphs(partitioned, monkeypatch):
     forward, _, _ = partitioned()
     step, ran = _compiled_stage(forward, monkeypatch)
-    assert_expected_inline(ran, """compiled[forward]/annotate_streams compiled[forward]/mark_regions compiled[forward]/compile_regions compiled[forward]/drop_marks""")
+    assert_expected_inline(ran, """compiled[forward]/annotate_streams compiled[forward]/coalesce_transfers compiled[forward]/mark_regions compiled[forward]/compile_regions compiled[forward]/drop_marks""")
     # The outlined graph replaces the graph; its markers stay around the calls.
     assert step.graphs["forward"] is not forward
     assert step.report.regions["forward"] == step.results.compile_regions
@@ -104,7 +104,7 @@ def test_a_graph_lowered_flat_loses_its_markers(partitioned, monkeypatch, caplog
     with caplog.at_level("WARNING"):
         step, ran = _compiled_stage(forward, monkeypatch, disable="compile_regions")
     assert "pass compile_regions skipped (SLC_DISABLE)" in caplog.text
-    assert_expected_inline(ran, """compiled[forward]/annotate_streams compiled[forward]/mark_regions compiled[forward]/drop_marks""")
+    assert_expected_inline(ran, """compiled[forward]/annotate_streams compiled[forward]/coalesce_transfers compiled[forward]/mark_regions compiled[forward]/drop_marks""")
     assert step.graphs["forward"] is forward and step.report.regions == {}
     assert (step.results.drop_marks, _marks(forward)) == (18, 0)
 
