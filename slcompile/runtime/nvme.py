@@ -131,6 +131,14 @@ _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 CHECKSUMS_ENV = "SLC_CHECKSUMS"
 
 
+def _begin(on_start: Callable[[float], None] | None) -> float:
+    """Now, told to `on_start` (a transfer's first I/O starts)."""
+    now = time.perf_counter()
+    if on_start is not None:
+        on_start(now)
+    return now
+
+
 def checksums_default() -> bool:
     """Whether arenas checksum their slots when not told: yes, unless the
     environment variable ``SLC_CHECKSUMS`` is ``0`` (or ``false``/``no``/``off``)."""
@@ -500,18 +508,13 @@ class NvmeArena:
                 self._give_staging(staging)
             self._fail(on_done, failure, slot.key)
             return
-        start = time.perf_counter()
-        if on_start is not None:
-            on_start(start)
+        start = _begin(on_start)
 
         def complete(result: int, end: float) -> None:
             if staging is not None:
                 self._give_staging(staging)
-            outcome = IoOutcome()
-            outcome.start, outcome.end = start, end
-            if result < 0:
-                outcome.error = self._os_error(OSError(-result, os.strerror(-result)), "write failed", slot.key)
-            elif result < padded:
+            outcome = self._aio_outcome(start, end, result, "write", slot.key)
+            if outcome.error is None and result < padded:
                 outcome.error = OffloadError(f"wrote {result} of {padded} bytes", key=slot.key,
                                              path=self.file_path)
             on_done(outcome)
@@ -526,19 +529,14 @@ class NvmeArena:
         except OffloadError as failure:
             self._fail(on_done, failure, slot.key)
             return
-        start = time.perf_counter()
-        if on_start is not None:
-            on_start(start)
+        start = _begin(on_start)
 
         def complete(result: int, end: float) -> None:
-            outcome = IoOutcome()
-            outcome.start, outcome.end = start, end
-            if result < 0:
-                outcome.error = self._os_error(OSError(-result, os.strerror(-result)), "read failed", slot.key)
-            elif result < nbytes:
+            outcome = self._aio_outcome(start, end, result, "read", slot.key)
+            if outcome.error is None and result < nbytes:
                 outcome.error = ShortReadError(f"read {result} of {nbytes} bytes at file offset {offset}",
                                                key=slot.key, path=self.file_path)
-            elif slot.checksums is not None:
+            elif outcome.error is None and slot.checksums is not None:
                 found = _checksum(memory_at(address, nbytes))
                 if found != slot.checksums[0]:
                     outcome.error = CorruptDataError(
@@ -549,6 +547,14 @@ class NvmeArena:
             on_done(outcome)
 
         self._aio.issue((self._fd, IOCB_CMD_PREAD, address, padded, offset, complete))
+
+    def _aio_outcome(self, start: float, end: float, result: int, what: str, key: str) -> IoOutcome:
+        """The outcome of a native AIO transfer that returned `result` (bytes, or -errno)."""
+        outcome = IoOutcome()
+        outcome.start, outcome.end = start, end
+        if result < 0:
+            outcome.error = self._os_error(OSError(-result, os.strerror(-result)), f"{what} failed", key)
+        return outcome
 
     def _take_staging(self, nbytes: int) -> PageBuffer:
         with self._lock:
