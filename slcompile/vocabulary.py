@@ -27,7 +27,10 @@ them), with the arguments of each member in order:
     slc::wait_many(Tensor[] tokens, Tensor[] keepalive) -> Tensor
     slc::unstash_many(Tensor[] stash_tokens) -> Tensor[]  # their load tokens
     slc::unstash_wait_many(Tensor[] load_tokens, SymInt[] sizes, int[] ranks,
-                           ScalarType[] dtypes, Device device) -> Tensor[]
+                           str[] dtypes, Device device) -> Tensor[]
+
+(`unstash_wait_many` names its dtypes, "float32": torch 2.11 hands a `ScalarType[]` to
+a Python kernel as integers.)
 
 `fetch_weight` is a pure function of its key (the compiler may re-run it; AOTAutograd
 recomputes it in the backward) and its gradient flows to `param` unchanged. Every other
@@ -82,6 +85,8 @@ __all__ = [
     "SLC_OPS",
     "COALESCED",
     "split_sizes",
+    "dtype_name",
+    "dtype_of",
     "WeightKey",
     "StashKey",
     "GradientKey",
@@ -123,7 +128,7 @@ _SCHEMAS = MappingProxyType({
     "stash_many": "(Tensor[] xs, str[] keys) -> Tensor[]",
     "wait_many": "(Tensor[] tokens, Tensor[] keepalive) -> Tensor",
     "unstash_many": "(Tensor[] stash_tokens) -> Tensor[]",
-    "unstash_wait_many": "(Tensor[] load_tokens, SymInt[] sizes, int[] ranks, ScalarType[] dtypes, "
+    "unstash_wait_many": "(Tensor[] load_tokens, SymInt[] sizes, int[] ranks, str[] dtypes, "
                          "Device device) -> Tensor[]",
     "fetch_issue_many": "(str[] keys) -> Tensor",
 })
@@ -203,8 +208,21 @@ def _(stash_tokens):
 
 @torch.library.register_fake("slc::unstash_wait_many", lib=_LIB)
 def _(load_tokens, sizes, ranks, dtypes, device):
-    return [torch.empty(size, dtype=dtype, device=device)
-            for size, dtype in zip(split_sizes(sizes, ranks), dtypes)]
+    return [torch.empty(size, dtype=dtype_of(name), device=device)
+            for size, name in zip(split_sizes(sizes, ranks), dtypes)]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as `unstash_wait_many` takes it: `torch.float32` -> "float32"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The dtype `dtype_name` named."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a dtype: {name!r}")
+    return dtype
 
 
 def split_sizes(sizes, ranks) -> list:

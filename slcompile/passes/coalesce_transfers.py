@@ -33,7 +33,7 @@ import operator
 import torch
 import torch.fx
 
-from slcompile.vocabulary import COALESCED, FETCH_ISSUE, UNSTASH_WAIT, WAIT
+from slcompile.vocabulary import COALESCED, FETCH_ISSUE, UNSTASH_WAIT, WAIT, dtype_name
 
 __all__ = ["CoalescedTransfers", "coalesce_transfers"]
 
@@ -84,7 +84,7 @@ def _group_args(run: list[torch.fx.Node]) -> tuple:
     if target is UNSTASH_WAIT:
         sizes = [size for node in run for size in node.args[1]]
         return ([node.args[0] for node in run], sizes, [len(node.args[1]) for node in run],
-                [node.args[2] for node in run], run[0].args[3])
+                [dtype_name(node.args[2]) for node in run], run[0].args[3])
     # stash (x, key) and unstash (stash_token): one list per argument.
     return tuple(list(values) for values in zip(*(node.args for node in run)))
 

@@ -20,7 +20,8 @@ it is missing, and the arena keeps to its threads.
 Guarantees:
 - ``submit`` only issues; ``on_complete(result, end)`` runs once per transfer on the
   reaper thread with the byte count or ``-errno``. A transfer the kernel refuses at
-  submission completes the same way, with the error, on the submitting thread.
+  submission, or one submitted after ``shutdown`` (``-ECANCELED``), completes the
+  same way, with the error, on the submitting thread.
 - ``shutdown`` waits for every submitted transfer to complete, then stops the
   reaper and frees the kernel context.
 """
@@ -134,12 +135,11 @@ class AioQueue:
         # never be all of them, so waiting for a free one always ends.
         slots = []
         with self._lock:
-            if self._closed:
-                raise RuntimeError("the nvme arena's AIO queue is shut down")
-            if self._reaper is None:
+            closed = self._closed
+            if not closed and self._reaper is None:
                 self._reaper = threading.Thread(target=self._reap, name="slc-nvme-aio", daemon=True)
                 self._reaper.start()
-            for fd, opcode, address, nbytes, offset, on_complete in requests:
+            for fd, opcode, address, nbytes, offset, on_complete in ([] if closed else requests):
                 while not self._free:
                     self._idle.wait()  # every slot in flight: the reaper frees some
                 slot = self._free.pop()
@@ -147,6 +147,11 @@ class AioQueue:
                                 offset, 0, 0, 0)
                 self._pending[slot] = on_complete
                 slots.append(slot)
+        if closed:
+            # Shut down (the arena is closing): each completes as cancelled, here.
+            for *_, on_complete in requests:
+                on_complete(-errno.ECANCELED, time.perf_counter())
+            return
         pointers = (ctypes.c_uint64 * len(slots))(*[self._base + slot * _IOCB.size for slot in slots])
         done = 0
         while done < len(slots):

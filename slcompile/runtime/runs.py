@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from slcompile.vocabulary import split_sizes
+from slcompile.vocabulary import dtype_of, split_sizes
 
 from . import activations, ops, weights
 from .nvme_io import batched
@@ -45,10 +45,11 @@ def unstash_many(stash_tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def unstash_wait_many(
     load_tokens: Sequence[torch.Tensor], sizes: Sequence[int], ranks: Sequence[int],
-    dtypes: Sequence[torch.dtype], device: torch.device,
+    dtypes: Sequence[str], device: torch.device,
 ) -> list[torch.Tensor]:
-    """`unstash_wait` of each load token (its size the next `rank` numbers of `sizes`)."""
-    return [activations.unstash_wait(token, size, dtype, device)
+    """`unstash_wait` of each load token (its size the next `rank` numbers of `sizes`,
+    its dtype named in `dtypes`)."""
+    return [activations.unstash_wait(token, size, dtype_of(dtype), device)
             for token, size, dtype in zip(load_tokens, split_sizes(sizes, ranks), dtypes)]
 
 

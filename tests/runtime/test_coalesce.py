@@ -4,6 +4,7 @@ their nvme I/O as one job of the I/O threads or one submission to native AIO
 
 from __future__ import annotations
 
+import errno
 import gc
 import queue
 import threading
@@ -15,7 +16,7 @@ import torch.fx
 from slcompile.passes.coalesce_transfers import coalesce_transfers
 from slcompile.runtime import Tier, TransferEngine, TransferKind, ops, runtime_stats
 from slcompile.runtime.activations import ActivationStash
-from slcompile.runtime.nvme_aio import AioQueue
+from slcompile.runtime.nvme_aio import IOCB_CMD_PREAD, AioQueue
 from slcompile.runtime.nvme_io import JOB_BYTES, IoThreads, batched
 from slcompile.runtime.weights import WeightStreamer
 from slcompile.vocabulary import (
@@ -215,3 +216,14 @@ def test_a_run_of_weight_issues_is_one_call_and_one_submission(global_engine, mo
     assert calls == ([3] if global_engine.arena._aio is not None else [])
     assert runtime_stats().cumulative.bytes_moved[TransferKind.WEIGHT, NVME, DEVICE] == sum(
         value.numel() * 4 for value in expected.values())
+
+
+def test_a_transfer_submitted_after_shutdown_completes_cancelled_on_the_caller():
+    aio = AioQueue.open()
+    if aio is None:
+        pytest.skip("no native AIO on this machine")
+    aio.shutdown()
+    completed = []
+    aio.submit([(-1, IOCB_CMD_PREAD, 0, 4096, 0,
+                 lambda result, end: completed.append((result, threading.current_thread())))])
+    assert completed == [(-errno.ECANCELED, threading.current_thread())]
