@@ -9,8 +9,8 @@ waits' and the weight issues' one dependency token), so that what reads them is
 unchanged. The offloading passes place a unit's transfers together (its stashes
 after its compute, its waits and loads before the compute step they serve), so a
 (block, sub-batch) unit's dozen saved tensors cost the step one op call per kind,
-and their nvme I/O one job of one I/O thread (`TransferEngine.batched_io`), not a
-dozen of each.
+and their nvme I/O one submission (`runtime/nvme_io.batched`: one `io_submit`, or one
+job of one I/O thread), not a dozen of each.
 
 Needs: the graph as the partitioned stage left it (the schedule, the memory model and
 the pictures read the single ops there; nothing after this pass reads transfers).
