@@ -65,7 +65,6 @@ from .errors import (
 )
 from .handles import StoredTensor, TransferHandle, _Entry, normalize_key
 from .nvme import NvmeArena, NvmeSlot, PageBufferCache
-from .nvme_io import batched
 from .nvme_transfers import NvmeTransfers
 from .stats import RECORDER, Recorder
 from .tiers import (
@@ -326,13 +325,6 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         if entry is not None:
             self._dispatch_load(handle, entry, pending_store, into)
         return handle
-
-    def batched_io(self):
-        """A context in which this thread's nvme stores and loads are issued as they
-        are, and their I/O reaches the I/O threads together when it ends
-        (`nvme_io.batched`): a run of small transfers wakes one thread, not one per
-        transfer. Waiting inside it on a transfer issued inside it never returns."""
-        return batched()
 
     @property
     def batches_loads(self) -> bool:

@@ -161,11 +161,11 @@ def test_a_run_of_small_transfers_reaches_the_kernel_in_one_submission(engine, m
                                                                            real(self, requests))[1])
     base = torch.randn(10 * 1000 + 3)
     values = [base[3 + 1000 * i: 3 + 1000 * (i + 1)] for i in range(10)]  # not page-aligned
-    with engine.batched_io():
+    with batched():
         stores = [engine.store(f"v{i}", value, NVME, ACT) for i, value in enumerate(values)]
     for handle in stores:
         engine.wait(handle)
-    with engine.batched_io():
+    with batched():
         loads = [engine.load(f"v{i}") for i in range(10)]
     assert [torch.equal(engine.wait(handle), value) for handle, value in zip(loads, values)] == [True] * 10
     big = torch.randn(1 << 19)  # 2 MiB: the I/O threads' chunks
