@@ -228,8 +228,10 @@ def saved_activations(
             fw_order.setdefault(fw_step[node], len(fw_order))
     saved = [node for node in dict.fromkeys(outputs[num_fwd_outputs:])
              if isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)]
-    # On a GPU, a saved tensor on the CPU (attention's random seed and offset) is
-    # already off the device.
+    # On a GPU, a saved tensor on the CPU is already off the device. One on the meta
+    # device has its device chosen only when it runs: the random seed and offset of
+    # CUDA's flash and efficient attention are CPU tensors outside a CUDA graph capture
+    # and CUDA tensors inside one (torch's Note [Seed and Offset]).
     accelerated = any(node.meta["val"].device.type not in ("cpu", "meta") for node in saved)
     found = []
     for node in saved:
@@ -243,6 +245,8 @@ def saved_activations(
             reason = "also a model output"
         elif accelerated and value.device.type == "cpu":
             reason = "on the host, not the compute device"
+        elif value.device.type == "meta":
+            reason = "its device is known only when it runs"
         elif group is None:
             reason = "not of one sub-batch of the prefix or a block"
         elif node.name not in bw_inputs:

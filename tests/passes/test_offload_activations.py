@@ -116,3 +116,15 @@ t_7: None 32 B, last fwd use ('suffix', None, 1), first bwd use None, stays: a g
     torch.testing.assert_close(loss, model(x))
     eager = torch.autograd.grad(model(x), [p for p in state.example_inputs if p.requires_grad])
     torch.testing.assert_close([g for g in grads if g is not None], list(eager))
+
+
+def test_a_saved_tensor_whose_device_is_decided_when_it_runs_stays(partitioned):
+    # CUDA attention's random seed and offset are traced on the meta device: at run
+    # time they are CPU tensors, or CUDA tensors under graph capture. Neither the
+    # bytes nor the destination of their move would be what the plan says.
+    forward, backward, _ = partitioned()
+    relu = next(node for node in forward.graph.nodes if node.name == "relu")
+    relu.meta["val"] = torch.empty(relu.meta["val"].shape, device="meta")
+    stays = {a.name: a.stays for a in saved_activations(forward, backward, 1, min_bytes=0)}
+    assert stays["relu"] == "its device is known only when it runs"
+    assert stays["relu_1"] is None
