@@ -13,14 +13,21 @@ backward (no optimizer), gradients cleared between steps.
 Rows (each in its own process, so compile caches and the peak are its own):
 - ``resident_inductor``: plain ``torch.compile`` (Inductor), everything resident: the
   compute time of a step, and the 100% of "% of resident".
+- ``resident_inductor_cudagraphs``: the same with ``mode="reduce-overhead"`` (CUDA graphs).
 - ``eager``: no compilation, everything resident.
 - ``weights_host`` (K = 2, 4, 8): speedloader, block weights on pinned host memory.
+- ``weights_host_cudagraphs`` (K): the same with the ``cudagraphs`` option: the compute
+  between transfers replayed as CUDA graphs.
 - ``weights_activations_host_recompute`` (K): also the saved activations, with
   block recomputation (``recompute="blocks"``: only each block's input is stored).
 - ``weights_activations_host`` (K): every saved activation stored (``recompute="none"``).
 - ``grad_accumulation`` (K): the sample-major schedule, weights on host.
 - ``fsdp2_cpu_offload``: FSDP2 ``fully_shard`` with ``CPUOffloadPolicy`` in a
   one-process group, when ``torch.distributed`` allows one; otherwise the row says why.
+
+With ``spec["profile_path"]`` (a `MachineProfile` measured on this machine, as
+gpu_check does), a speedloader row also records the step the time model predicts and
+its error against the median step.
 
 Per row: median step seconds after warm-up (``torch.cuda.synchronize`` around each
 step), tokens/s, % of resident Inductor, first-step seconds (compile included), peak
@@ -62,10 +69,12 @@ MODELS = {
 
 def row_specs(ks: list[int], *, fsdp: bool) -> list[dict]:
     """The rows of the table, in order."""
-    rows = [{"row": "resident_inductor", "k": 1}, {"row": "eager", "k": 1}]
+    rows = [{"row": "resident_inductor", "k": 1}, {"row": "resident_inductor_cudagraphs", "k": 1},
+            {"row": "eager", "k": 1}]
     for k in ks:
         rows += [
             {"row": "weights_host", "k": k},
+            {"row": "weights_host_cudagraphs", "k": k},
             {"row": "weights_activations_host_recompute", "k": k},
             {"row": "weights_activations_host", "k": k},
             {"row": "grad_accumulation", "k": k},
@@ -80,6 +89,8 @@ def speedloader_options(row: str, k: int, lowering: str) -> dict | None:
     base = {"lowering": lowering, "num_subbatches": k, "weights": "host", "live_blocks": 2}
     if row == "weights_host":
         return base
+    if row == "weights_host_cudagraphs":
+        return {**base, "cudagraphs": True}
     if row == "weights_activations_host_recompute":
         return {**base, "activations": "host", "recompute": "blocks"}
     if row == "weights_activations_host":
@@ -191,6 +202,8 @@ def run_row(spec: dict) -> dict:
     elif row == "resident_inductor":
         # A smoke run on the CPU may name a cheaper backend; the measured row is Inductor's.
         forward = torch.compile(model, backend=spec.get("resident_backend", "inductor"))
+    elif row == "resident_inductor_cudagraphs":
+        forward = torch.compile(model, mode="reduce-overhead")
     elif row == "fsdp2_cpu_offload":
         try:
             forward = fsdp2_cpu_offload(model, device)
@@ -231,6 +244,7 @@ def run_row(spec: dict) -> dict:
     stats = slcompile.runtime_stats()
     moved = tier_bytes(window.bytes_moved)
     host = _host_profile(step) if row != "fsdp2_cpu_offload" else None
+    prediction = _predicted(spec, forward if row not in ("eager", "fsdp2_cpu_offload") else None, median)
     return {
         "spec": spec,
         "step_seconds": median,
@@ -245,7 +259,32 @@ def run_row(spec: dict) -> dict:
         "pinned_host_bytes": stats.pinned_host_bytes,
         "parameters": sum(p.numel() for p in model.parameters()),
         "host": host,
+        **prediction,
     }
+
+
+def _predicted(spec: dict, forward, median: float) -> dict:
+    """The step the time model predicts for a speedloader row (`predict_time` on the
+    graphs as partitioned, with the profile at ``spec["profile_path"]``, measured on
+    this machine), and its error against the median step; {} for another row or
+    without a profile."""
+    import slcompile
+    from slcompile.analysis.machine import MachineProfile
+    from slcompile.analysis.time import predict_time
+
+    options = speedloader_options(spec["row"], spec["k"], spec["lowering"])
+    if options is None or not spec.get("profile_path") or forward is None:
+        return {}
+    report = slcompile.compile_reports()[-1]
+    if not report.partitioned or report.fallback_reason is not None:
+        return {}
+    with open(spec["profile_path"]) as f:
+        profile = MachineProfile.from_json(f.read())
+    tiers = {"fetch": options.get("weights", "device"), "stash": options.get("activations", "device"),
+             "unstash": options.get("activations", "device"), "store_grad": "device"}
+    predicted = predict_time(report.partitioned["forward"], report.partitioned["backward"], profile=profile,
+                             tiers=tiers, lowering=spec["lowering"]).step_seconds
+    return {"predicted_step_seconds": predicted, "prediction_error": (predicted - median) / median}
 
 
 def _host_profile(step) -> dict:

@@ -13,7 +13,10 @@ out of time is recorded as such, and the next one runs):
    (numerics equal eager across tiers, exact bytes moved, pinned pool sizes, the
    plan's peak against the CUDA allocator's), junit XML and log kept. None of these
    files needs expecttest, pydot or graphviz.
-2. the pinned host<->device copy bandwidth (gpu_bench.copy_bandwidth, 1 GiB).
+2. the pinned host<->device copy bandwidth (gpu_bench.copy_bandwidth, 1 GiB), then
+   this machine's `MachineProfile` (``slcompile.profile.measure_profile(steps=True)``,
+   at most ``--profile-budget-s``), kept in the JSON: each speedloader row records the
+   step the time model predicts from it.
 3. bench rows of gpu_bench.py (``--small`` model: 4 layers, hidden 1024, batch 8 x 256,
    bf16, Inductor), each in its own process with a fresh Inductor/Triton cache (so
    every first step pays its whole compile), in the order of row_order(): what the
@@ -97,12 +100,14 @@ IO_SHAPE = {**gpu_bench.MODELS["full"], "layers": 2, "batch": 8, "seq": 32}
 def row_order(ks: list[int]) -> list[dict]:
     """The rows to run, most needed first (each goal's first row early): the baseline,
     weights on host and activations on host with recompute at the smallest K, weights on
-    host at the other K, the link-bound pair at the largest K (with its own resident
+    host at the other K, both with CUDA graphs (mode="reduce-overhead" and the
+    cudagraphs option) at the smallest K, the link-bound pair at the largest K (with its own resident
     baseline), then the rest: every saved activation moved, grad_accumulation of the
     main shape, recompute at the other K."""
     rows = [{"row": "resident_inductor", "k": 1}, {"row": "weights_host", "k": min(ks)},
             {"row": "weights_activations_host_recompute", "k": min(ks)}]
     rows += [{"row": "weights_host", "k": k} for k in ks if k != min(ks)]
+    rows += [{"row": "resident_inductor_cudagraphs", "k": 1}, {"row": "weights_host_cudagraphs", "k": min(ks)}]
     rows += [{"row": name, "k": k, "regime": "io_bound"}
              for name, k in (("resident_inductor", 1), ("weights_host", max(ks)), ("grad_accumulation", max(ks)))]
     rows.append({"row": "weights_activations_host", "k": min(ks)})
@@ -445,6 +450,32 @@ def grad_accumulation_goal(rows: list[dict], k: int, in_regime: str) -> dict:
                 **({} if applicable else {"reason": "compute bounds speedloader's step: the link does not"}))
 
 
+def measure_profile(args, record: dict, clock: Clock) -> str | None:
+    """Measures this machine's `MachineProfile` (`slcompile.profile.measure_profile`:
+    rates, and the host cost of each kind of op from small compiled steps) in a child
+    process within ``--profile-budget-s``; records it in ``record["profile"]`` and
+    returns the path of its JSON, or None when it failed or ran out of time. The CPU
+    smoke run measures the rates alone."""
+    path = os.path.join(tempfile.mkdtemp(prefix="slc-gpu-check-profile-"), "profile.json")
+    steps = not args.cpu_smoke
+    code = ("import sys; from slcompile.profile import measure_profile; "
+            f"open(sys.argv[1], 'w').write(measure_profile(steps={steps}, nvme={steps}).to_json())")
+    budget = min(args.profile_budget_s, clock.left())
+    with tempfile.TemporaryFile("w+") as err:
+        status, seconds, timed_out = run_limited([sys.executable, "-c", code, path], budget, env=dict(os.environ),
+                                                 stdout=subprocess.DEVNULL, stderr=err)
+        err.seek(0)
+        tail = err.read()[-2000:]
+    if status != 0 or not os.path.exists(path):
+        record["profile"] = {"status": "timed out" if timed_out else "error", "seconds": seconds, "stderr": tail}
+        log(f"machine profile: {record['profile']['status']} after {seconds:.0f} s")
+        return None
+    with open(path) as f:
+        record["profile"] = {"status": "measured", "seconds": seconds, "profile": json.load(f)}
+    log(f"machine profile measured in {seconds:.0f} s")
+    return path
+
+
 def environment(device) -> dict:
     import torch
 
@@ -514,6 +545,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tests-budget-s", type=float, default=None, help="of which the tests (default 170; "
                                                                            "60 for --cpu-smoke)")
     parser.add_argument("--test-timeout-s", type=float, default=120, help="one test's limit (with pytest-timeout)")
+    parser.add_argument("--profile-budget-s", type=float, default=90,
+                        help="the machine profile's limit (the time model's rates for each row's prediction)")
     parser.add_argument("--row-budget-s", type=float, default=None, help="one bench row's limit (default 150)")
     parser.add_argument("--min-row-s", type=float, default=None, help="a row starts only with this much left "
                                                                       "(default 40; 5 for --cpu-smoke)")
@@ -596,8 +629,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:
         record["bandwidth"] = None
         record["bandwidth_error"] = f"{type(error).__name__}: {error}"
+    # 2b. this machine's profile, for the time model's prediction of each row
+    profile_path = measure_profile(args, record, clock)
+    write_json({**record, "status": "running: profile done"}, args.out)
     # 3. rows
     base = {
+        **({"profile_path": profile_path} if profile_path else {}),
         "device": str(device), "dtype": "float32" if args.cpu_smoke else "bfloat16",
         "shape": gpu_bench.MODELS[args.model], "repeats": args.repeats, "warmup": 1,
         "lowering": "aot_eager" if args.cpu_smoke else "inductor",

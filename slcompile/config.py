@@ -54,6 +54,13 @@ class SpeedLoaderConfig:
             grows with K x depth. The step, transfers, glue, embeddings, head and
             loss included, is still one Inductor program. False lowers every copy
             of every block (compile time grows with K x depth).
+        cudagraphs: with Inductor on CUDA, replay the compute between transfers as
+            CUDA graphs: Inductor partitions the step at every `slc::` op (its graph
+            partition) and its cudagraph trees record each partition once per shape,
+            so a region costs one graph launch instead of one launch per kernel.
+            `torch.compile(model, backend="speedloader", mode="reduce-overhead")`
+            sets it, as the mode does for Inductor. Elsewhere (the CPU, aot_eager)
+            the step runs without CUDA graphs, and the report says why.
         schedule: the policy that orders compute and moves weights; every policy,
             built-in (`slcompile.schedules.policies.BUILTIN_POLICIES`, below) or
             registered, shares every pass and runtime op, so a comparison differs
@@ -191,6 +198,7 @@ class SpeedLoaderConfig:
     num_subbatches: int = 2
     lowering: str = "inductor"
     compile_regions: bool = True
+    cudagraphs: bool = False
     schedule: str = "speedloader"
     batch_dim: int = 0
     on_refusal: str = "fallback"
@@ -213,8 +221,9 @@ class SpeedLoaderConfig:
         _check_int("num_subbatches", self.num_subbatches, minimum=1)
         _check_int("batch_dim", self.batch_dim, minimum=0)
         _check_choice("lowering", self.lowering, LOWERINGS)
-        if not isinstance(self.compile_regions, bool):
-            raise OptionError(f"speedloader option 'compile_regions' must be True or False, got {self.compile_regions!r}")
+        for key in ("compile_regions", "cudagraphs"):
+            if not isinstance(getattr(self, key), bool):
+                raise OptionError(f"speedloader option {key!r} must be True or False, got {getattr(self, key)!r}")
         if not callable(getattr(self.schedule, "build", None)):  # else a Policy object
             from slcompile.schedules.policies import unknown_policy
 
@@ -268,6 +277,24 @@ class SpeedLoaderConfig:
     def cache_key(self) -> str:
         """A stable string of every option, for compile caches."""
         return repr(sorted(dataclasses.asdict(self).items()))
+
+
+# torch.compile's modes that have a speedloader counterpart, as options (the rest of
+# each from the defaults).
+MODES = MappingProxyType({"default": {}, "reduce-overhead": {"cudagraphs": True}})
+
+
+def options_of_mode(mode: str, instead: str) -> dict[str, Any]:
+    """The speedloader options torch.compile's `mode` stands for.
+
+    Raises:
+        OptionError: a mode without a speedloader counterpart; `instead` (what to
+            write instead) ends the message.
+    """
+    if mode not in MODES:
+        raise OptionError(f"the speedloader backend takes mode='default' or mode='reduce-overhead' (its "
+                          f"cudagraphs option), not mode={mode!r}: {instead}")
+    return dict(MODES[mode])
 
 
 def check_names(options: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -58,7 +58,7 @@ import torch
 from transformers import Trainer
 
 from slcompile import defaults
-from slcompile.config import SpeedLoaderConfig, check_names
+from slcompile.config import SpeedLoaderConfig, check_names, options_of_mode
 from slcompile.optim import OffloadedOptimizer, offload_optimizer
 from slcompile.runtime.facts import machine_facts
 from slcompile.runtime.weights import gathered_weights
@@ -83,7 +83,8 @@ class SpeedLoaderTrainer(Trainer):
 
     Raises:
         ValueError: a bad speedloader option, `model_init`, `torch_compile` with
-            another backend or a mode, with streamed weights an optimizer that is
+            another backend or a mode other than "default" and "reduce-overhead"
+            (which sets the `cudagraphs` option unless `speedloader` names it), with streamed weights an optimizer that is
             not offloaded, or an offloaded optimizer whose `max_grad_norm` is not
             the arguments'.
     """
@@ -99,11 +100,11 @@ class SpeedLoaderTrainer(Trainer):
                     "compile it a second time: leave torch_compile off"
                 )
             if training_args.torch_compile_mode is not None:
-                raise ValueError(
-                    f"the speedloader backend takes no mode (torch_compile_mode="
-                    f"{training_args.torch_compile_mode!r}): pass SpeedLoaderTrainer(speedloader="
-                    "slcompile.options(...)) or set slcompile.defaults"
-                )
+                # The mode's options, under those given by name.
+                speedloader = {**options_of_mode(training_args.torch_compile_mode, instead=(
+                    f"TrainingArguments(torch_compile_mode={training_args.torch_compile_mode!r}); pass "
+                    "SpeedLoaderTrainer(speedloader=slcompile.options(...)) or set slcompile.defaults")),
+                    **(speedloader or {})}
             # accelerate's DynamoBackend has no "speedloader": the compile is ours.
             training_args.torch_compile = False
             training_args.torch_compile_backend = None

@@ -66,6 +66,8 @@ class CompileReport:
         regions: per AOT graph kind, what `compile_regions` did to it
             (`slcompile.passes.outline_regions.RegionOutline`); empty when the
             graphs were compiled flat.
+        cudagraphs_skipped: why the step runs without the CUDA graphs that the
+            `cudagraphs` option (or mode="reduce-overhead") asked for, or None.
         graphs_dropped: True for a report of the history older than the newest
             `GRAPHS_KEPT`: a copy without `graphs` and `partitioned`.
     """
@@ -88,6 +90,7 @@ class CompileReport:
     spilled_boundaries: object = None
     offloaded_gradients: object = None
     regions: dict[str, object] = dataclasses.field(default_factory=dict)
+    cudagraphs_skipped: str | None = None
     graphs_dropped: bool = False
 
     @property

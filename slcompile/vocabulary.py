@@ -135,8 +135,11 @@ _SCHEMAS = MappingProxyType({
 _ORDERED = ("fetch_issue", "stash", "wait", "unstash", "unstash_wait", "mark", "offload_grad",
             "stash_many", "wait_many", "unstash_many", "unstash_wait_many", "fetch_issue_many")
 
+# Every op reaches the transfer engine from the host (it moves bytes, records events or
+# reads a clock), so none may be captured into a CUDA graph: with `cudagraphs`,
+# Inductor partitions the step at each of them and replays the compute between.
 for _name, _schema in _SCHEMAS.items():
-    _LIB.define(_name + _schema)
+    _LIB.define(_name + _schema, tags=(torch.Tag.cudagraph_unsafe,))
 for _name in _ORDERED:
     _LIB._register_effectful_op(f"slc::{_name}", EffectType.ORDERED)
 

@@ -43,7 +43,7 @@ def run_train_step(model, call, params_of=None):
     return outputs, loss.detach(), grads
 
 
-def assert_matches_eager(model, call, options, *, dynamic_inputs=(), atol=1e-5, rtol=1e-5):
+def assert_matches_eager(model, call, options=None, *, mode=None, dynamic_inputs=(), atol=1e-5, rtol=1e-5):
     """Compiles a copy of `model` with speedloader and checks outputs, loss and every
     parameter gradient against eager on the same inputs.
 
@@ -51,6 +51,7 @@ def assert_matches_eager(model, call, options, *, dynamic_inputs=(), atol=1e-5, 
         model: the model (left untouched; eager and compiled run on deep copies).
         call: `call(m) -> (outputs, loss)`.
         options: backend options.
+        mode: torch.compile's mode (which it takes only without options).
         dynamic_inputs: tensors whose dim 0 is marked dynamic before compiling.
     """
     eager = copy.deepcopy(model)
@@ -58,7 +59,7 @@ def assert_matches_eager(model, call, options, *, dynamic_inputs=(), atol=1e-5, 
     out_ref, loss_ref, grads_ref = run_train_step(eager, call)
     for tensor in dynamic_inputs:
         torch._dynamo.mark_dynamic(tensor, 0)
-    compiled = torch.compile(compiled_model, backend="speedloader", options=options)
+    compiled = torch.compile(compiled_model, backend="speedloader", options=options, mode=mode)
     out, loss, grads = run_train_step(compiled, call, params_of=compiled_model)
     torch.testing.assert_close(out, out_ref, atol=atol, rtol=rtol)
     torch.testing.assert_close(loss, loss_ref, atol=atol, rtol=rtol)

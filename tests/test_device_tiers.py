@@ -9,6 +9,7 @@ device's memory there and moves nothing)."""
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -121,3 +122,40 @@ def test_predicted_step_peak_within_ten_percent_of_the_cuda_allocators(activatio
     predicted = predict_memory(report.graphs["forward"], report.graphs["backward"], live_blocks=2,
                                machine=MachineFacts(load_granularity=512)).step_peak_bytes
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured, report.memory.step_peak_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not on_cuda(), reason="CUDA graphs need CUDA (on a CPU: "
+                                          "test_reduce_overhead_asks_for_cuda_graphs_and_says_why_there_are_none)")
+@pytest.mark.parametrize("activations", ["device", "host"])
+def test_cuda_graphs_replay_the_compute_between_transfers_and_equal_eager(activations):
+    """With the cudagraphs option, Inductor partitions the step at its transfers and
+    replays the rest as CUDA graphs: the first steps warm up and record, the later ones
+    replay, and every one equals eager's, with the weights changing in between."""
+    from torch._dynamo.utils import counters
+
+    device = device_under_test()
+    idx, targets = (t.to(device) for t in make_gpt_batch(CFG, 4))
+    eager = TinyGPT(CFG).to(device)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="speedloader", options={
+        "lowering": "inductor", "num_subbatches": 2, "weights": "host", "activations": activations,
+        "recompute": "none", "min_offload_bytes": 0, "cudagraphs": True, "on_refusal": "raise"})
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, model)]
+    counters.clear()
+    for step in range(4):  # warm-up, recording, replays
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        _, expected = eager(idx, targets)
+        expected.backward()
+        _, loss = compiled(idx, targets)
+        loss.backward()
+        torch.testing.assert_close(loss.detach(), expected.detach(), atol=1e-4, rtol=1e-4, msg=f"step {step}")
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad.to(q.device), q.grad, atol=1e-4, rtol=1e-4, msg=f"{name}, step {step}")
+        optimizers[0].step()
+        with slcompile.gathered_weights(model):
+            optimizers[1].step()
+    assert slcompile.compile_reports()[-1].cudagraphs_skipped is None
+    assert counters["inductor"]["cudagraph_partitions"] > 0
+    assert counters["inductor"]["cudagraph_skips"] == 0

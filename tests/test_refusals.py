@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import slcompile
+from slcompile.backends.speedloader import cudagraphs_apply
 from conftest import assert_matches_eager
 from models import BatchNormBlock, GPTConfig, Stack, TinyGPT, make_gpt_batch
 
@@ -170,8 +171,25 @@ def test_mode_gets_a_message_that_says_what_to_write():
     with pytest.raises(slcompile.CompileError) as info:
         model(idx, targets)
     assert str(info.value).splitlines()[0].startswith(
-        "the speedloader backend takes no mode= (got 'max-autotune'): torch.compile passes either mode or options"
+        "the speedloader backend takes mode='default' or mode='reduce-overhead' (its cudagraphs option), not "
+        "mode='max-autotune': torch.compile passes either mode or options"
     )
+
+
+def test_reduce_overhead_asks_for_cuda_graphs_and_says_why_there_are_none():
+    # mode= comes without options, so the lowering is the defaults'.
+    idx, targets = make_gpt_batch(CFG, 4)
+    with slcompile.defaults.patch(lowering="aot_eager", num_subbatches=2):
+        assert_matches_eager(TinyGPT(CFG), lambda m: m(idx, targets), mode="reduce-overhead")
+    report = slcompile.compile_reports()[-1]
+    assert report.fallback_reason is None and report.config.cudagraphs
+    assert report.cudagraphs_skipped.startswith("lowering='aot_eager' compiles no kernels to capture")
+    # With Inductor on a CPU, nothing reaches Inductor's CUDA graphs.
+    config = slcompile.SpeedLoaderConfig(cudagraphs=True)
+    fresh = slcompile.CompileReport(config=config)
+    assert not cudagraphs_apply(config, [idx, targets], fresh)
+    assert fresh.cudagraphs_skipped == "the step's tensors are on cpu, and CUDA graphs need CUDA"
+    assert not cudagraphs_apply(slcompile.SpeedLoaderConfig(), [idx], fresh)
 
 
 def test_offload_dir_is_created_private_when_its_parent_exists(tmp_path):

@@ -170,7 +170,17 @@ def test_trainer_refuses_an_offloaded_optimizer_that_would_not_clip(tmp_path):
                            speedloader={**SPEEDLOADER, "weights": "nvme"})
 
 
+def test_trainer_maps_reduce_overhead_to_cuda_graphs(tmp_path):
+    args = _args(tmp_path, torch_compile_backend="speedloader", torch_compile_mode="reduce-overhead")
+    trainer = SpeedLoaderTrainer(model=_model(), args=args, train_dataset=_data(4), speedloader=SPEEDLOADER)
+    assert trainer.speedloader_options == {"lowering": "aot_eager", "cudagraphs": True}  # K=2 is the default
+    args = _args(tmp_path, torch_compile_backend="speedloader", torch_compile_mode="reduce-overhead")
+    trainer = SpeedLoaderTrainer(model=_model(), args=args, train_dataset=_data(4),
+                                 speedloader={**SPEEDLOADER, "cudagraphs": False})
+    assert not slcompile.SpeedLoaderConfig.from_options(trainer.speedloader_options).cudagraphs  # named wins
+
+
 def test_trainer_refuses_a_mode(tmp_path):
-    with pytest.raises(ValueError, match="takes no mode .*torch_compile_mode='max-autotune'"):
+    with pytest.raises(ValueError, match="not mode='max-autotune': TrainingArguments.torch_compile_mode='max-aut"):
         SpeedLoaderTrainer(model=_model(), train_dataset=_data(4),
                            args=_args(tmp_path, torch_compile_backend="speedloader", torch_compile_mode="max-autotune"))

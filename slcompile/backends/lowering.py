@@ -101,6 +101,9 @@ class StepPlan:
         compile_regions: with Inductor, outline each distinct region as a subgraph
             compiled once (`slcompile.passes.outline_regions`) instead of lowering
             every copy.
+        cudagraphs: with Inductor on CUDA, the compute between `slc::` ops is
+            replayed as CUDA graphs (the `cudagraphs` option); the compute markers
+            then go, since a replayed graph runs none of its host code.
         profile: the `MachineProfile` the activation planner places stashes by
             (the `machine_profile` option), or None: by counting steps.
         machine: the machine's facts (`MachineFacts`) the memory model predicts with.
@@ -122,6 +125,7 @@ class StepPlan:
     stash_everything: bool = False
     optimizer: Any = None
     compile_regions: bool = False
+    cudagraphs: bool = False
     profile: Any = None
     machine: MachineFacts = MachineFacts()
 
@@ -133,6 +137,8 @@ def lower(
     report: CompileReport,
     plan: StepPlan | None = None,
     runtime: StepRuntime | None = None,
+    *,
+    cudagraphs: bool = False,
 ) -> Callable:
     """Compiles `gm` with the chosen lowering; records the AOT graphs in `report`.
 
@@ -148,7 +154,9 @@ def lower(
     graph handed to a compiler goes through `COMPILED_PASSES` first. Each stage's
     passes are listed in `report.passes_run`. Every compiled graph and the returned
     callable hold `runtime`, the `StepRuntime` of `plan`'s runtime objects, when
-    one is given (the caller starts it).
+    one is given (the caller starts it). With `cudagraphs` (or a plan's), Inductor
+    replays the compute between `slc::` ops as CUDA graphs (its graph partition and
+    cudagraph trees, as for mode="reduce-overhead").
 
     Raises:
         BudgetError: no plan fits `plan.memory_budget`.
@@ -177,7 +185,8 @@ def lower(
     if lowering == "aot_eager":
         return hold(_aot_eager(gm, example_inputs, prepare, partition_hook, hold))
     if lowering == "inductor":
-        return hold(_inductor(gm, example_inputs, prepare, partition_hook, hold))
+        cudagraphs = cudagraphs or (plan is not None and plan.cudagraphs)
+        return hold(_inductor(gm, example_inputs, prepare, partition_hook, hold, cudagraphs))
     raise ValueError(f"unknown lowering {lowering!r}")
 
 
@@ -403,7 +412,7 @@ def _plan_key(plan: StepPlan):
     )
 
 
-def _inductor(gm, example_inputs, prepare, partition_hook, hold):
+def _inductor(gm, example_inputs, prepare, partition_hook, hold, cudagraphs=False):
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -429,6 +438,10 @@ def _inductor(gm, example_inputs, prepare, partition_hook, hold):
                 return hold(compile_fx_inner(graph, inputs, **kwargs))
 
     patches = dict(INDUCTOR_PATCHES)
+    if cudagraphs:
+        # What mode="reduce-overhead" sets, and the partition at every op tagged
+        # cudagraph_unsafe (all of `slc::`) that keeps the transfers out of the graphs.
+        patches.update({"triton.cudagraphs": True, "graph_partition": True})
     if partition_hook is not None:
         patches["custom_partitioner_fn"] = _InductorPartition(partition_hook)
         patches["joint_custom_pre_pass"] = _TagJoint(partition_hook)

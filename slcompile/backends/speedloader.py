@@ -30,7 +30,7 @@ import torch.fx
 
 from slcompile.analysis.inputs import classify_inputs
 from slcompile.backends.lowering import StepPlan, failed_stage, lower
-from slcompile.config import SpeedLoaderConfig
+from slcompile.config import SpeedLoaderConfig, options_of_mode
 from slcompile.compat import watch_recompile_limit
 from slcompile.errors import (
     BudgetError, NoBlocksError, OffloadError, OptionError, RecompileLimitWarning, RefusedError, as_refusal,
@@ -56,8 +56,10 @@ def speedloader_backend(
 ) -> Callable:
     """The backend: `torch.compile(model, backend="speedloader", options=options)`.
     Options not given take their defaults from `slcompile.defaults`. `mode=` (which
-    torch hands to a custom backend, and allows only without options) is refused
-    with a `CompileError` saying what to write instead.
+    torch hands to a custom backend, and allows only without options) means what it
+    means to Inductor where the speedloader has its counterpart: "default", and
+    "reduce-overhead" (the `cudagraphs` option); another mode is refused with a
+    `CompileError` saying what to write instead.
 
     Raises:
         CompileError: what the user can fix, its message first: an unknown option
@@ -69,12 +71,11 @@ def speedloader_backend(
     """
     try:
         if mode is not None:
-            raise OptionError(
-                f"the speedloader backend takes no mode= (got {mode!r}): torch.compile passes either mode or "
-                "options to a backend, and the speedloader's are options: torch.compile(model, "
-                "backend='speedloader', options=slcompile.options(lowering='inductor', ...)), or defaults set "
-                "with slcompile.defaults or SLC_* environment variables"
-            )
+            options = options_of_mode(mode, instead=(
+                "torch.compile passes either mode or options to a backend, and the speedloader's other choices "
+                "are options: torch.compile(model, backend='speedloader', options=slcompile.options("
+                "lowering='inductor', ...)), or defaults set with slcompile.defaults or SLC_* environment "
+                "variables"))
         return _compile_graph(gm, example_inputs, options)
     except (ValueError, BudgetError, RefusedError, OffloadError) as err:
         if isinstance(err, ValueError) and not isinstance(err, OptionError):
@@ -82,6 +83,26 @@ def speedloader_backend(
         # Dynamo re-raises a BackendCompilerFailed subclass as it is, with the
         # traceback cut to start here.
         raise compile_error(err, inspect.currentframe()).with_traceback(err.__traceback__) from None
+
+
+def cudagraphs_apply(config: SpeedLoaderConfig, example_inputs: Sequence[Any], report: CompileReport) -> bool:
+    """Whether the step's compute is replayed as CUDA graphs: the `cudagraphs` option
+    asked for it, the lowering is Inductor's and the step runs on CUDA. When asked
+    for but not possible, the reason goes to `report.cudagraphs_skipped` and the log."""
+    if not config.cudagraphs:
+        return False
+    devices = sorted({value.device.type for value in example_inputs if isinstance(value, torch.Tensor)})
+    reason = None
+    if config.lowering != "inductor":
+        reason = f"lowering={config.lowering!r} compiles no kernels to capture; CUDA graphs need lowering='inductor'"
+    elif "cuda" not in devices:
+        reason = f"the step's tensors are on {' and '.join(devices) or 'no device'}, and CUDA graphs need CUDA"
+    if reason is None:
+        return True
+    if report.cudagraphs_skipped is None:
+        log.info("speedloader: no CUDA graphs: %s", reason)
+    report.cudagraphs_skipped = reason
+    return False
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None) -> Callable:
@@ -104,7 +125,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     def attempt(planned: SpeedLoaderConfig):
         state = run_pipeline(gm, example_inputs, planned, facts=process_facts(planned, example_inputs),
                              passes_log=report.pass_log)
-        plan = step_plan(state)
+        plan = dataclasses.replace(step_plan(state), cudagraphs=cudagraphs_apply(planned, example_inputs, report))
         runtime = StepRuntime(plan.streamer, plan.stash, plan.gradients)
         return state, runtime, lower(state.gm, example_inputs, planned.lowering, report, plan, runtime)
 
@@ -197,13 +218,14 @@ def compile_plainly(gm, example_inputs, config: SpeedLoaderConfig, report: Compi
     """The graph Dynamo handed over, compiled with the plain lowering: the one way
     every fallback (a refusal, a failed stage, a batch K does not divide) compiles."""
     # What a failed attempt recorded (its graphs, schedule, memory) is not what runs.
-    kept = {"config", "fallback_reason", "pass_log"}
+    kept = {"config", "fallback_reason", "pass_log", "cudagraphs_skipped"}
     for field in dataclasses.fields(report):
         if field.name not in kept:
             default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
             setattr(report, field.name, default)
     # Parameters another graph of the model released (weights="nvme") are loaded for each call.
-    return loading_released_weights(lower(gm, example_inputs, config.lowering, report))
+    return loading_released_weights(lower(gm, example_inputs, config.lowering, report,
+                                          cudagraphs=cudagraphs_apply(config, example_inputs, report)))
 
 
 def step_plan(state) -> StepPlan:
