@@ -99,15 +99,16 @@ IO_SHAPE = {**gpu_bench.MODELS["full"], "layers": 2, "batch": 8, "seq": 32}
 
 def row_order(ks: list[int]) -> list[dict]:
     """The rows to run, most needed first (each goal's first row early): the baseline,
-    weights on host and activations on host with recompute at the smallest K, weights on
-    host at the other K, both with CUDA graphs (mode="reduce-overhead" and the
-    cudagraphs option) at the smallest K, the link-bound pair at the largest K (with its own resident
+    weights on host and activations on host with recompute at the smallest K, the
+    baseline and weights on host with CUDA graphs (mode="reduce-overhead", the
+    cudagraphs option) at the smallest K, weights on host at the other K, the link-bound
+    pair at the largest K (with its own resident
     baseline), then the rest: every saved activation moved, grad_accumulation of the
     main shape, recompute at the other K."""
     rows = [{"row": "resident_inductor", "k": 1}, {"row": "weights_host", "k": min(ks)},
             {"row": "weights_activations_host_recompute", "k": min(ks)}]
-    rows += [{"row": "weights_host", "k": k} for k in ks if k != min(ks)]
     rows += [{"row": "resident_inductor_cudagraphs", "k": 1}, {"row": "weights_host_cudagraphs", "k": min(ks)}]
+    rows += [{"row": "weights_host", "k": k} for k in ks if k != min(ks)]
     rows += [{"row": name, "k": k, "regime": "io_bound"}
              for name, k in (("resident_inductor", 1), ("weights_host", max(ks)), ("grad_accumulation", max(ks)))]
     rows.append({"row": "weights_activations_host", "k": min(ks)})
