@@ -49,20 +49,20 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
     device = default_device(device)
     dtype = default_dtype(device, dtype)
     if nvme:
-        op_overhead, per_byte, transfer_op, op_costs = _measure_steps(offload_dir, profile)
+        op_overhead, per_byte, transfer_op, op_costs = _measure_steps(offload_dir, profile, device)
         profile = dataclasses.replace(profile, op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op,
                                       output_seconds_per_byte=per_byte, transfer_op_costs=op_costs)
-    layer_step, per_pass = _measure_generation(profile, offload_dir)
+    layer_step, per_pass = _measure_generation(profile, offload_dir, device)
     profile = dataclasses.replace(profile, layer_step_seconds=layer_step, pass_seconds=per_pass)
     source = (f"measured on {socket.gethostname()} ({device.type}, {torch.get_num_threads()} threads, "
               f"{dtype}) in {time.perf_counter() - began:.1f} s")
     return dataclasses.replace(profile, source=source)
 
 
-def _measure_steps(offload_dir, profile: MachineProfile) -> tuple[float, float, float, tuple]:
+def _measure_steps(offload_dir, profile: MachineProfile, device: torch.device) -> tuple[float, float, float, tuple]:
     """(seconds per op, seconds per byte of large outputs, seconds per `slc::`
     transfer op, the host seconds of each kind of transfer op) on the compute
-    thread of compiled steps (aot_eager).
+    thread of compiled steps (aot_eager) on `device`.
 
     Two GPTs' steps run with everything on the device: a tiny one (many small ops)
     and a wider one (fewer ops, large outputs). The thread's CPU time of each, less
@@ -87,8 +87,8 @@ def _measure_steps(offload_dir, profile: MachineProfile) -> tuple[float, float, 
         runs.append((tiny, 4, 2, "host"))  # host copies cost the host otherwise than disk reads
     cpu_seconds, graphs, op_costs = [], [], []
     for cfg, batch, k, tier in runs:
-        idx, targets = make_gpt_batch(cfg, batch)
-        model = TinyGPT(cfg)
+        idx, targets = (t.to(device) for t in make_gpt_batch(cfg, batch))
+        model = TinyGPT(cfg).to(device)
         options = {"lowering": "aot_eager", "num_subbatches": k, "weights": tier, "activations": tier,
                    "live_blocks": 2, "min_offload_bytes": 0, "offload_dir": offload_dir}
         compiled = torch.compile(model, backend="speedloader", options=options)
@@ -126,7 +126,7 @@ def _measure_steps(offload_dir, profile: MachineProfile) -> tuple[float, float, 
             tuple(sorted(op_costs)))
 
 
-def _measure_generation(profile: MachineProfile, offload_dir) -> tuple[float, float]:
+def _measure_generation(profile: MachineProfile, offload_dir, device: torch.device) -> tuple[float, float]:
     """(seconds per layer step, seconds per pass) that a generation's decode passes
     take beyond what `profile` predicts for them (their ops and compiled calls).
 
@@ -149,8 +149,8 @@ def _measure_generation(profile: MachineProfile, offload_dir) -> tuple[float, fl
         torch.manual_seed(0)
         config = LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
-        model = LlamaForCausalLM(config).eval()
-        ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+        model = LlamaForCausalLM(config).eval().to(device)
+        ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
         options = dict(num_subbatches=1, backend="inductor", offload_dir=offload_dir)
         tokens = dict(eos_token_id=[], pad_token_id=0, progress=False)
         generate(model, ids, max_new_tokens=3, **tokens, **options)  # compiles the layer steps

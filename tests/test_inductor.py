@@ -36,3 +36,31 @@ def test_hf_gpt2_inductor(k, dynamic):
     report = slcompile.compile_reports()[-1]
     assert report.fallback_reason is None
     check_layer_major(report, k)
+
+
+def test_cuda_graph_settings_reach_the_backward_compiled_at_its_first_call(monkeypatch):
+    # On a CPU no graph is captured; what is checked is that Inductor compiles the
+    # backward, which AOTAutograd lowers only when it first runs, with CUDA graphs and
+    # the graph partition on, as the forward: else it captured no graph of it.
+    import torch
+    import torch._inductor.compile_fx
+    from torch import nn
+    from torch._inductor import config as inductor_config
+
+    import slcompile.backends.speedloader as speedloader
+    from models import Stack
+
+    seen = {}
+    compile_inner = torch._inductor.compile_fx.compile_fx_inner
+
+    def recording(graph, inputs, **kwargs):
+        kind = "backward" if kwargs.get("is_backward") else "forward"
+        seen[kind] = (inductor_config.triton.cudagraphs, inductor_config.graph_partition)
+        return compile_inner(graph, inputs, **kwargs)
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx_inner", recording)
+    monkeypatch.setattr(speedloader, "cudagraphs_apply", lambda config, inputs, report: config.cudagraphs)
+    x = torch.randn(4, 8)
+    assert_matches_eager(Stack(lambda w: nn.Sequential(nn.Linear(w, w), nn.ReLU()), n=2), lambda m: m(x),
+                         {"num_subbatches": 2, "cudagraphs": True, "on_refusal": "raise"})
+    assert seen == {"forward": (True, True), "backward": (True, True)}

@@ -417,6 +417,12 @@ def _inductor(gm, example_inputs, prepare, partition_hook, hold, cudagraphs=Fals
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    compiling = dict(INDUCTOR_PATCHES)
+    if cudagraphs:
+        # What mode="reduce-overhead" sets, and the partition at every op tagged
+        # cudagraph_unsafe (all of `slc::`) that keeps the transfers out of the graphs.
+        compiling.update({"triton.cudagraphs": True, "graph_partition": True})
+
     def inner(graph: torch.fx.GraphModule, inputs, **kwargs):
         if kwargs.get("is_backward"):
             kind = "backward"
@@ -424,7 +430,8 @@ def _inductor(gm, example_inputs, prepare, partition_hook, hold, cudagraphs=Fals
             kind = "inference"
         else:
             kind = "forward"
-        with inductor_config.patch(dict(INDUCTOR_PATCHES)):
+        # Again here: a backward compiles at its first call, after compile_fx returned.
+        with inductor_config.patch(compiling):
             step = prepare(kind, graph)
             if step.results.compile_regions is None:
                 return hold(compile_fx_inner(graph, inputs, **kwargs))
@@ -437,11 +444,7 @@ def _inductor(gm, example_inputs, prepare, partition_hook, hold, cudagraphs=Fals
                 drop_marks(graph)
                 return hold(compile_fx_inner(graph, inputs, **kwargs))
 
-    patches = dict(INDUCTOR_PATCHES)
-    if cudagraphs:
-        # What mode="reduce-overhead" sets, and the partition at every op tagged
-        # cudagraph_unsafe (all of `slc::`) that keeps the transfers out of the graphs.
-        patches.update({"triton.cudagraphs": True, "graph_partition": True})
+    patches = dict(compiling)
     if partition_hook is not None:
         patches["custom_partitioner_fn"] = _InductorPartition(partition_hook)
         patches["joint_custom_pre_pass"] = _TagJoint(partition_hook)

@@ -172,6 +172,23 @@ def tag_block_recompute(joint: torch.fx.Graph, units: frozenset[tuple[int, int]]
     return tagged
 
 
+# The results of CUDA's attention ops that hold their random state: traced on the
+# compute device, they are CPU tensors when the op runs outside a CUDA graph capture
+# (torch's Note [Seed and Offset]), so a move would neither start nor end where the
+# plan says. (The flash ops name their offset's slot "unused".)
+_RANDOM_STATE_RESULTS = frozenset({"philox_seed", "philox_offset", "rng_state", "unused"})
+
+
+def _random_state(node: torch.fx.Node) -> bool:
+    if node.target is not operator.getitem or not isinstance(node.args[1], int):
+        return False
+    op = node.args[0].target
+    results = [r.name for r in op._schema.returns] if isinstance(op, torch._ops.OpOverload) else []
+    index = node.args[1]
+    return (index < len(results) and results[index] in _RANDOM_STATE_RESULTS
+            and bool(_RANDOM_STATE_RESULTS.intersection(results) - {"unused"}))
+
+
 def _base(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose memory `node` views (itself if it owns its memory)."""
     while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
@@ -228,10 +245,7 @@ def saved_activations(
             fw_order.setdefault(fw_step[node], len(fw_order))
     saved = [node for node in dict.fromkeys(outputs[num_fwd_outputs:])
              if isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)]
-    # On a GPU, a saved tensor on the CPU is already off the device. One on the meta
-    # device has its device chosen only when it runs: the random seed and offset of
-    # CUDA's flash and efficient attention are CPU tensors outside a CUDA graph capture
-    # and CUDA tensors inside one (torch's Note [Seed and Offset]).
+    # On a GPU, a saved tensor on the CPU is already off the device.
     accelerated = any(node.meta["val"].device.type not in ("cpu", "meta") for node in saved)
     found = []
     for node in saved:
@@ -245,8 +259,8 @@ def saved_activations(
             reason = "also a model output"
         elif accelerated and value.device.type == "cpu":
             reason = "on the host, not the compute device"
-        elif value.device.type == "meta":
-            reason = "its device is known only when it runs"
+        elif _random_state(node):
+            reason = "attention's random state, whose device is chosen when it runs"
         elif group is None:
             reason = "not of one sub-batch of the prefix or a block"
         elif node.name not in bw_inputs:

@@ -2,9 +2,12 @@
 activations' stores and loads land where the schedule, asked again with their
 lifetimes, puts them, and the step computes what eager does."""
 
+import operator
+
 import torch
 from expecttest import assert_expected_inline
 
+from slcompile.meta import get_slc_meta, set_slc_meta
 from slcompile.passes.offload_activations import offload_saved, saved_activations
 from slcompile.plans import StashPlan
 from slcompile.runtime.step import StepRuntime
@@ -118,13 +121,26 @@ t_7: None 32 B, last fwd use ('suffix', None, 1), first bwd use None, stays: a g
     torch.testing.assert_close([g for g in grads if g is not None], list(eager))
 
 
-def test_a_saved_tensor_whose_device_is_decided_when_it_runs_stays(partitioned):
-    # CUDA attention's random seed and offset are traced on the meta device: at run
-    # time they are CPU tensors, or CUDA tensors under graph capture. Neither the
-    # bytes nor the destination of their move would be what the plan says.
+def test_attentions_random_state_stays(partitioned):
+    # CUDA attention's random seed and offset are traced on the device, but are CPU
+    # tensors when the op runs (CUDA ones under graph capture): neither the bytes nor
+    # the destination of their move would be what the plan says.
     forward, backward, _ = partitioned()
     relu = next(node for node in forward.graph.nodes if node.name == "relu")
-    relu.meta["val"] = torch.empty(relu.meta["val"].shape, device="meta")
+    value = relu.meta["val"]
+    with forward.graph.inserting_after(relu):
+        query = forward.graph.call_function(torch.ops.aten.unsqueeze.default, (relu, 0))
+        query.meta["val"] = value.unsqueeze(0)
+    with forward.graph.inserting_after(query):
+        attention = forward.graph.call_function(
+            torch.ops.aten._scaled_dot_product_efficient_attention.default, (query, query, query, None, True))
+    for index, name in enumerate(["output", "log_sumexp", "philox_seed", "philox_offset"]):
+        with forward.graph.inserting_after(attention):
+            result = forward.graph.call_function(operator.getitem, (attention, index), name=name)
+        result.meta["val"] = torch.empty((), dtype=torch.int64) if "philox" in name else value
+        set_slc_meta(result, get_slc_meta(relu))
+    output = next(node for node in forward.graph.nodes if node.op == "output")
+    output.args = ([*output.args[0], *(n for n in forward.graph.nodes if n.name.startswith(("philox", "log_")))],)
     stays = {a.name: a.stays for a in saved_activations(forward, backward, 1, min_bytes=0)}
-    assert stays["relu"] == "its device is known only when it runs"
-    assert stays["relu_1"] is None
+    assert stays["philox_seed"] == stays["philox_offset"] == "attention's random state, whose device is chosen when it runs"
+    assert stays["log_sumexp"] != stays["philox_seed"] and stays["relu_1"] is None
