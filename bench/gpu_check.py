@@ -500,6 +500,10 @@ def environment(device) -> dict:
     try:
         record["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                           timeout=10).stdout.strip() or None
+        # A copy of a working tree may carry a git HEAD older than its files.
+        record["tracked_files_changed"] = bool(subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True,
+            timeout=10).stdout.strip())
     except (OSError, subprocess.TimeoutExpired):
         record["commit"] = None
     return record
