@@ -84,9 +84,9 @@ class SpeedLoaderTrainer(Trainer):
     Raises:
         ValueError: a bad speedloader option, `model_init`, `torch_compile` with
             another backend or a mode other than "default" and "reduce-overhead"
-            (which sets the `cudagraphs` option unless `speedloader` names it), with streamed weights an optimizer that is
-            not offloaded, or an offloaded optimizer whose `max_grad_norm` is not
-            the arguments'.
+            (which sets the `cudagraphs` option unless `speedloader` names it),
+            with streamed weights an optimizer that is not offloaded, or an
+            offloaded optimizer whose `max_grad_norm` is not the arguments'.
     """
 
     def __init__(self, *args: Any, speedloader: Mapping[str, Any] | None = None,

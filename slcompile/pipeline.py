@@ -668,11 +668,10 @@ def _coalesce_transfers(step: StepState) -> CoalescedTransfers | None:
 def _mark_regions(step: StepState):
     # Inductor fuses kernels across markers (see `mark_regions`), unless the regions
     # are outlined subgraphs (`compile_regions`): the markers then bracket the calls.
-    # Nor are there any in CUDA graphs, whose replays run no host code.
     if step.lowering != "aot_eager" and (step.plan is None or not step.plan.compile_regions):
         return None
     if step.plan is not None and step.plan.cudagraphs:
-        return None
+        return None  # a CUDA graph's replay runs no host code, markers included
     _, marks = mark_regions(step.graphs[step.kind], step.kind)
     return marks
 

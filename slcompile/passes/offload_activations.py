@@ -175,18 +175,21 @@ def tag_block_recompute(joint: torch.fx.Graph, units: frozenset[tuple[int, int]]
 # The results of CUDA's attention ops that hold their random state: traced on the
 # compute device, they are CPU tensors when the op runs outside a CUDA graph capture
 # (torch's Note [Seed and Offset]), so a move would neither start nor end where the
-# plan says. (The flash ops name their offset's slot "unused".)
-_RANDOM_STATE_RESULTS = frozenset({"philox_seed", "philox_offset", "rng_state", "unused"})
+# plan says.
+_RANDOM_STATE_RESULTS = frozenset({"philox_seed", "philox_offset", "rng_state"})
 
 
 def _random_state(node: torch.fx.Node) -> bool:
-    if node.target is not operator.getitem or not isinstance(node.args[1], int):
+    if node.target is not operator.getitem or not isinstance(node.args[0], torch.fx.Node):
         return False
-    op = node.args[0].target
-    results = [r.name for r in op._schema.returns] if isinstance(op, torch._ops.OpOverload) else []
-    index = node.args[1]
-    return (index < len(results) and results[index] in _RANDOM_STATE_RESULTS
-            and bool(_RANDOM_STATE_RESULTS.intersection(results) - {"unused"}))
+    op, index = node.args[0].target, node.args[1]
+    if not isinstance(op, torch._ops.OpOverload) or not isinstance(index, int):
+        return False
+    results = [r.name for r in op._schema.returns]
+    if index >= len(results):
+        return False
+    # The flash ops name the slot after their `rng_state` "unused" (their offset).
+    return results[index] in _RANDOM_STATE_RESULTS or (results[index] == "unused" and "rng_state" in results)
 
 
 def _base(node: torch.fx.Node) -> torch.fx.Node:

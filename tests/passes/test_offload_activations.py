@@ -144,3 +144,15 @@ def test_attentions_random_state_stays(partitioned):
     stays = {a.name: a.stays for a in saved_activations(forward, backward, 1, min_bytes=0)}
     assert stays["philox_seed"] == stays["philox_offset"] == "attention's random state, whose device is chosen when it runs"
     assert stays["log_sumexp"] != stays["philox_seed"] and stays["relu_1"] is None
+
+
+def test_flash_attentions_random_state_is_recognised_by_its_results_names():
+    # torch 2.13 names them rng_state and unused, earlier releases philox_seed and philox_offset.
+    from slcompile.passes.offload_activations import _random_state
+
+    graph = torch.fx.Graph()
+    query = graph.placeholder("query")
+    flash = graph.call_function(torch.ops.aten._scaled_dot_product_flash_attention.default, (query, query, query))
+    results = [graph.call_function(operator.getitem, (flash, i)) for i in range(9)]
+    assert [_random_state(node) for node in results] == [False] * 6 + [True, True, False]
+    assert not _random_state(graph.call_function(operator.getitem, (query, 0)))
