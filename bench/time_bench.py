@@ -3,6 +3,7 @@ against the H100 measurements.
 
 Usage:
     python bench/time_bench.py [--rounds 7] [--threads 1] [--no-h100] [--out bench/results/time_model.json]
+    python bench/time_bench.py --paper-only
 
 Part 1 (this machine): the machine's profile is measured first
 (`slcompile.profile.measure_profile`, not the cache: the same conditions as the
@@ -26,6 +27,13 @@ PCIe, Llama 738M bf16, batch 16 x 512) predicted with the named profile
 "h100-pcie5-nvme" through `slcompile.explain(..., profile=...)`, the model built on
 the meta device (no weights; nothing runs). Compared: the step time of each row,
 the rows' ranking (Spearman's rho) and the resource the model says bounds each row.
+
+Part 3 (on paper): the rows of the last `python -m bench gpu --check`
+(results/gpu_check/gpu_check.json: measured steps read from it) predicted the same
+way, with the named profile "h100-pcie5-nvme", each row's model shape on the meta
+device; the rows with CUDA graphs are left out (the model has none). `--paper-only`
+runs parts 2 and 3 alone (a few minutes, nothing timed) into
+results/time_model_paper.json.
 """
 
 from __future__ import annotations
@@ -197,15 +205,59 @@ def h100_rows(args) -> list[dict]:
     return rows
 
 
+GPU_CHECK = os.path.join(HERE, "results", "gpu_check", "gpu_check.json")
+
+
+def gpu_check_rows(path: str = GPU_CHECK) -> dict:
+    """Part 3: the measured rows of a gpu_check run against their prediction."""
+    import torch
+    from tqdm import tqdm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import slcompile
+    from bench.gpu_bench import speedloader_options
+
+    with open(path) as f:
+        record = json.load(f)
+    models = {}
+    rows = []
+    measured = [r for r in record["rows"] if "step_seconds" in r and "cudagraphs" not in r["spec"]["row"]]
+    for row in tqdm(measured, desc="gpu_check rows on paper"):
+        spec, shape = row["spec"], row["spec"]["shape"]
+        key = json.dumps(shape, sort_keys=True)
+        if key not in models:
+            config = LlamaConfig(num_hidden_layers=shape["layers"], hidden_size=shape["hidden"],
+                                 intermediate_size=shape["intermediate"], num_attention_heads=shape["heads"],
+                                 num_key_value_heads=shape["heads"], vocab_size=shape["vocab"],
+                                 max_position_embeddings=shape["seq"], use_cache=False)
+            with torch.device("meta"):
+                models[key] = LlamaForCausalLM(config).to(getattr(torch, spec["dtype"]))
+        options = speedloader_options(spec["row"], spec["k"], "inductor") or {"num_subbatches": 1}
+        ids = torch.zeros(shape["batch"], shape["seq"], dtype=torch.long, device="meta")
+        predicted = slcompile.explain(models[key], ids, kwargs={"labels": ids}, profile="h100-pcie5-nvme",
+                                      **{"lowering": "inductor", **options}).time
+        rows.append({
+            "row": f"{spec['row']} K={spec['k']}" + (f" ({spec['regime']})" if spec.get("regime") else ""),
+            "options": options, "measured_step_seconds": row["step_seconds"],
+            "predicted_step_seconds": predicted.step_seconds,
+            "error": (predicted.step_seconds - row["step_seconds"]) / row["step_seconds"],
+            "predicted_bound": predicted.bound, "predicted_compute_seconds": predicted.compute_seconds,
+        })
+    return {"source": os.path.relpath(path, os.path.dirname(HERE)), "device_name": record.get("device_name"),
+            "torch": record.get("torch"), "profile": "h100-pcie5-nvme", "rows": rows}
+
+
 def plot(record: dict, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("this machine (CPU, nvme tier)", record["cpu"]["rows"])]
+    panels = [("this machine (CPU, nvme tier)", record["cpu"]["rows"])] if record.get("cpu") else []
     if record.get("h100"):
         panels.append(("H100 rows on paper (profile h100-pcie5-nvme)", record["h100"]["rows"]))
+    if record.get("gpu_check"):
+        panels.append((f"{record['gpu_check']['device_name']} rows of gpu_check on paper", record["gpu_check"]["rows"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 6))
     axes = axes if len(panels) > 1 else [axes]
     for ax, (title, rows) in zip(axes, panels):
@@ -233,10 +285,17 @@ def main() -> None:
     parser.add_argument("--no-h100", action="store_true", help="skip the H100 rows on paper")
     parser.add_argument("--no-generation", action="store_true", help="skip the generation passes")
     parser.add_argument("--quick", action="store_true", help="smoke settings: 2 rounds, d_model 64, no H100 rows")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "time_model.json"))
+    parser.add_argument("--paper-only", action="store_true", help="parts 2 and 3 alone (nothing timed)")
+    parser.add_argument("--out", default=None, help="default results/time_model.json "
+                                                    "(results/time_model_paper.json with --paper-only)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.d_model, args.no_h100 = 2, 64, True
+    args.out = args.out or os.path.join(HERE, "results",
+                                        "time_model_paper.json" if args.paper_only else "time_model.json")
+    if args.paper_only:
+        write_paper(args)
+        return
     import torch
 
     from slcompile.profile import measure_profile
@@ -272,19 +331,42 @@ def main() -> None:
         "cpu": {"rows": rows, "within_15_percent": within},
     }
     if not args.no_h100:
-        h100 = h100_rows(args)
-        rho = spearman([r["measured_step_seconds"] for r in h100], [r["predicted_step_seconds"] for r in h100])
-        record["h100"] = {"source": "../shared/measurements/h100-2026-11-23.md", "profile": "h100-pcie5-nvme",
-                          "rows": h100, "spearman_rank_correlation": rho}
-        print(f"\nH100 rows on paper (profile h100-pcie5-nvme): Spearman rank correlation {rho:.2f}")
-        print(f"{'lowering':9} {'row':58} {'measured':>9} {'predicted':>9} {'err':>7} bound")
-        for r in h100:
-            print(f"{r['lowering']:9} {r['row']:58} {r['measured_step_seconds']:>9.4f} "
-                  f"{r['predicted_step_seconds']:>9.4f} {r['error']:>+7.1%} {r['predicted_bound']}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+        add_paper(record, args)
+    save(record, args.out)
+
+
+def add_paper(record: dict, args) -> None:
+    """Parts 2 and 3 into `record`, each printed."""
+    h100 = h100_rows(args)
+    rho = spearman([r["measured_step_seconds"] for r in h100], [r["predicted_step_seconds"] for r in h100])
+    record["h100"] = {"source": "../shared/measurements/h100-2026-11-23.md", "profile": "h100-pcie5-nvme",
+                      "rows": h100, "spearman_rank_correlation": rho}
+    print(f"\nH100 rows on paper (profile h100-pcie5-nvme): Spearman rank correlation {rho:.2f}")
+    print(f"{'lowering':9} {'row':58} {'measured':>9} {'predicted':>9} {'err':>7} bound")
+    for r in h100:
+        print(f"{r['lowering']:9} {r['row']:58} {r['measured_step_seconds']:>9.4f} "
+              f"{r['predicted_step_seconds']:>9.4f} {r['error']:>+7.1%} {r['predicted_bound']}")
+    if os.path.exists(GPU_CHECK):
+        record["gpu_check"] = gpu_check_rows()
+        print(f"\n{record['gpu_check']['device_name']} rows of gpu_check on paper (profile h100-pcie5-nvme)")
+        for r in record["gpu_check"]["rows"]:
+            print(f"{r['row']:58} {r['measured_step_seconds']:>9.4f} {r['predicted_step_seconds']:>9.4f} "
+                  f"{r['error']:>+7.1%} {r['predicted_bound']}")
+
+
+def write_paper(args) -> None:
+    import torch
+
+    record = {"torch": torch.__version__, "command": "python bench/time_bench.py " + " ".join(sys.argv[1:])}
+    add_paper(record, args)
+    save(record, args.out)
+
+
+def save(record: dict, out: str) -> None:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(record, f, indent=1)
-    plot(record, os.path.splitext(args.out)[0] + ".png")
+    plot(record, os.path.splitext(out)[0] + ".png")
 
 
 if __name__ == "__main__":
