@@ -36,7 +36,10 @@ step), tokens/s, % of resident Inductor, first-step seconds (compile included), 
 host bytes, and the bound max(resident compute time, host<->device bytes / measured
 bandwidth); from one more step under ``torch.profiler`` (``slcompile.step_profile``),
 the operators run outside compiled code and each ``slc::`` op's median host
-microseconds (``host``). The pinned host->device and device->host copy bandwidth is
+microseconds, and on CUDA from one more with CUDA activity the kernels and CUDA graphs
+launched (``host``); the median host thread CPU time of a step until its work is
+issued, before the final synchronize (``host_issue_seconds``: near the step, the
+host bounds it). The pinned host->device and device->host copy bandwidth is
 measured once, in the parent process, before the rows.
 
 Writes the JSON record to ``--out`` and a plot beside it (``.png``); prints the JSON.
@@ -213,13 +216,16 @@ def run_row(spec: dict) -> dict:
         forward = torch.compile(model, backend="speedloader",
                                 options=speedloader_options(row, k, spec["lowering"]))
 
+    issued = []  # the host thread's CPU seconds of each step until its work is issued
+
     def step() -> float:
         for parameter in model.parameters():
             parameter.grad = None
         synchronize(device)
-        start = time.perf_counter()
+        start, thread_start = time.perf_counter(), time.thread_time()
         loss = forward(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        issued.append(time.thread_time() - thread_start)
         synchronize(device)
         return time.perf_counter() - start
 
@@ -231,6 +237,7 @@ def run_row(spec: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times, windows = [], []
+        issued.clear()
         for _ in range(spec["repeats"]):
             slcompile.mark_step()
             times.append(step())
@@ -243,12 +250,14 @@ def run_row(spec: dict) -> dict:
     window = windows[times.index(median)]
     stats = slcompile.runtime_stats()
     moved = tier_bytes(window.bytes_moved)
-    host = _host_profile(step) if row != "fsdp2_cpu_offload" else None
+    host = _host_profile(step, device.type == "cuda") if row != "fsdp2_cpu_offload" else None
     prediction = _predicted(spec, forward if row not in ("eager", "fsdp2_cpu_offload") else None, median)
     return {
         "spec": spec,
         "step_seconds": median,
         "all_step_seconds": times,
+        # Near the step: the host is the bound; far under it: the device is.
+        "host_issue_seconds": statistics.median(issued[:len(times)]),
         "tokens_per_second": shape["batch"] * shape["seq"] / median,
         "first_step_seconds": first,
         "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
@@ -287,15 +296,19 @@ def _predicted(spec: dict, forward, median: float) -> dict:
     return {"predicted_step_seconds": predicted, "prediction_error": (predicted - median) / median}
 
 
-def _host_profile(step) -> dict:
+def _host_profile(step, cuda: bool) -> dict:
     """One more step under `torch.profiler` (`slcompile.step_profile`): the operators
-    run outside compiled code and each `slc::` op's median host microseconds."""
+    run outside compiled code, each `slc::` op's median host microseconds, and on
+    CUDA the kernels and CUDA graphs launched (another step, with CUDA activity on)."""
     from slcompile.step_profile import profile_step
 
     ops = profile_step(step)
+    launches = profile_step(step, cuda=True).launches if cuda else {}
     return {"eager_ops": ops.eager, "eager_prims": ops.eager_count("prims"), "eager_aten": ops.eager_count("aten"),
             "compiled_calls": ops.compiled_calls, "slc_op_host_us": ops.slc_median_us(),
-            "slc_op_calls": {name: len(times) for name, times in ops.slc_host_us.items()}}
+            "slc_op_calls": {name: len(times) for name, times in ops.slc_host_us.items()},
+            "launches": launches, "graph_launches": launches.get("cudaGraphLaunch", 0),
+            "kernel_launches": sum(n for name, n in launches.items() if name != "cudaGraphLaunch")}
 
 
 def run_isolated(spec: dict) -> dict:

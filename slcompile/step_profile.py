@@ -26,6 +26,10 @@ __all__ = ["StepOps", "profile_step", "classify_events"]
 
 _COMPILED = "## Call CompiledFxGraph"
 _AUTOGRAD_ACCUMULATE = "torch::autograd::AccumulateGrad"
+# The CUDA API calls that launch work: kernels (the runtime's and the driver's) and
+# CUDA graphs. The profiler sees them with CUDA activity on.
+_LAUNCHES = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                       "cudaGraphLaunch"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +43,15 @@ class StepOps:
             time of the op: what the step waits on the host).
         compiled_calls: calls of compiled programs.
         accumulate_grad: operators dispatched by autograd's `.grad` accumulation.
+        launches: CUDA API call name -> calls that launched a kernel or a CUDA graph
+            (seen only by a profile with CUDA activity: `profile_step(cuda=True)`).
     """
 
     eager: dict[str, int]
     slc_host_us: dict[str, list[float]]
     compiled_calls: int
     accumulate_grad: int
+    launches: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def eager_count(self, namespace: str) -> int:
         """Eager calls of operators of `namespace` ("prims", "aten")."""
@@ -66,9 +73,13 @@ def classify_events(events) -> StepOps:
     """Sorts the profiler's `FunctionEvent`s of one step (see `StepOps`)."""
     eager: collections.Counter = collections.Counter()
     slc: dict[str, list[float]] = collections.defaultdict(list)
+    launches: collections.Counter = collections.Counter()
     compiled = accumulate = 0
     for event in events:
         name = event.name
+        if name in _LAUNCHES:
+            launches[name] += 1
+            continue
         if name.startswith(_COMPILED):
             compiled += 1
             continue
@@ -87,12 +98,13 @@ def classify_events(events) -> StepOps:
         if any(a.startswith(("aten::", "prims::")) for a in outer):
             continue  # counted as its outermost operator
         eager[name] += 1
-    return StepOps(dict(eager), dict(slc), compiled, accumulate)
+    return StepOps(dict(eager), dict(slc), compiled, accumulate, dict(launches))
 
 
-def profile_step(step: Callable[[], object]) -> StepOps:
-    """Runs `step()` once under `torch.profiler` (CPU activity) and sorts what it
-    dispatched (`classify_events`)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+def profile_step(step: Callable[[], object], *, cuda: bool = False) -> StepOps:
+    """Runs `step()` once under `torch.profiler` (CPU activity, and CUDA's with
+    `cuda`, which adds the launches) and sorts what it dispatched (`classify_events`)."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
         step()
     return classify_events(prof.events())

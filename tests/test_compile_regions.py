@@ -151,3 +151,17 @@ def test_nothing_of_the_step_runs_eagerly(tmp_path):
     assert set(ours.slc_host_us) & {"slc::stash", "slc::stash_many"}
     assert set(ours.slc_host_us) & {"slc::unstash_wait", "slc::unstash_wait_many"}
     assert {name: n for name, n in ours.eager.items() if n > plain.eager.get(name, 0)} == {}
+
+
+def test_launches_are_counted_by_their_cuda_api_calls():
+    # What a profile with CUDA activity holds beside the operators (names as the
+    # profiler gives them); a launch is not an eager operator.
+    from types import SimpleNamespace
+
+    from slcompile.step_profile import classify_events
+
+    names = ["cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernelEx", "cudaGraphLaunch", "aten::mm",
+             "cudaMemcpyAsync"]
+    ops = classify_events([SimpleNamespace(name=name, cpu_parent=None, cpu_time_total=1.0) for name in names])
+    assert ops.launches == {"cudaLaunchKernel": 1, "cuLaunchKernelEx": 2, "cudaGraphLaunch": 1}
+    assert ops.eager == {"aten::mm": 1}
