@@ -14,9 +14,10 @@ out of time is recorded as such, and the next one runs):
    plan's peak against the CUDA allocator's), junit XML and log kept. None of these
    files needs expecttest, pydot or graphviz.
 2. the pinned host<->device copy bandwidth (gpu_bench.copy_bandwidth, 1 GiB), then
-   this machine's `MachineProfile` (``slcompile.profile.measure_profile(steps=True)``,
-   at most ``--profile-budget-s``), kept in the JSON: each speedloader row records the
-   step the time model predicts from it.
+   this machine's `MachineProfile` (``slcompile.profile.measure_profile(steps=True,
+   generation=False)``: the training steps' costs, not generation's; at most
+   ``--profile-budget-s``), kept in the JSON: each speedloader row records the step
+   the time model predicts from it.
 3. bench rows of gpu_bench.py (``--small`` model: 4 layers, hidden 1024, batch 8 x 256,
    bf16, Inductor), each in its own process with a fresh Inductor/Triton cache (so
    every first step pays its whole compile), in the order of row_order(): what the
@@ -460,7 +461,7 @@ def measure_profile(args, record: dict, clock: Clock) -> str | None:
     path = os.path.join(tempfile.mkdtemp(prefix="slc-gpu-check-profile-"), "profile.json")
     steps = not args.cpu_smoke
     code = ("import sys; from slcompile.profile import measure_profile; "
-            f"open(sys.argv[1], 'w').write(measure_profile(steps={steps}, nvme={steps}).to_json())")
+            f"open(sys.argv[1], 'w').write(measure_profile(steps={steps}, nvme={steps}, generation=False).to_json())")
     budget = min(args.profile_budget_s, clock.left())
     with tempfile.TemporaryFile("w+") as err:
         status, seconds, timed_out = run_limited([sys.executable, "-c", code, path], budget, env=dict(os.environ),

@@ -25,7 +25,8 @@ __all__ = ["machine_profile", "measure_profile", "profile_key", "profile_path"]
 
 
 def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dtype | None = None,
-                    offload_dir: str | None = None, nvme: bool = True, steps: bool = False) -> MachineProfile:
+                    offload_dir: str | None = None, nvme: bool = True, steps: bool = False,
+                    generation: bool = True) -> MachineProfile:
     """Measures this machine's rates (a few seconds; `measure_rates`).
 
     Args:
@@ -41,6 +42,8 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
             transformers is installed, a generation's costs per layer step and per
             pass beyond its ops (`_measure_generation`: a few seconds more, and
             entries in the cache of `slcompile.generate`'s Inductor layer steps).
+        generation: with `steps`, measure the generation's costs too (else they
+            stay 0: a profile for training steps alone).
     """
     began = time.perf_counter()
     profile = measure_rates(device, dtype=dtype, offload_dir=offload_dir, nvme=nvme)
@@ -52,8 +55,9 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
         op_overhead, per_byte, transfer_op, op_costs = _measure_steps(offload_dir, profile, device)
         profile = dataclasses.replace(profile, op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op,
                                       output_seconds_per_byte=per_byte, transfer_op_costs=op_costs)
-    layer_step, per_pass = _measure_generation(profile, offload_dir, device)
-    profile = dataclasses.replace(profile, layer_step_seconds=layer_step, pass_seconds=per_pass)
+    if generation:
+        layer_step, per_pass = _measure_generation(profile, offload_dir, device)
+        profile = dataclasses.replace(profile, layer_step_seconds=layer_step, pass_seconds=per_pass)
     source = (f"measured on {socket.gethostname()} ({device.type}, {torch.get_num_threads()} threads, "
               f"{dtype}) in {time.perf_counter() - began:.1f} s")
     return dataclasses.replace(profile, source=source)
