@@ -273,26 +273,22 @@ def run_row(spec: dict) -> dict:
 
 
 def _predicted(spec: dict, forward, median: float) -> dict:
-    """The step the time model predicts for a speedloader row (`predict_time` on the
-    graphs as partitioned, with the profile at ``spec["profile_path"]``, measured on
+    """The step the time model predicts for a speedloader row (`explain.report_time`
+    of its compile report, with the profile at ``spec["profile_path"]``, measured on
     this machine), and its error against the median step; {} for another row or
     without a profile."""
     import slcompile
     from slcompile.analysis.machine import MachineProfile
-    from slcompile.analysis.time import predict_time
+    from slcompile.explain import report_time
 
-    options = speedloader_options(spec["row"], spec["k"], spec["lowering"])
-    if options is None or not spec.get("profile_path") or forward is None:
+    if speedloader_options(spec["row"], spec["k"], spec["lowering"]) is None or forward is None:
         return {}
     report = slcompile.compile_reports()[-1]
-    if not report.partitioned or report.fallback_reason is not None:
+    if not spec.get("profile_path") or not report.partitioned or report.fallback_reason is not None:
         return {}
     with open(spec["profile_path"]) as f:
         profile = MachineProfile.from_json(f.read())
-    tiers = {"fetch": options.get("weights", "device"), "stash": options.get("activations", "device"),
-             "unstash": options.get("activations", "device"), "store_grad": "device"}
-    predicted = predict_time(report.partitioned["forward"], report.partitioned["backward"], profile=profile,
-                             tiers=tiers, lowering=spec["lowering"]).step_seconds
+    predicted = report_time(report, report.config, profile).step_seconds
     return {"predicted_step_seconds": predicted, "prediction_error": (predicted - median) / median}
 
 
