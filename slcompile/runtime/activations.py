@@ -113,12 +113,53 @@ def stash(x: torch.Tensor, key: str) -> torch.Tensor:
     return ops._token_for(engine, handle, (_free_stored, engine, stored_key))
 
 
+@functools.lru_cache(maxsize=1 << 12)
+def _run_of(keys: tuple[str, ...]) -> tuple[str, Tier | None, tuple[str, ...]] | None:
+    """(the stash's name, the tier the keys name or None, the tensors' names) of a run
+    of keys that share both; None for a run that mixes them. A graph's runs are few
+    and fixed (the stash itself is looked up at each call: the cache must not keep
+    it alive)."""
+    parsed = [_parsed_key(key) for key in keys]
+    if len({(key.stash, key.tier) for key in parsed}) != 1:
+        return None
+    return parsed[0].stash, _named_tier(keys[0]), tuple(key.name for key in parsed)
+
+
+def stash_many(xs: Sequence[torch.Tensor], keys: Sequence[str]) -> list[torch.Tensor]:
+    """`stash` of each (x, key); their stash tokens. A run onto the nvme tier of one
+    stash is stored together (`TransferEngine.store_many`)."""
+    run = _run_of(tuple(keys))
+    owner = _stash_of(keys[0]) if run is not None else None
+    tier = owner and (run[1] or owner.tier)
+    if tier is not Tier.NVME:
+        return [stash(x, key) for x, key in zip(xs, keys)]
+    engine = owner.engine
+    stored_keys = [f"{name}#{next(_STORES)}" for name in run[2]]
+    handles = engine.store_many(stored_keys, xs, tier, TransferKind.ACTIVATION, forget_source=True)
+    return [ops._token_for(engine, handle, (_free_stored, engine, stored_key))
+            for handle, stored_key in zip(handles, stored_keys)]
+
+
 def unstash(stash_token: torch.Tensor) -> torch.Tensor:
     """Issues the load of a stashed activation; returns the load's token."""
     engine, handle = ops._lookup(stash_token)
     if handle.direction != "store":
         raise OffloadError(f"token {handle.id} is a {handle.direction}, not a stash", key=handle.key)
     return ops._token_for(engine, engine.load(handle.key, TransferKind.ACTIVATION))
+
+
+def unstash_many(stash_tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`unstash` of each stash token; their load tokens. The loads of one engine are
+    issued together (`TransferEngine.load_many`)."""
+    found = [ops._lookup(token) for token in stash_tokens]
+    engine = found[0][0] if found else None
+    if any(found_engine is not engine for found_engine, _ in found):
+        return [unstash(token) for token in stash_tokens]
+    for _, handle in found:
+        if handle.direction != "store":
+            raise OffloadError(f"token {handle.id} is a {handle.direction}, not a stash", key=handle.key)
+    handles = engine.load_many([handle.key for _, handle in found], TransferKind.ACTIVATION)
+    return [ops._token_for(engine, handle) for handle in handles]
 
 
 def unstash_wait(

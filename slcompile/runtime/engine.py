@@ -65,7 +65,9 @@ from .errors import (
 )
 from .handles import StoredTensor, TransferHandle, _Entry, normalize_key
 from .nvme import NvmeArena, NvmeSlot, PageBufferCache
+from .nvme_aio import aio_default
 from .nvme_transfers import NvmeTransfers
+from .page_buffers import profiler_sees_buffers
 from .stats import RECORDER, Recorder
 from .tiers import (
     DEFAULT_CHUNK_BYTES,
@@ -299,6 +301,35 @@ class TransferEngine(NvmeTransfers, CudaCopies):
             self._store_device_cuda(handle, entry, source)
         return handle
 
+    def store_many(self, keys, tensors, tier: Tier | str, kind: TransferKind | str,
+                   forget_source: bool = False) -> list[TransferHandle]:
+        """`store` of each (key, tensor), in order, onto one tier: on a CPU machine a
+        run onto the nvme tier takes consecutive slots of the arena and, where native
+        AIO takes it whole, is written by one I/O (`NvmeArena.write_run`); otherwise
+        the tensors are stored one by one.
+
+        Raises:
+            As `store`. A run written together raises before any of it is issued.
+        """
+        tier = tier if tier.__class__ is Tier else Tier(tier)
+        kind = kind if kind.__class__ is TransferKind else TransferKind(kind)
+        keys = [normalize_key(key) for key in keys]
+        if tier is not Tier.NVME or self._cuda or len(keys) < 2:
+            return [self.store(key, tensor, tier, kind, forget_source) for key, tensor in zip(keys, tensors)]
+        sources = [self._prepare_source(key, tensor) for key, tensor in zip(keys, tensors)]
+        if any(source.numel() == 0 for source in sources):
+            return [self.store(key, source, tier, kind, forget_source) for key, source in zip(keys, sources)]
+        handles, entries, ids = [], [], self._ids
+        source_tier = Tier.DEVICE  # a CPU machine's: every source is in its memory
+        for key, source in zip(keys, sources):
+            nbytes = source.numel() * source.element_size()
+            handle = TransferHandle(next(ids), key, kind, source_tier, tier, nbytes, "store")
+            handle.forget_source = forget_source
+            handles.append(handle)
+            entries.append(_Entry(key, tier, kind, tuple(source.shape), source.dtype, nbytes))
+        self._store_nvme_run(handles, entries, sources)
+        return handles
+
     def load(self, key: str | int, kind: TransferKind | str | None = None,
              into: torch.Tensor | None = None) -> TransferHandle:
         """Issues a load of ``key`` onto the device.
@@ -330,13 +361,16 @@ class TransferEngine(NvmeTransfers, CudaCopies):
     def batches_loads(self) -> bool:
         """Whether `load_many` issues loads together at a lower cost than one by one:
         on a CUDA machine, the host tier's copies share one switch to the copy stream
-        and one event."""
-        return self._cuda
+        and one event; on a CPU machine, the nvme tier's small reads (native AIO) are
+        counted and started as one run."""
+        return self._cuda or aio_default()
 
     def load_many(self, keys, kind: TransferKind | str | None = None) -> list[TransferHandle]:
         """Issues loads of `keys` (as `load` does, in order) together: on a CUDA
         machine the host tier's copies go to the copy stream in one switch and are
-        awaited by one event; other loads are issued one by one.
+        awaited by one event; on a CPU machine the nvme tier's small reads are counted
+        and started as one run (`_load_nvme_new_run`); other loads are issued one by
+        one.
 
         Raises:
             UnknownKeyError, TransferFailedError: as `load` (the loads of the keys
@@ -351,13 +385,26 @@ class TransferEngine(NvmeTransfers, CudaCopies):
             for handle, entry, pending_store in started:
                 if entry is None:
                     continue
-                if self._cuda and entry.tier is Tier.HOST and entry.host_block is not None:
+                if self._together(entry, pending_store):
                     together.append((handle, entry))
                 else:
                     self._dispatch_load(handle, entry, pending_store, None)
-            if together:
+            if together and self._cuda:
                 self._load_host_cuda_together(together)
+            elif together:
+                self._load_nvme_new_run(together)
         return [handle for handle, _, _ in started]
+
+    def _together(self, entry: _Entry, pending_store: TransferHandle | None) -> bool:
+        """Whether `load_many` issues this entry's load with the others: on a CUDA
+        machine from the host tier; on a CPU machine from a written nvme slot that
+        native AIO reads whole into new memory."""
+        if self._cuda:
+            return entry.tier is Tier.HOST and entry.host_block is not None
+        slot = entry.slot
+        return (entry.tier is Tier.NVME and entry.error is None and slot is not None and slot.valid
+                and (pending_store is None or pending_store.done()) and 0 < entry.nbytes <= self._arena.aio_bytes
+                and not profiler_sees_buffers())
 
     def _start_load(self, key, kind, into) -> tuple[TransferHandle, _Entry | None, TransferHandle | None]:
         """(the load's handle, its entry or None when it finished without copying,

@@ -73,7 +73,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import crc32c
 import torch
@@ -105,7 +105,7 @@ from .page_buffers import (
     memory_at,
     profiler_sees_buffers,
 )
-from .ranges import RangeAllocator, round_up
+from .ranges import ByteRange, RangeAllocator, round_up
 from .tiers import PAGE_BYTES
 
 __all__ = [
@@ -256,6 +256,11 @@ class NvmeArena:
         """Bytes held by live slots (padded to pages)."""
         return self._allocator.used_bytes
 
+    @property
+    def aio_bytes(self) -> int:
+        """The largest transfer native AIO takes whole (0: none does)."""
+        return self._aio_bytes
+
     def allocate(self, nbytes: int, key: str) -> NvmeSlot:
         """Reserves a slot for a tensor of ``nbytes`` bytes, growing the file if needed.
 
@@ -277,6 +282,24 @@ class NvmeArena:
                 byte_range = self._allocator.allocate(padded)
             assert byte_range is not None
         return NvmeSlot(key, byte_range, nbytes)
+
+    def allocate_run(self, sizes: Sequence[int], keys: Sequence[str]) -> list[NvmeSlot]:
+        """Slots for tensors of `sizes` bytes (each > 0) that follow each other in the
+        file, so that one I/O can write them all (`write_run`); each is released on
+        its own. Raises as `allocate` (naming the first key)."""
+        padded = [round_up(nbytes, PAGE_BYTES) for nbytes in sizes]
+        total = sum(padded)
+        with self._lock:
+            byte_range = self._allocator.allocate(total)
+            if byte_range is None:
+                self._grow(total - self._allocator.tail_free(), keys[0])
+                byte_range = self._allocator.allocate(total)
+            assert byte_range is not None
+        slots, offset = [], byte_range.offset
+        for key, nbytes, size in zip(keys, sizes, padded):
+            slots.append(NvmeSlot(key, ByteRange(offset, size), nbytes))
+            offset += size
+        return slots
 
     def _grow(self, needed: int, key: str) -> None:
         """Grows the file by at least ``needed`` bytes (a multiple of the page size)."""
@@ -376,6 +399,83 @@ class NvmeArena:
             self._aio_write(slot, address, readable_bytes, finish, on_start)
             return
         self._submit(slot, address, readable_bytes, self._write_chunk, finish, on_start, before)
+
+    def write_run(
+        self,
+        slots: Sequence[NvmeSlot],
+        sources: Sequence[tuple[int, int]],
+        on_done: Callable[[IoOutcome], None],
+        *,
+        on_start: Callable[[float], None] | None = None,
+    ) -> None:
+        """Writes `sources`, `(address, readable bytes)` each, into `slots` from
+        `allocate_run` (in its order), as `write` writes one: where native AIO takes
+        the run whole (at most `AIO_MAX_BYTES` and one chunk), copied into one staging
+        buffer and written by one I/O; otherwise slot by slot. `on_done` is called once,
+        with the run's outcome (every slot valid, or the first error)."""
+        padded = slots[-1].byte_range.offset + slots[-1].byte_range.size - slots[0].byte_range.offset
+        if padded > self._aio_bytes or len(slots) == 1:
+            self._write_each(slots, sources, on_done, on_start)
+            return
+        staging = None
+        try:
+            if first_in_batch(self):
+                self._check_file(slots[0].key)
+            staging = self._take_staging(padded)
+            base = address_of(staging)
+            for slot, (address, _) in zip(slots, sources):
+                staged = base + slot.byte_range.offset - slots[0].byte_range.offset
+                ctypes.memmove(staged, address, slot.nbytes)
+                if slot.byte_range.size > slot.nbytes:
+                    ctypes.memset(staged + slot.nbytes, 0, slot.byte_range.size - slot.nbytes)
+                slot.checksums = [_checksum(memory_at(staged, slot.nbytes))] if self.checksums else None
+        except Exception as failure:  # noqa: BLE001 - reported as the write's outcome
+            if staging is not None:
+                self._give_staging(staging)
+            self._fail(on_done, failure, slots[0].key)
+            return
+        start = _begin(on_start)
+
+        def complete(result: int, end: float) -> None:
+            self._give_staging(staging)
+            outcome = self._aio_outcome(start, end, result, "write", slots[0].key)
+            if outcome.error is None and result < padded:
+                outcome.error = OffloadError(f"wrote {result} of {padded} bytes", key=slots[0].key,
+                                             path=self.file_path)
+            if outcome.error is None:
+                for slot in slots:
+                    slot.valid = True
+            on_done(outcome)
+
+        self._aio.issue((self._fd, IOCB_CMD_PWRITE, base, padded, slots[0].byte_range.offset, complete))
+
+    def _write_each(self, slots, sources, on_done, on_start) -> None:
+        """`write_run` slot by slot: `on_done` once, after the last, with the first error."""
+        outcomes: list[IoOutcome] = []
+        lock = threading.Lock()
+        began = [False]
+
+        def started(now: float) -> None:
+            with lock:
+                first, began[0] = not began[0], True
+            if first and on_start is not None:
+                on_start(now)
+
+        def finished(outcome: IoOutcome) -> None:
+            with lock:
+                outcomes.append(outcome)
+                if len(outcomes) < len(slots):
+                    return
+            run = IoOutcome()
+            times = [o for o in outcomes if o.start is not None]
+            if times:
+                run.start = min(o.start for o in times)
+                run.end = max(o.end for o in times)
+            run.error = next((o.error for o in outcomes if o.error is not None), None)
+            on_done(run)
+
+        for slot, (address, readable) in zip(slots, sources):
+            self.write(slot, address, readable, finished, on_start=started)
 
     def read(
         self,

@@ -26,7 +26,7 @@ import torch
 
 from .errors import OffloadError, TransferFailedError
 from .handles import TransferHandle, _Entry
-from .nvme_io import IoOutcome, NvmeSlot
+from .nvme_io import IoOutcome, NvmeSlot, batched
 from .page_buffers import profiler_sees_buffers
 from .tiers import Tier
 
@@ -93,9 +93,44 @@ class NvmeTransfers:
             handle._finish(None, error)
             raise
 
+    def _store_nvme_run(self, handles: list[TransferHandle], entries: list[_Entry],
+                        sources: list[torch.Tensor]) -> None:
+        """Stores of CPU tensors (each of at least one byte) into consecutive slots,
+        written together (`NvmeArena.write_run`)."""
+        arena = self._get_arena(handles[0].key)
+        slots = arena.allocate_run([entry.nbytes for entry in entries], [handle.key for handle in handles])
+        places = []
+        for handle, entry, source, slot in zip(handles, entries, sources, slots):
+            entry.slot = slot
+            entry.store_handle = handle
+            handle._keep = source
+            places.append((source.data_ptr(), source.untyped_storage().nbytes()
+                           - source.storage_offset() * source.element_size()))
+        self._recorder.resident_change(Tier.NVME, sum(entry.nbytes for entry in entries))
+        with self._lock:
+            for entry in entries:
+                self._install(entry)
+
+        def on_done(outcome: IoOutcome) -> None:
+            if outcome.start is not None:
+                self._recorder.lane_end("store", outcome.end)
+            for handle, entry in zip(handles, entries):
+                self._store_nvme_finished(handle, entry, outcome)
+
+        try:
+            arena.write_run(slots, places, on_done, on_start=lambda now: self._recorder.lane_begin("store", now))
+        except OffloadError as error:
+            for handle, entry in zip(handles, entries):
+                self._fail_entry(entry, error)
+                handle._finish(None, error)
+            raise
+
     def _store_nvme_done(self, handle, entry, outcome: IoOutcome) -> None:
         if outcome.start is not None:
             self._recorder.lane_end("store", outcome.end)
+        self._store_nvme_finished(handle, entry, outcome)
+
+    def _store_nvme_finished(self, handle, entry, outcome: IoOutcome) -> None:
         if outcome.error is not None:
             log.warning("store of %r failed: %s", handle.key, outcome.error)
             self._fail_entry(entry, outcome.error)
@@ -180,17 +215,30 @@ class NvmeTransfers:
                 TransferFailedError(f"load could not start: {error!r}", key=handle.key),
             )
 
-    def _load_nvme_new(self, handle: TransferHandle, entry: _Entry) -> None:
+    def _load_nvme_new_run(self, loads: list[tuple[TransferHandle, _Entry]]) -> None:
+        """`_load_nvme_new` of each (handle, entry), each natively asynchronous
+        (`NvmeArena.read_new`), issued together: the memory they take is counted and
+        the load lane started once for the run."""
+        recorder = self._recorder
+        recorder.resident_change(Tier.DEVICE, sum(entry.nbytes for _, entry in loads))
+        recorder.lane_begin("load", time.perf_counter(), len(loads))
+        with batched():  # one submission
+            for handle, entry in loads:
+                self._load_nvme_new(handle, entry, begun=True)
+
+    def _load_nvme_new(self, handle: TransferHandle, entry: _Entry, begun: bool = False) -> None:
         """A load on a CPU machine into new page-aligned memory, made on the I/O
         thread that reads it: issuing costs the compute thread no tensor and no
-        system call (`NvmeArena.read_new`)."""
+        system call (`NvmeArena.read_new`). `begun`: its memory is counted and its
+        load lane started already (`_load_nvme_new_run`)."""
         # Residency is counted from the issue, as the memory model counts a load, and
         # lasts as long as the memory does, not as long as the handle. The release
         # callback lives as long as the memory and must not reach the entry: a state
         # loaded here and stored again would keep, through it, every earlier
         # generation of that state alive.
         nbytes, dtype, shape, recorder = entry.nbytes, entry.dtype, entry.shape, self._recorder
-        recorder.resident_change(Tier.DEVICE, nbytes)
+        if not begun:
+            recorder.resident_change(Tier.DEVICE, nbytes)
         made: list[torch.Tensor] = []
 
         def make_destination() -> torch.Tensor:
@@ -200,8 +248,8 @@ class NvmeTransfers:
             return tensor
 
         def on_done(outcome: IoOutcome) -> None:
-            if outcome.start is not None:
-                recorder.lane_end("load", outcome.end)
+            if outcome.start is not None or begun:
+                recorder.lane_end("load", time.perf_counter() if outcome.end is None else outcome.end)
             if not made:  # failed before its memory was made
                 recorder.resident_change(Tier.DEVICE, -nbytes)
             error = outcome.error
@@ -212,8 +260,10 @@ class NvmeTransfers:
 
         try:
             self._arena.read_new(entry.slot, make_destination, on_done,
-                                 on_start=lambda now: recorder.lane_begin("load", now))
+                                 on_start=None if begun else lambda now: recorder.lane_begin("load", now))
         except BaseException:
             recorder.resident_change(Tier.DEVICE, -nbytes)
+            if begun:
+                recorder.lane_end("load", time.perf_counter())
             raise
 

@@ -134,8 +134,9 @@ class PageBufferCache:
         # The ctypes array is the storage's owner: it dies with the last tensor
         # using the memory, while the buffer itself can outlive it and be reused.
         owner = (ctypes.c_char * size).from_buffer(buffer)
-        storage = torch.frombuffer(owner, dtype=torch.uint8).untyped_storage()
-        tensor = torch.empty((), dtype=dtype, device="cpu").set_(storage, 0, shape)
+        # A 1-d tensor over the whole buffer, shrunk in place to its shape: the storage
+        # stays the padded buffer (two dispatches, where `set_` onto it takes three).
+        tensor = torch.frombuffer(owner, dtype=dtype).resize_(shape)
         weakref.finalize(owner, self._give_back, buffer, size, on_release)
         return tensor
 

@@ -26,7 +26,7 @@ __all__ = ["stash_many", "wait_many", "unstash_many", "unstash_wait_many", "fetc
 def stash_many(xs: Sequence[torch.Tensor], keys: Sequence[str]) -> list[torch.Tensor]:
     """`stash` of each (x, key); their stash tokens."""
     with batched():
-        return [activations.stash(x, key) for x, key in zip(xs, keys)]
+        return activations.stash_many(xs, keys)
 
 
 def wait_many(tokens: Sequence[torch.Tensor], keepalive: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -40,7 +40,7 @@ def wait_many(tokens: Sequence[torch.Tensor], keepalive: Sequence[torch.Tensor])
 def unstash_many(stash_tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """`unstash` of each stash token; their load tokens."""
     with batched():
-        return [activations.unstash(token) for token in stash_tokens]
+        return activations.unstash_many(stash_tokens)
 
 
 def unstash_wait_many(

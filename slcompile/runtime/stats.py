@@ -244,12 +244,12 @@ class Recorder:
             if self.timeline_enabled:
                 self._events.append(TimelineEvent(lane, start, end, nbytes, label))
 
-    def lane_begin(self, lane: str, now: float) -> None:
-        """Marks one more transfer of ``lane`` as doing I/O."""
+    def lane_begin(self, lane: str, now: float, count: int = 1) -> None:
+        """Marks ``count`` more transfers of ``lane`` as doing I/O."""
         with self._lock:
             if self._lane_active[lane] == 0:
                 self._lane_since[lane] = now
-            self._lane_active[lane] += 1
+            self._lane_active[lane] += count
 
     def lane_end(self, lane: str, now: float) -> None:
         """Marks one transfer of ``lane`` as done with its I/O."""

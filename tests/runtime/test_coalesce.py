@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import errno
 import gc
+import os
 import queue
 import threading
 
 import pytest
 import torch
 import torch.fx
+from devices import flip_bits
 
 from slcompile.passes.coalesce_transfers import coalesce_transfers
 from slcompile.runtime import Tier, TransferEngine, TransferKind, ops, runtime_stats
 from slcompile.runtime.activations import ActivationStash
+from slcompile.runtime.errors import CorruptDataError, OffloadFileMissingError, TransferFailedError
 from slcompile.runtime.nvme_aio import IOCB_CMD_PREAD, AioQueue
 from slcompile.runtime.nvme_io import JOB_BYTES, IoThreads, batched
 from slcompile.runtime.weights import WeightStreamer
@@ -227,3 +230,102 @@ def test_a_transfer_submitted_after_shutdown_completes_cancelled_on_the_caller()
     aio.submit([(-1, IOCB_CMD_PREAD, 0, 4096, 0,
                  lambda result, end: completed.append((result, threading.current_thread())))])
     assert completed == [(-errno.ECANCELED, threading.current_thread())]
+
+
+def _run_values() -> list[torch.Tensor]:
+    """Tensors of a run, none page-aligned: odd sizes, several dtypes, a view."""
+    base = torch.randn(4 * 1000 + 3)
+    return ([base[3 + 1000 * i: 3 + 1000 * (i + 1)] for i in range(4)]
+            + [torch.randn(5, 7).half(), torch.rand(33) > 0.5, torch.arange(3, dtype=torch.int64)])
+
+
+def _recording_submissions(monkeypatch) -> list[list[int]]:
+    """The byte count of each request of each native AIO submission, as issued."""
+    calls = []
+    real = AioQueue._submit_some
+    monkeypatch.setattr(AioQueue, "_submit_some", lambda self, requests: (
+        calls.append([request[3] for request in requests]), real(self, requests))[1])
+    return calls
+
+
+def test_a_run_of_stores_is_one_write_and_each_member_loads_back_alone(engine, monkeypatch):
+    if engine.arena.aio_bytes == 0 or engine._cuda:
+        pytest.skip("runs are written whole by native AIO on a CPU machine")
+    calls = _recording_submissions(monkeypatch)
+    values = _run_values()
+    keys = [f"r{i}" for i in range(len(values))]
+    before = runtime_stats().resident_bytes
+    with batched():
+        stores = engine.store_many(keys, values, NVME, ACT, forget_source=True)
+    for handle in stores:
+        engine.wait(handle)
+    padded = [-(-value.numel() * value.element_size() // 4096) * 4096 for value in values]
+    assert calls == [[sum(padded)]]
+    offsets = [engine.nvme_location(key)[1] for key in keys]
+    assert offsets == [offsets[0] + sum(padded[:i]) for i in range(len(values))]
+    with batched():
+        loads = engine.load_many(keys[::-1])
+    loaded = [engine.wait(handle) for handle in loads][::-1]
+    assert calls[1] == padded[::-1]
+    assert all(torch.equal(got, value) and got.dtype == value.dtype for got, value in zip(loaded, values))
+    nbytes = sum(value.numel() * value.element_size() for value in values)
+    stats = runtime_stats()
+    assert dict(stats.cumulative.bytes_moved) == {(ACT, DEVICE, NVME): nbytes, (ACT, NVME, DEVICE): nbytes}
+    assert stats.cumulative.transfers[(ACT, DEVICE, NVME)] == len(values)
+    assert stats.resident_bytes[NVME] - before[NVME] == nbytes
+    assert stats.resident_bytes[DEVICE] - before[DEVICE] == nbytes
+    # Each member is freed on its own; the run's range is whole again once all are.
+    engine.free(keys[2])
+    del loaded, loads
+    gc.collect()
+    for key in keys[:2] + keys[3:]:
+        engine.free(key)
+    after = runtime_stats().resident_bytes
+    assert (after[NVME], after[DEVICE]) == (before[NVME], before[DEVICE])
+    assert engine.arena.used_bytes == 0
+
+
+def test_a_corrupt_member_of_a_stored_run_is_named_and_the_others_load(engine):
+    if engine.arena.aio_bytes == 0 or engine._cuda:
+        pytest.skip("runs are written whole by native AIO on a CPU machine")
+    values = _run_values()
+    keys = [f"r{i}" for i in range(len(values))]
+    with batched():
+        stores = engine.store_many(keys, values, NVME, ACT)
+    for handle in stores:
+        engine.wait(handle)
+    path, offset, nbytes = engine.nvme_location(keys[3])
+    flip_bits(path, offset + nbytes - 1)
+    loads = engine.load_many(keys)
+    with pytest.raises(CorruptDataError) as caught:
+        engine.wait(loads[3])
+    assert caught.value.key == keys[3] and offset <= caught.value.offset < offset + nbytes
+    for index in (0, 1, 2, 4, 5, 6):
+        assert torch.equal(engine.wait(loads[index]), values[index])
+
+
+def test_a_run_native_aio_does_not_take_whole_is_written_slot_by_slot(engine, monkeypatch):
+    if engine.arena.aio_bytes == 0 or engine._cuda:
+        pytest.skip("runs are written whole by native AIO on a CPU machine")
+    calls = _recording_submissions(monkeypatch)
+    values = [torch.randn(100_000 + i) for i in range(3)]  # 1.2 MB together, each under 1 MiB
+    with batched():
+        stores = engine.store_many(["a", "b", "c"], values, NVME, ACT)
+    for handle in stores:
+        engine.wait(handle)
+    assert calls == [[-(-value.numel() * 4 // 4096) * 4096 for value in values]]
+    assert all(torch.equal(engine.wait(engine.load(key)), value) for key, value in zip("abc", values))
+    assert runtime_stats().cumulative.bytes_moved[(ACT, DEVICE, NVME)] == sum(value.numel() * 4 for value in values)
+
+
+def test_a_stored_run_fails_whole_when_the_arena_file_is_gone(engine):
+    engine.wait(engine.store("first", torch.ones(10), NVME, ACT))  # makes the arena
+    os.unlink(engine.arena.file_path)
+    handles = engine.store_many(["x", "y"], [torch.ones(10), torch.zeros(20)], NVME, ACT)
+    for key, handle in zip("xy", handles):
+        with pytest.raises(OffloadFileMissingError) as caught:
+            engine.wait(handle)
+        assert caught.value.key in ("x", "y")
+        with pytest.raises(TransferFailedError, match="failed"):
+            engine.load(key)
+    assert runtime_stats().resident_bytes[NVME] == 10 * 4
