@@ -102,6 +102,8 @@ from .page_buffers import (
     PageBufferCache,
     address_of,
     buffers_seen_by_profiler,
+    copy_memory,
+    fill_memory,
     memory_at,
     profiler_sees_buffers,
 )
@@ -425,9 +427,9 @@ class NvmeArena:
             base = address_of(staging)
             for slot, (address, _) in zip(slots, sources):
                 staged = base + slot.byte_range.offset - slots[0].byte_range.offset
-                ctypes.memmove(staged, address, slot.nbytes)
+                copy_memory(staged, address, slot.nbytes)
                 if slot.byte_range.size > slot.nbytes:
-                    ctypes.memset(staged + slot.nbytes, 0, slot.byte_range.size - slot.nbytes)
+                    fill_memory(staged + slot.nbytes, 0, slot.byte_range.size - slot.nbytes)
                 slot.checksums = [_checksum(memory_at(staged, slot.nbytes))] if self.checksums else None
         except Exception as failure:  # noqa: BLE001 - reported as the write's outcome
             if staging is not None:
@@ -597,9 +599,9 @@ class NvmeArena:
             if address % PAGE_BYTES or readable < padded:
                 staging = self._take_staging(padded)
                 staged = address_of(staging)
-                ctypes.memmove(staged, address, nbytes)
+                copy_memory(staged, address, nbytes)
                 if padded > nbytes:
-                    ctypes.memset(staged + nbytes, 0, padded - nbytes)
+                    fill_memory(staged + nbytes, 0, padded - nbytes)
                 address = staged
             if slot.checksums is not None:
                 slot.checksums[0] = _checksum(memory_at(address, nbytes))

@@ -35,6 +35,8 @@ __all__ = [
     "buffers_seen_by_profiler",
     "profiler_sees_buffers",
     "address_of",
+    "copy_memory",
+    "fill_memory",
     "memory_at",
 ]
 
@@ -182,3 +184,22 @@ _PYBUF_WRITE = 0x200
 def memory_at(address: int, nbytes: int) -> memoryview:
     """A writable byte memoryview over raw memory the caller keeps alive."""
     return _memory_view_from_memory(address, nbytes, _PYBUF_WRITE)
+
+
+def _held_gil(name: str, fallback: Callable) -> Callable:
+    """libc's `name` called without releasing the GIL (`ctypes.PyDLL`). On the compute
+    thread a small copy then runs to its end: released, the GIL would let an I/O
+    completion's Python run first, and the copy's caller wait for it."""
+    try:
+        function = getattr(ctypes.PyDLL(None), name)
+    except (OSError, AttributeError):
+        return fallback
+    function.restype = ctypes.c_void_p
+    function.argtypes = (ctypes.c_void_p, ctypes.c_void_p if name == "memmove" else ctypes.c_int, ctypes.c_size_t)
+    return function
+
+
+copy_memory = _held_gil("memmove", ctypes.memmove)
+"""`copy_memory(destination, source, nbytes)`: memmove holding the GIL."""
+fill_memory = _held_gil("memset", ctypes.memset)
+"""`fill_memory(destination, byte, nbytes)`: memset holding the GIL."""
