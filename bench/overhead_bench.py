@@ -20,9 +20,11 @@ transfer) and on nvme; K=4 with every saved activation on nvme.
 Per row: the median (and the least) over `--steps` rounds of the compute thread's
 CPU time (`time.thread_time`, what the host spends whatever else runs) and the
 median wall time;
-from one step under `torch.profiler` (`slcompile.step_profile`), the operators run
-outside compiled code by namespace (eager prims and aten ops; autograd's `.grad`
-accumulation apart) and the median host microseconds of each `slc::` op; and, for
+from `PROFILED_STEPS` steps under `torch.profiler` (`slcompile.step_profile`), the
+operators run outside compiled code by namespace (eager prims and aten ops; autograd's
+`.grad` accumulation apart), the median host microseconds of each `slc::` op over
+their calls, and the host microseconds per activation moved (the median of the
+steps'); and, for
 speedloader rows, the step the time model predicts (`predict_time`, lowering
 "inductor", on a profile measured first in the parent process with one thread and
 `steps=True`), and its error against the least step (`prediction_error`: the
@@ -144,19 +146,26 @@ def run_rows(specs: list[dict], steps: int, profile_path: str) -> list[dict]:
             wall[i].append(time.perf_counter() - start)
     records = []
     for (spec, step, first, report), row_cpu, row_wall in zip(built, cpu, wall):
-        before = dict(slcompile.runtime_stats().cumulative.transfers)
-        ops = profile_step(step)
-        after = slcompile.runtime_stats().cumulative.transfers
-        moved = {key: count - before.get(key, 0) for key, count in after.items() if count > before.get(key, 0)}
+        profiled = []
+        for _ in range(PROFILED_STEPS):
+            before = dict(slcompile.runtime_stats().cumulative.transfers)
+            ops = profile_step(step)
+            after = slcompile.runtime_stats().cumulative.transfers
+            moved = {key: count - before.get(key, 0) for key, count in after.items() if count > before.get(key, 0)}
+            profiled.append((ops, moved))
+        calls = {name: [us for ops, _ in profiled for us in ops.slc_host_us.get(name, [])]
+                 for name in ops.slc_host_us}
+        per_step = [transfer_host_us(ops.slc_host_us, moved) for ops, moved in profiled]
         record = {
             "row": spec["row"], "options": spec["options"], "first_step_seconds": first,
             "cpu_seconds": statistics.median(row_cpu), "min_cpu_seconds": min(row_cpu),
             "wall_seconds": statistics.median(row_wall), "all_cpu_seconds": row_cpu,
             "eager_ops": ops.eager, "eager_prims": ops.eager_count("prims"), "eager_aten": ops.eager_count("aten"),
             "accumulate_grad_ops": ops.accumulate_grad, "compiled_calls": ops.compiled_calls,
-            "slc_op_host_us": ops.slc_median_us(),
+            "slc_op_host_us": {name: statistics.median(times) for name, times in calls.items()},
             "slc_op_calls": {name: len(times) for name, times in ops.slc_host_us.items()},
-            "slc_transfer_host_us": transfer_host_us(ops.slc_host_us, moved),
+            "slc_transfer_host_us": {family: statistics.median(step[family] for step in per_step)
+                                     for family in per_step[0]},
         }
         if report is not None:
             options = spec["options"]
@@ -175,6 +184,10 @@ def run_rows(specs: list[dict], steps: int, profile_path: str) -> list[dict]:
         records.append(record)
     return records
 
+
+# Steps profiled per row: a step's host times per op vary with what the other threads
+# do meanwhile (an I/O completion taking the GIL), so each figure is a median over these.
+PROFILED_STEPS = 5
 
 # The activation transfer ops, single and run forms (`coalesce_transfers`), by what
 # each call does for every tensor it moves.

@@ -400,3 +400,26 @@ def test_a_dynamic_batch_not_divisible_by_k_at_run_time_runs_plainly_with_the_we
             torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-5)
     assert "batch size 7 is not divisible by num_subbatches=2; running this call with plain" in caplog.text
     assert len(slcompile.compile_reports()) == 1  # no recompile: the guard ran the plain graph
+
+
+def test_a_whole_model_saved_with_its_weights_offloaded_holds_their_values(tmp_path):
+    model = TinyGPT(CFG)
+    idx, targets = make_gpt_batch(CFG, 4)
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": 2})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled(idx, targets)[1].backward()
+    with slcompile.gathered_weights(model):
+        optimizer.step()
+    optimizer.zero_grad()
+    checkpoint = tmp_path / "model.pt"
+    checkpoint.write_bytes(b"an earlier checkpoint")
+    # Pickled after torch.save truncated the file: a refusal would have left it empty.
+    torch.save(model, checkpoint)
+    loaded = torch.load(checkpoint, weights_only=False)
+    with slcompile.gathered_weights(model):
+        expected = {name: value.clone() for name, value in model.state_dict().items()}
+    assert loaded.state_dict().keys() == expected.keys()
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    assert {type(param) for param in loaded.parameters()} == {torch.nn.Parameter}
+    torch.testing.assert_close(loaded(idx, targets)[1], compiled(idx, targets)[1])

@@ -71,16 +71,16 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
 
 
-_syscall = None
+_syscalls: dict[bool, Callable] = {}
 
 
-def _libc_syscall():
-    global _syscall
-    if _syscall is None:
-        function = ctypes.CDLL(None, use_errno=True).syscall  # a CDLL call releases the GIL
+def _libc_syscall(hold_gil: bool = False):
+    """libc's `syscall`: a CDLL call releases the GIL; a PyDLL call (`hold_gil`) keeps it."""
+    if hold_gil not in _syscalls:
+        function = (ctypes.PyDLL if hold_gil else ctypes.CDLL)(None, use_errno=True).syscall
         function.restype = ctypes.c_long
-        _syscall = function
-    return _syscall
+        _syscalls[hold_gil] = function
+    return _syscalls[hold_gil]
 
 
 class AioQueue:
@@ -90,6 +90,11 @@ class AioQueue:
         self._context = ctypes.c_ulong(context)
         self._setup, self._destroy, self._getevents, self._submit = numbers
         self._syscall = _libc_syscall()
+        # `io_submit` keeps the GIL: it returns in tens of microseconds, and released,
+        # the GIL would let the reaper run earlier completions' Python in the middle of
+        # the compute thread's transfer op (which waits for it), not while that thread
+        # blocks in a wait.
+        self._submit_call = _libc_syscall(hold_gil=True)
         # One iocb per transfer in flight, in slots of one buffer, written by `_IOCB`
         # (cheaper than a ctypes structure per transfer); slot -> its on_complete.
         self._blocks = ctypes.create_string_buffer(_DEPTH * _IOCB.size)
@@ -155,7 +160,8 @@ class AioQueue:
         pointers = (ctypes.c_uint64 * len(slots))(*[self._base + slot * _IOCB.size for slot in slots])
         done = 0
         while done < len(slots):
-            count = self._syscall(self._submit, self._context, len(slots) - done, ctypes.byref(pointers, done * 8))
+            count = self._submit_call(self._submit, self._context, len(slots) - done,
+                                      ctypes.byref(pointers, done * 8))
             if count > 0:
                 done += count
                 continue

@@ -26,7 +26,9 @@ module keeps the weights and implements both ops.
   memory. `detach()` raises too, so `state_dict()` (which calls it) refuses before
   it returns: `torch.save(model.state_dict(), path)` opens `path` only after its
   argument is built, and a refusal in the pickler would come after the file was
-  truncated. A parameter whose offloaded optimizer keeps its values (the consumer
+  truncated. For that reason `torch.save(model, path)`, which pickles the parameters
+  after opening its file, does not refuse: a whole offloaded parameter pickles as a
+  plain parameter of its stored values, loaded for it. A parameter whose offloaded optimizer keeps its values (the consumer
   of its gradients, `slcompile.optim`) detaches to a tensor of the same kind, which
   that optimizer's `state_dict()` hook replaces by the values. A `torch.optim` step
   that would update a released parameter (one with a `.grad`) that no offloaded
@@ -64,6 +66,7 @@ the phase.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -185,6 +188,22 @@ class _ReleasedMixin:
         name, tier = next((_released_info(t) for t in _tensors(args, kwargs) if _released_info(t) is not None),
                           ("(unnamed)", "offload"))
         raise ReleasedWeightError(name, tier, what=getattr(func, "__name__", str(func)))
+
+    def __reduce_ex__(self, protocol):
+        # `torch.save(model, path)` pickles the parameters after it has opened, and
+        # truncated, its file: a refusal here would leave an empty checkpoint where a
+        # good one may have been. So a whole offloaded parameter pickles as a plain
+        # parameter of its stored values (a load, counted as weight traffic); only a
+        # weight sharded over ranks, which one rank cannot gather alone, refuses.
+        shards = shard_group_of(self)
+        if weight_home(self) is None or (shards is not None and shards.world_size > 1):
+            return super().__reduce_ex__(protocol)
+        values = _load_whole(self).view(self.shape)
+        hooks = collections.OrderedDict()  # hooks are not saved (as `Parameter.__reduce_ex__`)
+        state = torch._utils._get_obj_state(self)
+        if state:
+            return torch._utils._rebuild_parameter_with_state, (values, self.requires_grad, hooks, state)
+        return torch._utils._rebuild_parameter, (values, self.requires_grad, hooks)
 
 
 def _is_slc_op(func) -> bool:
