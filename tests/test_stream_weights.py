@@ -422,4 +422,9 @@ def test_a_whole_model_saved_with_its_weights_offloaded_holds_their_values(tmp_p
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, expected[name]), name
     assert {type(param) for param in loaded.parameters()} == {torch.nn.Parameter}
+    torch.save(model.state_dict(keep_vars=True), checkpoint)  # the parameters themselves, pickled
+    kept = torch.load(checkpoint, weights_only=False)
+    assert kept.keys() == expected.keys()
+    for name, param in model.named_parameters():
+        assert type(kept[name]) is torch.nn.Parameter and torch.equal(kept[name], expected[name]), name
     torch.testing.assert_close(loaded(idx, targets)[1], compiled(idx, targets)[1])
