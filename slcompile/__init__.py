@@ -18,7 +18,7 @@ from slcompile.generate import GenerationExplanation, GenerationOutput, explain_
 from slcompile.report import CompileReport, clear_compile_reports, compile_reports
 from slcompile.runtime.errors import CorruptDataError, DiskFullError, OffloadError
 from slcompile.runtime.stats import mark_step, reset_runtime_stats, runtime_stats
-from slcompile.runtime.weights import gathered_weights, offloaded_parameters
+from slcompile.runtime.gathering import gathered_weights, offloaded_parameters
 from slcompile.optim import OffloadedOptimizer, offload_optimizer
 from slcompile.checkpoint import load_sharded, save_sharded
 from slcompile.tune import Candidate, GenerationTuneResult, TuneResult, tune, tune_generation

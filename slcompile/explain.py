@@ -38,7 +38,7 @@ from slcompile.errors import (
 )
 from slcompile.pipeline import run_pipeline
 from slcompile.runtime.facts import process_facts
-from slcompile.runtime.weights import loading_released_weights
+from slcompile.runtime.gathering import loading_released_weights
 from slcompile.schedules.planner import describe
 from slcompile.schedules.policies import suffix_plans
 

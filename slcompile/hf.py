@@ -61,7 +61,7 @@ from slcompile import defaults
 from slcompile.config import SpeedLoaderConfig, check_names, options_of_mode
 from slcompile.optim import OffloadedOptimizer, offload_optimizer
 from slcompile.runtime.facts import machine_facts
-from slcompile.runtime.weights import gathered_weights
+from slcompile.runtime.gathering import gathered_weights
 
 __all__ = ["SpeedLoaderTrainer"]
 

@@ -196,7 +196,7 @@ def tune(
     """
     from slcompile.compat import capture_graphs
     from slcompile.explain import check_optimizer
-    from slcompile.runtime.weights import loading_released_weights
+    from slcompile.runtime.gathering import loading_released_weights
 
     budget = parse_bytes(memory_budget, "memory_budget")
     check_optimizer(optimizer, optimizer_options, "tune")

@@ -43,7 +43,8 @@ from slcompile.plans import StashPlan, new_name
 from slcompile.report import CompileReport, add_report, discard_report
 from slcompile.runtime.gradients import sink_plan_for
 from slcompile.runtime.step import StepRuntime
-from slcompile.runtime.weights import loading_released_weights, parameter_name
+from slcompile.runtime.gathering import loading_released_weights
+from slcompile.runtime.weights import parameter_name
 from slcompile.units import format_bytes
 
 __all__ = ["speedloader_backend", "compile_plainly"]

@@ -41,7 +41,7 @@ module keeps the weights and implements both ops.
   method) everything passes. The compiled graphs hand released parameters to
   `slc::fetch_weight` and AOTAutograd asks them `_is_view()`: about 3 µs of Python
   each, per fetch.
-- `gathered_weights(model)` brings the values back into the parameters for code that
+- `gathered_weights(model)` (`slcompile.runtime.gathering`) brings the values back into the parameters for code that
   reads them directly (an optimizer step, `state_dict()`), then offloads them again,
   all or none: the room for the new values is reserved on entry, so a full disk
   raises there, before the block changes anything, and the new values are written
@@ -67,12 +67,10 @@ the phase.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -90,10 +88,9 @@ from slcompile.runtime.tiers import Tier, TransferKind
 from slcompile.vocabulary import WeightKey
 
 __all__ = [
-    "WeightStreamer", "stored_key_for", "mark_sharded", "gathered_weights", "offloaded_parameters", "weight_home",
-    "update_weights",
+    "WeightStreamer", "stored_key_for", "mark_sharded", "weight_home", "update_weights",
     "stage_weights", "commit_weights", "discard_weights", "StagedWeight", "drain_prefetches", "shard_group_of",
-    "release", "restore", "parameter_name", "loading_released_weights", "forget_weights",
+    "release", "restore", "parameter_name", "forget_weights",
 ]
 
 log = logging.getLogger(__name__)
@@ -198,7 +195,9 @@ class _ReleasedMixin:
         shards = shard_group_of(self)
         if weight_home(self) is None or (shards is not None and shards.world_size > 1):
             return super().__reduce_ex__(protocol)
-        values = _load_whole(self).view(self.shape)
+        from slcompile.runtime.gathering import load_whole
+
+        values = load_whole(self).view(self.shape)
         hooks = collections.OrderedDict()  # hooks are not saved (as `Parameter.__reduce_ex__`)
         state = torch._utils._get_obj_state(self)
         if state:
@@ -528,130 +527,6 @@ def _release_shard(engine: TransferEngine, load: TransferHandle) -> None:
     storage = shard.untyped_storage()
     if shard.device.type == "cpu" and storage.resizable():
         storage.resize_(0)
-
-
-def offloaded_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters of `model` whose values rest on a slower tier."""
-    with _REGISTRY_LOCK:
-        return [(name, p) for name, p in model.named_parameters() if p in _OWNERS]
-
-
-@contextlib.contextmanager
-def gathered_weights(model: torch.nn.Module) -> Iterator[None]:
-    """Brings offloaded weights back into `model`'s parameters for the block.
-
-    Use it around code that reads or writes parameter values directly, such as an
-    optimizer step or `state_dict()`. On exit the (possibly updated) values are stored
-    again, all of them or none, and the storage released. The room for them is
-    reserved on entry (the nvme tier holds a second copy of the weights until the
-    exit's stores have all landed), so a full disk raises `DiskFullError` on entry,
-    before the block runs: the parameters, the optimizer and its state are then
-    exactly as before, and the same block can run again once there is room. The
-    loads and stores count as weight traffic.
-
-    Raises:
-        DiskFullError: on entry, no room for the new values; nothing was loaded.
-        OffloadError: on exit, a store failed all the same (an I/O error): every
-            weight on the tier is still the one loaded on entry, whole; the parameters
-            hold no memory, as after a normal exit. Changes the block made elsewhere
-            (resident parameters, an optimizer's state) are not undone.
-    """
-    drain_prefetches()
-    params = offloaded_parameters(model)
-    reserved = _reserve_updates(params)
-    try:
-        _load_into(params)
-    except BaseException:
-        _unreserve(params, reserved)
-        raise
-    try:
-        yield
-    finally:
-        try:
-            updates = []
-            for _, param in params:
-                shards = shard_group_of(param)
-                updates.append((param, param.detach() if shards is None else shards.shard(param)))
-            commit_weights(stage_weights(updates, reserved))
-        finally:
-            _release_again(params)
-            _unreserve(params, reserved)
-
-
-def _reserve_updates(params) -> list:
-    """Room for a staged update of every parameter (`TransferEngine.reserve`), all or none."""
-    reserved = []
-    try:
-        for _, param in params:
-            engine, key, tier = _OWNERS[param]
-            reserved.append(engine.reserve(f"{key}~update", engine.stored(key).nbytes, tier))
-    except BaseException:
-        _unreserve(params, reserved)
-        raise
-    return reserved
-
-
-def _unreserve(params, reserved) -> None:
-    for (_, param), slot in zip(params, reserved):
-        _OWNERS[param][0].unreserve(slot)
-
-
-def _load_into(params) -> None:
-    """Loads offloaded values back into their parameters (all-gathered when sharded);
-    a failure leaves every parameter without memory, as before."""
-    try:
-        _load_each(params)
-    except BaseException:
-        _release_again(params)
-        raise
-
-
-def _release_again(params) -> None:
-    """Releases loaded parameters again (their values rest on their tier)."""
-    for _, param in params:
-        if param.untyped_storage().nbytes():
-            release(param, _RELEASED[param][1], _OWNERS[param][2])
-
-
-def _load_each(params) -> None:
-    for _, param in params:
-        values = _load_whole(param)
-        restore(param, values.numel() * values.element_size())
-        with torch.no_grad():
-            param.copy_(values.view_as(param))
-def _load_whole(param: torch.Tensor) -> torch.Tensor:
-    """The values of an offloaded parameter, loaded now (all-gathered when sharded)."""
-    engine, key, _ = weight_home(param)
-    load = engine.load(key, TransferKind.WEIGHT)
-    shards = shard_group_of(param)
-    if shards is None:
-        return engine.wait(load)
-    return shards.wait(shards.all_gather(key, lambda: engine.wait(load), param.shape))
-
-
-class _LoadedWeight(torch.autograd.Function):
-    """A released parameter's values, loaded for one call; the gradient flows to it."""
-
-    @staticmethod
-    def forward(ctx, param):
-        return _load_whole(param).view(param.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-def loading_released_weights(compiled: Callable) -> Callable:
-    """`compiled` (a graph lowered plainly, which reads its parameters' values), run
-    with every released parameter among its arguments replaced by its values, loaded
-    for the call and kept while its backward needs them; gradients reach the
-    parameters as from the parameters themselves."""
-
-    def run(*args):
-        return compiled(*(_LoadedWeight.apply(a) if isinstance(a, _ReleasedMixin) and weight_home(a) is not None
-                          else a for a in args))
-
-    return run
 
 
 def _streamer_of(key: WeightKey) -> WeightStreamer:
