@@ -15,7 +15,8 @@ Rows, compiled in one process and timed round-robin (one step of each a round, s
 that a burst of load falls on all of them alike): plain `torch.compile`
 (Inductor); speedloader K=1 and K=4 with everything on the device;
 K=4 with the block weights on host (the device's own memory on a CPU machine: no
-transfer) and on nvme; K=4 with every saved activation on nvme.
+transfer) and on nvme; K=4 with every saved activation on nvme, and the same step
+with every saved activation left on the device.
 
 Per row: the median (and the least) over `--steps` rounds of the compute thread's
 CPU time (`time.thread_time`, what the host spends whatever else runs) and the
@@ -67,6 +68,9 @@ ROWS = (  # (name, speedloader options or None for plain Inductor)
     ("k4_weights_nvme", {"num_subbatches": 4, "weights": "nvme"}),
     ("k4_activations_nvme", {"num_subbatches": 4, "activations": "nvme", "min_offload_bytes": 0,
                              "recompute": "none"}),
+    # The activations row's step with every saved tensor kept on the device: what
+    # that row adds over it is the moves alone.
+    ("k4_device_no_recompute", {"num_subbatches": 4, "recompute": "none"}),
 )
 WRAPPER_ROWS = (  # (name, options, Inductor's C++ wrapper)
     ("plain_inductor", None, False),
