@@ -33,7 +33,7 @@ import torch
 
 from slcompile.plans import new_name
 from slcompile.runtime import ops
-from slcompile.runtime.engine import TransferEngine
+from slcompile.runtime.engine import TransferEngine, TransferHandle
 from slcompile.runtime.errors import OffloadError
 from slcompile.runtime.stats import RECORDER
 from slcompile.runtime.tiers import Tier, TransferKind
@@ -129,35 +129,41 @@ def stash_many(xs: Sequence[torch.Tensor], keys: Sequence[str]) -> list[torch.Te
     """`stash` of each (x, key); their stash tokens. A run onto the nvme tier of one
     stash is stored together (`TransferEngine.store_many`)."""
     run = _run_of(tuple(keys))
-    owner = _stash_of(keys[0]) if run is not None else None
-    tier = owner and (run[1] or owner.tier)
+    if run is None:
+        return [stash(x, key) for x, key in zip(xs, keys)]
+    _, named_tier, names = run
+    owner = _stash_of(keys[0])
+    tier = named_tier or owner.tier
     if tier is not Tier.NVME:
         return [stash(x, key) for x, key in zip(xs, keys)]
     engine = owner.engine
-    stored_keys = [f"{name}#{next(_STORES)}" for name in run[2]]
+    stored_keys = [f"{name}#{next(_STORES)}" for name in names]
     handles = engine.store_many(stored_keys, xs, tier, TransferKind.ACTIVATION, forget_source=True)
     return [ops._token_for(engine, handle, (_free_stored, engine, stored_key))
             for handle, stored_key in zip(handles, stored_keys)]
 
 
-def unstash(stash_token: torch.Tensor) -> torch.Tensor:
-    """Issues the load of a stashed activation; returns the load's token."""
+def _stashed(stash_token: torch.Tensor) -> tuple[TransferEngine, TransferHandle]:
+    """The engine and store a stash token names."""
     engine, handle = ops._lookup(stash_token)
     if handle.direction != "store":
         raise OffloadError(f"token {handle.id} is a {handle.direction}, not a stash", key=handle.key)
+    return engine, handle
+
+
+def unstash(stash_token: torch.Tensor) -> torch.Tensor:
+    """Issues the load of a stashed activation; returns the load's token."""
+    engine, handle = _stashed(stash_token)
     return ops._token_for(engine, engine.load(handle.key, TransferKind.ACTIVATION))
 
 
 def unstash_many(stash_tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """`unstash` of each stash token; their load tokens. The loads of one engine are
     issued together (`TransferEngine.load_many`)."""
-    found = [ops._lookup(token) for token in stash_tokens]
+    found = [_stashed(token) for token in stash_tokens]
     engine = found[0][0] if found else None
     if any(found_engine is not engine for found_engine, _ in found):
         return [unstash(token) for token in stash_tokens]
-    for _, handle in found:
-        if handle.direction != "store":
-            raise OffloadError(f"token {handle.id} is a {handle.direction}, not a stash", key=handle.key)
     handles = engine.load_many([handle.key for _, handle in found], TransferKind.ACTIVATION)
     return [ops._token_for(engine, handle) for handle in handles]
 

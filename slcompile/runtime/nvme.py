@@ -452,32 +452,12 @@ class NvmeArena:
         self._aio.issue((self._fd, IOCB_CMD_PWRITE, base, padded, slots[0].byte_range.offset, complete))
 
     def _write_each(self, slots, sources, on_done, on_start) -> None:
-        """`write_run` slot by slot: `on_done` once, after the last, with the first error."""
-        outcomes: list[IoOutcome] = []
-        lock = threading.Lock()
-        began = [False]
-
-        def started(now: float) -> None:
-            with lock:
-                first, began[0] = not began[0], True
-            if first and on_start is not None:
-                on_start(now)
-
-        def finished(outcome: IoOutcome) -> None:
-            with lock:
-                outcomes.append(outcome)
-                if len(outcomes) < len(slots):
-                    return
-            run = IoOutcome()
-            times = [o for o in outcomes if o.start is not None]
-            if times:
-                run.start = min(o.start for o in times)
-                run.end = max(o.end for o in times)
-            run.error = next((o.error for o in outcomes if o.error is not None), None)
-            on_done(run)
-
+        """`write_run` slot by slot: the slots' writes as the chunks of one `IoBatch`
+        (`on_start` once, `on_done` once after the last, with the first error)."""
+        batch = IoBatch(len(slots), on_start, on_done, None)
         for slot, (address, readable) in zip(slots, sources):
-            self.write(slot, address, readable, finished, on_start=started)
+            self.write(slot, address, readable, lambda outcome: batch.chunk_finished(outcome.error),
+                       on_start=lambda _: batch.chunk_started())
 
     def read(
         self,

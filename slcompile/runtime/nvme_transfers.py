@@ -69,10 +69,7 @@ class NvmeTransfers:
             before = event.synchronize
             address, readable = block.buffer.data_ptr(), block.byte_range.size
         else:
-            address = source.data_ptr()
-            readable = source.untyped_storage().nbytes() - (
-                source.storage_offset() * source.element_size()
-            )
+            address, readable = _place(source)
         self._install(entry)
 
         # The I/O thread reaches the source only through `handle._keep`: no frame of
@@ -104,8 +101,7 @@ class NvmeTransfers:
             entry.slot = slot
             entry.store_handle = handle
             handle._keep = source
-            places.append((source.data_ptr(), source.untyped_storage().nbytes()
-                           - source.storage_offset() * source.element_size()))
+            places.append(_place(source))
         self._recorder.resident_change(Tier.NVME, sum(entry.nbytes for entry in entries))
         with self._lock:
             for entry in entries:
@@ -267,3 +263,7 @@ class NvmeTransfers:
                 recorder.lane_end("load", time.perf_counter())
             raise
 
+
+def _place(source: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes readable from it up to its storage's end) of a CPU tensor."""
+    return source.data_ptr(), source.untyped_storage().nbytes() - source.storage_offset() * source.element_size()

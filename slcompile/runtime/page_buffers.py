@@ -186,7 +186,7 @@ def memory_at(address: int, nbytes: int) -> memoryview:
     return _memory_view_from_memory(address, nbytes, _PYBUF_WRITE)
 
 
-def _held_gil(name: str, fallback: Callable) -> Callable:
+def _held_gil(name: str, argtypes: tuple, fallback: Callable) -> Callable:
     """libc's `name` called without releasing the GIL (`ctypes.PyDLL`). On the compute
     thread a small copy then runs to its end: released, the GIL would let an I/O
     completion's Python run first, and the copy's caller wait for it."""
@@ -194,12 +194,11 @@ def _held_gil(name: str, fallback: Callable) -> Callable:
         function = getattr(ctypes.PyDLL(None), name)
     except (OSError, AttributeError):
         return fallback
-    function.restype = ctypes.c_void_p
-    function.argtypes = (ctypes.c_void_p, ctypes.c_void_p if name == "memmove" else ctypes.c_int, ctypes.c_size_t)
+    function.restype, function.argtypes = ctypes.c_void_p, argtypes
     return function
 
 
-copy_memory = _held_gil("memmove", ctypes.memmove)
+copy_memory = _held_gil("memmove", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.memmove)
 """`copy_memory(destination, source, nbytes)`: memmove holding the GIL."""
-fill_memory = _held_gil("memset", ctypes.memset)
+fill_memory = _held_gil("memset", (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t), ctypes.memset)
 """`fill_memory(destination, byte, nbytes)`: memset holding the GIL."""

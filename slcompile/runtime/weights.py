@@ -28,9 +28,10 @@ module keeps the weights and implements both ops.
   argument is built, and a refusal in the pickler would come after the file was
   truncated. For that reason `torch.save(model, path)`, which pickles the parameters
   after opening its file, does not refuse: a whole offloaded parameter pickles as a
-  plain parameter of its stored values, loaded for it. A parameter whose offloaded optimizer keeps its values (the consumer
-  of its gradients, `slcompile.optim`) detaches to a tensor of the same kind, which
-  that optimizer's `state_dict()` hook replaces by the values. A `torch.optim` step
+  plain parameter of its stored values, loaded for it. A parameter whose offloaded
+  optimizer keeps its values (the consumer of its gradients, `slcompile.optim`)
+  detaches to a tensor of the same kind, which that optimizer's `state_dict()` hook
+  replaces by the values. A `torch.optim` step
   that would update a released parameter (one with a `.grad`) that no offloaded
   optimizer steps is refused by a global step pre-hook before it updates anything,
   so a step retried inside `gathered_weights` steps every parameter once. A
@@ -41,10 +42,10 @@ module keeps the weights and implements both ops.
   method) everything passes. The compiled graphs hand released parameters to
   `slc::fetch_weight` and AOTAutograd asks them `_is_view()`: about 3 µs of Python
   each, per fetch.
-- `gathered_weights(model)` (`slcompile.runtime.gathering`) brings the values back into the parameters for code that
-  reads them directly (an optimizer step, `state_dict()`), then offloads them again,
-  all or none: the room for the new values is reserved on entry, so a full disk
-  raises there, before the block changes anything, and the new values are written
+- `gathered_weights(model)` (`slcompile.runtime.gathering`) brings the values back
+  into the parameters for code that reads them directly (an optimizer step,
+  `state_dict()`), then offloads them again, all or none: the room for the new
+  values is reserved on entry, so a full disk raises there, before the block changes anything, and the new values are written
   beside the old ones, which they replace only once all are written
   (`update_weights`). It first drops pending loads, so no stale value is ever read.
 - Sharded (`shards`, a `slcompile.runtime.collectives.ShardGroup`): the tier holds this
@@ -66,7 +67,6 @@ the phase.
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import threading
@@ -197,12 +197,9 @@ class _ReleasedMixin:
             return super().__reduce_ex__(protocol)
         from slcompile.runtime.gathering import load_whole
 
-        values = load_whole(self).view(self.shape)
-        hooks = collections.OrderedDict()  # hooks are not saved (as `Parameter.__reduce_ex__`)
-        state = torch._utils._get_obj_state(self)
-        if state:
-            return torch._utils._rebuild_parameter_with_state, (values, self.requires_grad, hooks, state)
-        return torch._utils._rebuild_parameter, (values, self.requires_grad, hooks)
+        saved = torch.nn.Parameter(load_whole(self).view(self.shape), self.requires_grad)
+        saved.__dict__.update(self.__dict__)
+        return saved.__reduce_ex__(protocol)
 
 
 def _is_slc_op(func) -> bool:
