@@ -29,6 +29,11 @@ The other internals used (``torch._inductor.custom_graph_pass.CustomGraphPass``,
   (2.13 and later), whose cache entries are dropped after the capture when no other
   compile holds entries on that code; on a release without it (2.11, 2.12), a
   capture under a raised ``recompile_limit`` whose entries stay in the shared cache.
+- ``graph_module(root, graph)`` makes a graph module that writes its Python code
+  when it is first run or its code is read, not at every ``recompile()`` (torch's
+  ``_LazyGraphModule``, what Dynamo hands a backend); ``lazy_graph_modules()`` makes
+  the graph modules torch itself builds inside it (AOTAutograd's joint, forward and
+  backward graphs) such too. A graph that is only analysed never writes its code.
 - ``watch_recompile_limit(callback)`` calls ``callback(limit_name, limit, compiler_fn,
   code)`` whenever Dynamo refuses to compile a frame because it hit a recompile limit
   (the frame then runs eagerly): Dynamo only logs it. It wraps
@@ -61,6 +66,8 @@ __all__ = [
     "torch_is_supported",
     "capture_graphs",
     "watch_recompile_limit",
+    "graph_module",
+    "lazy_graph_modules",
 ]
 
 log = logging.getLogger(__name__)
@@ -137,6 +144,8 @@ _INTERNALS = (
     ("torch._dynamo.exc", "BackendCompilerFailed"),
     ("torch._ops", "OpOverload"),
     ("torch._C", "_set_grad_enabled"),
+    ("torch.fx._lazy_graph_module", "_LazyGraphModule"),
+    ("torch.fx._lazy_graph_module", "_use_lazy_graph_module"),
 )
 
 
@@ -229,6 +238,22 @@ def _forget_backend(backend) -> None:
     for key, value in list(cached.items()):
         if value is backend or getattr(value, "compiler_fn", None) is backend:
             cached.pop(key, None)
+
+
+def graph_module(root: torch.nn.Module | dict, graph: torch.fx.Graph,
+                 class_name: str = "GraphModule") -> torch.fx.GraphModule:
+    """`torch.fx.GraphModule(root, graph, class_name)` whose code is written when
+    first needed (see the module's guarantees)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph, class_name)
+
+
+def lazy_graph_modules() -> contextlib.AbstractContextManager:
+    """Within it, the graph modules torch builds write their code when first needed."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    return _use_lazy_graph_module(True)
 
 
 def missing_internals() -> list[str]:

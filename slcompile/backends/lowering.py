@@ -43,6 +43,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 
 from slcompile import pipeline
 from slcompile.analysis.machine import MachineFacts
+from slcompile.compat import graph_module, lazy_graph_modules
 from slcompile.errors import BudgetError, PolicyError
 from slcompile.passes import manager as pass_manager
 from slcompile.passes.manager import pass_modules
@@ -182,12 +183,15 @@ def lower(
         report.record_graph(kind, graph)
         return step
 
-    if lowering == "aot_eager":
-        return hold(_aot_eager(gm, example_inputs, prepare, partition_hook, hold))
-    if lowering == "inductor":
+    if lowering not in ("aot_eager", "inductor"):
+        raise ValueError(f"unknown lowering {lowering!r}")
+    # The passes rewrite each graph several times and most graphs are only analysed
+    # (every plan `tune` weighs): a graph's Python code is written when it first runs.
+    with lazy_graph_modules():
+        if lowering == "aot_eager":
+            return hold(_aot_eager(gm, example_inputs, prepare, partition_hook, hold))
         cudagraphs = cudagraphs or (plan is not None and plan.cudagraphs)
         return hold(_inductor(gm, example_inputs, prepare, partition_hook, hold, cudagraphs))
-    raise ValueError(f"unknown lowering {lowering!r}")
 
 
 def hold_runtime(compiled: Callable, runtime: StepRuntime) -> Callable:
@@ -285,7 +289,9 @@ class _PlannedPartition:
             if not (self.pre_tagged and attempt == 0):
                 step = StepState(plan, self.report, {"joint": joint}, recompute=recompute, lowering=self.lowering)
                 run_stage(JOINT_PASSES, step, self.report.pass_log, label=label)
-            fw, bw = partitioner(joint, joint_inputs, **kwargs)
+            # The partitioner's own graph modules write their code at every pass's
+            # `recompile()`; these write it when they first run.
+            fw, bw = (graph_module(module, module.graph) for module in partitioner(joint, joint_inputs, **kwargs))
             step = StepState(
                 plan, self.report, {"forward": fw, "backward": bw}, recompute=recompute,
                 num_fwd_outputs=kwargs["num_fwd_outputs"], lowering=self.lowering,

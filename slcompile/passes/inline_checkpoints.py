@@ -27,6 +27,7 @@ import operator
 import torch
 import torch.fx
 
+from slcompile.compat import graph_module
 from slcompile.errors import RefusedError
 
 __all__ = ["inline_checkpoints", "is_checkpoint"]
@@ -57,7 +58,7 @@ def inline_checkpoints(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
     graph = torch.fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
-    gm = torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
+    gm = graph_module(gm, graph, gm.__class__.__name__)
     inlined = []
     # A region inlined may bring regions of its own (a checkpoint inside a
     # checkpoint): inline until none is left.

@@ -43,6 +43,7 @@ import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
 from slcompile.analysis.batch_propagation import BATCHED_INT, BatchPlan, is_barrier
+from slcompile.compat import graph_module
 from slcompile.errors import RefusedError
 from slcompile.meta import SlcMeta, set_slc_meta
 from slcompile.passes.find_batch_dim import BatchInfo
@@ -200,7 +201,7 @@ class _Interleaver:
 
         self._emit_output(originals[-1])
         self.graph.lint()
-        new_gm = torch.fx.GraphModule(self.gm, self.graph)
+        new_gm = graph_module(self.gm, self.graph)
         nodes_after = sum(1 for n in new_gm.graph.nodes if n.op not in ("placeholder", "output"))
         report = InterleaveReport(
             num_subbatches=self.k,

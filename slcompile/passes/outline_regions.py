@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from slcompile.compat import graph_module
 from slcompile.meta import get_slc_meta, parse_tag
 from slcompile.vocabulary import is_bookkeeping, is_compute
 
@@ -210,7 +211,7 @@ def _region_module(region: Region) -> torch.fx.GraphModule:
         env[node] = graph.create_node(node.op, node.target, args, kwargs)
         env[node].meta = dict(node.meta)
     graph.output(tuple(env[node] for node in region.outputs))
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
+    return graph_module(torch.nn.Module(), graph)
 
 
 def _signature(module: torch.fx.GraphModule, region: Region) -> tuple:
@@ -295,7 +296,7 @@ def outline_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, Reg
     except _OutOfOrder as error:
         log.info("speedloader: region input %s is computed after the region starts; compiled flat", error)
         return None
-    module = torch.fx.GraphModule(attributes, step)
+    module = graph_module(attributes, step)
     module.meta.update(gm.meta)
     outside = sum(1 for node in gm.graph.nodes if is_compute(node) and node not in inside)
     done = RegionOutline(len(regions), len(names), outside)
