@@ -291,7 +291,7 @@ class _PlannedPartition:
                 run_stage(JOINT_PASSES, step, self.report.pass_log, label=label)
             # The partitioner's own graph modules write their code at every pass's
             # `recompile()`; these write it when they first run.
-            fw, bw = (graph_module(module, module.graph) for module in partitioner(joint, joint_inputs, **kwargs))
+            fw, bw = (_lazy(module) for module in partitioner(joint, joint_inputs, **kwargs))
             step = StepState(
                 plan, self.report, {"forward": fw, "backward": bw}, recompute=recompute,
                 num_fwd_outputs=kwargs["num_fwd_outputs"], lowering=self.lowering,
@@ -329,6 +329,14 @@ class _PlannedPartition:
             )
         smallest = min(tried, key=lambda p: p.peak_bytes["device"])
         raise BudgetError(self.plan.memory_budget, smallest.peak_bytes["device"], tuple(tried))
+
+
+def _lazy(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`module` (its graph, attributes and meta) as a graph module that writes its code
+    when it first runs (`compat.graph_module`)."""
+    lazy = graph_module(module, module.graph)
+    lazy.meta.update(module.meta)
+    return lazy
 
 
 def _aot_eager(gm, example_inputs, prepare, partition_hook, hold):
