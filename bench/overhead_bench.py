@@ -24,8 +24,8 @@ median wall time;
 from `PROFILED_STEPS` steps under `torch.profiler` (`slcompile.step_profile`), the
 operators run outside compiled code by namespace (eager prims and aten ops; autograd's
 `.grad` accumulation apart), the median host microseconds of each `slc::` op over
-their calls, and the host microseconds per activation moved (the median of the
-steps'); and, for
+their calls, and the host microseconds per activation stored or loaded (its issue and
+its wait) and per weight loaded (its issue), the median of the steps'; and, for
 speedloader rows, the step the time model predicts (`predict_time`, lowering
 "inductor", on a profile measured first in the parent process with one thread and
 `steps=True`), and its error against the least step (`prediction_error`: the
@@ -193,30 +193,36 @@ def run_rows(specs: list[dict], steps: int, profile_path: str) -> list[dict]:
 # do meanwhile (an I/O completion taking the GIL), so each figure is a median over these.
 PROFILED_STEPS = 5
 
-# The activation transfer ops, single and run forms (`coalesce_transfers`), by what
-# each call does for every tensor it moves.
+# The transfer ops with run forms (`coalesce_transfers`), by what each call does for
+# every tensor it moves: a call may move one tensor or a run of them. (`fetch_weight`,
+# one weight a call, counts per call: its median is what a fetch waits.)
 FAMILIES = {"slc::stash": "store issue", "slc::stash_many": "store issue", "slc::wait": "store wait",
             "slc::wait_many": "store wait", "slc::unstash": "load issue", "slc::unstash_many": "load issue",
-            "slc::unstash_wait": "load wait", "slc::unstash_wait_many": "load wait"}
+            "slc::unstash_wait": "load wait", "slc::unstash_wait_many": "load wait",
+            "slc::fetch_issue": "weight issue", "slc::fetch_issue_many": "weight issue"}
 
 
 def transfer_host_us(host_us: dict[str, list[float]], moved: dict) -> dict[str, float]:
-    """Host microseconds per activation moved, for each half of a store and a load: the
-    step's host time of the ops of that kind (one tensor a call, or a run of them a
-    call) over the activations the step stored to (or loaded from) a tier that copies
-    (counted by the runtime while the step ran)."""
+    """Host microseconds per tensor moved, for each half of a store and a load and for
+    a weight fetch's issue: the step's host time of the ops of that kind (one tensor a
+    call, or a run of them a call) over the activations the step stored to (or loaded
+    from) a tier that copies, or the weights it loaded from one (counted by the
+    runtime while the step ran)."""
     from slcompile.runtime import TransferKind
 
-    stores = sum(n for (kind, source, _), n in moved.items() if kind is TransferKind.ACTIVATION and
-                 source.value == "device")
-    loads = sum(n for (kind, source, _), n in moved.items() if kind is TransferKind.ACTIVATION and
-                source.value != "device")
+    def count(kind, stored):
+        return sum(n for (moved_kind, source, _), n in moved.items()
+                   if moved_kind is kind and (source.value == "device") == stored)
+
+    stores, loads = count(TransferKind.ACTIVATION, True), count(TransferKind.ACTIVATION, False)
+    weights = count(TransferKind.WEIGHT, False)
     totals: dict[str, float] = {}
     for name, times in host_us.items():
         if name in FAMILIES:
             totals[FAMILIES[name]] = totals.get(FAMILIES[name], 0.0) + sum(times)
-    count = {"store issue": stores, "store wait": stores, "load issue": loads, "load wait": loads}
-    return {family: total / count[family] for family, total in totals.items() if count[family]}
+    per = {"store issue": stores, "store wait": stores, "load issue": loads, "load wait": loads,
+           "weight issue": weights}
+    return {family: total / per[family] for family, total in totals.items() if per[family]}
 
 
 def goals(rows: list[dict]) -> dict:
@@ -265,15 +271,18 @@ def plot(record: dict, path: str) -> None:
     left.invert_yaxis()
     left.set_xlabel("ms per step (median)")
     left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
-    ops = sorted({op for r in rows for op in r["slc_op_host_us"]})
+    # What the goal judges: the transfers per tensor moved, the other ops per call.
+    judged = [{**{op: us for op, us in r["slc_op_host_us"].items() if op not in FAMILIES},
+               **r.get("slc_transfer_host_us", {})} for r in rows]
+    ops = sorted({op for figures in judged for op in figures})
     width = 0.8 / max(len(ops), 1)
     for i, op in enumerate(ops):
-        right.barh([p + i * width for p in positions], [r["slc_op_host_us"].get(op, 0.0) for r in rows],
+        right.barh([p + i * width for p in positions], [figures.get(op, 0.0) for figures in judged],
                    height=width, label=op)
     right.axvline(GOALS["transfer_op_us"], color="red", linestyle="--", label="goal 20 us")
     right.set_yticks(list(positions), [""] * len(rows))
     right.invert_yaxis()
-    right.set_xlabel("host us per slc:: op (median)")
+    right.set_xlabel("host us per tensor moved (transfers) or per call (median)")
     right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=7)
     fig.suptitle(f"launch-bound step on {record['machine']} (torch {record['torch']}, 1 thread)")
     fig.tight_layout()

@@ -14,8 +14,8 @@ returns a named profile instead, for a machine you are not on.
 What is measured (each a best of a few repeats):
 - the matmul rate: square products of the compute dtype at a few sizes (small
   products reach less of it);
-- the memory bandwidth: an out-of-place elementwise op (bytes read plus written,
-  into fresh memory as eager ops write);
+- the memory bandwidth: an out-of-place elementwise op (bytes read plus written)
+  at a few working sets, from inside the caches to well beyond them;
 - the op overhead: a one-element add; the transfer ops' overhead: an `slc::mark`;
 - on CUDA, the pinned host <-> device copy rates;
 - the disk: O_DIRECT writes and reads of the nvme tier (`NvmeArena`, with its I/O
@@ -118,7 +118,8 @@ def _cached_measurement(offload_dir, device, dtype) -> MachineProfile:
     try:
         with open(path) as f:
             cached = MachineProfile.from_json(f.read())
-        if cached.measured_on == key:
+        # One cached by an older release without the bandwidth curve is measured anew.
+        if cached.measured_on == key and cached.bandwidth_curve:
             return cached
     except (OSError, ValueError, TypeError):
         pass
@@ -176,16 +177,12 @@ def measure_rates(device: str | torch.device | None = None, *, dtype: torch.dtyp
 
         curve.append((2.0 * size ** 3, 2 * size ** 3 * reps / _best(matmul, 3)))
     matmul_flops = max(rate for _, rate in curve)
-    # An out-of-place elementwise op as eager runs it: fresh output memory each time.
-    numel = (256 << 20 if device.type == "cuda" else 8 << 20) // 4
-    src = torch.empty(numel, device=device, dtype=torch.float32).fill_(1.0)
-
-    def elementwise():
-        for _ in range(4):
-            torch.mul(src, 2.0)
-        _sync(device)
-
-    memory_bandwidth = 4 * 2 * src.nbytes / _best(elementwise, 5)
+    # An out-of-place elementwise op at working sets from inside the caches to well
+    # beyond them, into memory already mapped (writing fresh pages is the fitted
+    # `output_seconds_per_byte`'s).
+    sizes = (16 << 20, 64 << 20, 256 << 20) if device.type == "cuda" else (1 << 20, 4 << 20, 16 << 20, 64 << 20)
+    bandwidth_curve = [(2.0 * size, _elementwise_rate(size, device)) for size in sizes]
+    memory_bandwidth = max(rate for _, rate in bandwidth_curve)
     one = torch.ones(1, device=device)
     ops = 2000
 
@@ -205,10 +202,11 @@ def measure_rates(device: str | torch.device | None = None, *, dtype: torch.dtyp
     call_overhead = _measure_call(device)
     link_h2d = link_d2h = math.inf
     if device.type == "cuda":
-        host = torch.empty(numel, dtype=torch.float32, pin_memory=True)
-        link_h2d = host.nbytes / _best(lambda: (src.copy_(host, non_blocking=True), _sync(device)), 5)
-        link_d2h = host.nbytes / _best(lambda: (host.copy_(src, non_blocking=True), _sync(device)), 5)
-    del src
+        on_device = torch.empty((256 << 20) // 4, device=device, dtype=torch.float32)
+        host = torch.empty(on_device.numel(), dtype=torch.float32, pin_memory=True)
+        link_h2d = host.nbytes / _best(lambda: (on_device.copy_(host, non_blocking=True), _sync(device)), 5)
+        link_d2h = host.nbytes / _best(lambda: (host.copy_(on_device, non_blocking=True), _sync(device)), 5)
+        del on_device, host
     read = write = math.inf
     latency = 0.0
     if nvme:
@@ -219,10 +217,25 @@ def measure_rates(device: str | torch.device | None = None, *, dtype: torch.dtyp
         link_h2d=link_h2d, link_d2h=link_d2h,
         link_latency_seconds=10e-6 if device.type == "cuda" else 0.0,
         nvme_read=read, nvme_write=write, nvme_latency_seconds=latency, matmul_curve=tuple(curve),
+        bandwidth_curve=tuple(bandwidth_curve),
     )
     source = (f"measured on {socket.gethostname()} ({device.type}, {torch.get_num_threads()} threads, "
               f"{dtype}) in {time.perf_counter() - began:.1f} s")
     return dataclasses.replace(profile, source=source, measured_on=profile_key(device, dtype))
+
+
+def _elementwise_rate(nbytes: int, device: torch.device) -> float:
+    """Bytes/s (read plus written) of an elementwise op over `nbytes` into memory
+    already mapped: the best of a few repeats."""
+    src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
+    out = torch.empty_like(src)
+
+    def elementwise():
+        for _ in range(4):
+            torch.mul(src, 2.0, out=out)
+        _sync(device)
+
+    return 4 * 2 * nbytes / _best(elementwise, 5)
 
 
 def _measure_call(device) -> float:

@@ -98,6 +98,23 @@ def test_compute_is_a_roofline_of_torch_flop_counts():
     assert profile.compute_seconds(ComputeCost(flops=10**9, nbytes=0)) == 0.5 + 1.0
 
 
+def test_an_op_moves_its_bytes_at_the_rate_of_its_working_set():
+    cache, memory = 100e9, 20e9
+    profile = MachineProfile(name="p", matmul_flops=1e9, memory_bandwidth=cache,
+                             bandwidth_curve=((1e6, cache), (1e8, memory)))
+    assert profile.memory_rate(1e5) == cache and profile.memory_rate(1e9) == memory  # clamped at the ends
+    assert profile.memory_rate(1e7) == pytest.approx((cache + memory) / 2)  # halfway in log bytes
+    small, large = ComputeCost(flops=0, nbytes=10**5), ComputeCost(flops=0, nbytes=10**9)
+    assert profile.compute_seconds(small) == pytest.approx(1e5 / cache)
+    assert profile.compute_seconds(large) == pytest.approx(1e9 / memory)
+    # Under Inductor an elementwise op costs its output's bytes, at its working set's rate.
+    assert profile.compute_seconds(large, "inductor") == pytest.approx(1e9 / 2 / memory)
+    # Without a curve, every op at `memory_bandwidth`; a curve never beats it.
+    assert dataclasses.replace(profile, bandwidth_curve=()).compute_seconds(large) == pytest.approx(1e9 / cache)
+    assert dataclasses.replace(profile, memory_bandwidth=10e9).memory_rate(1e5) == 10e9
+    assert MachineProfile.from_json(profile.to_json()) == profile
+
+
 def test_a_wait_blocks_compute_until_its_transfer_ends():
     builder = GraphBuilder()
     builder.matmul(0, 0.5)
@@ -200,7 +217,8 @@ def test_a_measured_profile_is_cached_for_the_threads_and_torch_it_ran_with(tmp_
     def measure(device=None, *, dtype=None, offload_dir=None, **_):
         measured.append(torch.get_num_threads())
         return dataclasses.replace(PROFILE, name=f"{torch.get_num_threads()} threads",
-                                   measured_on=profile_module.profile_key(device, dtype))
+                                   measured_on=profile_module.profile_key(device, dtype),
+                                   bandwidth_curve=((1e6, 1e30),))
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("SLC_PROFILE", raising=False)
@@ -221,6 +239,13 @@ def test_a_measured_profile_is_cached_for_the_threads_and_torch_it_ran_with(tmp_
         open(one_thread, "w").write(dataclasses.replace(stale, measured_on=tuple(key.items())).to_json())
         profile_module.machine_profile()
         assert measured == [1, 2, 1]
+        # So is one written by a release that measured no bandwidth curve.
+        with open(one_thread) as f:
+            fresh = MachineProfile.from_json(f.read())
+        with open(one_thread, "w") as f:
+            f.write(dataclasses.replace(fresh, bandwidth_curve=()).to_json())
+        profile_module.machine_profile()
+        assert measured == [1, 2, 1, 1]
         # A profile file measured elsewhere is used, with a warning naming what differs.
         monkeypatch.setenv("SLC_PROFILE", profile_module.profile_path())
         torch.set_num_threads(2)

@@ -99,7 +99,8 @@ class MachineProfile:
     Attributes:
         name: what the profile is of (a host name, or a named profile's name).
         matmul_flops: FLOP/s of a large dense matrix product in the compute dtype.
-        memory_bandwidth: bytes/s the device reads plus writes in an elementwise op.
+        memory_bandwidth: bytes/s the device reads plus writes in an elementwise op
+            (the fastest of `bandwidth_curve` where it is measured).
         op_overhead_seconds: fixed time per op (eager dispatch on a CPU; a kernel
             launch on a GPU).
         transfer_op_seconds: fixed compute-lane time of each `slc::` transfer op
@@ -141,6 +142,11 @@ class MachineProfile:
             smallest first: small products reach less of the rate. An op's rate is
             interpolated in log FLOPs between them (clamped at the ends; capped by
             `matmul_flops`); empty: `matmul_flops` for every op.
+        bandwidth_curve: (bytes an elementwise op read plus wrote, bytes/s it
+            reached) at a few working sets, smallest first: one that fits in the
+            caches moves its bytes faster than one that streams from memory. An op's
+            rate is interpolated in log bytes between them (clamped at the ends;
+            capped by `memory_bandwidth`); empty: `memory_bandwidth` for every op.
         measured_on: what a measurement ran on, as (what, value) pairs: the device
             ("cpu", "cuda NVIDIA H100 80GB HBM3"), the compute dtype, the compute
             thread count and the torch version (`slcompile.profile.profile_key`);
@@ -167,6 +173,7 @@ class MachineProfile:
     network_latency_seconds: float = 0.0
     source: str = ""
     matmul_curve: tuple[tuple[float, float], ...] = ()
+    bandwidth_curve: tuple[tuple[float, float], ...] = ()
     transfer_op_costs: tuple[tuple[str, float], ...] = ()
     measured_on: tuple[tuple[str, str], ...] = ()
 
@@ -189,29 +196,26 @@ class MachineProfile:
 
     def compute_seconds(self, cost, lowering: str = "aot_eager") -> float:
         """A compute node's time: its launch, then the slower of its FLOPs at the
-        matmul rate and its bytes at the memory bandwidth (a roofline).
+        matmul rate and its bytes at the memory bandwidth, each at the node's size on
+        the profile's curves (a roofline).
 
         Under "inductor", elementwise work (no FLOPs counted) is fused into its
         neighbours: it costs the bytes of its output alone (inputs come from
         registers) and no launch of its own."""
         if lowering == "inductor" and cost.flops == 0:
-            return cost.nbytes / 2 / self.memory_bandwidth
+            return cost.nbytes / 2 / self.memory_rate(cost.nbytes)
         rate = self.matmul_rate(cost.flops)
-        return (self.op_overhead_seconds + max(cost.flops / rate, cost.nbytes / self.memory_bandwidth)
+        return (self.op_overhead_seconds
+                + max(cost.flops / rate, cost.nbytes / self.memory_rate(cost.nbytes))
                 + cost.large_output_bytes * self.output_seconds_per_byte)
 
     def matmul_rate(self, flops: float) -> float:
         """The FLOP/s a product of `flops` reaches (`matmul_curve`)."""
-        curve = self.matmul_curve
-        if not curve or flops <= 0:
-            return self.matmul_flops
-        if flops <= curve[0][0]:
-            return min(curve[0][1], self.matmul_flops)
-        for (low, low_rate), (high, high_rate) in zip(curve, curve[1:]):
-            if flops <= high:
-                share = (math.log(flops) - math.log(low)) / (math.log(high) - math.log(low))
-                return min(low_rate + share * (high_rate - low_rate), self.matmul_flops)
-        return min(curve[-1][1], self.matmul_flops)
+        return _on_curve(self.matmul_curve, flops, self.matmul_flops)
+
+    def memory_rate(self, nbytes: float) -> float:
+        """The bytes/s an op that reads plus writes `nbytes` reaches (`bandwidth_curve`)."""
+        return _on_curve(self.bandwidth_curve, nbytes, self.memory_bandwidth)
 
     def transfer_seconds(self, tier: str, direction: str, nbytes: int) -> tuple[str, float]:
         """(lane, seconds) of one transfer of `nbytes` between the device and `tier`.
@@ -248,9 +252,25 @@ class MachineProfile:
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: (_INF if v is None else v) for k, v in data.items() if k in known}
         values["matmul_curve"] = tuple(tuple(point) for point in values.get("matmul_curve", ()))
+        values["bandwidth_curve"] = tuple(tuple(point) for point in values.get("bandwidth_curve", ()))
         values["transfer_op_costs"] = tuple(tuple(pair) for pair in values.get("transfer_op_costs", ()))
         values["measured_on"] = tuple(tuple(pair) for pair in values.get("measured_on", ()))
         return cls(**values)
+
+
+def _on_curve(curve: tuple[tuple[float, float], ...], x: float, peak: float) -> float:
+    """The rate at `x` on a measured (x, rate) curve, smallest x first: interpolated in
+    log x between its points, clamped at its ends, capped by `peak`; `peak` where the
+    curve is empty."""
+    if not curve or x <= 0:
+        return peak
+    if x <= curve[0][0]:
+        return min(curve[0][1], peak)
+    for (low, low_rate), (high, high_rate) in zip(curve, curve[1:]):
+        if x <= high:
+            share = (math.log(x) - math.log(low)) / (math.log(high) - math.log(low))
+            return min(low_rate + share * (high_rate - low_rate), peak)
+    return min(curve[-1][1], peak)
 
 
 _GB = 1e9

@@ -12,7 +12,8 @@ The inputs:
 - per compute node, FLOPs from torch's own formulas (`torch.utils.flop_counter`'s
   `flop_registry`, called on the node's shapes) and the bytes it reads and writes
   (its tensor inputs and outputs); its time is a roofline,
-  `op_overhead + max(flops / matmul_flops, bytes / memory_bandwidth)`, plus the
+  `op_overhead + max(flops / matmul_rate(flops), bytes / memory_rate(bytes))` (each
+  rate read off the profile's curve at the op's size), plus the
   bytes of its large outputs at the profile's rate for writing fresh memory;
 - per transfer, its bytes (the loaded or stored tensor's) over the bandwidth of its
   tier in its direction (`MachineProfile.transfer_seconds`), plus a fixed latency.
