@@ -248,6 +248,21 @@ def test_write_pictures(compiled_step, tmp_path):
     assert recorded.samples and {"device", "nvme"} <= set(recorded.samples[0].resident)
 
 
+def test_memory_plot_of_a_step_whose_transfers_were_coalesced(compiled_step, tmp_path):
+    """Under Inductor the compiled graphs hold runs of transfers as one `_many` call
+    (`coalesce_transfers`), while the memory model names the single transfers: the
+    plot places each node the compiled graph lacks at the node before it."""
+    from slcompile.passes.coalesce_transfers import coalesce_transfers
+
+    report, recorded = compiled_step
+    coalesced = copy.copy(report)
+    coalesced.graphs = {kind: coalesce_transfers(copy.deepcopy(gm))[0] for kind, gm in report.graphs.items()}
+    compiled_names = {node.name for gm in coalesced.graphs.values() for node in gm.graph.nodes}
+    assert any(name not in compiled_names for _, nodes in device_layers(report.memory).graphs for name in nodes)
+    written = write_pictures(tmp_path, coalesced, recorded, ("plot",))
+    assert written["memory"][0].read_bytes()[:4] == b"\x89PNG"
+
+
 def test_memory_plot_peaks_at_the_device_peak_explain_prints(compiled_step):
     report, _ = compiled_step
     layers = device_layers(report.memory)

@@ -203,7 +203,13 @@ def _draw_predicted(axis, layers: DeviceLayers, times, origin, scale, unit) -> N
         if not nodes:
             continue
         if times is not None:
-            positions = [(times[kind][name] - origin) * 1e3 for name in nodes]
+            # A node the compiled graph no longer has (a transfer joined into its run's
+            # `_many` call by `coalesce_transfers`) takes the time of the node before it.
+            known, positions = times[kind], []
+            previous = min(known.values())
+            for name in nodes:
+                previous = known.get(name, previous)
+                positions.append((previous - origin) * 1e3)
         else:
             positions = [len(xs) + index for index in range(len(nodes))]
         boundaries.append((positions[0], kind))
