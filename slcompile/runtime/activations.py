@@ -139,8 +139,7 @@ def stash_many(xs: Sequence[torch.Tensor], keys: Sequence[str]) -> list[torch.Te
     engine = owner.engine
     stored_keys = [f"{name}#{next(_STORES)}" for name in names]
     handles = engine.store_many(stored_keys, xs, tier, TransferKind.ACTIVATION, forget_source=True)
-    return [ops._token_for(engine, handle, (_free_stored, engine, stored_key))
-            for handle, stored_key in zip(handles, stored_keys)]
+    return ops._tokens_for(engine, handles, [(_free_stored, engine, stored_key) for stored_key in stored_keys])
 
 
 def _stashed(stash_token: torch.Tensor) -> tuple[TransferEngine, TransferHandle]:
@@ -165,7 +164,7 @@ def unstash_many(stash_tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     if any(found_engine is not engine for found_engine, _ in found):
         return [unstash(token) for token in stash_tokens]
     handles = engine.load_many([handle.key for _, handle in found], TransferKind.ACTIVATION)
-    return [ops._token_for(engine, handle) for handle in handles]
+    return ops._tokens_for(engine, handles)
 
 
 def unstash_wait(

@@ -313,20 +313,22 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         """
         tier = tier if tier.__class__ is Tier else Tier(tier)
         kind = kind if kind.__class__ is TransferKind else TransferKind(kind)
-        keys = [normalize_key(key) for key in keys]
+        keys = [key if key.__class__ is str else normalize_key(key) for key in keys]
         if tier is not Tier.NVME or self._cuda or len(keys) < 2:
             return [self.store(key, tensor, tier, kind, forget_source) for key, tensor in zip(keys, tensors)]
         sources = [self._prepare_source(key, tensor) for key, tensor in zip(keys, tensors)]
-        if any(source.numel() == 0 for source in sources):
+        sizes = [source.numel() * source.element_size() for source in sources]
+        if 0 in sizes:
             return [self.store(key, source, tier, kind, forget_source) for key, source in zip(keys, sources)]
-        handles, entries, ids = [], [], self._ids
-        source_tier = Tier.DEVICE  # a CPU machine's: every source is in its memory
-        for key, source in zip(keys, sources):
-            nbytes = source.numel() * source.element_size()
-            handle = TransferHandle(next(ids), key, kind, source_tier, tier, nbytes, "store")
-            handle.forget_source = forget_source
-            handles.append(handle)
-            entries.append(_Entry(key, tier, kind, tuple(source.shape), source.dtype, nbytes))
+        ids = self._ids
+        # A CPU machine's sources are all in its memory: the device tier.
+        handles = [TransferHandle(next(ids), key, kind, Tier.DEVICE, tier, nbytes, "store")
+                   for key, nbytes in zip(keys, sizes)]
+        if forget_source:
+            for handle in handles:
+                handle.forget_source = True
+        entries = [_Entry(key, tier, kind, tuple(source.shape), source.dtype, nbytes)
+                   for key, source, nbytes in zip(keys, sources, sizes)]
         self._store_nvme_run(handles, entries, sources)
         return handles
 
@@ -378,14 +380,16 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         """
         started: list[tuple[TransferHandle, _Entry | None, TransferHandle | None]] = []
         try:
-            for key in keys:
-                started.append(self._start_load(key, kind, None))
+            with self._lock:
+                for key in keys:
+                    started.append(self._start_load(key, kind, None))
         finally:
             together = []
+            alone = not self._cuda and profiler_sees_buffers()  # see `_together`
             for handle, entry, pending_store in started:
                 if entry is None:
                     continue
-                if self._together(entry, pending_store):
+                if not alone and self._together(entry, pending_store):
                     together.append((handle, entry))
                 else:
                     self._dispatch_load(handle, entry, pending_store, None)
@@ -398,18 +402,18 @@ class TransferEngine(NvmeTransfers, CudaCopies):
     def _together(self, entry: _Entry, pending_store: TransferHandle | None) -> bool:
         """Whether `load_many` issues this entry's load with the others: on a CUDA
         machine from the host tier; on a CPU machine from a written nvme slot that
-        native AIO reads whole into new memory."""
+        native AIO reads whole into new memory (never while the profiler is to see
+        the memory loads take: `load_many` asks that once)."""
         if self._cuda:
             return entry.tier is Tier.HOST and entry.host_block is not None
         slot = entry.slot
         return (entry.tier is Tier.NVME and entry.error is None and slot is not None and slot.valid
-                and (pending_store is None or pending_store.done()) and 0 < entry.nbytes <= self._arena.aio_bytes
-                and not profiler_sees_buffers())
+                and (pending_store is None or pending_store._finished) and 0 < entry.nbytes <= self._arena.aio_bytes)
 
     def _start_load(self, key, kind, into) -> tuple[TransferHandle, _Entry | None, TransferHandle | None]:
         """(the load's handle, its entry or None when it finished without copying,
         the store it must follow)."""
-        key = normalize_key(key)
+        key = key if key.__class__ is str else normalize_key(key)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -576,23 +580,21 @@ class TransferEngine(NvmeTransfers, CudaCopies):
     # -- sources ---------------------------------------------------------------
 
     def _prepare_source(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        def refuse(reason: str) -> UnsupportedTensorError:
-            return UnsupportedTensorError(f"cannot transfer this tensor: {reason}", key=key)
-
-        if not isinstance(tensor, torch.Tensor):
-            raise refuse(f"expected a torch.Tensor, got {type(tensor).__name__}")
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-            raise refuse(f"tensor subclass {type(tensor).__name__} has no plain storage to move")
+        kind = type(tensor)
+        if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+            if not isinstance(tensor, torch.Tensor):
+                raise _refuse(key, f"expected a torch.Tensor, got {kind.__name__}")
+            raise _refuse(key, f"tensor subclass {kind.__name__} has no plain storage to move")
         if tensor.is_nested:
-            raise refuse("nested tensors are not supported")
+            raise _refuse(key, "nested tensors are not supported")
         if tensor.layout is not torch.strided:
-            raise refuse(f"layout {tensor.layout} is not supported; only dense strided tensors")
+            raise _refuse(key, f"layout {tensor.layout} is not supported; only dense strided tensors")
         if tensor.is_quantized:
-            raise refuse("quantized tensors are not supported")
-        if tensor.device.type == "meta":
-            raise refuse("meta tensors have no data")
-        if tensor.device.type not in ("cpu", self.device.type):
-            raise refuse(f"device {tensor.device} is neither the compute device nor the host")
+            raise _refuse(key, "quantized tensors are not supported")
+        device = tensor.device.type
+        if device != "cpu" and device != self.device.type:
+            raise _refuse(key, "meta tensors have no data" if device == "meta"
+                          else f"device {tensor.device} is neither the compute device nor the host")
         # A tensor of a compiled graph needs no detach, a dispatched op on the hot path.
         source = tensor.detach() if tensor.requires_grad or type(tensor) is not torch.Tensor else tensor
         copied = False
@@ -661,6 +663,10 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         self._release_if_unused(entry)
         handle._finish(result, error)
 
+
+
+def _refuse(key: str, reason: str) -> UnsupportedTensorError:
+    return UnsupportedTensorError(f"cannot transfer this tensor: {reason}", key=key)
 
 
 def _uncount(entries: dict[str, _Entry], recorder: Recorder) -> None:

@@ -15,7 +15,6 @@ Guarantees:
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,7 +78,7 @@ class TransferHandle:
 
     __slots__ = (
         "id", "key", "kind", "source", "destination", "nbytes", "direction",
-        "zero_copy", "issued", "_finished", "_event", "_error", "_result", "_cuda_event",
+        "zero_copy", "_finished", "_event", "_error", "_result", "_cuda_event",
         "_callbacks", "_lock", "_keep", "forget_source", "__weakref__",
     )
 
@@ -92,7 +91,6 @@ class TransferHandle:
         self.nbytes = nbytes
         self.direction = direction
         self.zero_copy = False
-        self.issued = time.perf_counter()
         self._finished = False
         # Made by the first thread that waits while the transfer runs: most finish
         # before anyone waits (host copies are issued, not awaited, on the I/O side).
@@ -100,7 +98,7 @@ class TransferHandle:
         self._error: OffloadError | None = None
         self._result: torch.Tensor | None = None
         self._cuda_event = None
-        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks: list[Callable[[], None]] | None = None  # made by the first `_when_done`
         self._lock = threading.Lock()
         self._keep: object = None
         # A store that does not keep its source as its result (see `store`).
@@ -138,15 +136,17 @@ class TransferHandle:
                 self._keep = None
             self._finished = True
             event = self._event
-            callbacks, self._callbacks = self._callbacks, []
+            callbacks, self._callbacks = self._callbacks, None
         if event is not None:
             event.set()
-        for callback in callbacks:
+        for callback in callbacks or ():
             callback()
 
     def _when_done(self, callback: Callable[[], None]) -> None:
         with self._lock:
             if not self._finished:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(callback)
                 return
         callback()

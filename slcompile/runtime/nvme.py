@@ -47,6 +47,8 @@ Guarantees:
   most ``AIO_MAX_BYTES`` (and one chunk) is handed to the kernel by the issuing
   thread instead: a source that is not page-aligned is first copied into staging
   pages there, and its checksum taken there; the reaper thread checks a read's.
+  Slots that follow each other in the file are read by one vectored I/O into the
+  buffers of each (``read_groups``, ``read_run``) where the kernel takes it.
 - A slot becomes readable (``valid``) only after every chunk of its write has
   completed; half-written data is never read back. A failed write leaves the
   slot invalid.
@@ -71,11 +73,9 @@ import logging
 import os
 import tempfile
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
 
-import crc32c
 import torch
 
 from .errors import (
@@ -86,8 +86,9 @@ from .errors import (
     OffloadFileMissingError,
     ShortReadError,
 )
-from .nvme_aio import IOCB_CMD_PREAD, IOCB_CMD_PWRITE, AioQueue, aio_default
-from .nvme_io import IoBatch, IoOutcome, IoThreads, NvmeSlot, first_in_batch
+from .nvme_aio import AioQueue, aio_default, inode_holding_gil
+from .nvme_aio_transfers import AioTransfers, _checksum
+from .nvme_io import IoBatch, IoOutcome, IoThreads, NvmeSlot
 from .offload_dirs import (
     LIVE_DIRS,
     PRIVATE_DIR_PREFIX,
@@ -102,8 +103,6 @@ from .page_buffers import (
     PageBufferCache,
     address_of,
     buffers_seen_by_profiler,
-    copy_memory,
-    fill_memory,
     memory_at,
     profiler_sees_buffers,
 )
@@ -128,17 +127,8 @@ _ARENA_FILE = "arena.bin"
 AIO_MAX_BYTES = 1 << 20
 """The largest transfer handed to native AIO (larger ones go to the I/O threads,
 which copy, checksum and write their chunks in parallel)."""
-_STAGING_KEPT = 64  # staging buffers of one size kept for reuse
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 CHECKSUMS_ENV = "SLC_CHECKSUMS"
-
-
-def _begin(on_start: Callable[[float], None] | None) -> float:
-    """Now, told to `on_start` (a transfer's first I/O starts)."""
-    now = time.perf_counter()
-    if on_start is not None:
-        on_start(now)
-    return now
 
 
 def checksums_default() -> bool:
@@ -147,13 +137,7 @@ def checksums_default() -> bool:
     return os.environ.get(CHECKSUMS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _checksum(view: memoryview) -> int:
-    # CRC-32C in hardware (SSE4.2 / ARMv8 CRC) where there is one; the GIL is
-    # released for large buffers, so I/O threads checksum in parallel with compute.
-    return crc32c.crc32c(view)
-
-
-class NvmeArena:
+class NvmeArena(AioTransfers):
     """An O_DIRECT slab file in a private directory, read and written by I/O threads.
 
     Args:
@@ -244,6 +228,8 @@ class NvmeArena:
         self._lock = threading.Lock()
         self._staging = threading.local()
         self._staging_free: dict[int, list[PageBuffer]] = {}  # AIO writes' staging pages by size
+        # Native AIO reads a group of slots into several buffers (`read_groups`).
+        self._vectored = self._probe_vectored_reads()
         log.debug("nvme arena at %s (cap=%s)", self.file_path, capacity_bytes)
 
     # -- space -------------------------------------------------------------
@@ -402,63 +388,6 @@ class NvmeArena:
             return
         self._submit(slot, address, readable_bytes, self._write_chunk, finish, on_start, before)
 
-    def write_run(
-        self,
-        slots: Sequence[NvmeSlot],
-        sources: Sequence[tuple[int, int]],
-        on_done: Callable[[IoOutcome], None],
-        *,
-        on_start: Callable[[float], None] | None = None,
-    ) -> None:
-        """Writes `sources`, `(address, readable bytes)` each, into `slots` from
-        `allocate_run` (in its order), as `write` writes one: where native AIO takes
-        the run whole (at most `AIO_MAX_BYTES` and one chunk), copied into one staging
-        buffer and written by one I/O; otherwise slot by slot. `on_done` is called once,
-        with the run's outcome (every slot valid, or the first error)."""
-        padded = slots[-1].byte_range.offset + slots[-1].byte_range.size - slots[0].byte_range.offset
-        if padded > self._aio_bytes or len(slots) == 1:
-            self._write_each(slots, sources, on_done, on_start)
-            return
-        staging = None
-        try:
-            if first_in_batch(self):
-                self._check_file(slots[0].key)
-            staging = self._take_staging(padded)
-            base = address_of(staging)
-            for slot, (address, _) in zip(slots, sources):
-                staged = base + slot.byte_range.offset - slots[0].byte_range.offset
-                copy_memory(staged, address, slot.nbytes)
-                if slot.byte_range.size > slot.nbytes:
-                    fill_memory(staged + slot.nbytes, 0, slot.byte_range.size - slot.nbytes)
-                slot.checksums = [_checksum(memory_at(staged, slot.nbytes))] if self.checksums else None
-        except Exception as failure:  # noqa: BLE001 - reported as the write's outcome
-            if staging is not None:
-                self._give_staging(staging)
-            self._fail(on_done, failure, slots[0].key)
-            return
-        start = _begin(on_start)
-
-        def complete(result: int, end: float) -> None:
-            self._give_staging(staging)
-            outcome = self._aio_outcome(start, end, result, "write", slots[0].key)
-            if outcome.error is None and result < padded:
-                outcome.error = OffloadError(f"wrote {result} of {padded} bytes", key=slots[0].key,
-                                             path=self.file_path)
-            if outcome.error is None:
-                for slot in slots:
-                    slot.valid = True
-            on_done(outcome)
-
-        self._aio.issue((self._fd, IOCB_CMD_PWRITE, base, padded, slots[0].byte_range.offset, complete))
-
-    def _write_each(self, slots, sources, on_done, on_start) -> None:
-        """`write_run` slot by slot: the slots' writes as the chunks of one `IoBatch`
-        (`on_start` once, `on_done` once after the last, with the first error)."""
-        batch = IoBatch(len(slots), on_start, on_done, None)
-        for slot, (address, readable) in zip(slots, sources):
-            self.write(slot, address, readable, lambda outcome: batch.chunk_finished(outcome.error),
-                       on_start=lambda _: batch.chunk_started())
-
     def read(
         self,
         slot: NvmeSlot,
@@ -562,103 +491,8 @@ class NvmeArena:
                 chunk_fn, batch, slot, start, address + start, length, memory_bytes - start, nbytes=length
             )
 
-    # -- native AIO (small transfers) -----------------------------------------
-
-    def _fail(self, on_done: Callable[[IoOutcome], None], failure: Exception, key: str) -> None:
-        outcome = IoOutcome()
-        outcome.error = failure if isinstance(failure, OffloadError) else OffloadError(
-            f"I/O failed: {failure!r}", key=key, path=self.file_path)
-        on_done(outcome)
-
-    def _aio_write(self, slot, address, readable, on_done, on_start) -> None:
-        nbytes, padded = slot.nbytes, slot.byte_range.size
-        staging = None
-        try:
-            if first_in_batch(self):
-                self._check_file(slot.key)
-            if address % PAGE_BYTES or readable < padded:
-                staging = self._take_staging(padded)
-                staged = address_of(staging)
-                copy_memory(staged, address, nbytes)
-                if padded > nbytes:
-                    fill_memory(staged + nbytes, 0, padded - nbytes)
-                address = staged
-            if slot.checksums is not None:
-                slot.checksums[0] = _checksum(memory_at(address, nbytes))
-        except Exception as failure:  # noqa: BLE001 - reported as the write's outcome
-            if staging is not None:
-                self._give_staging(staging)
-            self._fail(on_done, failure, slot.key)
-            return
-        start = _begin(on_start)
-
-        def complete(result: int, end: float) -> None:
-            if staging is not None:
-                self._give_staging(staging)
-            outcome = self._aio_outcome(start, end, result, "write", slot.key)
-            if outcome.error is None and result < padded:
-                outcome.error = OffloadError(f"wrote {result} of {padded} bytes", key=slot.key,
-                                             path=self.file_path)
-            on_done(outcome)
-
-        self._aio.issue((self._fd, IOCB_CMD_PWRITE, address, padded, slot.byte_range.offset, complete))
-
-    def _aio_read(self, slot, address, on_done, on_start) -> None:
-        nbytes, padded, offset = slot.nbytes, slot.byte_range.size, slot.byte_range.offset
-        try:
-            if first_in_batch(self):  # once per run of transfers
-                self._check_file(slot.key)
-        except OffloadError as failure:
-            self._fail(on_done, failure, slot.key)
-            return
-        start = _begin(on_start)
-
-        def complete(result: int, end: float) -> None:
-            outcome = self._aio_outcome(start, end, result, "read", slot.key)
-            if outcome.error is None and result < nbytes:
-                outcome.error = ShortReadError(f"read {result} of {nbytes} bytes at file offset {offset}",
-                                               key=slot.key, path=self.file_path)
-            elif outcome.error is None and slot.checksums is not None:
-                found = _checksum(memory_at(address, nbytes))
-                if found != slot.checksums[0]:
-                    outcome.error = CorruptDataError(
-                        f"corrupt data: the {nbytes} bytes at file offset {offset} (byte 0 of the tensor) read "
-                        f"back with CRC-32C {found:08x}, written with {slot.checksums[0]:08x}",
-                        key=slot.key, path=self.file_path, offset=offset,
-                    )
-            on_done(outcome)
-
-        self._aio.issue((self._fd, IOCB_CMD_PREAD, address, padded, offset, complete))
-
-    def _aio_outcome(self, start: float, end: float, result: int, what: str, key: str) -> IoOutcome:
-        """The outcome of a native AIO transfer that returned `result` (bytes, or -errno)."""
-        outcome = IoOutcome()
-        outcome.start, outcome.end = start, end
-        if result < 0:
-            outcome.error = self._os_error(OSError(-result, os.strerror(-result)), f"{what} failed", key)
-        return outcome
-
-    def _take_staging(self, nbytes: int) -> PageBuffer:
-        with self._lock:
-            free = self._staging_free.get(nbytes)
-            if free:
-                return free.pop()
-        return PageBuffer.allocate(nbytes)
-
-    def _give_staging(self, buffer: PageBuffer) -> None:
-        with self._lock:
-            free = self._staging_free.setdefault(len(buffer), [])
-            if len(free) < _STAGING_KEPT:
-                free.append(buffer)
-                return
-        buffer.close()
-
     def _check_file(self, key: str) -> None:
-        try:
-            info = os.stat(_ARENA_FILE, dir_fd=self._dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            info = None
-        if info is None or info.st_ino != self._inode:
+        if inode_holding_gil(self._dir_fd, _ARENA_FILE) != self._inode:
             raise OffloadFileMissingError(
                 "the arena file was removed while tensors lived in it", key=key,
                 path=self.file_path,

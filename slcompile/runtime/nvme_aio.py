@@ -42,14 +42,20 @@ from types import MappingProxyType
 
 from .nvme_io import defer
 
-__all__ = ["AioQueue", "IOCB_CMD_PREAD", "IOCB_CMD_PWRITE", "aio_default", "AIO_ENV"]
+__all__ = ["AioQueue", "IOCB_CMD_PREAD", "IOCB_CMD_PWRITE", "IOCB_CMD_PREADV", "aio_default", "AIO_ENV",
+           "inode_holding_gil"]
 
 log = logging.getLogger(__name__)
 
 AIO_ENV = "SLC_AIO"
 IOCB_CMD_PREAD, IOCB_CMD_PWRITE = 0, 1
+# A vectored read: `buf` holds the address of an iovec array, `nbytes` its length.
+IOCB_CMD_PREADV = 7
 # (io_setup, io_destroy, io_getevents, io_submit)
 _SYSCALLS = MappingProxyType({"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)})
+# newfstatat; both machines' `struct stat` hold `st_ino` at byte 8 (after `st_dev`).
+_FSTATAT = MappingProxyType({"x86_64": 262, "aarch64": 79})
+_AT_SYMLINK_NOFOLLOW = 0x100
 _DEPTH = 1024  # transfers in flight at once
 _REAP = 256  # completions read at once
 
@@ -81,6 +87,31 @@ def _libc_syscall(hold_gil: bool = False):
         function.restype = ctypes.c_long
         _syscalls[hold_gil] = function
     return _syscalls[hold_gil]
+
+
+def inode_holding_gil(dir_fd: int, name: str) -> int | None:
+    """The inode number of `name` in the directory `dir_fd` (not following a link),
+    None where there is no such file, by a system call that keeps the GIL: on the
+    compute thread, `os.stat` would hand the GIL to the reaper, whose completions then
+    run before the caller's transfer op goes on. Falls back to `os.stat` off Linux on
+    x86-64 and AArch64.
+
+    Raises:
+        OSError: the call failed for another reason.
+    """
+    number = _FSTATAT.get(platform.machine()) if sys.platform == "linux" else None
+    if number is None:
+        try:
+            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            return None
+    info = ctypes.create_string_buffer(256)
+    if _libc_syscall(hold_gil=True)(number, dir_fd, name.encode(), info, _AT_SYMLINK_NOFOLLOW) != 0:
+        failure = ctypes.get_errno()
+        if failure == errno.ENOENT:
+            return None
+        raise OSError(failure, os.strerror(failure))
+    return struct.unpack_from("<Q", info, 8)[0]
 
 
 class AioQueue:
@@ -128,6 +159,24 @@ class AioQueue:
 
     def flush_deferred(self, requests: list) -> None:
         self.submit(requests)
+
+    def reads_vectored(self, fd: int, address: int) -> bool:
+        """Whether the kernel takes a vectored read (`IOCB_CMD_PREADV`) of `fd`: one
+        page read at offset 0 into the page at `address`, submitted and reaped on this
+        thread. Call it before anything else is submitted (no reaper runs yet)."""
+        vectors = (ctypes.c_uint64 * 2)(address, 4096)
+        block = ctypes.create_string_buffer(_IOCB.size)
+        _IOCB.pack_into(block, 0, 0, 0, 0, IOCB_CMD_PREADV, 0, fd, ctypes.addressof(vectors), 1, 0, 0, 0, 0)
+        pointer = ctypes.c_uint64(ctypes.addressof(block))
+        with self._lock:
+            if self._reaper is not None or self._closed:
+                return False
+            if self._syscall(self._submit, self._context, 1, ctypes.byref(pointer)) != 1:
+                return False
+            event = ctypes.create_string_buffer(_EVENT.size)
+            if self._syscall(self._getevents, self._context, 1, 1, event, None) != 1:
+                return False
+        return _EVENT.unpack(event.raw)[2] >= 0
 
     def submit(self, requests: list[tuple[int, int, int, int, int, Callable[[int, float], None]]]) -> None:
         """Issues each `(fd, opcode, address, nbytes, offset, on_complete)`, in order, in

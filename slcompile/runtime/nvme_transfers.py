@@ -12,13 +12,16 @@ its bookkeeping (``_install``, ``_fail_entry``, ``_release_if_unused``,
 Guarantees: a store writes straight from the source's memory (on CUDA from a pinned
 staging block the copy stream fills) and leaves the entry failed if the write fails;
 a load reads into the caller's ``into``, into reused page-aligned memory, or on a CPU
-machine into memory made on the I/O thread that reads it. Errors of a load reach the
+machine into memory made on the I/O thread that reads it (a run's members that follow
+each other in the file: into memory taken on the issuing thread, one read for them
+all, their tensors made on the reaper thread). Errors of a load reach the
 waiting thread through its handle, never as an exception on an I/O thread. Every
 finished transfer is counted and put on the ``"store"`` or ``"load"`` lane.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -27,7 +30,7 @@ import torch
 from .errors import OffloadError, TransferFailedError
 from .handles import TransferHandle, _Entry
 from .nvme_io import IoOutcome, NvmeSlot, batched
-from .page_buffers import profiler_sees_buffers
+from .page_buffers import address_of, profiler_sees_buffers
 from .tiers import Tier
 
 __all__ = ["NvmeTransfers"]
@@ -101,15 +104,24 @@ class NvmeTransfers:
             entry.slot = slot
             entry.store_handle = handle
             handle._keep = source
-            places.append(_place(source))
+            # Readable: the tensor's own bytes. A run is staged whole, or slot by slot
+            # where it is written so (a source short of its padded slot is staged).
+            places.append((source.data_ptr(), entry.nbytes))
         self._recorder.resident_change(Tier.NVME, sum(entry.nbytes for entry in entries))
         with self._lock:
+            installed = self._entries
             for entry in entries:
-                self._install(entry)
+                old = installed.get(entry.key)
+                installed[entry.key] = entry
+                if old is not None:
+                    self._retire(old)
 
         def on_done(outcome: IoOutcome) -> None:
             if outcome.start is not None:
                 self._recorder.lane_end("store", outcome.end)
+            if outcome.error is None:
+                self._stores_finished(handles, entries, outcome)
+                return
             for handle, entry in zip(handles, entries):
                 self._store_nvme_finished(handle, entry, outcome)
 
@@ -120,6 +132,19 @@ class NvmeTransfers:
                 self._fail_entry(entry, error)
                 handle._finish(None, error)
             raise
+
+    def _stores_finished(self, handles: list[TransferHandle], entries: list[_Entry], outcome: IoOutcome) -> None:
+        """`_store_nvme_finished` of each store of a run that one write did well."""
+        self._recorder.transfers_finished(handles, handles[0].source, Tier.NVME, outcome.start, outcome.end, "store")
+        for handle in handles:
+            handle._finish(None if handle.forget_source else handle._keep, None)
+        with self._lock:
+            for handle, entry in zip(handles, entries):
+                if entry.store_handle is handle:
+                    entry.store_handle = None
+            retired = [entry for entry in entries if entry.retired]
+        for entry in retired:
+            self._release_if_unused(entry)
 
     def _store_nvme_done(self, handle, entry, outcome: IoOutcome) -> None:
         if outcome.start is not None:
@@ -212,15 +237,78 @@ class NvmeTransfers:
             )
 
     def _load_nvme_new_run(self, loads: list[tuple[TransferHandle, _Entry]]) -> None:
-        """`_load_nvme_new` of each (handle, entry), each natively asynchronous
-        (`NvmeArena.read_new`), issued together: the memory they take is counted and
-        the load lane started once for the run."""
-        recorder = self._recorder
+        """`_load_nvme_new` of each (handle, entry), each natively asynchronous,
+        issued together: the memory they take is counted and the load lane started
+        once for the run; where native AIO takes vectored reads, the slots that follow
+        each other in the arena file (a run of stores, in any order) are read by one
+        I/O each (`_load_nvme_group`)."""
+        recorder, arena = self._recorder, self._arena
         recorder.resident_change(Tier.DEVICE, sum(entry.nbytes for _, entry in loads))
-        recorder.lane_begin("load", time.perf_counter(), len(loads))
+        groups = arena.read_groups([entry.slot for _, entry in loads]) if arena.vectored else None
+        recorder.lane_begin("load", time.perf_counter(), len(loads) if groups is None else len(groups))
         with batched():  # one submission
+            if groups is None:
+                for handle, entry in loads:
+                    self._load_nvme_new(handle, entry, begun=True)
+            else:
+                for group in groups:
+                    self._load_nvme_group([loads[index] for index in group])
+
+    def _load_nvme_group(self, loads: list[tuple[TransferHandle, _Entry]]) -> None:
+        """Loads of slots that follow each other in the file, each into new memory of
+        its own, by one vectored read (`NvmeArena.read_run`); counted and begun by
+        `_load_nvme_new_run`. The issuing thread takes the memory; the reaper thread
+        makes the tensors on it once the read is done."""
+        recorder, buffers = self._recorder, self._buffers
+        memory = []
+
+        def fail(error: OffloadError) -> None:
+            for buffer in memory:
+                buffers.give_back(buffer)
+            memory.clear()
+            recorder.resident_change(Tier.DEVICE, -sum(entry.nbytes for _, entry in loads))
+            recorder.lane_end("load", time.perf_counter())
             for handle, entry in loads:
-                self._load_nvme_new(handle, entry, begun=True)
+                self._load_finished(handle, entry, None, error)
+
+        def on_done(outcome: IoOutcome, failed: dict[int, OffloadError]) -> None:
+            if outcome.error is not None:
+                fail(outcome.error)
+                return
+            recorder.lane_end("load", outcome.end)
+            recorder.transfers_finished([handle for index, (handle, _) in enumerate(loads) if index not in failed],
+                                        Tier.NVME, Tier.DEVICE, outcome.start, outcome.end, "load")
+            results = []
+            for index, ((_, entry), buffer) in enumerate(zip(loads, memory)):
+                if index in failed:
+                    buffers.give_back(buffer)
+                    recorder.resident_change(Tier.DEVICE, -entry.nbytes)
+                    results.append(None)
+                else:
+                    results.append(buffers.wrap(buffer, entry.dtype, entry.shape, functools.partial(
+                        recorder.resident_change, Tier.DEVICE, -entry.nbytes)))
+            memory.clear()
+            with self._lock:
+                for _, entry in loads:
+                    entry.readers -= 1
+                retired = [entry for _, entry in loads if entry.retired]
+            for entry in retired:
+                self._release_if_unused(entry)
+            for index, ((handle, _), result) in enumerate(zip(loads, results)):
+                handle._finish(result, failed.get(index))
+            results.clear()
+
+        try:
+            for _, entry in loads:
+                memory.append(buffers.take(entry.slot.byte_range.size))
+        except Exception as failure:  # noqa: BLE001 - reported as the loads' outcome
+            fail(TransferFailedError(f"load could not start: {failure!r}", key=loads[0][0].key))
+            return
+        try:
+            self._arena.read_run([entry.slot for _, entry in loads], [address_of(buffer) for buffer in memory],
+                                 on_done)
+        except OffloadError as error:
+            fail(error)
 
     def _load_nvme_new(self, handle: TransferHandle, entry: _Entry, begun: bool = False) -> None:
         """A load on a CPU machine into new page-aligned memory, made on the I/O

@@ -33,6 +33,7 @@ between a transfer and the compute scheduled beside it.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -120,6 +121,18 @@ class _TokenPool:
         except IndexError:
             return self._refill()
 
+    def take_many(self, count: int) -> list[tuple[torch.Tensor, int]]:
+        """`count` tokens and their values, as `take` hands them out."""
+        if profiler_sees_buffers():
+            return [self.take() for _ in range(count)]
+        taken, popleft = [], self._tokens.popleft
+        for _ in range(count):
+            try:
+                taken.append(popleft())
+            except IndexError:
+                taken.append(self._refill())
+        return taken
+
     def _refill(self) -> tuple[torch.Tensor, int]:
         with self._lock:
             if self._tokens:
@@ -147,14 +160,15 @@ def _forget(token_id: int) -> None:
 
 
 class _TokenLife:
-    """Held by a transfer token alone: when the token dies, its transfer record is
-    forgotten and `release(*args)` runs (a stash frees its stored copy). Cheaper on
-    the compute thread than a `weakref.finalize` per token, and it dies with it."""
+    """Held by a transfer token alone (its `_slc` attribute): names the token's
+    transfer, and when the token dies, forgets its record and runs `release(*args)` (a
+    stash frees its stored copy). Cheaper on the compute thread than a
+    `weakref.finalize` per token, and it dies with it."""
 
-    __slots__ = ("token_id", "release")
+    __slots__ = ("token_id", "transfer", "release")
 
-    def __init__(self, token_id: int, release: tuple | None):
-        self.token_id, self.release = token_id, release
+    def __init__(self, token_id: int, transfer: tuple[TransferEngine, TransferHandle], release: tuple | None):
+        self.token_id, self.transfer, self.release = token_id, transfer, release
 
     def __del__(self):
         _forget(self.token_id)
@@ -167,17 +181,31 @@ def _token_for(engine: TransferEngine, handle: TransferHandle, release: tuple | 
     """A transfer's token. The token owns the transfer record (waits may repeat while
     it lives); `release`, `(fn, *args)`, runs when the token dies."""
     token, token_id = _TRANSFER_TOKENS.take()
+    transfer = (engine, handle)
     with _HANDLES_LOCK:
-        _HANDLES[token_id] = (engine, handle)
-    token._slc_transfer = (engine, handle)
-    token._slc_life = _TokenLife(token_id, release)
+        _HANDLES[token_id] = transfer
+    token._slc = _TokenLife(token_id, transfer, release)
     return token
 
 
+def _tokens_for(engine: TransferEngine, handles: Sequence[TransferHandle],
+                releases: Sequence[tuple] | None = None) -> list[torch.Tensor]:
+    """`_token_for` of each handle (with its release, if `releases`), for a run."""
+    taken = _TRANSFER_TOKENS.take_many(len(handles))
+    transfers = [(engine, handle) for handle in handles]
+    with _HANDLES_LOCK:
+        _HANDLES.update(zip([token_id for _, token_id in taken], transfers))
+    tokens = []
+    for (token, token_id), transfer, release in zip(taken, transfers, releases or itertools.repeat(None)):
+        token._slc = _TokenLife(token_id, transfer, release)
+        tokens.append(token)
+    return tokens
+
+
 def _lookup(token: torch.Tensor) -> tuple[TransferEngine, TransferHandle]:
-    found = getattr(token, "_slc_transfer", None)
-    if found is not None:
-        return found
+    life = getattr(token, "_slc", None)
+    if life is not None:
+        return life.transfer
     # A copy of a token (opcheck clones inputs) names its transfer by its value.
     if token.dim() != 0 or token.dtype != torch.int64 or token.device.type != "cpu":
         raise OffloadError(

@@ -10,7 +10,9 @@ Guarantees:
 - ``PageBufferCache.tensor`` returns a tensor whose storage starts on a page and is
   padded to whole pages, so O_DIRECT reads whole pages straight into it; once the
   last tensor using the memory is gone, the memory is kept by exact size, up to the
-  cache's capacity, for the next tensor of that size.
+  cache's capacity, for the next tensor of that size. ``take`` hands out that memory
+  before any tensor is made on it (a read lands in it first), ``wrap`` makes the
+  tensor later, ``give_back`` returns it unused.
 - Inside ``buffers_seen_by_profiler`` that memory comes from torch's CPU allocator
   instead, so ``torch.profiler``'s memory timeline counts it.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import threading
 import weakref
@@ -126,21 +129,36 @@ class PageBufferCache:
         size = round_up(nbytes, PAGE_BYTES)
         if _PROFILER_VISIBLE[0]:
             return _allocator_tensor(size, dtype, shape, on_release)
+        return self.wrap(self.take(size), dtype, shape, on_release)
+
+    def take(self, size: int) -> PageBuffer:
+        """An idle buffer of `size` bytes (a whole number of pages), or a new one: memory
+        to read into before a tensor is made on it (`wrap`), or to give back unused
+        (`give_back`)."""
         with self._lock:
             idle = self._idle.get(size)
             buffer = idle.pop() if idle else None
             if buffer is not None:
                 self._idle_bytes -= size
-        if buffer is None:
-            buffer = PageBuffer.allocate(size)
+        return buffer if buffer is not None else PageBuffer.allocate(size)
+
+    def wrap(self, buffer: PageBuffer, dtype: torch.dtype, shape: tuple[int, ...],
+             on_release: Callable[[], None] | None = None) -> torch.Tensor:
+        """The tensor of `shape` and `dtype` at the start of a buffer from `take`, as
+        `tensor` makes it: the buffer comes back to the cache, and `on_release` is
+        called, once the last tensor using it is gone."""
+        size = len(buffer)
         # The ctypes array is the storage's owner: it dies with the last tensor
-        # using the memory, while the buffer itself can outlive it and be reused.
-        owner = (ctypes.c_char * size).from_buffer(buffer)
+        # using the memory and gives the buffer back, to be reused.
+        owner = _owner_type(size).from_buffer(buffer)
+        owner.giving_back = (self, buffer, size, on_release)
         # A 1-d tensor over the whole buffer, shrunk in place to its shape: the storage
         # stays the padded buffer (two dispatches, where `set_` onto it takes three).
-        tensor = torch.frombuffer(owner, dtype=dtype).resize_(shape)
-        weakref.finalize(owner, self._give_back, buffer, size, on_release)
-        return tensor
+        return torch.frombuffer(owner, dtype=dtype).resize_(shape)
+
+    def give_back(self, buffer: PageBuffer) -> None:
+        """Returns a buffer from `take` that no tensor was made on."""
+        self._give_back(buffer, len(buffer), None)
 
     def _give_back(self, buffer: PageBuffer, size: int, on_release) -> None:
         if on_release is not None:
@@ -155,6 +173,19 @@ class PageBufferCache:
         with self._lock:
             self._idle.clear()
             self._idle_bytes = 0
+
+
+def _give_back_owner(owner) -> None:
+    cache, buffer, size, on_release = owner.giving_back
+    cache._give_back(buffer, size, on_release)
+
+
+@functools.lru_cache(maxsize=1024)
+def _owner_type(size: int) -> type:
+    """The ctypes array of `size` bytes that owns a `PageBufferCache` tensor's
+    storage, and gives its buffer back when it dies (cheaper than a
+    `weakref.finalize` on each)."""
+    return type("PageBufferOwner", (ctypes.c_char * size,), {"__del__": _give_back_owner})
 
 
 def _allocator_tensor(size: int, dtype: torch.dtype, shape: tuple[int, ...], on_release) -> torch.Tensor:

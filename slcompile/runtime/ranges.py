@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["ByteRange", "RangeAllocator", "round_up"]
 
@@ -23,9 +23,8 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-@dataclass(frozen=True)
-class ByteRange:
-    """One allocated range.
+class ByteRange(NamedTuple):
+    """One allocated range (a named tuple: an arena makes one per slot it hands out).
 
     Attributes:
         offset: First byte of the range, relative to the managed space.

@@ -30,7 +30,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -243,6 +243,21 @@ class Recorder:
                 window.transfers[key] += 1
             if self.timeline_enabled:
                 self._events.append(TimelineEvent(lane, start, end, nbytes, label))
+
+    def transfers_finished(self, transfers: Sequence, source: Tier, destination: Tier, start: float, end: float,
+                           lane: str) -> None:
+        """`transfer_finished` of each of `transfers` (each with a `kind`, `nbytes` and
+        `label`, as a `TransferHandle` has), moved from `source` to `destination` by one
+        I/O from `start` to `end`."""
+        with self._lock:
+            for transfer in transfers:
+                key = (transfer.kind, source, destination)
+                for window in (self._current, self._cumulative):
+                    window.bytes_moved[key] += transfer.nbytes
+                    window.transfers[key] += 1
+            if self.timeline_enabled:
+                self._events.extend(TimelineEvent(lane, start, end, transfer.nbytes, transfer.label)
+                                    for transfer in transfers)
 
     def lane_begin(self, lane: str, now: float, count: int = 1) -> None:
         """Marks ``count`` more transfers of ``lane`` as doing I/O."""

@@ -19,7 +19,7 @@ from slcompile.passes.coalesce_transfers import coalesce_transfers
 from slcompile.runtime import Tier, TransferEngine, TransferKind, ops, runtime_stats
 from slcompile.runtime.activations import ActivationStash
 from slcompile.runtime.errors import CorruptDataError, OffloadFileMissingError, TransferFailedError
-from slcompile.runtime.nvme_aio import IOCB_CMD_PREAD, AioQueue
+from slcompile.runtime.nvme_aio import IOCB_CMD_PREAD, IOCB_CMD_PREADV, AioQueue, inode_holding_gil
 from slcompile.runtime.nvme_io import JOB_BYTES, IoThreads, batched
 from slcompile.runtime.weights import WeightStreamer
 from slcompile.vocabulary import (
@@ -239,16 +239,18 @@ def _run_values() -> list[torch.Tensor]:
             + [torch.randn(5, 7).half(), torch.rand(33) > 0.5, torch.arange(3, dtype=torch.int64)])
 
 
-def _recording_submissions(monkeypatch) -> list[list[int]]:
-    """The byte count of each request of each native AIO submission, as issued."""
+def _recording_submissions(monkeypatch, opcodes: bool = False) -> list[list]:
+    """The byte count of each request of each native AIO submission (a vectored
+    read's: its buffer count), as issued; with `opcodes`, (opcode, that count)."""
     calls = []
     real = AioQueue._submit_some
     monkeypatch.setattr(AioQueue, "_submit_some", lambda self, requests: (
-        calls.append([request[3] for request in requests]), real(self, requests))[1])
+        calls.append([(request[1], request[3]) if opcodes else request[3] for request in requests]),
+        real(self, requests))[1])
     return calls
 
 
-def test_a_run_of_stores_is_one_write_and_each_member_loads_back_alone(engine, monkeypatch):
+def test_a_run_of_stores_is_one_write_and_loads_back_in_one_read_in_any_order(engine, monkeypatch):
     if engine.arena.aio_bytes == 0 or engine._cuda:
         pytest.skip("runs are written whole by native AIO on a CPU machine")
     calls = _recording_submissions(monkeypatch)
@@ -266,7 +268,8 @@ def test_a_run_of_stores_is_one_write_and_each_member_loads_back_alone(engine, m
     with batched():
         loads = engine.load_many(keys[::-1])
     loaded = [engine.wait(handle) for handle in loads][::-1]
-    assert calls[1] == padded[::-1]
+    # The members follow each other in the file: one read into each member's memory.
+    assert calls[1] == ([len(values)] if engine.arena.vectored else padded[::-1])
     assert all(torch.equal(got, value) and got.dtype == value.dtype for got, value in zip(loaded, values))
     nbytes = sum(value.numel() * value.element_size() for value in values)
     stats = runtime_stats()
@@ -283,6 +286,79 @@ def test_a_run_of_stores_is_one_write_and_each_member_loads_back_alone(engine, m
     after = runtime_stats().resident_bytes
     assert (after[NVME], after[DEVICE]) == (before[NVME], before[DEVICE])
     assert engine.arena.used_bytes == 0
+
+
+def test_loads_of_members_apart_in_the_file_are_read_apart(engine, monkeypatch):
+    if engine.arena.aio_bytes == 0 or engine._cuda or not engine.arena.vectored:
+        pytest.skip("runs are read whole by native AIO's vectored reads on a CPU machine")
+    values = _run_values()
+    keys = [f"r{i}" for i in range(len(values))]
+    with batched():
+        stores = engine.store_many(keys, values, NVME, ACT)
+    for handle in stores:
+        engine.wait(handle)
+    calls = _recording_submissions(monkeypatch, opcodes=True)
+    chosen = [5, 0, 1, 3, 6]  # three groups in the file: 0-1, 3, 5-6
+    with batched():
+        loads = engine.load_many([keys[index] for index in chosen])
+    for index, handle in zip(chosen, loads):
+        assert torch.equal(engine.wait(handle), values[index])
+    assert sorted(calls[0]) == [(IOCB_CMD_PREADV, 1), (IOCB_CMD_PREADV, 2), (IOCB_CMD_PREADV, 2)]
+    moved = runtime_stats().cumulative
+    assert moved.transfers[(ACT, NVME, DEVICE)] == len(chosen)
+    assert moved.bytes_moved[(ACT, NVME, DEVICE)] == sum(values[i].numel() * values[i].element_size() for i in chosen)
+
+
+def _stored_run(engine) -> tuple[list[torch.Tensor], list[str]]:
+    values = _run_values()
+    keys = [f"r{i}" for i in range(len(values))]
+    with batched():
+        stores = engine.store_many(keys, values, NVME, ACT)
+    for handle in stores:
+        engine.wait(handle)
+    return values, keys
+
+
+def test_without_vectored_reads_each_member_is_read_alone(engine, monkeypatch):
+    if engine.arena.aio_bytes == 0 or engine._cuda:
+        pytest.skip("runs are read by native AIO on a CPU machine")
+    values, keys = _stored_run(engine)
+    monkeypatch.setattr(engine.arena, "_vectored", False)
+    calls = _recording_submissions(monkeypatch, opcodes=True)
+    with batched():
+        loads = engine.load_many(keys)
+    for value, handle in zip(values, loads):
+        assert torch.equal(engine.wait(handle), value)
+    assert calls == [[(IOCB_CMD_PREAD, -(-value.numel() * value.element_size() // 4096) * 4096) for value in values]]
+
+
+def test_a_run_read_from_a_removed_arena_file_fails_every_member_and_frees_its_memory(engine):
+    if engine.arena.aio_bytes == 0 or engine._cuda or not engine.arena.vectored:
+        pytest.skip("runs are read whole by native AIO's vectored reads on a CPU machine")
+    values, keys = _stored_run(engine)
+    resident = runtime_stats().resident_bytes[DEVICE]
+    idle = engine._buffers.idle_bytes
+    os.unlink(engine.arena.file_path)
+    with batched():
+        loads = engine.load_many(keys)
+    for key, handle in zip(keys, loads):
+        with pytest.raises(OffloadFileMissingError):
+            engine.wait(handle)
+    assert runtime_stats().resident_bytes[DEVICE] == resident
+    # The memory taken for the run went back to the cache, unused.
+    assert engine._buffers.idle_bytes == idle + sum(-(-v.numel() * v.element_size() // 4096) * 4096 for v in values)
+
+
+def test_inode_holding_gil_is_what_stat_says(tmp_path):
+    (tmp_path / "file").write_bytes(b"x")
+    directory = os.open(tmp_path, os.O_RDONLY)
+    try:
+        assert inode_holding_gil(directory, "file") == os.stat(tmp_path / "file").st_ino
+        assert inode_holding_gil(directory, "missing") is None
+        os.symlink(tmp_path / "file", tmp_path / "link")
+        assert inode_holding_gil(directory, "link") == os.lstat(tmp_path / "link").st_ino
+    finally:
+        os.close(directory)
 
 
 def test_a_corrupt_member_of_a_stored_run_is_named_and_the_others_load(engine):
