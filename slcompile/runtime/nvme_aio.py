@@ -166,17 +166,19 @@ class AioQueue:
         thread. Call it before anything else is submitted (no reaper runs yet)."""
         vectors = (ctypes.c_uint64 * 2)(address, 4096)
         block = ctypes.create_string_buffer(_IOCB.size)
-        _IOCB.pack_into(block, 0, 0, 0, 0, IOCB_CMD_PREADV, 0, fd, ctypes.addressof(vectors), 1, 0, 0, 0, 0)
+        # Its `data` names no slot: were it ever reaped by the reaper, it would be ignored.
+        _IOCB.pack_into(block, 0, _DEPTH, 0, 0, IOCB_CMD_PREADV, 0, fd, ctypes.addressof(vectors), 1, 0, 0, 0, 0)
         pointer = ctypes.c_uint64(ctypes.addressof(block))
+        event = ctypes.create_string_buffer(_EVENT.size)
         with self._lock:
             if self._reaper is not None or self._closed:
                 return False
             if self._syscall(self._submit, self._context, 1, ctypes.byref(pointer)) != 1:
                 return False
-            event = ctypes.create_string_buffer(_EVENT.size)
-            if self._syscall(self._getevents, self._context, 1, 1, event, None) != 1:
-                return False
-        return _EVENT.unpack(event.raw)[2] >= 0
+            while (count := self._syscall(self._getevents, self._context, 1, 1, event, None)) < 0 \
+                    and ctypes.get_errno() == errno.EINTR:
+                pass
+        return count == 1 and _EVENT.unpack(event.raw)[2] >= 0
 
     def submit(self, requests: list[tuple[int, int, int, int, int, Callable[[int, float], None]]]) -> None:
         """Issues each `(fd, opcode, address, nbytes, offset, on_complete)`, in order, in
