@@ -288,15 +288,20 @@ def test_a_run_of_stores_is_one_write_and_loads_back_in_one_read_in_any_order(en
     assert engine.arena.used_bytes == 0
 
 
-def test_loads_of_members_apart_in_the_file_are_read_apart(engine, monkeypatch):
-    if engine.arena.aio_bytes == 0 or engine._cuda or not engine.arena.vectored:
-        pytest.skip("runs are read whole by native AIO's vectored reads on a CPU machine")
+def _stored_run(engine) -> tuple[list[torch.Tensor], list[str]]:
     values = _run_values()
     keys = [f"r{i}" for i in range(len(values))]
     with batched():
         stores = engine.store_many(keys, values, NVME, ACT)
     for handle in stores:
         engine.wait(handle)
+    return values, keys
+
+
+def test_loads_of_members_apart_in_the_file_are_read_apart(engine, monkeypatch):
+    if engine.arena.aio_bytes == 0 or engine._cuda or not engine.arena.vectored:
+        pytest.skip("runs are read whole by native AIO's vectored reads on a CPU machine")
+    values, keys = _stored_run(engine)
     calls = _recording_submissions(monkeypatch, opcodes=True)
     chosen = [5, 0, 1, 3, 6]  # three groups in the file: 0-1, 3, 5-6
     with batched():
@@ -307,16 +312,6 @@ def test_loads_of_members_apart_in_the_file_are_read_apart(engine, monkeypatch):
     moved = runtime_stats().cumulative
     assert moved.transfers[(ACT, NVME, DEVICE)] == len(chosen)
     assert moved.bytes_moved[(ACT, NVME, DEVICE)] == sum(values[i].numel() * values[i].element_size() for i in chosen)
-
-
-def _stored_run(engine) -> tuple[list[torch.Tensor], list[str]]:
-    values = _run_values()
-    keys = [f"r{i}" for i in range(len(values))]
-    with batched():
-        stores = engine.store_many(keys, values, NVME, ACT)
-    for handle in stores:
-        engine.wait(handle)
-    return values, keys
 
 
 def test_without_vectored_reads_each_member_is_read_alone(engine, monkeypatch):
@@ -364,12 +359,7 @@ def test_inode_holding_gil_is_what_stat_says(tmp_path):
 def test_a_corrupt_member_of_a_stored_run_is_named_and_the_others_load(engine):
     if engine.arena.aio_bytes == 0 or engine._cuda:
         pytest.skip("runs are written whole by native AIO on a CPU machine")
-    values = _run_values()
-    keys = [f"r{i}" for i in range(len(values))]
-    with batched():
-        stores = engine.store_many(keys, values, NVME, ACT)
-    for handle in stores:
-        engine.wait(handle)
+    values, keys = _stored_run(engine)
     path, offset, nbytes = engine.nvme_location(keys[3])
     flip_bits(path, offset + nbytes - 1)
     loads = engine.load_many(keys)
