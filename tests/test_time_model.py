@@ -358,3 +358,31 @@ def test_a_pass_that_waits_for_a_store_stalls_its_compute_until_the_store_is_don
     # Without the wait, layer 1 overlaps the store, and the pass ends with it.
     assert predict_pass_time(actions[:2] + actions[3:], profile=PROFILE, phase="prefill",
                              lowering="aot_eager").step_seconds == pytest.approx(4.0)
+
+
+def test_a_compiled_step_keeps_its_graphs_as_planned_for_the_models(tmp_path):
+    import slcompile
+    from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
+
+    cfg = GPTConfig(d_model=32, seq_len=16, n_layers=2, n_heads=2)
+    model = TinyGPT(cfg)
+    idx, targets = make_gpt_batch(cfg, 4)
+    options = dict(num_subbatches=2, activations="nvme", min_offload_bytes=0, recompute="none",
+                   lowering="aot_eager", offload_dir=str(tmp_path))
+    explanation = slcompile.explain(model, idx, targets, profile="h100-pcie5-nvme", **options)
+    compiled = torch.compile(model, backend="speedloader", options={**options, "on_refusal": "raise"})
+    compiled(idx, targets)[1].backward()
+    report = slcompile.compile_reports()[-1]
+    planned, ran = report.partitioned["forward"], report.graphs["forward"]
+
+    def targets_of(gm):
+        return [node.target for node in gm.graph.nodes if node.op == "call_function"]
+
+    # The compiled stage marked the regions of the graph it compiled, not of the plan.
+    assert torch.ops.slc.mark.default in targets_of(ran)
+    assert torch.ops.slc.mark.default not in targets_of(planned)
+    assert targets_of(planned).count(STASH) == len(report.offloaded_activations.names) > 0
+    tiers = {"fetch": "device", "stash": "nvme", "unstash": "nvme", "store_grad": "device"}
+    after = predict_time(planned, report.partitioned["backward"], profile=named_profile("h100-pcie5-nvme"),
+                         tiers=tiers)
+    assert after.step_seconds == pytest.approx(explanation.time.step_seconds)

@@ -30,6 +30,7 @@ step makes no runtime object.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -178,6 +179,11 @@ def lower(
             report.memory = step.results.predict_memory
             report.spilled_boundaries = step.results.spill_boundaries
 
+        if report.partitioned.get(kind) is graph:
+            # The compiled stage rewrites the graph in place (runs of transfers become
+            # `_many` calls, regions subgraph calls); the report keeps it as planned,
+            # which is what the time and memory models read.
+            report.partitioned[kind] = _snapshot(graph)
         step = StepState(plan, report, {kind: graph}, kind=kind, lowering=lowering)
         run_stage(COMPILED_PASSES, step, report.pass_log, label=kind)
         report.record_graph(kind, graph)
@@ -329,6 +335,14 @@ class _PlannedPartition:
             )
         smallest = min(tried, key=lambda p: p.peak_bytes["device"])
         raise BudgetError(self.plan.memory_budget, smallest.peak_bytes["device"], tuple(tried))
+
+
+def _snapshot(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of `module` whose graph the compiled stage's rewrites of `module` leave
+    alone (nodes and their meta dicts copied; the values in them shared)."""
+    copied = graph_module(module, copy.deepcopy(module.graph))
+    copied.meta.update(module.meta)
+    return copied
 
 
 def _lazy(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
