@@ -367,8 +367,8 @@ def test_a_compiled_step_keeps_its_graphs_as_planned_for_the_models(tmp_path):
     cfg = GPTConfig(d_model=32, seq_len=16, n_layers=2, n_heads=2)
     model = TinyGPT(cfg)
     idx, targets = make_gpt_batch(cfg, 4)
-    options = dict(num_subbatches=2, activations="nvme", min_offload_bytes=0, recompute="none",
-                   lowering="aot_eager", offload_dir=str(tmp_path))
+    options = {"num_subbatches": 2, "activations": "nvme", "min_offload_bytes": 0, "recompute": "none",
+               "lowering": "aot_eager", "offload_dir": str(tmp_path)}
     explanation = slcompile.explain(model, idx, targets, profile="h100-pcie5-nvme", **options)
     compiled = torch.compile(model, backend="speedloader", options={**options, "on_refusal": "raise"})
     compiled(idx, targets)[1].backward()
