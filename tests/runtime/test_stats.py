@@ -15,6 +15,7 @@ from slcompile.runtime import (
     runtime_stats,
     timeline,
 )
+from slcompile.runtime.stats import Recorder
 
 NVME, DEVICE, WEIGHT = Tier.NVME, Tier.DEVICE, TransferKind.WEIGHT
 
@@ -65,6 +66,18 @@ def test_busy_time_is_counted_once_for_overlapping_transfers(engine):
     assert len(store_events) == 8
     assert 0 < stats.busy_seconds["store"] <= elapsed
     assert stats.busy_seconds["store"] >= max(event.end - event.start for event in store_events)
+
+
+def test_busy_time_is_their_union_when_threads_report_out_of_order():
+    # I/O threads stamp a transfer's start and end when they happen and report them
+    # later, in any order: a start reported after an earlier end is counted from there.
+    recorder = Recorder()
+    zero = time.perf_counter() + 1.0
+    recorder.lane_begin("store", zero)
+    recorder.lane_end("store", zero + 1.0)
+    recorder.lane_begin("store", zero + 0.5)  # began inside the first, reported after it
+    recorder.lane_end("store", zero + 2.0)
+    assert recorder.snapshot().cumulative.busy_seconds["store"] == 2.0
 
 
 def test_stall_is_the_time_spent_blocked_in_wait(engine, monkeypatch):
