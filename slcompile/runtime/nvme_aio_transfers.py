@@ -181,18 +181,9 @@ class AioTransfers:
             if outcome.error is None:
                 offset = 0
                 for index, (slot, address) in enumerate(zip(slots, addresses)):
-                    if result < offset + slot.nbytes:
-                        failed[index] = ShortReadError(
-                            f"read {max(result - offset, 0)} of {slot.nbytes} bytes at file offset "
-                            f"{slot.byte_range.offset}", key=slot.key, path=self.file_path)
-                    elif slot.checksums is not None:
-                        found = _checksum(memory_at(address, slot.nbytes))
-                        if found != slot.checksums[0]:
-                            failed[index] = CorruptDataError(
-                                f"corrupt data: the {slot.nbytes} bytes at file offset {slot.byte_range.offset} "
-                                f"(byte 0 of the tensor) read back with CRC-32C {found:08x}, written with "
-                                f"{slot.checksums[0]:08x}", key=slot.key, path=self.file_path,
-                                offset=slot.byte_range.offset)
+                    error = self._read_error(slot, address, result - offset)
+                    if error is not None:
+                        failed[index] = error
                     offset += slot.byte_range.size
             on_done(outcome, failed)
 
@@ -256,7 +247,7 @@ class AioTransfers:
         self._aio.issue((self._fd, IOCB_CMD_PWRITE, address, padded, slot.byte_range.offset, complete))
 
     def _aio_read(self, slot, address, on_done, on_start) -> None:
-        nbytes, padded, offset = slot.nbytes, slot.byte_range.size, slot.byte_range.offset
+        padded, offset = slot.byte_range.size, slot.byte_range.offset
         try:
             if first_in_batch(self):  # once per run of transfers
                 self._check_file(slot.key)
@@ -267,20 +258,30 @@ class AioTransfers:
 
         def complete(result: int, end: float) -> None:
             outcome = self._aio_outcome(start, end, result, "read", slot.key)
-            if outcome.error is None and result < nbytes:
-                outcome.error = ShortReadError(f"read {result} of {nbytes} bytes at file offset {offset}",
-                                               key=slot.key, path=self.file_path)
-            elif outcome.error is None and slot.checksums is not None:
-                found = _checksum(memory_at(address, nbytes))
-                if found != slot.checksums[0]:
-                    outcome.error = CorruptDataError(
-                        f"corrupt data: the {nbytes} bytes at file offset {offset} (byte 0 of the tensor) read "
-                        f"back with CRC-32C {found:08x}, written with {slot.checksums[0]:08x}",
-                        key=slot.key, path=self.file_path, offset=offset,
-                    )
+            if outcome.error is None:
+                outcome.error = self._read_error(slot, address, result)
             on_done(outcome)
 
         self._aio.issue((self._fd, IOCB_CMD_PREAD, address, padded, offset, complete))
+
+    def _read_error(self, slot: NvmeSlot, address: int, got: int) -> OffloadError | None:
+        """What is wrong with a slot read into `address`, of which `got` bytes (the
+        tensor's own first) came back: a short read, a checksum that does not match,
+        or nothing."""
+        nbytes, offset = slot.nbytes, slot.byte_range.offset
+        if got < nbytes:
+            return ShortReadError(f"read {max(got, 0)} of {nbytes} bytes at file offset {offset}",
+                                  key=slot.key, path=self.file_path)
+        if slot.checksums is None:
+            return None
+        found = _checksum(memory_at(address, nbytes))
+        if found == slot.checksums[0]:
+            return None
+        return CorruptDataError(
+            f"corrupt data: the {nbytes} bytes at file offset {offset} (byte 0 of the tensor) read "
+            f"back with CRC-32C {found:08x}, written with {slot.checksums[0]:08x}",
+            key=slot.key, path=self.file_path, offset=offset,
+        )
 
     def _aio_outcome(self, start: float, end: float, result: int, what: str, key: str) -> IoOutcome:
         """The outcome of a native AIO transfer that returned `result` (bytes, or -errno)."""
