@@ -220,6 +220,7 @@ class Recorder:
         # Busy time is counted up to here: I/O threads report a transfer's start and
         # end after the fact and out of order, and no moment is counted twice.
         self._lane_counted: dict[str, float] = collections.defaultdict(float)
+        self._lane_until: dict[str, float] = {}  # the latest end reported while busy
         self.reset()
 
     def reset(self) -> None:
@@ -268,18 +269,19 @@ class Recorder:
         """Marks ``count`` more transfers of ``lane`` as doing I/O."""
         with self._lock:
             if self._lane_active[lane] == 0:
-                self._lane_since[lane] = max(now, self._lane_counted[lane])
+                self._lane_since[lane] = self._lane_until[lane] = max(now, self._lane_counted[lane])
             self._lane_active[lane] += count
 
     def lane_end(self, lane: str, now: float) -> None:
         """Marks one transfer of ``lane`` as done with its I/O."""
         with self._lock:
             self._lane_active[lane] -= 1
-            if self._lane_active[lane] == 0 and now > self._lane_since[lane]:
-                busy = now - self._lane_since[lane]
+            until = self._lane_until[lane] = max(self._lane_until[lane], now)
+            if self._lane_active[lane] == 0:
+                busy = until - self._lane_since[lane]
                 self._current.busy_seconds[lane] += busy
                 self._cumulative.busy_seconds[lane] += busy
-                self._lane_counted[lane] = now
+                self._lane_counted[lane] = until
 
     def stalled(self, start: float, end: float, label: str) -> None:
         """Counts time compute spent blocked on a transfer."""
@@ -333,7 +335,7 @@ class Recorder:
             for lane, busy in open_busy.items():
                 # Busy time that spans the boundary is split between the two steps.
                 self._cumulative.busy_seconds[lane] += busy
-                self._lane_since[lane] = now
+                self._lane_since[lane] = self._lane_until[lane] = now
             for lane in self._lane_counted:
                 self._lane_counted[lane] = now
             self._current = _Window(now, self._resident)

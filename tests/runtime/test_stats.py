@@ -78,6 +78,11 @@ def test_busy_time_is_their_union_when_threads_report_out_of_order():
     recorder.lane_begin("store", zero + 0.5)  # began inside the first, reported after it
     recorder.lane_end("store", zero + 2.0)
     assert recorder.snapshot().cumulative.busy_seconds["store"] == 2.0
+    recorder.lane_begin("store", zero + 4.0)
+    recorder.lane_begin("store", zero + 4.5)
+    recorder.lane_end("store", zero + 7.0)
+    recorder.lane_end("store", zero + 5.0)  # ended first, reported last
+    assert recorder.snapshot().cumulative.busy_seconds["store"] == 5.0
 
 
 def test_stall_is_the_time_spent_blocked_in_wait(engine, monkeypatch):
