@@ -136,15 +136,7 @@ class NvmeTransfers:
     def _stores_finished(self, handles: list[TransferHandle], entries: list[_Entry], outcome: IoOutcome) -> None:
         """`_store_nvme_finished` of each store of a run that one write did well."""
         self._recorder.transfers_finished(handles, handles[0].source, Tier.NVME, outcome.start, outcome.end, "store")
-        for handle in handles:
-            handle._finish(None if handle.forget_source else handle._keep, None)
-        with self._lock:
-            for handle, entry in zip(handles, entries):
-                if entry.store_handle is handle:
-                    entry.store_handle = None
-            retired = [entry for entry in entries if entry.retired]
-        for entry in retired:
-            self._release_if_unused(entry)
+        self._stores_settled(handles, entries)
 
     def _store_nvme_done(self, handle, entry, outcome: IoOutcome) -> None:
         if outcome.start is not None:
@@ -155,19 +147,28 @@ class NvmeTransfers:
         if outcome.error is not None:
             log.warning("store of %r failed: %s", handle.key, outcome.error)
             self._fail_entry(entry, outcome.error)
-            handle._finish(None, outcome.error)
         else:
             self._recorder.transfer_finished(
                 (handle.kind, handle.source, Tier.NVME), handle.nbytes,
                 outcome.start, outcome.end, "store", handle.label,
             )
-            handle._finish(None if handle.forget_source else handle._keep, None)
+        self._stores_settled([handle], [entry], outcome.error)
+
+    def _stores_settled(self, handles: list[TransferHandle], entries: list[_Entry],
+                        error: OffloadError | None = None) -> None:
+        """Finishes the handles of stores whose I/O is over (with `error`, if it failed)
+        and releases what a retired entry no longer needs."""
+        for handle in handles:
+            handle._finish(None if error is not None or handle.forget_source else handle._keep, error)
         with self._lock:
             # A finished store's handle holds its source: the entry keeps only the slot,
             # or an entry resting on nvme would hold its tensor in memory as well.
-            if entry.store_handle is handle:
-                entry.store_handle = None
-        self._release_if_unused(entry)
+            for handle, entry in zip(handles, entries):
+                if entry.store_handle is handle:
+                    entry.store_handle = None
+        for entry in entries:
+            if entry.retired:  # one retired later is released by its `_retire`
+                self._release_if_unused(entry)
 
     def _load_nvme(self, handle: TransferHandle, entry: _Entry, into: torch.Tensor | None = None) -> None:
         # May run on an I/O thread (chained after a store): report errors, never raise.
