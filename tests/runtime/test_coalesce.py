@@ -21,6 +21,7 @@ from slcompile.runtime.activations import ActivationStash
 from slcompile.runtime.errors import CorruptDataError, OffloadFileMissingError, TransferFailedError
 from slcompile.runtime.nvme_aio import IOCB_CMD_PREAD, IOCB_CMD_PREADV, AioQueue, inode_holding_gil
 from slcompile.runtime.nvme_io import JOB_BYTES, IoThreads, batched
+from slcompile.runtime.stats import Recorder
 from slcompile.runtime.weights import WeightStreamer
 from slcompile.vocabulary import (
     FETCH_ISSUE,
@@ -384,7 +385,10 @@ def test_a_run_native_aio_does_not_take_whole_is_written_slot_by_slot(engine, mo
     assert runtime_stats().cumulative.bytes_moved[(ACT, DEVICE, NVME)] == sum(value.numel() * 4 for value in values)
 
 
-def test_a_stored_run_fails_whole_when_the_arena_file_is_gone(engine):
+def test_a_stored_run_fails_whole_when_the_arena_file_is_gone(tmp_path):
+    # An engine counting alone: what other tests' engines still hold is not its own.
+    recorder = Recorder()
+    engine = TransferEngine(offload_dir=str(tmp_path), recorder=recorder)
     engine.wait(engine.store("first", torch.ones(10), NVME, ACT))  # makes the arena
     os.unlink(engine.arena.file_path)
     handles = engine.store_many(["x", "y"], [torch.ones(10), torch.zeros(20)], NVME, ACT)
@@ -394,4 +398,5 @@ def test_a_stored_run_fails_whole_when_the_arena_file_is_gone(engine):
         assert caught.value.key in ("x", "y")
         with pytest.raises(TransferFailedError, match="failed"):
             engine.load(key)
-    assert runtime_stats().resident_bytes[NVME] == 10 * 4
+    assert recorder.snapshot().resident_bytes[NVME] == 10 * 4
+    engine.close()
