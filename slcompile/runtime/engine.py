@@ -635,7 +635,7 @@ class TransferEngine(NvmeTransfers, CudaCopies):
             block, entry.host_block = entry.host_block, None
             event, entry.last_event = entry.last_event, None
         if slot is not None and not slot.released:
-            self._arena.release(slot)
+            self._release_slot(slot)
             self._recorder.resident_change(Tier.NVME, -entry.nbytes)
         if tensor is not None:
             self._recorder.resident_change(entry.tier, -entry.nbytes)
@@ -650,8 +650,15 @@ class TransferEngine(NvmeTransfers, CudaCopies):
             entry.error = error
             slot, entry.slot = entry.slot, None
         if slot is not None:
-            self._arena.release(slot)
+            self._release_slot(slot)
             self._recorder.resident_change(Tier.NVME, -entry.nbytes)
+
+    def _release_slot(self, slot: NvmeSlot) -> None:
+        # A transfer that finishes while `close` waits for the arena's I/O finds it
+        # gone from the engine: its file goes with it.
+        arena = self._arena
+        if arena is not None:
+            arena.release(slot)
 
     def _track_delivered(self, owner: object, tier: Tier, nbytes: int) -> None:
         self._recorder.resident_change(tier, nbytes)

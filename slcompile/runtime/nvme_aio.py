@@ -248,8 +248,7 @@ class AioQueue:
                         finished.append((on_complete, result))
                         self._free.append(slot)
                 self._idle.notify_all()
-                if self._closed and not self._pending:
-                    return
+                last = self._closed and not self._pending
             for on_complete, result in finished:
                 try:
                     on_complete(result, now)
@@ -258,6 +257,8 @@ class AioQueue:
             # What a completion holds (a loaded tensor, its source) must not wait here for
             # the next event.
             finished = on_complete = None
+            if last:  # closed, and the last completions are delivered
+                return
 
     def shutdown(self) -> None:
         """Waits for what was submitted, then stops the reaper and frees the context."""

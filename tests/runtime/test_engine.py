@@ -4,8 +4,10 @@ residency, refusals."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from slcompile.runtime import (
     UnsupportedTensorError,
     runtime_stats,
 )
+from slcompile.runtime.stats import Recorder
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool)
 SIZES = (0, 1, 4097, 3 * (1 << 20) + 5)  # empty, one element, odd, several MiB
@@ -245,6 +248,19 @@ def test_thousands_of_small_tensors_share_one_file_and_reuse_space(engine):
     for index in range(2000):
         engine.store(f"r{index}", torch.ones(10, device=DEV), NVME, WEIGHT)
     assert arena.file_bytes == file_bytes
+
+
+def test_closing_an_engine_finishes_every_store_in_flight(tmp_path, caplog):
+    recorder = Recorder()
+    engine = TransferEngine(offload_dir=str(tmp_path), recorder=recorder)
+    handles = [engine.store(f"s{index}", torch.full((10,), float(index), device=DEV), NVME, WEIGHT)
+               for index in range(2000)]
+    engine.close()
+    assert all(handle.done() for handle in handles)  # a wait on any of them returns
+    busy = recorder.snapshot().cumulative.busy_seconds["store"]
+    time.sleep(0.05)
+    assert recorder.snapshot().cumulative.busy_seconds["store"] == busy  # the store lane is closed
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
 
 
 def test_free_waits_for_transfers_in_flight(engine):
