@@ -340,15 +340,13 @@ class _PlannedPartition:
 def _snapshot(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of `module` whose graph the compiled stage's rewrites of `module` leave
     alone (nodes and their meta dicts copied; the values in them shared)."""
-    copied = graph_module(module, copy.deepcopy(module.graph))
-    copied.meta.update(module.meta)
-    return copied
+    return _lazy(module, copy.deepcopy(module.graph))
 
 
-def _lazy(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """`module` (its graph, attributes and meta) as a graph module that writes its code
-    when it first runs (`compat.graph_module`)."""
-    lazy = graph_module(module, module.graph)
+def _lazy(module: torch.fx.GraphModule, graph: torch.fx.Graph | None = None) -> torch.fx.GraphModule:
+    """`module` (its attributes and meta) on `graph` (default: its own) as a graph
+    module that writes its code when it first runs (`compat.graph_module`)."""
+    lazy = graph_module(module, module.graph if graph is None else graph)
     lazy.meta.update(module.meta)
     return lazy
 

@@ -313,7 +313,7 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         """
         tier = tier if tier.__class__ is Tier else Tier(tier)
         kind = kind if kind.__class__ is TransferKind else TransferKind(kind)
-        keys = [key if key.__class__ is str else normalize_key(key) for key in keys]
+        keys = [normalize_key(key) for key in keys]
         if tier is not Tier.NVME or self._cuda or len(keys) < 2:
             return [self.store(key, tensor, tier, kind, forget_source) for key, tensor in zip(keys, tensors)]
         sources = [self._prepare_source(key, tensor) for key, tensor in zip(keys, tensors)]
@@ -413,7 +413,7 @@ class TransferEngine(NvmeTransfers, CudaCopies):
     def _start_load(self, key, kind, into) -> tuple[TransferHandle, _Entry | None, TransferHandle | None]:
         """(the load's handle, its entry or None when it finished without copying,
         the store it must follow)."""
-        key = key if key.__class__ is str else normalize_key(key)
+        key = normalize_key(key)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -613,11 +613,17 @@ class TransferEngine(NvmeTransfers, CudaCopies):
     # -- bookkeeping -----------------------------------------------------------
 
     def _install(self, entry: _Entry) -> None:
+        self._install_many((entry,))
+
+    def _install_many(self, entries) -> None:
+        """Makes each entry its key's, retiring what the key held before."""
         with self._lock:
-            old = self._entries.get(entry.key)
-            self._entries[entry.key] = entry
-            if old is not None:
-                self._retire(old)
+            installed = self._entries
+            for entry in entries:
+                old = installed.get(entry.key)
+                installed[entry.key] = entry
+                if old is not None:
+                    self._retire(old)
 
     def _retire(self, entry: _Entry) -> None:
         with self._lock:

@@ -108,13 +108,7 @@ class NvmeTransfers:
             # where it is written so (a source short of its padded slot is staged).
             places.append((source.data_ptr(), entry.nbytes))
         self._recorder.resident_change(Tier.NVME, sum(entry.nbytes for entry in entries))
-        with self._lock:
-            installed = self._entries
-            for entry in entries:
-                old = installed.get(entry.key)
-                installed[entry.key] = entry
-                if old is not None:
-                    self._retire(old)
+        self._install_many(entries)
 
         def on_done(outcome: IoOutcome) -> None:
             if outcome.start is not None:

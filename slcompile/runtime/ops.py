@@ -180,12 +180,7 @@ class _TokenLife:
 def _token_for(engine: TransferEngine, handle: TransferHandle, release: tuple | None = None) -> torch.Tensor:
     """A transfer's token. The token owns the transfer record (waits may repeat while
     it lives); `release`, `(fn, *args)`, runs when the token dies."""
-    token, token_id = _TRANSFER_TOKENS.take()
-    transfer = (engine, handle)
-    with _HANDLES_LOCK:
-        _HANDLES[token_id] = transfer
-    token._slc = _TokenLife(token_id, transfer, release)
-    return token
+    return _tokens_for(engine, (handle,), None if release is None else (release,))[0]
 
 
 def _tokens_for(engine: TransferEngine, handles: Sequence[TransferHandle],
