@@ -1,7 +1,7 @@
 """Compile time of a training step: speedloader with Inductor against plain Inductor.
 
 Usage:
-    python bench/compile_bench.py [--quick] [--depths 2,4,8] [--ks 1,2,4] [--out FILE]
+    python bench/compile_bench.py [--quick] [--depths 2,4,8] [--ks 1,2,4] [--whole] [--dynamic] [--out FILE]
 
 Each configuration compiles the package's GPT (d_model 128) in its own process with an
 empty Inductor cache (a fresh `TORCHINDUCTOR_CACHE_DIR`, FX graph cache off), and
@@ -14,6 +14,11 @@ of a second step, which does not. Configurations:
   default).
 - ``speedloader_whole``: the same with `compile_regions=False`: the whole step, which
   holds K copies of every block, handed to Inductor (``--whole`` adds these rows).
+
+With ``--dynamic`` the batch dimension is marked dynamic
+(`torch._dynamo.mark_dynamic`) in every configuration: the compile a batch that changed
+size costs (its graphs have symbolic sizes). Its results go to
+`results/compile_bench_dynamic.json` by default.
 
 Compile seconds = first step - second step. The ratio speedloader / inductor at the
 same depth is the figure the goal (at most 1.5x at any K and depth) is about.
@@ -48,6 +53,9 @@ def run_one(spec: dict) -> dict:
     cfg = GPTConfig(d_model=spec["d_model"], seq_len=spec["seq_len"], n_layers=spec["depth"], vocab_size=256)
     model = TinyGPT(cfg)
     idx, targets = make_gpt_batch(cfg, spec["batch"])
+    if spec.get("dynamic"):
+        for tensor in (idx, targets):
+            torch._dynamo.mark_dynamic(tensor, 0)
     if spec["config"] == "inductor":
         compiled = torch.compile(model)
     else:
@@ -90,8 +98,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="depth 2, K 2: checks that it runs")
     parser.add_argument("--depths", default="2,4,8")
     parser.add_argument("--ks", default="1,2,4")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "compile_bench.json"))
+    parser.add_argument("--out", help="default: results/compile_bench.json (--dynamic: compile_bench_dynamic.json)")
     parser.add_argument("--whole", action="store_true", help="also speedloader with compile_regions=False")
+    parser.add_argument("--dynamic", action="store_true", help="a dynamic batch dimension (symbolic sizes)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -99,7 +108,9 @@ def main() -> None:
         return
     depths = [2] if args.quick else [int(d) for d in args.depths.split(",")]
     ks = [2] if args.quick else [int(k) for k in args.ks.split(",")]
-    base = {"d_model": 128, "seq_len": 64, "batch": 8}
+    base = {"d_model": 128, "seq_len": 64, "batch": 8, "dynamic": args.dynamic}
+    out = args.out or os.path.join(HERE, "results", "compile_bench_dynamic.json" if args.dynamic
+                                   else "compile_bench.json")
     from tqdm import tqdm
 
     specs = []
@@ -114,13 +125,13 @@ def main() -> None:
         if r["config"] != "inductor" and r.get("compile_seconds") and plain.get(r["depth"]):
             r["over_inductor"] = r["compile_seconds"] / plain[r["depth"]]
     result = {
-        "command": "python bench/compile_bench.py" + (" --quick" if args.quick else "") + (" --whole" if args.whole else ""),
+        "command": " ".join(["python bench/compile_bench.py", *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "cores": os.cpu_count(),
                     "load_average_before": os.getloadavg()},
         "runs": runs,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"{'depth':>5} {'config':>17} {'K':>2} {'compile s':>10} {'step s':>8} {'x inductor':>10}")
     for r in runs:
@@ -130,7 +141,7 @@ def main() -> None:
         ratio = f"{r['over_inductor']:.2f}" if "over_inductor" in r else ""
         print(f"{r['depth']:>5} {r['config']:>17} {r['k']:>2} {r['compile_seconds']:>10.1f} "
               f"{r['second_step_seconds']:>8.3f} {ratio:>10}")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -194,8 +194,9 @@ def _import_policy_modules(args: argparse.Namespace) -> None:
 def _note_whole_graphs(config, report) -> None:
     """Says why the timeline has no compute regions: Inductor compiled the graphs whole."""
     if config.lowering != "aot_eager" and not report.regions:
-        print("note: Inductor compiled the graphs whole (compile_regions=False, or symbolic sizes), so the "
-              "timeline has no compute regions; --lowering aot_eager or compile_regions=True records them")
+        print("note: Inductor compiled the graphs whole (compile_regions=False, or Inductor failed on its "
+              "regions), so the timeline has no compute regions; --lowering aot_eager or compile_regions=True "
+              "records them")
 
 
 def _print_written(out: pathlib.Path, written: dict) -> None:

@@ -21,6 +21,9 @@ def test_tiny_gpt_inductor(k, dynamic):
     assert report.fallback_reason is None
     if k > 1:
         check_layer_major(report, k)
+        # Symbolic sizes too: the copies of a block call one subgraph, lowered once.
+        outline = report.regions["forward"]
+        assert outline.regions == CFG.n_layers * k and outline.subgraphs < outline.regions
 
 
 @pytest.mark.parametrize("k, dynamic", [(4, False), (2, True)], ids=["k4", "k2-dynamic"])

@@ -23,8 +23,8 @@ loss). Nothing of the step then runs op by op in Python.
 Runs last in the compiled stage, on a graph Inductor compiles (`lowering="inductor"`,
 `compile_regions=True`).
 
-Needs: a graph whose values all carry static `meta["val"]` (the partitioned graphs
-carry fake tensors); tags from `SlcMeta`.
+Needs: a graph whose values all carry `meta["val"]` (the partitioned graphs carry
+fake tensors, symbolic where the batch is); tags from `SlcMeta`.
 Guarantees:
 - The graph computes what it computed: a subgraph sees the same inputs, and Inductor
   gives each call's operands the strides of the subgraph's example inputs
@@ -33,8 +33,15 @@ Guarantees:
 - Program order is kept: a call sits where its region's first node was; Inductor,
   with `reorder_for_peak_memory` and `reorder_for_locality` off, keeps extern calls
   (the subgraphs, the transfers) in that order.
-- A graph with symbolic sizes, or one where a region would take or return something
-  other than a tensor, is not outlined (the result says why) and compiles flat.
+- A graph with symbolic sizes (a batch that changed size) is outlined as a static
+  one is. A subgraph's code reads its size symbols from its inputs, so each region
+  also takes an input of the graph that holds each symbol its values use (a tensor
+  with a dim of that size, else the SymInt), and copies share a subgraph when their
+  sizes are the same expressions. Size arithmetic (a sub-batch's size) stays in the
+  step graph, read by the regions as inputs.
+- A graph where a region would take or return something other than a tensor (or a
+  size), or use a size symbol no input of the graph holds, is not outlined (the log
+  says why) and compiles flat.
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ import logging
 import operator
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from slcompile.compat import graph_module
 from slcompile.meta import get_slc_meta, parse_tag
@@ -110,6 +119,10 @@ def find_regions(graph: torch.fx.Graph) -> list[Region]:
     open_run: Region | None = None
     owner: dict[torch.fx.Node, Region] = {}
     for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.meta.get("val"), torch.SymInt):
+            # Size arithmetic (a sub-batch's size from the batch's) stays in the step
+            # graph without ending a run: a region reads it as an input.
+            continue
         if not _runs_in_region(node):
             open_run = None
             continue
@@ -160,7 +173,7 @@ def _is_view(node: torch.fx.Node) -> bool:
 def _at_offset(node: torch.fx.Node) -> bool:
     value = node.meta.get("val")
     # A multi-output view op's parts are at offsets.
-    return not isinstance(value, torch.Tensor) or value.storage_offset() != 0
+    return not isinstance(value, torch.Tensor) or not statically_known_true(value.storage_offset() == 0)
 
 
 def _returned(region: Region, members: set) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
@@ -191,10 +204,51 @@ def _compute_count(run: Region) -> int:
     return sum(1 for node in run.nodes if is_compute(node))
 
 
-def _static_tensor(value: Any) -> bool:
+def _symbols(value: Any) -> set:
+    """The size symbols a value's shape, strides and offset (or a SymInt) use."""
+    if isinstance(value, torch.SymInt):
+        return set(value.node.expr.free_symbols)
     if not isinstance(value, torch.Tensor):
-        return False
-    return not any(isinstance(size, torch.SymInt) for size in (*value.shape, *value.stride(), value.storage_offset()))
+        return set()
+    found = set()
+    for size in (*value.shape, *value.stride(), value.storage_offset()):
+        if isinstance(size, torch.SymInt):
+            found |= size.node.expr.free_symbols
+    return found
+
+
+def _symbol_sources(gm: torch.fx.GraphModule) -> dict:
+    """Size symbol -> an input of the graph that holds it: a tensor with a dim of
+    that size, else the SymInt. A tensor comes first: Inductor may give a SymInt
+    input a symbol of its own, which the sizes of the tensors do not use."""
+    found: dict = {}
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    for node in placeholders:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            for size in value.shape:
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    found.setdefault(size.node.expr, node)
+    for node in placeholders:
+        value = node.meta.get("val")
+        if isinstance(value, torch.SymInt) and isinstance(value.node.expr, sympy.Symbol):
+            found.setdefault(value.node.expr, node)
+    return found
+
+
+def _lift_symbols(region: Region, sources: dict) -> str | None:
+    """Makes the region take, first, an input that holds each size symbol its values
+    use (Inductor binds a subgraph's symbols from its inputs); why it cannot (a
+    symbol the graph holds nowhere), or None."""
+    used = set()
+    for node in (*region.inputs, *region.nodes):
+        used |= _symbols(node.meta.get("val"))
+    missing = sorted(str(symbol) for symbol in used if symbol not in sources)
+    if missing:
+        return f"size symbols {', '.join(missing)} are no inputs of the graph"
+    holders = dict.fromkeys(sources[symbol] for symbol in sorted(used, key=str))
+    region.inputs[:0] = [node for node in holders if node not in region.inputs]
+    return None
 
 
 def _region_module(region: Region) -> torch.fx.GraphModule:
@@ -216,13 +270,16 @@ def _region_module(region: Region) -> torch.fx.GraphModule:
 
 def _signature(module: torch.fx.GraphModule, region: Region) -> tuple:
     # Inductor reads an input's storage offset only through its alignment, so
-    # sub-batch views at different offsets share a subgraph.
-    inputs = tuple(
-        (value.dtype, value.device.type, tuple(value.shape), tuple(value.stride()),
-         value.storage_offset() * value.element_size() % _ALIGNMENT == 0)
-        for value in (source.meta["val"] for source in region.inputs)
-    )
-    return module.code, inputs
+    # sub-batch views at different offsets share a subgraph. Symbolic sizes are
+    # compared as expressions.
+    inputs = []
+    for value in (source.meta["val"] for source in region.inputs):
+        if isinstance(value, torch.SymInt):
+            inputs.append(str(value.node.expr))
+            continue
+        aligned = statically_known_true(value.storage_offset() * value.element_size() % _ALIGNMENT == 0)
+        inputs.append((value.dtype, value.device.type, str(tuple(value.shape)), str(tuple(value.stride())), aligned))
+    return module.code, tuple(inputs)
 
 
 class _OutOfOrder(Exception):
@@ -243,11 +300,17 @@ def outline_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, Reg
     regions = find_regions(gm.graph)
     if not regions:
         return None
+    sources = _symbol_sources(gm)
     for region in regions:
-        edge = (*region.inputs, *region.outputs)
-        if not all(_static_tensor(node.meta.get("val")) for node in edge):
-            log.info("speedloader: a region of the %s-node graph has symbolic or non-tensor edges; "
-                     "compiled flat", len(gm.graph.nodes))
+        if not all(isinstance(node.meta.get("val"), torch.Tensor) for node in region.outputs) or not all(
+                isinstance(node.meta.get("val"), (torch.Tensor, torch.SymInt)) for node in region.inputs):
+            log.info("speedloader: a region of the %s-node graph has non-tensor edges; compiled flat",
+                     len(gm.graph.nodes))
+            return None
+        refused = _lift_symbols(region, sources)
+        if refused is not None:
+            log.info("speedloader: a region of the %s-node graph cannot be outlined (%s); compiled flat",
+                     len(gm.graph.nodes), refused)
             return None
 
     attributes: dict[str, Any] = {}
