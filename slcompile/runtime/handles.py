@@ -33,7 +33,7 @@ def normalize_key(key: str | int) -> str:
     Raises:
         TypeError: for anything else (bools included).
     """
-    if key.__class__ is str or isinstance(key, str):
+    if isinstance(key, str):
         return key
     if isinstance(key, int) and not isinstance(key, bool):
         return str(key)
