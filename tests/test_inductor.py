@@ -39,6 +39,9 @@ def test_hf_gpt2_inductor(k, dynamic):
     report = slcompile.compile_reports()[-1]
     assert report.fallback_reason is None
     check_layer_major(report, k)
+    # Symbolic sizes too: the copies of a block call one subgraph, lowered once.
+    outline = report.regions["forward"]
+    assert outline.regions == 2 * k and outline.subgraphs < outline.regions
 
 
 def test_cuda_graph_settings_reach_the_backward_compiled_at_its_first_call(monkeypatch):
