@@ -217,10 +217,10 @@ class Recorder:
         self._pinned_host = 0
         self._lane_active: dict[str, int] = collections.Counter()
         self._lane_since: dict[str, float] = {}
-        # Busy time is counted up to here: I/O threads report a transfer's start and
-        # end after the fact and out of order, and no moment is counted twice.
-        self._lane_counted: dict[str, float] = collections.defaultdict(float)
-        self._lane_until: dict[str, float] = {}  # the latest end reported while busy
+        # The latest end reported (busy time is counted up to it while idle): I/O
+        # threads report a transfer's start and end after the fact and out of order,
+        # and no moment is counted twice.
+        self._lane_until: dict[str, float] = collections.defaultdict(float)
         self.reset()
 
     def reset(self) -> None:
@@ -234,8 +234,8 @@ class Recorder:
             self._events.clear()
             for lane in self._lane_since:
                 self._lane_since[lane] = now
-            for lane in self._lane_counted:
-                self._lane_counted[lane] = now
+            for lane in self._lane_until:
+                self._lane_until[lane] = now
 
     # -- transfers ---------------------------------------------------------
 
@@ -269,7 +269,7 @@ class Recorder:
         """Marks ``count`` more transfers of ``lane`` as doing I/O."""
         with self._lock:
             if self._lane_active[lane] == 0:
-                self._lane_since[lane] = self._lane_until[lane] = max(now, self._lane_counted[lane])
+                self._lane_since[lane] = self._lane_until[lane] = max(now, self._lane_until[lane])
             self._lane_active[lane] += count
 
     def lane_end(self, lane: str, now: float) -> None:
@@ -281,7 +281,6 @@ class Recorder:
                 busy = until - self._lane_since[lane]
                 self._current.busy_seconds[lane] += busy
                 self._cumulative.busy_seconds[lane] += busy
-                self._lane_counted[lane] = until
 
     def stalled(self, start: float, end: float, label: str) -> None:
         """Counts time compute spent blocked on a transfer."""
@@ -335,9 +334,9 @@ class Recorder:
             for lane, busy in open_busy.items():
                 # Busy time that spans the boundary is split between the two steps.
                 self._cumulative.busy_seconds[lane] += busy
-                self._lane_since[lane] = self._lane_until[lane] = now
-            for lane in self._lane_counted:
-                self._lane_counted[lane] = now
+                self._lane_since[lane] = now
+            for lane in self._lane_until:
+                self._lane_until[lane] = now
             self._current = _Window(now, self._resident)
             self._steps += 1
             if self.timeline_enabled:
