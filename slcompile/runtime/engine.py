@@ -63,6 +63,7 @@ from .errors import (
     UnknownKeyError,
     UnsupportedTensorError,
 )
+from .finalizing import when_safe
 from .handles import StoredTensor, TransferHandle, _Entry, normalize_key
 from .nvme import NvmeArena, NvmeSlot, PageBufferCache
 from .nvme_aio import aio_default
@@ -146,7 +147,7 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         # Once nothing holds the engine (`get_engine`'s registry does not), the tiers
         # stop counting what its keys held, and its arena goes (`_get_arena`).
-        weakref.finalize(self, _uncount, self._entries, recorder).atexit = False
+        weakref.finalize(self, when_safe, _uncount, self._entries, recorder).atexit = False
         self._close_arena: weakref.finalize | None = None
 
     # -- resources -----------------------------------------------------------
@@ -175,7 +176,7 @@ class TransferEngine(NvmeTransfers, CudaCopies):
                 except OffloadError as error:
                     raise (error.with_key(key) if key is not None else error) from error
                 # Removes the directory and stops the I/O threads when the engine goes.
-                self._close_arena = weakref.finalize(self, self._arena.close)
+                self._close_arena = weakref.finalize(self, when_safe, self._arena.close)
             return self._arena
 
     def _pool(self) -> HostPool:
@@ -668,7 +669,7 @@ class TransferEngine(NvmeTransfers, CudaCopies):
 
     def _track_delivered(self, owner: object, tier: Tier, nbytes: int) -> None:
         self._recorder.resident_change(tier, nbytes)
-        weakref.finalize(owner, self._recorder.resident_change, tier, -nbytes)
+        weakref.finalize(owner, when_safe, self._recorder.resident_change, tier, -nbytes)
 
     def _load_finished(self, handle, entry, result, error) -> None:
         with self._lock:

@@ -86,6 +86,7 @@ from .errors import (
     OffloadFileMissingError,
     ShortReadError,
 )
+from .finalizing import when_safe
 from .nvme_aio import AioQueue, aio_default, inode_holding_gil
 from .nvme_aio_transfers import AioTransfers, _checksum
 from .nvme_io import IoBatch, IoOutcome, IoThreads, NvmeSlot
@@ -196,7 +197,7 @@ class NvmeArena(AioTransfers):
         self._aio = AioQueue.open() if (aio_default() if aio is None else aio) else None
         self._aio_bytes = min(self.chunk_bytes, AIO_MAX_BYTES) if self._aio is not None else 0
         self._finalizer = weakref.finalize(
-            self, remove_private_dir, (self._aio, executor) if self._aio is not None else (executor,),
+            self, when_safe, remove_private_dir, (self._aio, executor) if self._aio is not None else (executor,),
             fds, self.path, os.getpid()
         )
         try:

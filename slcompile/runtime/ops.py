@@ -37,7 +37,6 @@ import itertools
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -46,6 +45,7 @@ from slcompile import vocabulary
 
 from .engine import TransferEngine, TransferHandle
 from .errors import OffloadError
+from .finalizing import when_safe
 from .page_buffers import profiler_sees_buffers
 from .stats import RECORDER
 
@@ -89,9 +89,10 @@ def bind_implementations(graph: torch.fx.Graph) -> None:
 
 
 # A token's value is the id of its transfer, so copies of a token (opcheck clones
-# inputs) still name it.
+# inputs) still name it. Each use is one dict operation, atomic with no lock: a token
+# dying in a garbage collection forgets its entry on whichever thread collects, also
+# one inside `_tokens_for`.
 _HANDLES: dict[int, tuple[TransferEngine, TransferHandle]] = {}
-_HANDLES_LOCK = threading.Lock()
 
 
 class _TokenPool:
@@ -155,8 +156,7 @@ _DEPENDENCY_TOKENS = _TokenPool(counting=False)
 
 
 def _forget(token_id: int) -> None:
-    with _HANDLES_LOCK:
-        _HANDLES.pop(token_id, None)
+    _HANDLES.pop(token_id, None)
 
 
 class _TokenLife:
@@ -173,8 +173,7 @@ class _TokenLife:
     def __del__(self):
         _forget(self.token_id)
         if self.release is not None:
-            release, *args = self.release
-            release(*args)
+            when_safe(*self.release)
 
 
 def _token_for(engine: TransferEngine, handle: TransferHandle, release: tuple | None = None) -> torch.Tensor:
@@ -188,8 +187,7 @@ def _tokens_for(engine: TransferEngine, handles: Sequence[TransferHandle],
     """`_token_for` of each handle (with its release, if `releases`), for a run."""
     taken = _TRANSFER_TOKENS.take_many(len(handles))
     transfers = [(engine, handle) for handle in handles]
-    with _HANDLES_LOCK:
-        _HANDLES.update(zip([token_id for _, token_id in taken], transfers))
+    _HANDLES.update(zip([token_id for _, token_id in taken], transfers))
     tokens = []
     for (token, token_id), transfer, release in zip(taken, transfers, releases or itertools.repeat(None)):
         token._slc = _TokenLife(token_id, transfer, release)
@@ -208,8 +206,7 @@ def _lookup(token: torch.Tensor) -> tuple[TransferEngine, TransferHandle]:
             f"on {token.device}"
         )
     handle_id = int(token)
-    with _HANDLES_LOCK:
-        found = _HANDLES.get(handle_id)
+    found = _HANDLES.get(handle_id)
     if found is None:
         raise OffloadError(f"no transfer is known for token {handle_id} (a dependency "
                            "token, or one whose transfer was forgotten)")
@@ -223,8 +220,7 @@ def transfer_of(token: torch.Tensor) -> TransferHandle:
 
 def pending_tokens() -> int:
     """How many transfer tokens are alive (for leak checks in tests)."""
-    with _HANDLES_LOCK:
-        return len(_HANDLES)
+    return len(_HANDLES)
 
 
 def _dependency_token() -> torch.Tensor:

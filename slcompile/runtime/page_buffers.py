@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from .finalizing import when_safe
 from .ranges import round_up
 from .tiers import PAGE_BYTES
 
@@ -177,7 +178,7 @@ class PageBufferCache:
 
 def _give_back_owner(owner) -> None:
     cache, buffer, size, on_release = owner.giving_back
-    cache._give_back(buffer, size, on_release)
+    when_safe(cache._give_back, buffer, size, on_release)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -198,7 +199,7 @@ def _allocator_tensor(size: int, dtype: torch.dtype, shape: tuple[int, ...], on_
         numel *= dim
     tensor = base[offset : offset + size].view(dtype)[:numel].view(shape)
     if on_release is not None:
-        weakref.finalize(tensor, on_release)
+        weakref.finalize(tensor, when_safe, on_release)
     return tensor
 
 
