@@ -22,12 +22,17 @@ Guarantees:
   reaper thread with the byte count or ``-errno``. A transfer the kernel refuses at
   submission, or one submitted after ``shutdown`` (``-ECANCELED``), completes the
   same way, with the error, on the submitting thread.
+- A completion may submit (a load waiting for its store is issued when the store
+  completes): what finds every slot in flight there waits in a backlog that the
+  reaper submits as its next completions free slots, since the reaper, which alone
+  frees them, cannot wait for one.
 - ``shutdown`` waits for every submitted transfer to complete, then stops the
   reaper and frees the kernel context.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import logging
@@ -132,6 +137,8 @@ class AioQueue:
         self._base = ctypes.addressof(self._blocks)
         self._free = list(range(_DEPTH))
         self._pending: dict[int, Callable[[int, float], None]] = {}
+        # What the reaper submitted while every slot was in flight, in order.
+        self._backlog: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._reaper: threading.Thread | None = None
@@ -186,16 +193,21 @@ class AioQueue:
         for start in range(0, len(requests), _REAP):
             self._submit_some(requests[start:start + _REAP])
 
-    def _submit_some(self, requests: list) -> None:
+    def _submit_some(self, requests: list, accepted: bool = False) -> None:
         # At most `_REAP` at once: the slots this call takes before submitting any can
-        # never be all of them, so waiting for a free one always ends.
+        # never be all of them, so waiting for a free one always ends (on any thread but
+        # the reaper's). `accepted`: backlog the reaper submits, taken before a shutdown.
         slots = []
         with self._lock:
-            closed = self._closed
+            closed = self._closed and not accepted
             if not closed and self._reaper is None:
                 self._reaper = threading.Thread(target=self._reap, name="slc-nvme-aio", daemon=True)
                 self._reaper.start()
-            for fd, opcode, address, nbytes, offset, on_complete in ([] if closed else requests):
+            on_reaper = self._reaper is threading.current_thread()
+            for index, (fd, opcode, address, nbytes, offset, on_complete) in enumerate([] if closed else requests):
+                if not self._free and on_reaper:
+                    self._backlog.extend(requests[index:])
+                    break
                 while not self._free:
                     self._idle.wait()  # every slot in flight: the reaper frees some
                 slot = self._free.pop()
@@ -207,6 +219,8 @@ class AioQueue:
             # Shut down (the arena is closing): each completes as cancelled, here.
             for *_, on_complete in requests:
                 on_complete(-errno.ECANCELED, time.perf_counter())
+            return
+        if not slots:
             return
         pointers = (ctypes.c_uint64 * len(slots))(*[self._base + slot * _IOCB.size for slot in slots])
         done = 0
@@ -248,7 +262,6 @@ class AioQueue:
                         finished.append((on_complete, result))
                         self._free.append(slot)
                 self._idle.notify_all()
-                last = self._closed and not self._pending
             for on_complete, result in finished:
                 try:
                     on_complete(result, now)
@@ -257,7 +270,12 @@ class AioQueue:
             # What a completion holds (a loaded tensor, its source) must not wait here for
             # the next event.
             finished = on_complete = None
-            if last:  # closed, and the last completions are delivered
+            with self._lock:
+                backlog = [self._backlog.popleft() for _ in range(min(len(self._free), len(self._backlog)))]
+                last = self._closed and not self._pending and not self._backlog and not backlog
+            if backlog:
+                self._submit_some(backlog, accepted=True)
+            elif last:  # closed, and the last completions are delivered
                 return
 
     def shutdown(self) -> None:
@@ -267,7 +285,7 @@ class AioQueue:
             if self._closed:
                 return
             self._closed = True
-            while self._pending and self._reaper is not None and not on_reaper:
+            while (self._pending or self._backlog) and self._reaper is not None and not on_reaper:
                 self._idle.wait(1.0)
             reaper = self._reaper
         if reaper is not None and not on_reaper:

@@ -21,6 +21,7 @@ from slcompile.runtime import (
     UnsupportedTensorError,
     runtime_stats,
 )
+from slcompile.runtime.nvme_aio import _DEPTH as AIO_DEPTH
 from slcompile.runtime.stats import Recorder
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool)
@@ -261,6 +262,29 @@ def test_closing_an_engine_finishes_every_store_in_flight(tmp_path, caplog):
     time.sleep(0.05)
     assert recorder.snapshot().cumulative.busy_seconds["store"] == busy  # the store lane is closed
     assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
+
+
+def test_loads_issued_behind_their_stores_finish_when_they_fill_every_aio_slot(tmp_path):
+    """A load of a key whose store is in flight is issued when the store completes,
+    on the AIO reaper: with every slot in flight it must not wait for one (only the
+    reaper frees them)."""
+    engine = TransferEngine(offload_dir=str(tmp_path))
+    sources = [torch.full((256,), float(index), device=DEV) for index in range(8 * AIO_DEPTH)]
+    loaded = []
+
+    def store_and_load():
+        loads = []
+        for index, source in enumerate(sources):
+            engine.store(f"k{index}", source, NVME, TransferKind.ACTIVATION)
+            loads.append(engine.load(f"k{index}"))
+        loaded.extend(engine.wait(load) for load in loads)
+
+    worker = threading.Thread(target=store_and_load, daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive(), "a transfer never completed"  # (closing would wait for it too)
+    engine.close()
+    assert len(loaded) == len(sources) and all(torch.equal(a, b) for a, b in zip(loaded, sources))
 
 
 def test_free_waits_for_transfers_in_flight(engine):
