@@ -32,13 +32,12 @@ def resident_mb() -> float:
 
 def arm(calls: int, keep_guards: bool) -> dict:
     """One arm in this process: the VmRSS growth over `calls` explain calls."""
-    import gc
-
     import torch
 
     import slcompile
     from slcompile import compat
     from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
+    from slcompile.runtime import collect_garbage
 
     if keep_guards:
         compat._detach_guard_finalizers = lambda before: None
@@ -52,13 +51,13 @@ def arm(calls: int, keep_guards: bool) -> dict:
 
     for _ in range(3):
         explain()
-    gc.collect()
+    collect_garbage()
     start = resident_mb()
     growth = []
     for call in range(1, calls + 1):
         explain()
         if call % 25 == 0 or call == calls:
-            gc.collect()
+            collect_garbage()
             growth.append((call, resident_mb() - start))
     return {"keep_guards": keep_guards, "calls": calls, "growth_mb": growth[-1][1],
             "mb_per_call": growth[-1][1] / calls, "growth_by_call": growth}

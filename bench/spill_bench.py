@@ -9,7 +9,6 @@ bench/results/spill_bench.json. Run: `python -m bench.spill_bench`.
 
 from __future__ import annotations
 
-import gc
 import json
 import pathlib
 
@@ -19,7 +18,7 @@ import slcompile
 from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import measured_peak_bytes, predict_memory
 from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
-from slcompile.runtime import reset_runtime_stats, runtime_stats
+from slcompile.runtime import collect_garbage, reset_runtime_stats, runtime_stats
 from slcompile.runtime.nvme import buffers_seen_by_profiler
 from slcompile.runtime.tiers import PAGE_BYTES
 
@@ -39,7 +38,7 @@ def measure(model, idx, targets, schedule: str) -> dict:
 
     with buffers_seen_by_profiler():
         step()
-        gc.collect()
+        collect_garbage()
         reset_runtime_stats()
         measured = measured_peak_bytes(step)
         moved = sum(runtime_stats().bytes_moved.values())

@@ -40,7 +40,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import gc
 import logging
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -471,10 +470,11 @@ def _measure(model, inputs, kwargs, options, policy, name) -> PolicyRow:
     from slcompile.runtime.weights import drain_prefetches, forget_weights
     from slcompile.viz.pictures import record_step
 
+    from slcompile.runtime import collect_garbage
     from slcompile.runtime.stats import runtime_stats
 
     torch._dynamo.reset()
-    gc.collect()  # runtime objects of graphs the reset dropped go now, not mid-measurement
+    collect_garbage()  # runtime objects of graphs the reset dropped go now, not mid-measurement
     # What rests on the tiers before this copy exists (other models of the process)
     # is not this policy's.
     resident_before = dict(runtime_stats().resident_bytes)
@@ -538,7 +538,7 @@ def _measure(model, inputs, kwargs, options, policy, name) -> PolicyRow:
     )
     del compiled, replica
     torch._dynamo.reset()
-    gc.collect()
+    collect_garbage()
     return row
 
 

@@ -10,7 +10,6 @@ device's memory there and moves nothing)."""
 from __future__ import annotations
 
 import copy
-import gc
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from devices import device_under_test, on_cuda
 from models import GPTConfig, TinyGPT, make_gpt_batch
 
 import slcompile
-from slcompile.runtime import Tier, TransferKind, reset_runtime_stats, runtime_stats
+from slcompile.runtime import Tier, TransferKind, collect_garbage, reset_runtime_stats, runtime_stats
 
 pytestmark = pytest.mark.cuda_check
 
@@ -42,7 +41,7 @@ def _copies(tier: str) -> bool:
 def test_every_tier_combination_equals_eager_and_moves_the_bytes_of_its_graphs(weights, activations, live_blocks):
     device = device_under_test()
     idx, targets = (t.to(device) for t in make_gpt_batch(CFG, 4))
-    gc.collect()  # what earlier tests left on a tier goes now, not during the step
+    collect_garbage()  # what earlier tests left on a tier goes now, not during the step
     reset_runtime_stats()
     options = {"lowering": "aot_eager", "num_subbatches": 2, "weights": weights, "activations": activations,
                "live_blocks": live_blocks, "min_offload_bytes": 0}

@@ -161,16 +161,14 @@ def test_explain_reports_an_infeasible_budget():
 
 @pytest.mark.slow
 def test_explain_and_tune_leave_no_recompiles_and_no_runtime_objects_behind():
-    import gc
-
-    from slcompile.runtime import activations, gradients, weights
+    from slcompile.runtime import activations, collect_garbage, gradients, weights
 
     idx, targets = make_gpt_batch(CFG, 4)
     model = TinyGPT(CFG)
     expected = model(idx, targets)[1]
 
     def made():
-        gc.collect()  # planned objects may sit in reference cycles until a collection
+        collect_garbage()  # planned objects may sit in reference cycles until a collection
         return len(weights._STREAMERS), len(activations._STASHES), len(gradients._SINKS)
 
     options = {"lowering": "aot_eager", "weights": "nvme", "activations": "nvme", "min_offload_bytes": 0}

@@ -4,7 +4,6 @@ sub-batches, with weights and KV cache on tiers; exact byte counts; compiles."""
 from __future__ import annotations
 
 import copy
-import gc
 
 import pytest
 import torch
@@ -162,7 +161,7 @@ def test_nvme_kv_cache_stores_new_positions_in_merged_segments_loads_what_it_use
 
 
 def test_each_call_makes_its_streamer_and_stash_from_plans_and_leaves_none_behind(tmp_path, monkeypatch):
-    from slcompile.runtime import activations, weights
+    from slcompile.runtime import activations, collect_garbage, weights
     from slcompile.runtime.step import StepRuntime
 
     model = FAMILIES["llama"]().eval()
@@ -175,7 +174,7 @@ def test_each_call_makes_its_streamer_and_stash_from_plans_and_leaves_none_behin
         return start(runtime, *args, **kwargs)
 
     monkeypatch.setattr(StepRuntime, "start", recorded)
-    gc.collect()
+    collect_garbage()
     before = len(weights._STREAMERS), len(activations._STASHES)
     for _ in range(3):
         # Four prefill parts with the cache on nvme: the prefill's hidden states rest there too.
@@ -186,7 +185,7 @@ def test_each_call_makes_its_streamer_and_stash_from_plans_and_leaves_none_behin
     assert [(runtime.streamer.tier, runtime.stash.tier) for runtime in started] == [(Tier.NVME, Tier.NVME)] * 3
     started.clear()
     del out
-    gc.collect()
+    collect_garbage()
     assert (len(weights._STREAMERS), len(activations._STASHES)) == before
 
 
@@ -537,6 +536,7 @@ def test_prefill_with_hidden_states_on_the_kv_tier_gives_the_tokens_of_eager(tmp
     logits computed after the last, its hidden states on nvme in between (moved by
     the spill ops a compiled graph uses, every one freed once taken); left padding,
     early EOS."""
+    from slcompile.runtime import collect_garbage
     from slcompile.runtime.engine import get_engine
     from slcompile.runtime.ops import pending_tokens
 
@@ -549,7 +549,7 @@ def test_prefill_with_hidden_states_on_the_kv_tier_gives_the_tokens_of_eager(tmp
                        offload_dir=str(tmp_path), return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
     assert out.steps[0].bytes_of(TransferKind.ACTIVATION, Tier.NVME, Tier.DEVICE) == 8 * 7 * 32 * 4
-    gc.collect()
+    collect_garbage()
     assert pending_tokens() == tokens
     assert not [key for key in get_engine(str(tmp_path)).keys() if ".spill." in key]
 

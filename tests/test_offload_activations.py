@@ -3,7 +3,6 @@ predicted against measured peak memory."""
 
 import copy
 import dataclasses
-import gc
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from conftest import assert_matches_eager, steady_step_peak_bytes
 from models import GPTConfig, TinyGPT, hf_gpt2, make_gpt_batch
 from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import predict_memory
-from slcompile.runtime import Tier, TransferKind, get_engine, reset_runtime_stats, runtime_stats
+from slcompile.runtime import Tier, TransferKind, collect_garbage, get_engine, reset_runtime_stats, runtime_stats
 from slcompile.runtime.tiers import PAGE_BYTES
 from slcompile.schedules import Policy, speedloader_schedule
 
@@ -32,7 +31,7 @@ def _activation_bytes():
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_tiny_gpt_with_activations_on_nvme_matches_eager(k, recompute):
     idx, targets = make_gpt_batch(CFG, 8)
-    gc.collect()  # what earlier tests left on nvme goes now, not during the step
+    collect_garbage()  # what earlier tests left on nvme goes now, not during the step
     reset_runtime_stats()
     nvme_before = runtime_stats().resident_bytes.get(Tier.NVME, 0)
     assert_matches_eager(
@@ -135,7 +134,7 @@ def test_stored_activations_are_freed_after_the_backward_or_with_the_graph():
     compiled = torch.compile(TinyGPT(CFG), backend="speedloader", options={**OFFLOAD, "num_subbatches": 2})
     idx, targets = make_gpt_batch(CFG, 8)
     compiled(idx, targets)[1].backward()
-    gc.collect()
+    collect_garbage()
     before = set(engine.keys())
     offloaded = len(slcompile.compile_reports()[-1].offloaded_activations.names)
     loss = compiled(idx, targets)[1]
@@ -145,7 +144,7 @@ def test_stored_activations_are_freed_after_the_backward_or_with_the_graph():
     loss = compiled(idx, targets)[1]  # a forward whose backward never runs
     assert len(set(engine.keys()) - before) == offloaded
     del loss
-    gc.collect()
+    collect_garbage()
     assert set(engine.keys()) == before
 
 

@@ -11,7 +11,7 @@ import torch
 import slcompile
 from conftest import fetched_weight_bytes
 from models import GPTConfig, TinyGPT, make_gpt_batch, step_beside_eager
-from slcompile.runtime import OffloadError, Tier, TransferKind, mark_step, reset_runtime_stats
+from slcompile.runtime import OffloadError, Tier, TransferKind, collect_garbage, mark_step, reset_runtime_stats
 from slcompile.vocabulary import WAIT, is_gradient_store
 
 CFG = GPTConfig(n_layers=2, d_model=32, vocab_size=64, seq_len=8)
@@ -378,7 +378,7 @@ def test_nvme_states_keep_no_earlier_step_in_memory(tmp_path):
     engine = get_engine(str(tmp_path))
 
     def held():
-        gc.collect()
+        collect_garbage()
         objects = gc.get_objects()
         return {
             "handles": sum(1 for obj in objects if type(obj) is TransferHandle),

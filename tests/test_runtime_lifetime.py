@@ -6,7 +6,6 @@ no more of them than one does, and memory stays flat."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import weakref
 
@@ -15,7 +14,7 @@ import torch
 
 import slcompile
 from models import GPTConfig, TinyGPT, make_gpt_batch
-from slcompile.runtime import activations, engine, gradients, runtime_stats, weights
+from slcompile.runtime import activations, collect_garbage, engine, gradients, runtime_stats, weights
 from slcompile.runtime.nvme import PRIVATE_DIR_PREFIX
 from slcompile.runtime.tiers import Tier
 
@@ -25,7 +24,7 @@ OFFLOADED = {"lowering": "aot_eager", "weights": "nvme", "activations": "nvme", 
 
 
 def live_objects() -> dict[str, int]:
-    gc.collect()
+    collect_garbage()
     return {
         "streamers": len(weights._STREAMERS),
         "stashes": len(activations._STASHES),
@@ -97,7 +96,7 @@ def test_a_backward_outliving_its_compiled_step_still_finds_its_runtime_objects(
 
 
 def test_an_engine_goes_with_the_last_model_storing_through_it_and_its_files_go_too(tmp_path):
-    gc.collect()
+    collect_garbage()
     resident_before = runtime_stats().resident_bytes[Tier.NVME]
     model = TinyGPT(CFG)
     compiled = torch.compile(model, backend="speedloader", options={**OFFLOADED, "offload_dir": str(tmp_path)})
@@ -113,7 +112,7 @@ def test_an_engine_goes_with_the_last_model_storing_through_it_and_its_files_go_
     assert runtime_stats().resident_bytes[Tier.NVME] > resident_before  # the streamed weights
     del offload_engine, compiled, model
     torch._dynamo.reset()
-    gc.collect()
+    collect_garbage()
     assert gone() is None and str(tmp_path) not in engine._ENGINES
     assert os.listdir(tmp_path) == []
     assert not any(thread.is_alive() for thread in io_threads)
@@ -133,13 +132,13 @@ def test_ten_explains_make_no_runtime_object_and_memory_stays_flat(tmp_path):
     assert own(after_one, before) == {"streamers": 0, "stashes": 0, "sinks": 0, "engines": 0}
     for _ in range(4):  # warm-up: Dynamo's and the allocator's caches fill
         slcompile.explain(model, idx, targets, **options)
-    gc.collect()
+    collect_garbage()
     warm = rss_bytes()
     for _ in range(10):
         explanation = slcompile.explain(model, idx, targets, **options)
         assert explanation.fallback_reason is None and "blk1.sb1" in explanation.schedule
     assert live_objects() == after_one
-    gc.collect()
+    collect_garbage()
     # What is left (about 0.1 MiB an explain here) is torch's own: the sources FX
     # keeps of every generated graph, fake-tensor dispatch cache entries. (Dynamo's
     # finalizers on the globals a capture guards would keep its guards, about 1 MiB

@@ -15,7 +15,6 @@ start-up once.
 
 import copy
 import datetime
-import gc
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 import slcompile
 from conftest import fetched_weight_bytes
 from models import GPTConfig, TinyGPT, make_gpt_batch
-from slcompile.runtime import Tier, TransferKind, mark_step, reset_runtime_stats, runtime_stats
+from slcompile.runtime import Tier, TransferKind, collect_garbage, mark_step, reset_runtime_stats, runtime_stats
 from slcompile.runtime.collectives import shard_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench/
@@ -86,7 +85,7 @@ def _train_sharded(rank, k, weights, offload_dir, checkpoint=None, max_grad_norm
         torch._dynamo.reset()
     compiled = torch.compile(model, backend="speedloader", options=options)
     steps = []
-    gc.collect()  # what earlier runs left on the tiers goes now, not during the steps
+    collect_garbage()  # what earlier runs left on the tiers goes now, not during the steps
     reset_runtime_stats()
     resident_before = runtime_stats().resident_bytes
     for step in range(STEPS):

@@ -9,7 +9,6 @@ One spawn checks everything that needs the process group, to pay its start-up on
 
 import dataclasses
 import datetime
-import gc
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from models import GPTConfig, TinyGPT, make_gpt_batch, step_beside_eager
 from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import measured_peak_bytes, predict_memory
 from slcompile.errors import BudgetError
+from slcompile.runtime import collect_garbage
 from slcompile.runtime.nvme import buffers_seen_by_profiler
 from slcompile.runtime.tiers import PAGE_BYTES
 from slcompile.runtime.weights import drain_prefetches
@@ -59,7 +59,7 @@ def _measured_step(rank, live_blocks, offload_dir):
         # The update's prefetches are dropped: every load of the step is issued,
         # and its memory allocated, inside the profiled window.
         drain_prefetches()
-        gc.collect()
+        collect_garbage()
         return measured_peak_bytes(step)
 
     with buffers_seen_by_profiler():

@@ -4,7 +4,6 @@ policies, exact bytes moved, numerics against eager, and predicted against measu
 memory."""
 
 import copy
-import gc
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from conftest import assert_matches_eager
 from models import GPTConfig, TinyGPT, hf_llama, make_gpt_batch
 from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import measured_peak_bytes, predict_memory
-from slcompile.runtime import Tier, TransferKind, reset_runtime_stats, runtime_stats
+from slcompile.runtime import Tier, TransferKind, collect_garbage, reset_runtime_stats, runtime_stats
 from slcompile.runtime.nvme import buffers_seen_by_profiler
 from slcompile.runtime.tiers import PAGE_BYTES
 from slcompile.schedules import POLICIES, Policy, Schedule, ScheduleRequest, Step, validate_schedule
@@ -114,7 +113,7 @@ def _evaluate(model, idx, targets, schedule):
 
     with buffers_seen_by_profiler():
         step()
-        gc.collect()
+        collect_garbage()
         reset_runtime_stats()
         nvme_before = runtime_stats().resident_bytes.get(Tier.NVME, 0)
         measured = measured_peak_bytes(step)

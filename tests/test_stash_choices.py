@@ -5,7 +5,6 @@ device by name (`Schedule.kept_saved`) and the tier each unit's stash goes to
 the bytes each tier receives, exactly, and the predicted peaks against measured ones."""
 
 import dataclasses
-import gc
 import json
 
 import pytest
@@ -17,7 +16,7 @@ from devices import on_cuda
 from models import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import predict_memory
-from slcompile.runtime import Tier, TransferKind, get_engine, reset_runtime_stats, runtime_stats
+from slcompile.runtime import Tier, TransferKind, collect_garbage, get_engine, reset_runtime_stats, runtime_stats
 from slcompile.runtime.tiers import PAGE_BYTES
 from slcompile.schedules import (
     Policy, SavedActivation, Schedule, ScheduleRequest, Step, add_fetches, add_stashes, add_stores,
@@ -66,7 +65,7 @@ def _moved(tier):
 
 def _train(policy, options=OPTIONS):
     idx, targets = make_gpt_batch(CFG, 8)
-    gc.collect()  # what earlier tests left on nvme goes now, not during the step
+    collect_garbage()  # what earlier tests left on nvme goes now, not during the step
     reset_runtime_stats()
     nvme_before = runtime_stats().resident_bytes.get(Tier.NVME, 0)
     assert_matches_eager(TinyGPT(CFG), lambda m: m(idx, targets), {**options, "schedule": policy})

@@ -12,6 +12,7 @@ from torch import nn
 
 import slcompile
 import slcompile.report
+from slcompile.runtime import collect_garbage
 
 
 class Block(nn.Module):
@@ -146,13 +147,13 @@ def test_explain_calls_leave_no_graphs_behind():
     model, x = Model(), torch.randn(8, 8)
     for _ in range(3):  # caches torch fills once
         slcompile.explain(model, x, num_subbatches=2, lowering="aot_eager", profile=None)
-    gc.collect()
+    collect_garbage()
     graphs_before = sum(torch.fx.GraphModule in type(o).__mro__ for o in gc.get_objects())
     managers_before = _guard_managers()
     before = _rss_kib()
     for _ in range(10):
         slcompile.explain(model, x, num_subbatches=2, lowering="aot_eager", profile=None)
-    gc.collect()
+    collect_garbage()
     assert sum(torch.fx.GraphModule in type(o).__mro__ for o in gc.get_objects()) <= graphs_before
     # Nor the guards of the captures' cache entries, which Dynamo's finalizers on the
     # model's modules and classes would keep as long as the model lives.

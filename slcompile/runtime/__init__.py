@@ -33,6 +33,7 @@ from .errors import (
     UnknownKeyError,
     UnsupportedTensorError,
 )
+from .finalizing import collect_garbage
 from .nvme import NvmeArena, clean_stale_dirs
 from .stats import (
     RuntimeStats,
@@ -56,6 +57,7 @@ __all__ = [
     "HostPool",
     "NvmeArena",
     "clean_stale_dirs",
+    "collect_garbage",
     "TransferEngine",
     "TransferHandle",
     "StoredTensor",

@@ -13,8 +13,10 @@ calls it soon after. An object that dies with its last reference (a transfer tok
 when the backward drops what it saved, a loaded tensor when its user drops it) is
 finalized at once, as before; one in a reference cycle, by that thread.
 
-``settle()`` waits until what was handed to the thread has run. What is left at
-exit runs on the exiting thread.
+``settle()`` waits until what was handed to the thread has run, and
+``collect_garbage()`` is ``gc.collect()`` followed by it: where ``gc.collect()``
+returned with an engine's files or a stored copy still to go, ``collect_garbage()``
+returns once they are gone. What is left at exit runs on the exiting thread.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-__all__ = ["settle", "when_safe"]
+__all__ = ["collect_garbage", "settle", "when_safe"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,14 @@ def settle(timeout: float | None = None) -> bool:
     with _ran:
         wanted = _handed
         return _ran.wait_for(lambda: _done >= wanted, timeout)
+
+
+def collect_garbage() -> int:
+    """``gc.collect()``, then what its finalizers handed over has run; returns what
+    ``gc.collect()`` found unreachable."""
+    found = gc.collect()
+    settle()
+    return found
 
 
 def _on_collection(phase: str, info: dict) -> None:

@@ -5,7 +5,6 @@ their nvme I/O as one job of the I/O threads or one submission to native AIO
 from __future__ import annotations
 
 import errno
-import gc
 import os
 import queue
 import threading
@@ -16,7 +15,7 @@ import torch.fx
 from devices import flip_bits
 
 from slcompile.passes.coalesce_transfers import coalesce_transfers
-from slcompile.runtime import Tier, TransferEngine, TransferKind, ops, runtime_stats
+from slcompile.runtime import Tier, TransferEngine, TransferKind, collect_garbage, ops, runtime_stats
 from slcompile.runtime.activations import ActivationStash
 from slcompile.runtime.errors import CorruptDataError, OffloadFileMissingError, TransferFailedError
 from slcompile.runtime.nvme_aio import IOCB_CMD_PREAD, IOCB_CMD_PREADV, AioQueue, inode_holding_gil
@@ -87,7 +86,7 @@ def test_runs_become_one_call_each_with_the_same_results_and_bytes(global_engine
             assert got.dtype == x.dtype and torch.equal(got, x * 2)
         del out
     assert moved["grouped"] == moved["single"] == {(ACT, DEVICE, NVME): nbytes, (ACT, NVME, DEVICE): nbytes}
-    gc.collect()
+    collect_garbage()
     assert ops.pending_tokens() == 0
     assert global_engine.keys() == []
 
@@ -281,7 +280,7 @@ def test_a_run_of_stores_is_one_write_and_loads_back_in_one_read_in_any_order(en
     # Each member is freed on its own; the run's range is whole again once all are.
     engine.free(keys[2])
     del loaded, loads
-    gc.collect()
+    collect_garbage()
     for key in keys[:2] + keys[3:]:
         engine.free(key)
     after = runtime_stats().resident_bytes

@@ -19,6 +19,7 @@ from slcompile.runtime import (
     TransferKind,
     UnknownKeyError,
     UnsupportedTensorError,
+    collect_garbage,
     runtime_stats,
 )
 from slcompile.runtime.nvme_aio import _DEPTH as AIO_DEPTH
@@ -215,7 +216,7 @@ def test_int_keys_mean_their_string(engine):
 def test_residency_tracks_slots_and_delivered_tensors(engine):
     # On CUDA a delivered tensor's residency ends with the tensor object: what earlier
     # tests left in reference cycles goes now, not while this test counts.
-    gc.collect()
+    collect_garbage()
     before = runtime_stats().resident_bytes
     engine.wait(engine.store("a", torch.zeros(1 << 18, device=DEV), NVME, WEIGHT))  # 1 MiB
     engine.wait(engine.store("b", torch.zeros(1 << 18, device=DEV), NVME, WEIGHT))
@@ -225,7 +226,7 @@ def test_residency_tracks_slots_and_delivered_tensors(engine):
     assert during.resident_bytes[DEVICE] - before[DEVICE] == 1 << 20
     assert during.peak_bytes[NVME] >= before[NVME] + (2 << 20)
     del loaded
-    gc.collect()
+    collect_garbage()
     engine.free("a")
     engine.free("b")
     after = runtime_stats()
@@ -335,7 +336,7 @@ def test_load_buffers_are_reused_after_the_tensor_dies(tmp_path):
         first = engine.wait(engine.load("a"))
         address = first.data_ptr()
         del first
-        gc.collect()
+        collect_garbage()
         second = engine.wait(engine.load("b"))
         assert second.data_ptr() == address  # same size: the idle buffer came back
         assert same_bits(second, torch.full((5000,), 2.0, device=DEV))
@@ -349,14 +350,14 @@ def test_no_idle_buffers_kept_without_a_cache(tmp_path):
         engine.wait(engine.store("a", torch.ones(5000, device=DEV), NVME, WEIGHT))
         loaded = engine.wait(engine.load("a"))
         del loaded
-        gc.collect()
+        collect_garbage()
         assert engine._buffers.idle_bytes == 0
     finally:
         engine.close()
 
 
 def _live(kind) -> int:
-    gc.collect()
+    collect_garbage()
     return sum(1 for obj in gc.get_objects() if type(obj) is kind)
 
 
@@ -372,7 +373,7 @@ def test_a_stored_source_is_not_kept_once_it_is_written(engine):
     del memory
     engine.wait(engine.store("a", source, NVME, WEIGHT))
     del source
-    gc.collect()
+    collect_garbage()
     assert alive() is None  # the key rests in the file, not in memory as well
     assert same_bits(engine.wait(engine.load("a")), torch.ones(5000))
 
@@ -397,7 +398,7 @@ def test_loaded_tensors_stored_again_keep_no_earlier_generation(engine):
         if generation == 4:
             kept = state  # a caller may hold a loaded tensor after its key is freed
         del state
-    gc.collect()
+    collect_garbage()
     assert [ref() is not None for ref in generations] == [False] * 3 + [True] + [False] * 4
     assert engine.keys() == ["state#8"]
     assert _live(_Entry) - entries_before == 1 and _live(TransferHandle) - handles_before == 0

@@ -4,7 +4,6 @@ inserted into a post-grad graph)."""
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.testing._internal.optests import aot_autograd_check
 
 from slcompile import vocabulary
-from slcompile.runtime import Tier, TransferKind, ops, runtime_stats
+from slcompile.runtime import Tier, TransferKind, collect_garbage, ops, runtime_stats
 from slcompile.runtime.activations import ActivationStash
 from slcompile.runtime.weights import WeightStreamer
 from slcompile.vocabulary import FETCH_ISSUE, FETCH_WEIGHT, MARK, STASH, UNSTASH, UNSTASH_WAIT, WAIT, WeightKey
@@ -91,7 +90,7 @@ def test_stash_round_trip_counts_bytes_and_forgets_its_tokens(nvme_stash):
     nbytes = 300 * 7 * 4
     assert dict(runtime_stats().cumulative.bytes_moved) == {(ACT, DEVICE, NVME): nbytes, (ACT, NVME, DEVICE): nbytes}
     del token, load_token
-    gc.collect()
+    collect_garbage()
     assert ops.pending_tokens() == 0
 
 
@@ -198,7 +197,7 @@ def test_compiled_with_autograd(nvme_stash, backend):
     torch.testing.assert_close(w.grad, expected_grad, rtol=1e-4, atol=1e-4)
     nbytes = 32 * 32 * 4
     assert dict(runtime_stats().bytes_moved) == {(ACT, DEVICE, NVME): nbytes, (ACT, NVME, DEVICE): nbytes}
-    gc.collect()
+    collect_garbage()
     assert ops.pending_tokens() == 0
 
 
