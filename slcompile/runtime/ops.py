@@ -89,7 +89,7 @@ def bind_implementations(graph: torch.fx.Graph) -> None:
 
 
 # A token's value is the id of its transfer, so copies of a token (opcheck clones
-# inputs) still name it. Each use is one dict operation, atomic with no lock: a token
+# inputs) still name it. Each use is one dict operation, safe without a lock: a token
 # dying in a garbage collection forgets its entry on whichever thread collects, also
 # one inside `_tokens_for`.
 _HANDLES: dict[int, tuple[TransferEngine, TransferHandle]] = {}
