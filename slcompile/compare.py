@@ -466,12 +466,11 @@ def loss_of(output: Any) -> torch.Tensor | None:
 def _measure(model, inputs, kwargs, options, policy, name) -> PolicyRow:
     from slcompile.analysis.memory import measured_peak_bytes
     from slcompile.report import compile_reports
+    from slcompile.runtime import collect_garbage
     from slcompile.runtime.nvme import buffers_seen_by_profiler
+    from slcompile.runtime.stats import runtime_stats
     from slcompile.runtime.weights import drain_prefetches, forget_weights
     from slcompile.viz.pictures import record_step
-
-    from slcompile.runtime import collect_garbage
-    from slcompile.runtime.stats import runtime_stats
 
     torch._dynamo.reset()
     collect_garbage()  # runtime objects of graphs the reset dropped go now, not mid-measurement

@@ -270,6 +270,8 @@ class AioQueue:
             # What a completion holds (a loaded tensor, its source) must not wait here for
             # the next event.
             finished = on_complete = None
+            if not self._backlog and not self._closed:
+                continue  # (only this thread adds to the backlog)
             with self._lock:
                 backlog = [self._backlog.popleft() for _ in range(min(len(self._free), len(self._backlog)))]
                 last = self._closed and not self._pending and not self._backlog and not backlog
