@@ -184,7 +184,7 @@ class TransferEngine(NvmeTransfers, CudaCopies):
             if self._host_pool is None:
                 self._host_pool = HostPool(
                     pin=True, chunk_bytes=self.host_chunk_bytes, limit_bytes=self.host_memory,
-                    on_growth=lambda growth: self._recorder.host_pinned(growth.added_bytes),
+                    on_growth=lambda growth: self._recorder.host_pinned(growth.pinned_bytes),
                 )
             return self._host_pool
 

@@ -10,7 +10,12 @@ Guarantees:
 - ``host`` is pinned RAM on a CUDA machine, handed out from one ``HostPool``
   sized from the compiled plan, allocated in chunks once and reused (pinning on
   the fly forces synchronisations); it grows by whole chunks only when a tensor
-  the plan did not foresee finds no room, and ``host_memory`` caps it.
+  the plan did not foresee finds no room, and ``host_memory`` caps it. Each chunk
+  is page-aligned memory of its own, pinned at exactly its size with
+  ``cudaHostRegister`` (torch's pinned allocator rounds a request up to a power of
+  two), so the bytes the pool books are the bytes pinned; a growth that would pin
+  more than the machine or its cgroup has available is refused before anything is
+  pinned (``slcompile.runtime.memory_limits``).
   On a CPU-only machine ``host`` *is* the device's memory: the engine moves
   nothing for it and counts zero bytes.
 - ``nvme`` is the O_DIRECT arena of ``slcompile.runtime.nvme``; it has no torch
@@ -19,16 +24,22 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import enum
 import logging
+import mmap
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
 
 from .errors import HostPoolFullError
+from .finalizing import when_safe
+from .memory_limits import AvailableMemory, available_host_memory
 from .ranges import ByteRange, RangeAllocator, round_up
 
 __all__ = [
@@ -42,6 +53,7 @@ __all__ = [
     "HostBlock",
     "HostPoolGrowth",
     "ChunkAllocator",
+    "AvailableMemoryReader",
     "DEFAULT_CHUNK_BYTES",
     "HOST_MEMORY_OPTION",
     "pinned_chunk",
@@ -111,7 +123,12 @@ def device_for(tier: Tier | str) -> torch.device:
 
 
 ChunkAllocator = Callable[[int], torch.Tensor]
-"""Returns a uint8 CPU tensor of the given number of bytes (pinned on a CUDA machine)."""
+"""Returns a uint8 CPU tensor of at least the given number of bytes (pinned on a CUDA
+machine). The pool asks for a chunk's size and, when the memory returned does not
+start on a page, asks once more for a page more to align in."""
+
+AvailableMemoryReader = Callable[[], AvailableMemory | None]
+"""Returns the host memory the process can still take (None: no limit known)."""
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 """Largest piece the host pool pins at once: pinning gigabytes in one call is slow
@@ -122,14 +139,57 @@ HOST_MEMORY_OPTION = "host_memory"
 
 
 def pinned_chunk(nbytes: int) -> torch.Tensor:
-    """Allocates ``nbytes`` of pinned (page-locked) host memory."""
-    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
+    """Allocates ``nbytes`` (whole pages) of page-aligned host memory and pins exactly
+    that with ``cudaHostRegister``; torch's own pinned allocator would round the
+    request up to a power of two (256 MiB and a page pin 512 MiB).
+
+    The memory is unpinned, then unmapped, once the last tensor on it is gone.
+
+    Raises:
+        RuntimeError: CUDA did not pin it; the message is CUDA's.
+    """
+    mapping = _private_pages(nbytes)
+    owner = (ctypes.c_char * nbytes).from_buffer(mapping)
+    address = ctypes.addressof(owner)
+    cudart = torch.cuda.cudart()
+    status = cudart.cudaHostRegister(address, nbytes, 0)
+    if status != cudart.cudaError.success:
+        _clear_cuda_error()
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {cudart.cudaGetErrorString(status)}")
+    # The mapping rides with the finalizer: deferred out of a garbage collection, the
+    # unregistering must still find the memory mapped. At exit the process's end
+    # unpins everything, with no CUDA call into a runtime shutting down.
+    weakref.finalize(owner, when_safe, _unpin, address, mapping).atexit = False
+    return torch.frombuffer(owner, dtype=torch.uint8)
 
 
 def pageable_chunk(nbytes: int) -> torch.Tensor:
-    """Allocates ``nbytes`` of ordinary host memory (the allocator of tests and of
-    CPU-only machines, where nothing is copied to a device)."""
-    return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+    """Allocates ``nbytes`` of ordinary page-aligned host memory (the allocator of
+    tests and of CPU-only machines, where nothing is copied to a device)."""
+    return torch.frombuffer(_private_pages(nbytes), dtype=torch.uint8)
+
+
+def _private_pages(nbytes: int) -> mmap.mmap:
+    # Private: mmap.mmap(-1, n) alone maps shared memory, which the kernel counts as page cache.
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _unpin(address: int, mapping: mmap.mmap) -> None:
+    """Unregisters a ``pinned_chunk``; ``mapping`` is unmapped when this, its last
+    reference, lets it go."""
+    cudart = torch.cuda.cudart()
+    status = cudart.cudaHostUnregister(address)
+    if status != cudart.cudaError.success:
+        _clear_cuda_error()
+        log.warning("cudaHostUnregister of %d bytes failed: %s", len(mapping), cudart.cudaGetErrorString(status))
+
+
+def _clear_cuda_error() -> None:
+    # A failed runtime call stays the thread's last CUDA error, which torch's next
+    # kernel launch check would raise as its own; torch.cuda.cudart() binds no
+    # cudaGetLastError, so a launch here takes it.
+    with contextlib.suppress(RuntimeError):
+        torch.zeros(1, device=compute_device())
 
 
 class HostBlock:
@@ -150,7 +210,11 @@ class HostBlock:
 
 
 class _Chunk:
-    """One allocation of the pool: its page-aligned bytes and their free ranges."""
+    """One allocation of the pool: its page-aligned bytes and their free ranges.
+
+    ``storage`` is what the allocator returned (``nbytes`` from its first page
+    boundary on), and owns the memory.
+    """
 
     __slots__ = ("storage", "base", "ranges")
 
@@ -169,6 +233,9 @@ class HostPoolGrowth:
     Attributes:
         added_bytes: Usable bytes added (page multiples).
         chunk_bytes: The size of each chunk added, in order.
+        pinned_bytes: Bytes pinned for them (0 when the pool does not pin): the
+            allocators' sizes, equal to ``added_bytes`` unless an allocator returned
+            memory off a page boundary and a spare page was taken to align it.
         seconds: Wall time the allocation took.
         capacity_bytes: The pool's capacity afterwards.
         reason: Why it grew ("plan" or "demand").
@@ -176,6 +243,7 @@ class HostPoolGrowth:
 
     added_bytes: int
     chunk_bytes: tuple[int, ...]
+    pinned_bytes: int
     seconds: float
     capacity_bytes: int
     reason: str
@@ -192,10 +260,19 @@ class HostPool:
     a chunk is never given back while the pool lives, so a steady schedule pins
     nothing after its first step.
 
+    A pinned chunk is page-aligned memory of exactly its size, registered with
+    ``cudaHostRegister`` (``pinned_chunk``), so ``pinned_bytes`` (and what each
+    growth reports) is the memory really pinned, not a power of two above it.
+    Before a growth pins anything it is checked against ``available_memory``: a
+    growth larger than what the machine or its cgroup can still give raises
+    ``HostPoolFullError`` instead of inviting the OOM killer.
+
     Args:
         capacity_bytes: Bytes to allocate up front (0: none until needed).
-        pin: Pin the chunks (default: when CUDA is available). Ignored when
-            ``allocate_chunk`` is given.
+        pin: Whether the chunks are pinned (default: when CUDA is available and
+            ``allocate_chunk`` is not given): the default allocator pins with
+            ``cudaHostRegister``; with ``allocate_chunk``, says whether that
+            allocator pins.
         chunk_bytes: The largest chunk allocated at once; a single tensor larger
             than this gets a chunk of its own size.
         limit_bytes: The most the pool may hold (the ``host_memory`` option);
@@ -204,10 +281,13 @@ class HostPool:
             ``pin``); tests pass a CPU allocator to check the sizing exactly.
         on_growth: Called with each ``HostPoolGrowth`` (the engine counts pinned
             bytes in the runtime stats).
+        available_memory: Reads the host memory the process can still take,
+            before each growth (default: ``available_host_memory`` when the pool
+            pins, else no check).
 
     Raises:
-        HostPoolFullError: the up-front capacity is over ``limit_bytes`` or could
-            not be allocated.
+        HostPoolFullError: the up-front capacity is over ``limit_bytes`` or over
+            what is available, or could not be allocated.
     """
 
     def __init__(
@@ -219,19 +299,23 @@ class HostPool:
         limit_bytes: int | None = None,
         allocate_chunk: ChunkAllocator | None = None,
         on_growth: Callable[[HostPoolGrowth], None] | None = None,
+        available_memory: AvailableMemoryReader | None = None,
     ):
         if chunk_bytes < PAGE_BYTES:
             raise ValueError(f"chunk_bytes must be at least one page ({PAGE_BYTES}), got {chunk_bytes}")
+        if pin is None:
+            pin = allocate_chunk is None and torch.cuda.is_available()
         if allocate_chunk is None:
-            if pin is None:
-                pin = torch.cuda.is_available()
             allocate_chunk = pinned_chunk if pin else pageable_chunk
+        if available_memory is None and pin:
+            available_memory = available_host_memory
         self.pinned = bool(pin)
         self.chunk_bytes = round_up(chunk_bytes, PAGE_BYTES)
         self.limit_bytes = limit_bytes
         self.growths: list[HostPoolGrowth] = []
         self._allocate_chunk = allocate_chunk
         self._on_growth = on_growth
+        self._available_memory = available_memory
         self._chunks: list[_Chunk] = []
         self._lock = threading.Lock()
         if capacity_bytes:
@@ -260,6 +344,12 @@ class HostPool:
     def free_bytes(self) -> int:
         """Bytes allocated and not handed out (possibly in several ranges)."""
         return self.capacity_bytes - self.used_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes pinned for the chunks: the sizes their allocator registered (0 when
+        the pool does not pin)."""
+        return sum(chunk.storage.numel() for chunk in self._chunks) if self.pinned else 0
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:
@@ -347,11 +437,24 @@ class HostPool:
                 f"({self.used_bytes} in use) and {HOST_MEMORY_OPTION}={self.limit_bytes} caps it at that: "
                 f"set {HOST_MEMORY_OPTION} to at least {capacity + added} (or None to size the pool from the plan)"
             )
+        if self._available_memory is not None:
+            available = self._available_memory()
+            if available is not None and added > available.available_bytes:
+                raise HostPoolFullError(
+                    f"{what} needs {needed} bytes of {kind} memory: the pool holds {capacity} and would pin "
+                    f"{added} more, over the {available.available_bytes} bytes available ({available.source}); "
+                    f"keep fewer tensors on the host (nvme holds what does not fit), free host memory, or give the "
+                    f"process more: the {HOST_MEMORY_OPTION} option caps the pool and cannot raise what is available"
+                )
         start = time.perf_counter()
         chunks = []
         for size in sizes:
             try:
-                storage = self._allocate_chunk(size + PAGE_BYTES)
+                storage = self._allocate_chunk(size)
+                if storage.data_ptr() % PAGE_BYTES:
+                    # An allocator that does not align (torch's own) gets a spare page to align in.
+                    del storage
+                    storage = self._allocate_chunk(size + PAGE_BYTES)
             except RuntimeError as error:
                 raise HostPoolFullError(
                     f"allocating {size} bytes of {kind} memory failed ({error}); {what} needs "
@@ -361,13 +464,14 @@ class HostPool:
                 ) from error
             chunks.append(_Chunk(storage, size))
         self._chunks.extend(chunks)
-        growth = HostPoolGrowth(added, tuple(sizes), time.perf_counter() - start, self.capacity_bytes, reason)
+        pinned = sum(chunk.storage.numel() for chunk in chunks) if self.pinned else 0
+        growth = HostPoolGrowth(added, tuple(sizes), pinned, time.perf_counter() - start, self.capacity_bytes, reason)
         self.growths.append(growth)
         if self._on_growth is not None:
             self._on_growth(growth)
         log.info(
-            "host pool: %s %d bytes in %d chunk(s) in %.2f s for %s (%s); capacity now %d bytes",
+            "host pool: %s %d bytes in %d chunk(s) in %.2f s for %s (%s); capacity now %d bytes, %d pinned",
             "pinned" if self.pinned else "allocated", added, len(sizes), growth.seconds, what, reason,
-            growth.capacity_bytes,
+            growth.capacity_bytes, self.pinned_bytes,
         )
         return growth
