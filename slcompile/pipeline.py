@@ -672,6 +672,11 @@ def _mark_regions(step: StepState):
         return None
     if step.plan is not None and step.plan.cudagraphs:
         return None  # a CUDA graph's replay runs no host code, markers included
+    if step.lowering == "inductor" and step.plan is not None and step.plan.machine.device == "cuda":
+        # On a GPU a marker times when the host issued a region, not when it ran, and
+        # costs each (block, sub-batch) unit two host calls: the step's host time,
+        # which a launch-bound step is made of.
+        return None
     _, marks = mark_regions(step.graphs[step.kind], step.kind)
     return marks
 

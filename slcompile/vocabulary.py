@@ -23,6 +23,7 @@ Consecutive transfer calls of one kind go to the runtime as one call each
 them), with the arguments of each member in order:
 
     slc::fetch_issue_many(str[] keys) -> Tensor
+    slc::fetch_weight_many(Tensor[] params, str[] keys) -> Tensor[]  # a visit's weights
     slc::stash_many(Tensor[] xs, str[] keys) -> Tensor[]  # their stash tokens
     slc::wait_many(Tensor[] tokens, Tensor[] keepalive) -> Tensor
     slc::unstash_many(Tensor[] stash_tokens) -> Tensor[]  # their load tokens
@@ -82,6 +83,7 @@ __all__ = [
     "UNSTASH_MANY",
     "UNSTASH_WAIT_MANY",
     "FETCH_ISSUE_MANY",
+    "FETCH_WEIGHT_MANY",
     "SLC_OPS",
     "COALESCED",
     "split_sizes",
@@ -131,6 +133,7 @@ _SCHEMAS = MappingProxyType({
     "unstash_wait_many": "(Tensor[] load_tokens, SymInt[] sizes, int[] ranks, str[] dtypes, "
                          "Device device) -> Tensor[]",
     "fetch_issue_many": "(str[] keys) -> Tensor",
+    "fetch_weight_many": "(Tensor[] params, str[] keys) -> Tensor[]",
 })
 _ORDERED = ("fetch_issue", "stash", "wait", "unstash", "unstash_wait", "mark", "offload_grad",
             "stash_many", "wait_many", "unstash_many", "unstash_wait_many", "fetch_issue_many")
@@ -204,6 +207,11 @@ def _(keys):
     return fake_token()
 
 
+@torch.library.register_fake("slc::fetch_weight_many", lib=_LIB)
+def _(params, keys):
+    return [torch.empty_like(param) for param in params]
+
+
 @torch.library.register_fake("slc::unstash_many", lib=_LIB)
 def _(stash_tokens):
     return [fake_token() for _ in stash_tokens]
@@ -256,11 +264,13 @@ WAIT_MANY = torch.ops.slc.wait_many.default
 UNSTASH_MANY = torch.ops.slc.unstash_many.default
 UNSTASH_WAIT_MANY = torch.ops.slc.unstash_wait_many.default
 FETCH_ISSUE_MANY = torch.ops.slc.fetch_issue_many.default
+FETCH_WEIGHT_MANY = torch.ops.slc.fetch_weight_many.default
 SLC_OPS = (FETCH_ISSUE, FETCH_WEIGHT, STASH, WAIT, UNSTASH, UNSTASH_WAIT, MARK, OFFLOAD_GRAD,
-           STASH_MANY, WAIT_MANY, UNSTASH_MANY, UNSTASH_WAIT_MANY, FETCH_ISSUE_MANY)
+           STASH_MANY, WAIT_MANY, UNSTASH_MANY, UNSTASH_WAIT_MANY, FETCH_ISSUE_MANY, FETCH_WEIGHT_MANY)
 """Every op of the vocabulary."""
 COALESCED = MappingProxyType({STASH: STASH_MANY, WAIT: WAIT_MANY, UNSTASH: UNSTASH_MANY,
-                              UNSTASH_WAIT: UNSTASH_WAIT_MANY, FETCH_ISSUE: FETCH_ISSUE_MANY})
+                              UNSTASH_WAIT: UNSTASH_WAIT_MANY, FETCH_ISSUE: FETCH_ISSUE_MANY,
+                              FETCH_WEIGHT: FETCH_WEIGHT_MANY})
 """The op that runs a run of consecutive calls of each op as one (`coalesce_transfers`)."""
 
 # What moves, and which half of its issue + wait pair a node is.

@@ -315,15 +315,15 @@ def _start(runtime: StepRuntime, state, report: CompileReport) -> None:
     """After lowering (which traced with the real values), makes the step's runtime
     objects: the streamed weights move to their tier and release the parameters'
     memory."""
-    weights = []
+    blocks = []
     if state.streamed is not None:
         values = {i.name: i.value for i in state.inputs}
         sources = {i.name: parameter_name(i.source) for i in state.inputs}
-        weights = [(key, values[name], sources[name] or name) for block in state.streamed.blocks
-                   for name, key in block]
+        blocks = [[(key, values[name], sources[name] or name) for name, key in block]
+                  for block in state.streamed.blocks]
         report.streamed_bytes = state.streamed.streamed_bytes
-    runtime.start(weights, report.offloaded_gradients)
-    if weights:
+    runtime.start(blocks, report.offloaded_gradients)
+    if any(blocks):
         log.info("speedloader: %d bytes of block weights now rest on %s", report.streamed_bytes,
                  state.streamer.tier)
 

@@ -130,15 +130,16 @@ class _Generation:
             if any(streamed) else None
         spills = offloads_hidden(self.kv.appends, plan.prefill_subbatches, len(self.layers))
         stash = StashPlan(new_name("a"), plan.kv_cache, plan.offload_dir) if spills else None
-        weights = []
+        blocks = []
         for index, params in enumerate(streamed):
+            blocks.append([])
             for name, param in params:
                 full = f"{prefix}{index}.{name}"
                 stored = stored_key_for(streamer.name, full, param)
-                weights.append((stored, param, full))
+                blocks[-1].append((stored, param, full))
                 self.streamed[index][name] = streamer.graph_key(stored)
         runtime = StepRuntime(streamer, stash, None)
-        runtime.start(weights)
+        runtime.start(blocks)
         return runtime
 
     def _weights_move(self) -> bool:

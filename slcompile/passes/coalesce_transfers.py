@@ -2,15 +2,18 @@
 
 Runs on each graph Inductor compiles, after `annotate_streams` and before the
 markers and the outlined regions: every run of two or more consecutive calls of
-`slc::stash`, `slc::wait`, `slc::unstash`, `slc::unstash_wait` or `slc::fetch_issue`
-becomes one call of that op's `_many` form (`vocabulary.COALESCED`), taking the
+`slc::stash`, `slc::wait`, `slc::unstash`, `slc::unstash_wait`, `slc::fetch_issue`
+or `slc::fetch_weight` becomes one call of that op's `_many` form
+(`vocabulary.COALESCED`), taking the
 members' arguments in order and handing back their results in order (`getitem`s; the
 waits' and the weight issues' one dependency token), so that what reads them is
 unchanged. The offloading passes place a unit's transfers together (its stashes
 after its compute, its waits and loads before the compute step they serve), so a
 (block, sub-batch) unit's dozen saved tensors cost the step one op call per kind,
 and their nvme I/O one submission (`runtime/nvme_io.batched`: one `io_submit`, or one
-job of one I/O thread), not a dozen of each.
+job of one I/O thread), not a dozen of each; and a block visit's weights (its
+fetches stand together, after its issues) one `fetch_weight_many`, whatever the
+number of its weights, which loads a host group's run by one copy.
 
 Needs: the graph as the partitioned stage left it (the schedule, the memory model and
 the pictures read the single ops there; nothing after this pass reads transfers).
@@ -98,7 +101,8 @@ def coalesce_transfers(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
         first = run[0]
         with graph.inserting_before(first):
             group = graph.call_function(COALESCED[first.target], _group_args(run))
-        group.meta.update({key: value for key, value in first.meta.items() if key != "val"})
+        # Not the first member's inputs as traced: Inductor would hold the group's to them.
+        group.meta.update({key: value for key, value in first.meta.items() if key not in ("val", "eager_input_vals")})
         if first.target in _ONE_RESULT:
             group.meta["val"] = first.meta.get("val")
             for node in run:

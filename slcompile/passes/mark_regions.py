@@ -21,7 +21,9 @@ Guarantees:
 
 The lowering marks graphs it runs with `aot_eager`, and graphs whose regions
 Inductor calls as outlined subgraphs (`compile_regions`,
-`slcompile.passes.outline_regions`: the markers stay around each call). A marker
+`slcompile.passes.outline_regions`: the markers stay around each call), except on a
+CUDA machine under Inductor, where a marker would time the host issuing a region,
+not the GPU running it, at two host calls per (block, sub-batch) unit. A marker
 returns a token because, when `slc::mark` returned nothing, Inductor (torch 2.13)
 fused kernels of neighbouring regions across it while it freed a graph input where
 the unfused order last used it: the generated code deleted `primals_3` before the

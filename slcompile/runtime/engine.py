@@ -39,32 +39,37 @@ Guarantees:
 - The engine of an ``offload_dir`` (``get_engine``) lives while something holds
   it; once nothing does, its arena's directory is removed, its I/O threads stop
   and the tiers stop counting what its keys held.
-- On CUDA (not exercised on CPU machines): one persistent copy stream and events;
-  host-tier tensors and nvme staging live in one pinned ``HostPool`` sized from
-  the compiled plan (``reserve_host``) and grown by whole chunks; copies are
-  ``non_blocking``; ``wait`` makes the current stream wait on the copy's event.
-  Host copies are counted when issued.
+- On CUDA: one persistent copy stream and events; host-tier tensors and nvme
+  staging live in one pinned ``HostPool`` sized from the compiled plan
+  (``reserve_host``) and grown by whole chunks; copies are ``non_blocking``;
+  ``wait`` makes the current stream wait on the copy's event. Host copies are
+  counted when issued. A run stored onto the host together is one host group, and
+  a run of its loads one copy (``slcompile.runtime.host_copies``).
+- ``separate_host`` (default: ``SLC_SEPARATE_HOST=1`` in the environment) gives a
+  CPU machine's engine a host tier of its own memory, which loads and stores copy,
+  as a GPU machine's does (without streams or pinning): the host tier's path,
+  counted and testable on a CPU.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
 
 import torch
 
-from .cuda_copies import CudaCopies
 from .errors import (
     OffloadError,
     TransferFailedError,
     UnknownKeyError,
-    UnsupportedTensorError,
 )
 from .finalizing import when_safe
-from .handles import StoredTensor, TransferHandle, _Entry, normalize_key
+from .handles import StoredTensor, TransferHandle, _Entry, normalize_key, storable
+from .host_copies import HostCopies
 from .nvme import NvmeArena, NvmeSlot, PageBufferCache
 from .nvme_aio import aio_default
 from .nvme_transfers import NvmeTransfers
@@ -93,7 +98,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class TransferEngine(NvmeTransfers, CudaCopies):
+class TransferEngine(NvmeTransfers, HostCopies):
     """Moves tensors between the device, host and nvme tiers, asynchronously.
 
     Args:
@@ -111,6 +116,9 @@ class TransferEngine(NvmeTransfers, CudaCopies):
             reuse by later loads of the same size (0: none).
         checksums: Checksum nvme slots when written and verify them when read
             (``NvmeArena``; default: on unless ``SLC_CHECKSUMS=0``).
+        separate_host: On a CPU machine, keep the host tier in memory of its own
+            that loads and stores copy (default: ``SLC_SEPARATE_HOST=1``); a CUDA
+            machine's host tier always is.
         recorder: Where bytes, stalls and events are counted.
     """
 
@@ -125,6 +133,7 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         host_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         buffer_cache_bytes: int = 1 << 30,
         checksums: bool | None = None,
+        separate_host: bool | None = None,
         recorder: Recorder = RECORDER,
     ):
         self.offload_dir = offload_dir
@@ -143,6 +152,10 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         self._ids = itertools.count(1)
         self._buffers = PageBufferCache(buffer_cache_bytes)
         self._cuda = self.device.type == "cuda"
+        if separate_host is None:
+            separate_host = os.environ.get("SLC_SEPARATE_HOST", "0") == "1"
+        # Whether the host tier is memory of its own, which moves between it and the device copy.
+        self._host_copies = self._cuda or separate_host
         # One persistent copy stream: a new stream per call would cost a sync each time.
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         # Once nothing holds the engine (`get_engine`'s registry does not), the tiers
@@ -183,7 +196,7 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         with self._lock:
             if self._host_pool is None:
                 self._host_pool = HostPool(
-                    pin=True, chunk_bytes=self.host_chunk_bytes, limit_bytes=self.host_memory,
+                    pin=self._cuda, chunk_bytes=self.host_chunk_bytes, limit_bytes=self.host_memory,
                     on_growth=lambda growth: self._recorder.host_pinned(growth.pinned_bytes),
                 )
             return self._host_pool
@@ -198,7 +211,8 @@ class TransferEngine(NvmeTransfers, CudaCopies):
     ) -> HostPoolGrowth | None:
         """Sizes the pinned host pool for a compiled plan: ``nbytes`` more bytes free.
 
-        Nothing is pinned on a CPU-only machine, where the host tier copies nothing.
+        Nothing is reserved on a CPU-only machine, where the host tier copies nothing
+        (unless ``separate_host``: its pool is then ordinary memory).
 
         Args:
             nbytes: What the plan will hold on the host beyond what already rests there
@@ -214,7 +228,7 @@ class TransferEngine(NvmeTransfers, CudaCopies):
             HostPoolFullError: over ``host_memory`` or the memory could not be pinned;
                 the message names the bytes and the option.
         """
-        if not self._cuda or nbytes <= 0:
+        if not self._host_copies or nbytes <= 0:
             return None
         pool = self._pool()
         if host_memory is not None:
@@ -230,13 +244,14 @@ class TransferEngine(NvmeTransfers, CudaCopies):
 
     def copies_nothing(self, source: Tier | str, destination: Tier | str) -> bool:
         """True when a move between the two tiers keeps the same memory: the same
-        tier, or host and device on a CPU-only machine (host memory is device memory).
+        tier, or host and device on a CPU-only machine (host memory is device memory,
+        unless ``separate_host``).
         """
         source = source if source.__class__ is Tier else Tier(source)
         destination = destination if destination.__class__ is Tier else Tier(destination)
         if source is destination:
             return True
-        return not self._cuda and {source, destination} <= {Tier.DEVICE, Tier.HOST}
+        return not self._host_copies and {source, destination} <= {Tier.DEVICE, Tier.HOST}
 
     def tier_of(self, tensor: torch.Tensor) -> Tier:
         """The tier a tensor's memory belongs to: device if on the compute device,
@@ -297,17 +312,19 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         elif tier is Tier.NVME:
             self._store_nvme(handle, entry, source, reserved)
         elif tier is Tier.HOST:
-            self._store_host_cuda(handle, entry, source)
+            self._store_host_copy(handle, entry, source)
         else:
-            self._store_device_cuda(handle, entry, source)
+            self._store_device_copy(handle, entry, source)
         return handle
 
     def store_many(self, keys, tensors, tier: Tier | str, kind: TransferKind | str,
                    forget_source: bool = False) -> list[TransferHandle]:
-        """`store` of each (key, tensor), in order, onto one tier: on a CPU machine a
-        run onto the nvme tier takes consecutive slots of the arena and, where native
-        AIO takes it whole, is written by one I/O (`NvmeArena.write_run`); otherwise
-        the tensors are stored one by one.
+        """`store` of each (key, tensor), in order, onto one tier: a run onto a host
+        tier that copies is one host group (one range of the pool, whose members
+        `load_many` loads by one copy: `slcompile.runtime.host_copies`); on a CPU
+        machine a run onto the nvme tier takes consecutive slots of the arena and,
+        where native AIO takes it whole, is written by one I/O (`NvmeArena.write_run`);
+        otherwise the tensors are stored one by one.
 
         Raises:
             As `store`. A run written together raises before any of it is issued.
@@ -315,6 +332,9 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         tier = tier if tier.__class__ is Tier else Tier(tier)
         kind = kind if kind.__class__ is TransferKind else TransferKind(kind)
         keys = [normalize_key(key) for key in keys]
+        if tier is Tier.HOST and self._host_copies and len(keys) > 1:
+            sources = [self._prepare_source(key, tensor) for key, tensor in zip(keys, tensors)]
+            return self._store_host_group(keys, sources, kind)
         if tier is not Tier.NVME or self._cuda or len(keys) < 2:
             return [self.store(key, tensor, tier, kind, forget_source) for key, tensor in zip(keys, tensors)]
         sources = [self._prepare_source(key, tensor) for key, tensor in zip(keys, tensors)]
@@ -363,17 +383,18 @@ class TransferEngine(NvmeTransfers, CudaCopies):
     @property
     def batches_loads(self) -> bool:
         """Whether `load_many` issues loads together at a lower cost than one by one:
-        on a CUDA machine, the host tier's copies share one switch to the copy stream
-        and one event; on a CPU machine, the nvme tier's small reads (native AIO) are
-        counted and started as one run."""
-        return self._cuda or aio_default()
+        where the host tier copies, its copies share one switch to the copy stream and
+        one event, and a host group's members one copy; on a CPU machine, the nvme
+        tier's small reads (native AIO) are counted and started as one run."""
+        return self._host_copies or aio_default()
 
     def load_many(self, keys, kind: TransferKind | str | None = None) -> list[TransferHandle]:
-        """Issues loads of `keys` (as `load` does, in order) together: on a CUDA
-        machine the host tier's copies go to the copy stream in one switch and are
-        awaited by one event; on a CPU machine the nvme tier's small reads are counted
-        and started as one run (`_load_nvme_new_run`); other loads are issued one by
-        one.
+        """Issues loads of `keys` (as `load` does, in order) together: where the host
+        tier copies, its copies go to the copy stream in one switch and are awaited
+        by one event, the members of a host group that follow each other there by
+        one copy into one device buffer (`_load_host_together`); on a CPU machine the
+        nvme tier's small reads are counted and started as one run
+        (`_load_nvme_new_run`); other loads are issued one by one.
 
         Raises:
             UnknownKeyError, TransferFailedError: as `load` (the loads of the keys
@@ -386,7 +407,7 @@ class TransferEngine(NvmeTransfers, CudaCopies):
                     started.append(self._start_load(key, kind, None))
         finally:
             together = []
-            alone = not self._cuda and profiler_sees_buffers()  # see `_together`
+            alone = not self._host_copies and profiler_sees_buffers()  # see `_together`
             for handle, entry, pending_store in started:
                 if entry is None:
                     continue
@@ -394,19 +415,22 @@ class TransferEngine(NvmeTransfers, CudaCopies):
                     together.append((handle, entry))
                 else:
                     self._dispatch_load(handle, entry, pending_store, None)
-            if together and self._cuda:
-                self._load_host_cuda_together(together)
-            elif together:
-                self._load_nvme_new_run(together)
+            host = [load for load in together if load[1].tier is Tier.HOST]
+            if host:
+                self._load_host_together(host)
+            if len(host) < len(together):
+                self._load_nvme_new_run([load for load in together if load[1].tier is not Tier.HOST])
         return [handle for handle, _, _ in started]
 
     def _together(self, entry: _Entry, pending_store: TransferHandle | None) -> bool:
-        """Whether `load_many` issues this entry's load with the others: on a CUDA
-        machine from the host tier; on a CPU machine from a written nvme slot that
-        native AIO reads whole into new memory (never while the profiler is to see
-        the memory loads take: `load_many` asks that once)."""
+        """Whether `load_many` issues this entry's load with the others: from a host
+        tier that copies; on a CPU machine from a written nvme slot that native AIO
+        reads whole into new memory (never while the profiler is to see the memory
+        loads take: `load_many` asks that once)."""
+        if entry.tier is Tier.HOST:
+            return entry.host_block is not None
         if self._cuda:
-            return entry.tier is Tier.HOST and entry.host_block is not None
+            return False
         slot = entry.slot
         return (entry.tier is Tier.NVME and entry.error is None and slot is not None and slot.valid
                 and (pending_store is None or pending_store._finished) and 0 < entry.nbytes <= self._arena.aio_bytes)
@@ -447,7 +471,7 @@ class TransferEngine(NvmeTransfers, CudaCopies):
             else:
                 self._load_nvme(handle, entry, into)
         else:
-            self._load_host_cuda(handle, entry, into)
+            self._load_host_copy(handle, entry, into)
 
     def wait(self, handle: TransferHandle) -> torch.Tensor:
         """Blocks until ``handle``'s transfer is done; may be called again.
@@ -458,6 +482,15 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         Raises:
             OffloadError: whatever made the transfer fail.
         """
+        return self._wait(handle, None)
+
+    def wait_many(self, handles) -> list[torch.Tensor]:
+        """`wait` of each handle, in order; the compute stream waits once for each
+        distinct copy event (the loads `load_many` issued together share one)."""
+        waited: set[int] = set()
+        return [self._wait(handle, waited) for handle in handles]
+
+    def _wait(self, handle: TransferHandle, waited: set[int] | None) -> torch.Tensor:
         if not handle._finished:
             start = time.perf_counter()
             handle.wait_done()
@@ -466,8 +499,11 @@ class TransferEngine(NvmeTransfers, CudaCopies):
             handle._keep = None
         if handle._error is not None:
             raise handle._error
-        if handle._cuda_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(handle._cuda_event)
+        event = handle._cuda_event
+        if event is not None and (waited is None or id(event) not in waited):
+            torch.cuda.current_stream(self.device).wait_event(event)
+            if waited is not None:
+                waited.add(id(event))
         return handle._result
 
     def free(self, key: str | int) -> None:
@@ -581,34 +617,10 @@ class TransferEngine(NvmeTransfers, CudaCopies):
     # -- sources ---------------------------------------------------------------
 
     def _prepare_source(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        kind = type(tensor)
-        if kind is not torch.Tensor and kind is not torch.nn.Parameter:
-            if not isinstance(tensor, torch.Tensor):
-                raise _refuse(key, f"expected a torch.Tensor, got {kind.__name__}")
-            raise _refuse(key, f"tensor subclass {kind.__name__} has no plain storage to move")
-        if tensor.is_nested:
-            raise _refuse(key, "nested tensors are not supported")
-        if tensor.layout is not torch.strided:
-            raise _refuse(key, f"layout {tensor.layout} is not supported; only dense strided tensors")
-        if tensor.is_quantized:
-            raise _refuse(key, "quantized tensors are not supported")
-        device = tensor.device.type
-        if device != "cpu" and device != self.device.type:
-            raise _refuse(key, "meta tensors have no data" if device == "meta"
-                          else f"device {tensor.device} is neither the compute device nor the host")
-        # A tensor of a compiled graph needs no detach, a dispatched op on the hot path.
-        source = tensor.detach() if tensor.requires_grad or type(tensor) is not torch.Tensor else tensor
-        copied = False
-        if source.is_conj() or source.is_neg():
-            source = source.resolve_conj().resolve_neg()
-            copied = True
-        if not source.is_contiguous():
-            source = source.contiguous()
-            copied = True
+        source, copied = storable(key, tensor, self.device)
         if copied:
-            nbytes = source.numel() * source.element_size()
-            log.debug("made %r contiguous before storing it (%d bytes)", key, nbytes)
-            self._recorder.local_copy(nbytes)
+            log.debug("made %r contiguous before storing it (%d bytes)", key, copied)
+            self._recorder.local_copy(copied)
         return source
 
     # -- bookkeeping -----------------------------------------------------------
@@ -649,7 +661,10 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         if block is not None:
             if event is not None:
                 event.synchronize()
-            self._host_pool.release(block)
+            if entry.host_group is not None:
+                entry.host_group.release_member(self._host_pool)
+            else:
+                self._host_pool.release(block)
             self._recorder.resident_change(Tier.HOST, -entry.nbytes)
 
     def _fail_entry(self, entry: _Entry, error: OffloadError) -> None:
@@ -677,10 +692,6 @@ class TransferEngine(NvmeTransfers, CudaCopies):
         self._release_if_unused(entry)
         handle._finish(result, error)
 
-
-
-def _refuse(key: str, reason: str) -> UnsupportedTensorError:
-    return UnsupportedTensorError(f"cannot transfer this tensor: {reason}", key=key)
 
 
 def _uncount(entries: dict[str, _Entry], recorder: Recorder) -> None:

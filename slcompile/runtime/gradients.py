@@ -211,7 +211,10 @@ class GradientSink:
             result = self.engine.wait(handle)
             if self.shards is not None:
                 self.engine.wait(result)  # the reduce-scatter's result is the store of its shard
-            share = self.engine.wait(self.engine.load(key, TransferKind.GRADIENT))
+            if self.tier is Tier.HOST and not self.engine.copies_nothing(Tier.HOST, Tier.DEVICE):
+                share = self.engine.read_host(key)  # the consumer is on the host: no trip to the device and back
+            else:
+                share = self.engine.wait(self.engine.load(key, TransferKind.GRADIENT))
             self.engine.free(key)
             total = share if total is None else total + share
         return total

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import OffloadError
+from .errors import OffloadError, UnsupportedTensorError
 from .nvme_io import NvmeSlot
 from .tiers import HostBlock, Tier, TransferKind
 
-__all__ = ["TransferHandle", "StoredTensor", "normalize_key"]
+__all__ = ["TransferHandle", "StoredTensor", "normalize_key", "storable"]
 
 
 def normalize_key(key: str | int) -> str:
@@ -38,6 +38,44 @@ def normalize_key(key: str | int) -> str:
     if isinstance(key, int) and not isinstance(key, bool):
         return str(key)
     raise TypeError(f"transfer keys are str or int, got {type(key).__name__}")
+
+
+def storable(key: str, tensor: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(what a store of `tensor` under `key` writes, the bytes copied to make it): a
+    plain dense tensor on the CPU or `device` (the compute device), contiguous, its
+    conjugate and negative bits resolved (a tier stores values, not storage identity,
+    so a loaded tensor never aliases anything else).
+
+    Raises:
+        UnsupportedTensorError: a tensor no tier can hold, saying why.
+    """
+    def refuse(reason: str) -> UnsupportedTensorError:
+        return UnsupportedTensorError(f"cannot transfer this tensor: {reason}", key=key)
+
+    kind = type(tensor)
+    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+        if not isinstance(tensor, torch.Tensor):
+            raise refuse(f"expected a torch.Tensor, got {kind.__name__}")
+        raise refuse(f"tensor subclass {kind.__name__} has no plain storage to move")
+    if tensor.is_nested:
+        raise refuse("nested tensors are not supported")
+    if tensor.layout is not torch.strided:
+        raise refuse(f"layout {tensor.layout} is not supported; only dense strided tensors")
+    if tensor.is_quantized:
+        raise refuse("quantized tensors are not supported")
+    if tensor.device.type != "cpu" and tensor.device.type != device.type:
+        raise refuse("meta tensors have no data" if tensor.device.type == "meta"
+                     else f"device {tensor.device} is neither the compute device nor the host")
+    # A tensor of a compiled graph needs no detach, a dispatched op on the hot path.
+    source = tensor.detach() if tensor.requires_grad or kind is not torch.Tensor else tensor
+    copied = False
+    if source.is_conj() or source.is_neg():
+        source = source.resolve_conj().resolve_neg()
+        copied = True
+    if not source.is_contiguous():
+        source = source.contiguous()
+        copied = True
+    return source, source.numel() * source.element_size() if copied else 0
 
 
 @dataclass(frozen=True)
@@ -161,7 +199,7 @@ class _Entry:
 
     __slots__ = (
         "key", "tier", "kind", "shape", "dtype", "nbytes", "slot", "tensor",
-        "host_block", "store_handle", "error", "readers", "retired", "last_event",
+        "host_block", "store_handle", "error", "readers", "retired", "last_event", "host_group", "host_offset",
     )
 
     def __init__(self, key, tier, kind, shape, dtype, nbytes):
@@ -179,6 +217,10 @@ class _Entry:
         self.readers = 0
         self.retired = False
         self.last_event = None
+        # A member of a host group (`slcompile.runtime.host_copies`): the group, and
+        # where in its range the entry's bytes start.
+        self.host_group = None
+        self.host_offset = 0
 
 
 def _typed_view(buffer: torch.Tensor, entry: _Entry) -> torch.Tensor:

@@ -5,7 +5,7 @@ its public ``store``/``load`` and the ``NvmeArena`` (``slcompile.runtime.nvme``)
 I/O threads do the reads and writes.
 
 Needs: the engine's ``_get_arena``/``_arena``, ``_buffers`` (the ``PageBufferCache``),
-``_pool()`` and the CUDA copies (``CudaCopies``) on a CUDA machine, ``_recorder`` and
+``_pool()`` and the host copies (``HostCopies``) on a CUDA machine, ``_recorder`` and
 its bookkeeping (``_install``, ``_fail_entry``, ``_release_if_unused``,
 ``_load_finished``, ``_track_delivered``).
 

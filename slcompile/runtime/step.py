@@ -45,12 +45,13 @@ class StepRuntime:
         self.stash: ActivationStash | None = None
         self.sink: GradientSink | None = None
 
-    def start(self, weights: Sequence[tuple[str, torch.Tensor, str]], gradients=None) -> None:
-        """Makes the runtime objects and moves the streamed weights to their tier.
+    def start(self, blocks: Sequence[Sequence[tuple[str, torch.Tensor, str]]], gradients=None) -> None:
+        """Makes the runtime objects and moves the streamed weights to their tier,
+        each block's together (`WeightStreamer.offload_block`).
 
         Args:
-            weights: (stored key, parameter, its name) of each streamed weight, in
-                the blocks' order.
+            blocks: per block, in the blocks' order, (stored key, parameter, its
+                name) of each streamed weight it reads, in the order it reads them.
             gradients: the compiled backward's `GradientReport` (which gradients
                 each block stores), when the plan has a sink.
         """
@@ -64,6 +65,7 @@ class StepRuntime:
             from slcompile.runtime.collectives import shard_group
 
             shards = shard_group()
+        weights = [weight for block in blocks for weight in block]
         if shards is not None:
             # Before the sink: an offloaded optimizer prepares shard-sized copies.
             mark_sharded([param for _, param, _ in weights], shards)
@@ -80,5 +82,5 @@ class StepRuntime:
             if gradients is not None:
                 # The offloaded optimizer copies the weights while they still hold their values.
                 self.sink.expect(gradients)
-        for key, param, name in weights:
-            self.streamer.offload(key, param, name)
+        for block in blocks:
+            self.streamer.offload_block(block)

@@ -45,9 +45,12 @@ module keeps the weights and implements both ops.
 - `gathered_weights(model)` (`slcompile.runtime.gathering`) brings the values back
   into the parameters for code that reads them directly (an optimizer step,
   `state_dict()`), then offloads them again, all or none: the room for the new
-  values is reserved on entry, so a full disk raises there, before the block changes anything, and the new values are written
-  beside the old ones, which they replace only once all are written
-  (`update_weights`). It first drops pending loads, so no stale value is ever read.
+  values is reserved on entry, so a full disk raises there, before the block changes
+  anything, and the new values are written beside the old ones, which they replace
+  only once all are written (`update_weights`); on a host tier that copies they are
+  written into the old ones' memory once all are ready (nothing there can run out
+  of room), so each weight keeps its address. It first drops pending loads, so no
+  stale value is ever read.
 - Sharded (`shards`, a `slcompile.runtime.collectives.ShardGroup`): the tier holds this
   rank's shard of each weight; an issue loads it and all-gathers the full weight on
   the group's communication thread (a prefetch overlaps both with compute), and
@@ -90,6 +93,7 @@ from slcompile.vocabulary import WeightKey
 __all__ = [
     "WeightStreamer", "stored_key_for", "mark_sharded", "weight_home", "update_weights",
     "stage_weights", "commit_weights", "discard_weights", "StagedWeight", "drain_prefetches", "shard_group_of",
+    "fetch_weight_many",
     "release", "restore", "parameter_name", "forget_weights",
 ]
 
@@ -387,21 +391,37 @@ class WeightStreamer:
 
 
     def offload(self, stored_key: str, param: torch.Tensor, name: str | None = None) -> None:
-        """Stores `param`'s values (this rank's shard when sharded) and releases its
-        storage; a parameter already offloaded (a graph compiled again) is left as it
-        is. `name` (the parameter's, for messages) defaults to `stored_key`."""
-        self.shapes[stored_key] = param.shape
-        self.dtypes[stored_key] = param.dtype
-        with _REGISTRY_LOCK:
-            owner = _OWNERS.get(param)
-        if owner is not None:
-            self.homes[owner[1]] = owner[0]
+        """`offload_block` of one parameter."""
+        self.offload_block([(stored_key, param, name or stored_key)])
+
+    def offload_block(self, members) -> None:
+        """Stores the values of a block's parameters (this rank's shards when sharded)
+        together (`TransferEngine.store_many`) and releases their storage; a
+        parameter already offloaded (a graph compiled again) is left as it is.
+
+        Args:
+            members: (stored key, parameter, its name for messages) of each, in the
+                order the block reads them (a visit's loads follow it).
+        """
+        fresh = []
+        for stored_key, param, name in members:
+            self.shapes[stored_key] = param.shape
+            self.dtypes[stored_key] = param.dtype
+            with _REGISTRY_LOCK:
+                owner = _OWNERS.get(param)
+            if owner is not None:
+                self.homes[owner[1]] = owner[0]
+            else:
+                fresh.append((stored_key, param, name))
+        if not fresh:
             return
-        values = param.detach() if self.shards is None else self.shards.shard(param)
-        self.engine.wait(self.engine.store(stored_key, values, self.tier, TransferKind.WEIGHT))
-        release(param, name or stored_key, self.tier)
-        with _REGISTRY_LOCK:
-            _OWNERS[param] = (self.engine, stored_key, self.tier)
+        values = [param.detach() if self.shards is None else self.shards.shard(param) for _, param, _ in fresh]
+        handles = self.engine.store_many([key for key, _, _ in fresh], values, self.tier, TransferKind.WEIGHT)
+        self.engine.wait_many(handles)
+        for stored_key, param, name in fresh:
+            release(param, name, self.tier)
+            with _REGISTRY_LOCK:
+                _OWNERS[param] = (self.engine, stored_key, self.tier)
 
     # -- at run time ------------------------------------------------------
     def issue(self, key: WeightKey, *, gather: bool = True, graph_key: str | None = None) -> None:
@@ -441,6 +461,29 @@ class WeightStreamer:
         if self.shards.world_size > 1:  # one rank's weight is its shard's memory
             _release_shard(engine, load)
         return weight
+
+    def fetch_many(self, keys: list[WeightKey], graph_keys: list[str]) -> list[torch.Tensor]:
+        """`fetch` of each key, as one: the loads not issued yet are issued together
+        (`TransferEngine.load_many`: one copy of a host group's run), and the compute
+        stream waits once per copy event. Sharded weights are fetched one by one."""
+        if self.shards is not None:
+            return [self.fetch(key, graph_key) for key, graph_key in zip(keys, graph_keys)]
+        with self.lock:
+            if self.queued:
+                self._issue_queued()
+            handles = [self.pending.pop(graph_key, None) for graph_key in graph_keys]
+        engines = [self._engine_of(key.stored) for key in keys]
+        missing: dict[int, tuple[TransferEngine, list[int]]] = {}
+        for index, handle in enumerate(handles):
+            if handle is None:
+                missing.setdefault(id(engines[index]), (engines[index], []))[1].append(index)
+        for engine, indices in missing.values():
+            loads = engine.load_many([keys[i].stored for i in indices], TransferKind.WEIGHT)
+            for index, handle in zip(indices, loads):
+                handles[index] = handle
+        if all(engine is engines[0] for engine in engines):
+            return engines[0].wait_many(handles)
+        return [engine.wait(handle) for engine, handle in zip(engines, handles)]
 
     def _gather(self, key: WeightKey, load: TransferHandle) -> TransferHandle:
         """The all-gather of the weight whose shard `load` brings, into a buffer
@@ -556,6 +599,16 @@ def fetch_weight(param: torch.Tensor, key: str) -> torch.Tensor:
     return _streamer_of(parsed).fetch(parsed, graph_key=graph_key)
 
 
+def fetch_weight_many(params: list[torch.Tensor], keys: list[str]) -> list[torch.Tensor]:
+    """`fetch_weight` of each (param, key), as one call: a block visit's fetches
+    (one streamer's, as `coalesce_transfers` groups them)."""
+    parsed = [_parsed_key(key) for key in keys]
+    streamer = _streamer_of(parsed[0][0])
+    if any(key.streamer != streamer.name for key, _ in parsed):
+        return [fetch_weight(param, key) for param, key in zip(params, keys)]
+    return streamer.fetch_many([key for key, _ in parsed], [graph_key for _, graph_key in parsed])
+
+
 def shard_group_of(param: torch.Tensor):
     """The `ShardGroup` a parameter's weight is sharded over; None when it is not."""
     with _REGISTRY_LOCK:
@@ -588,19 +641,32 @@ def update_weights(updates: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 class StagedWeight(NamedTuple):
     """New values of an offloaded weight, written under a staging key beside the
-    weight's own (which still holds the previous values) until `commit_weights`."""
+    weight's own (which still holds the previous values) until `commit_weights`; or,
+    on a host tier that copies, held (`values`, `staging_key` None) until
+    `commit_weights` writes them into the weight's own memory."""
 
     engine: TransferEngine
     stored_key: str
-    staging_key: str
+    staging_key: str | None
+    values: torch.Tensor | None = None
+
+
+def _in_place(engine: TransferEngine, tier: Tier) -> bool:
+    """Whether a weight on `tier` is updated in its own memory: on a host tier that
+    copies (pinned memory on a GPU machine), whose addresses copies captured in a
+    CUDA graph read, and where writing cannot run out of room."""
+    return tier is Tier.HOST and not engine.copies_nothing(Tier.HOST, Tier.DEVICE)
 
 
 def stage_weights(updates: list[tuple[torch.Tensor, torch.Tensor]], reserved=None) -> list[StagedWeight]:
     """The first half of `update_weights`: writes every new value under a staging key
-    and waits for all of them; the weights' keys still hold the previous values.
+    and waits for all of them; the weights' keys still hold the previous values. A
+    weight updated in place (a host tier that copies) keeps its values in the record
+    until `commit_weights`.
 
     Args:
-        updates: (parameter, its new values).
+        updates: (parameter, its new values); keep the values of a weight updated in
+            place unchanged until `commit_weights`.
         reserved: for each update, room reserved for it (`TransferEngine.reserve`)
             or None; the caller gives back what no store used.
 
@@ -616,13 +682,17 @@ def stage_weights(updates: list[tuple[torch.Tensor, torch.Tensor]], reserved=Non
             if home is None:
                 raise KeyError("update_weights: the parameter is not offloaded")
             engine, stored_key, tier = home
+            if _in_place(engine, tier):
+                stores.append((StagedWeight(engine, stored_key, None, values.detach()), None))
+                continue
             staging = f"{stored_key}~update"
             tried.append((engine, staging))
             handle = engine.store(staging, values.detach(), tier, TransferKind.WEIGHT,
                                   reserved=reserved[number] if reserved else None)
             stores.append((StagedWeight(engine, stored_key, staging), handle))
         for staged, handle in stores:
-            staged.engine.wait(handle)
+            if handle is not None:
+                staged.engine.wait(handle)
     except BaseException:
         for engine, staging in tried:
             if staging in engine:
@@ -632,12 +702,16 @@ def stage_weights(updates: list[tuple[torch.Tensor, torch.Tensor]], reserved=Non
 
 
 def commit_weights(staged: list[StagedWeight]) -> None:
-    """Puts staged values in place of the weights' (renames: no I/O, nothing that can
-    run out of room) and issues again loads of them issued before."""
+    """Puts staged values in place of the weights' (renames, or copies into a host
+    weight's own memory: nothing that can run out of room) and issues again loads of
+    them issued before."""
     with _REGISTRY_LOCK:
         streamers = list(_STREAMERS.values())
-    for engine, stored_key, staging in staged:
-        engine.rename(staging, stored_key)
+    for engine, stored_key, staging, values in staged:
+        if staging is None:
+            engine.overwrite(stored_key, values, TransferKind.WEIGHT)
+        else:
+            engine.rename(staging, stored_key)
         stale = sum(streamer.reissue(stored_key) for streamer in streamers)
         if stale:
             log.debug("update_weights: %d prefetched loads of %r were stale and are issued again", stale, stored_key)
@@ -645,12 +719,13 @@ def commit_weights(staged: list[StagedWeight]) -> None:
 
 def discard_weights(staged: list[StagedWeight]) -> None:
     """Drops staged values: the weights keep their previous ones."""
-    for engine, _, staging in staged:
-        if staging in engine:
+    for engine, _, staging, _ in staged:
+        if staging is not None and staging in engine:
             engine.free(staging)
 
 ops.implement("fetch_issue", fetch_issue)
 ops.implement("fetch_weight", fetch_weight)
+ops.implement("fetch_weight_many", fetch_weight_many)
 
 
 def forget_weights(model: torch.nn.Module) -> int:

@@ -111,7 +111,7 @@ t_7: None 32 B, last fwd use ('suffix', None, 1), first bwd use None, stays: a g
 
     # The stash the plan names, as a compiled step makes it when it starts.
     runtime = StepRuntime(None, stash, None)
-    runtime.start(weights=())
+    runtime.start(blocks=())
     outputs = torch.fx.Interpreter(forward).run(*state.example_inputs)
     loss, saved_values = outputs[0], outputs[1:]
     grads = torch.fx.Interpreter(backward).run(*saved_values, torch.ones_like(loss))

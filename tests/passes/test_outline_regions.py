@@ -71,9 +71,10 @@ def test_outline_regions_leaves_a_graph_without_block_regions():
     assert outline_regions(torch.fx.symbolic_trace(torch.nn.Linear(2, 2))) is None
 
 
-def _compiled_stage(forward, monkeypatch, disable=""):
+def _compiled_stage(forward, monkeypatch, disable="", device="cpu"):
     """The compiled stage of the pass table on `forward`, as Inductor's lowering runs
-    it: (the step state, the passes run)."""
+    it on a `device` machine: (the step state, the passes run)."""
+    from slcompile.analysis.machine import MachineFacts
     from slcompile.backends.lowering import StepPlan
     from slcompile.config import SpeedLoaderConfig
     from slcompile.passes.manager import PassLog
@@ -81,7 +82,8 @@ def _compiled_stage(forward, monkeypatch, disable=""):
     from slcompile.report import CompileReport
 
     monkeypatch.setenv("SLC_DISABLE", disable)
-    plan = StepPlan(block_positions={0: 0, 1: 1}, num_subbatches=2, compile_regions=True)
+    plan = StepPlan(block_positions={0: 0, 1: 1}, num_subbatches=2, compile_regions=True,
+                    machine=MachineFacts(device=device))
     report = CompileReport(SpeedLoaderConfig.from_options({"num_subbatches": 2, "lowering": "inductor"}))
     step = StepState(plan, report, {"forward": forward}, kind="forward", lowering="inductor")
     log = PassLog()
@@ -97,6 +99,14 @@ def test_the_pass_table_outlines_marked_graphs(partitioned, monkeypatch):
     assert step.graphs["forward"] is not forward
     assert step.report.regions["forward"] == step.results.compile_regions
     assert (step.results.drop_marks, _marks(step.graphs["forward"])) == (0, 18)
+
+
+def test_a_cuda_machine_under_inductor_gets_no_markers(partitioned, monkeypatch):
+    # Two host calls a (block, sub-batch) unit, timing when the host issued a region.
+    forward, _, _ = partitioned()
+    step, _ = _compiled_stage(forward, monkeypatch, device="cuda")
+    assert step.results.mark_regions is None and _marks(step.graphs["forward"]) == 0
+    assert step.report.regions["forward"] == step.results.compile_regions
 
 
 def test_a_graph_lowered_flat_loses_its_markers(partitioned, monkeypatch, caplog):

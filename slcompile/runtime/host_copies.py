@@ -1,0 +1,316 @@
+"""The transfer engine's copies where the host tier is memory of its own: through
+one copy stream on a CUDA machine; as plain copies on a CPU machine whose engine
+keeps a separate host tier (``separate_host``: the same path, testable without a GPU).
+
+Where it sits: a part of ``TransferEngine`` (``slcompile.runtime.engine``), which
+calls these methods for the host and device tiers when ``_host_copies`` is set and,
+through ``_copy_to_host``/``_copy_from_host``, for the staging of nvme transfers on
+a CUDA machine.
+
+Needs: the engine's ``device``, ``_cuda``, ``_copy_stream`` (one persistent stream,
+None on a CPU), ``_pool()`` (the host pool: pinned on a CUDA machine), ``_recorder``
+and its bookkeeping (``_install``, ``_load_finished``, ``_track_delivered``).
+
+Guarantees:
+- On a CUDA machine copies are ``non_blocking`` on the copy stream, which first
+  waits for the compute stream; each transfer's handle carries the event its
+  ``wait`` makes the compute stream wait on. Results are allocated on the compute
+  stream, where they are used and freed. On a CPU machine a copy is done when issued.
+- Host groups: tensors stored onto the host together (``store_many``, as a block's
+  weights are) share one range of the pool, each at the next 16-byte boundary after
+  the one before (``group_layout``: what Triton kernels assume of a tensor's start,
+  and how FSDP pads the parameters it flattens). Loads of members of one group that
+  follow each other there (a block visit's weights, ``load_many``) are one copy into
+  one device buffer, and each member's result is a view of it: a visit costs one
+  allocation, one copy and one event, whatever the number of its weights.
+- ``overwrite`` writes new values into a host entry's own bytes, after the copies
+  that read them: the entry keeps its address (a captured copy from it stays valid);
+  ``read_host`` reads an entry there, for a consumer on the host.
+- Bytes are counted per key, its logical size; residency likewise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from .errors import OffloadError, TransferFailedError, UnknownKeyError
+from .handles import TransferHandle, _Entry, _typed_view, normalize_key
+from .ranges import round_up
+from .tiers import HostBlock, HostPool, Tier, TransferKind
+
+__all__ = ["HostCopies", "HostGroup", "group_layout", "GROUP_ALIGNMENT"]
+
+GROUP_ALIGNMENT = 16
+"""Bytes a host group's members are aligned to, from the group's start."""
+
+
+def group_layout(sizes) -> tuple[list[int], int]:
+    """(each member's offset, the group's bytes) of members of `sizes` bytes laid out
+    in order, each at the next `GROUP_ALIGNMENT` boundary."""
+    offsets, end = [], 0
+    for nbytes in sizes:
+        offset = round_up(end, GROUP_ALIGNMENT)
+        offsets.append(offset)
+        end = offset + nbytes
+    return offsets, end
+
+
+class HostGroup:
+    """One pool range shared by the host entries of a group; given back to the pool
+    when the last of them is released."""
+
+    __slots__ = ("block", "members")
+
+    def __init__(self, block: HostBlock, members: int):
+        self.block = block
+        self.members = members
+
+    def release_member(self, pool: HostPool) -> None:
+        self.members -= 1
+        if self.members == 0:
+            pool.release(self.block)
+
+
+class HostCopies:
+    """The host- and device-tier transfers of ``TransferEngine`` where the host tier
+    copies (see the module docstring)."""
+
+    # -- the copy stream (a CUDA machine) or none (a CPU machine) -------------
+
+    def _copying(self):
+        """The context copies are issued in: the copy stream, after the work the
+        compute stream issued so far."""
+        if not self._cuda:
+            return contextlib.nullcontext()
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._copy_stream)
+
+    def _copies_done(self):
+        """What a reader waits on before using what the copies issued so far wrote:
+        an event of the copy stream; None on a CPU, where a copy is done when issued."""
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._copy_stream)
+        return event
+
+    # -- the nvme staging of a CUDA machine ------------------------------------
+
+    def _copy_to_host(self, source: torch.Tensor, block: HostBlock, entry: _Entry):
+        with self._copying():
+            _typed_view(block.buffer, entry).copy_(source, non_blocking=True)
+            return self._copies_done()
+
+    def _copy_from_host(self, result: torch.Tensor, block: HostBlock, entry: _Entry, *, wait: bool):
+        with torch.cuda.stream(self._copy_stream):
+            result.copy_(_typed_view(block.buffer, entry), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        if wait:
+            event.synchronize()
+        return event
+
+    # -- stores ---------------------------------------------------------------
+
+    def _store_host_copy(self, handle, entry, source) -> None:
+        block = self._pool().allocate(entry.nbytes, handle.key)
+        self._recorder.resident_change(Tier.HOST, entry.nbytes)
+        event = self._copy_to_host(source, block, entry)
+        entry.host_block, entry.last_event = block, event
+        handle._cuda_event = event
+        self._install(entry)
+        self._stored(handle, entry, Tier.HOST)
+        handle._finish(source, None)
+
+    def _store_host_group(self, keys: list[str], sources: list[torch.Tensor], kind) -> list[TransferHandle]:
+        """Stores of a run onto the host as one group: one pool range, one event."""
+        handles, entries = [], []
+        for key, source in zip(keys, sources):
+            nbytes = source.numel() * source.element_size()
+            handles.append(TransferHandle(next(self._ids), key, kind, self.tier_of(source), Tier.HOST, nbytes, "store"))
+            entries.append(_Entry(key, Tier.HOST, kind, tuple(source.shape), source.dtype, nbytes))
+        offsets, total = group_layout([entry.nbytes for entry in entries])
+        block = self._pool().allocate(total, keys[0])
+        group = HostGroup(block, len(entries))
+        self._recorder.resident_change(Tier.HOST, sum(entry.nbytes for entry in entries))
+        with self._copying():
+            for entry, source, offset in zip(entries, sources, offsets):
+                entry.host_block = HostBlock(None, block.buffer[offset:offset + entry.nbytes], block.chunk)
+                entry.host_group, entry.host_offset = group, offset
+                _typed_view(entry.host_block.buffer, entry).copy_(source, non_blocking=True)
+            event = self._copies_done()
+        for handle, entry, source in zip(handles, entries, sources):
+            entry.last_event = event
+            handle._cuda_event = event
+            self._install(entry)
+            self._stored(handle, entry, Tier.HOST)
+            handle._finish(source, None)
+        return handles
+
+    def _store_device_copy(self, handle, entry, source) -> None:
+        # Allocated on the compute stream, which is where it will be used and freed.
+        result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+        with self._copying():
+            result.copy_(source, non_blocking=True)
+            event = self._copies_done()
+        entry.tensor = result
+        handle._cuda_event = event
+        self._recorder.resident_change(Tier.DEVICE, entry.nbytes)
+        self._install(entry)
+        self._stored(handle, entry, Tier.DEVICE)
+        handle._finish(result, None)
+
+    def _stored(self, handle, entry, tier: Tier) -> None:
+        now = time.perf_counter()
+        self._recorder.transfer_finished((handle.kind, handle.source, tier), entry.nbytes, now, now, "store",
+                                         handle.label)
+
+    def overwrite(self, key: str | int, values: torch.Tensor, kind: TransferKind | str | None = None) -> None:
+        """Writes `values` into the memory a host-tier key rests in, in place, once the
+        loads that read it are done: its address stays (what is loaded from it later,
+        copies captured in a CUDA graph included, reads the new values). Nothing is
+        allocated, so nothing can run out of room. Counted as a store.
+
+        Raises:
+            UnknownKeyError: nothing is stored under ``key``.
+            ValueError: ``key`` does not rest in host memory of its own (another
+                tier, or a host tier that copies nothing), or `values` differ in
+                dtype or number of elements.
+        """
+        key = normalize_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise UnknownKeyError("cannot overwrite: nothing is stored under this key", key=key)
+            self._overwrite_host(entry, values.detach(), entry.kind if kind is None else TransferKind(kind))
+
+    def read_host(self, key: str | int) -> torch.Tensor:
+        """A copy in host memory of what a key resting in host memory of its own holds,
+        read there, once the copies writing it are done: for a consumer on the host
+        (an offloaded optimizer's gradients), with no trip to the device and back.
+        Counted as a local copy.
+
+        Raises:
+            UnknownKeyError: nothing is stored under ``key``.
+            ValueError: ``key`` does not rest in host memory of its own.
+        """
+        key = normalize_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise UnknownKeyError("cannot read: nothing is stored under this key", key=key)
+            return self._read_host(entry)
+
+    def _overwrite_host(self, entry: _Entry, values: torch.Tensor, kind) -> None:
+        """`TransferEngine.overwrite` of `entry` (the caller holds the engine's lock)."""
+        if entry.host_block is None:
+            raise ValueError(f"overwrite({entry.key!r}): only a key resting in host memory of its own is written in "
+                             f"place; this one rests on the {entry.tier.value} tier")
+        if values.dtype != entry.dtype or values.numel() * values.element_size() != entry.nbytes:
+            raise ValueError(f"overwrite({entry.key!r}): {values.dtype} values of {values.numel()} elements for a "
+                             f"{entry.dtype} tensor of shape {entry.shape}")
+        if entry.last_event is not None:  # copies still reading the old values
+            entry.last_event.synchronize()
+        with self._copying():
+            _typed_view(entry.host_block.buffer, entry).copy_(values.reshape(entry.shape), non_blocking=True)
+            event = self._copies_done()
+        if event is not None:
+            event.synchronize()  # the caller may change `values` once this returns
+        entry.last_event = None
+        now = time.perf_counter()
+        self._recorder.transfer_finished((kind, self.tier_of(values), Tier.HOST), entry.nbytes, now, now, "store",
+                                         f"{kind.value} {entry.key} overwrite")
+
+    def _read_host(self, entry: _Entry) -> torch.Tensor:
+        """`TransferEngine.read_host` of `entry` (the caller holds the engine's lock)."""
+        if entry.host_block is None:
+            raise ValueError(f"read_host({entry.key!r}): the key rests on the {entry.tier.value} tier, not in host "
+                             "memory of its own")
+        if entry.last_event is not None:  # the store writing it
+            entry.last_event.synchronize()
+        self._recorder.local_copy(entry.nbytes)
+        return _typed_view(entry.host_block.buffer, entry).clone()
+
+    # -- loads ----------------------------------------------------------------
+
+    def _load_host_copy(self, handle, entry, into=None) -> None:
+        try:
+            result = into
+            if result is None:
+                # Allocated on the compute stream, which is where it will be used and freed.
+                result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+                self._track_delivered(result, Tier.DEVICE, entry.nbytes)
+            with self._copying():
+                source = _typed_view(entry.host_block.buffer, entry) if entry.host_block is not None else entry.tensor
+                result.copy_(source, non_blocking=True)
+                event = self._copies_done()
+            entry.last_event = event
+            handle._cuda_event = event
+            self._loaded(handle, entry)
+            self._load_finished(handle, entry, result, None)
+        except OffloadError as error:
+            self._load_finished(handle, entry, None, error)
+            raise
+
+    def _load_host_together(self, loads: list[tuple[TransferHandle, _Entry]]) -> None:
+        """Host-tier loads issued as one: members of one host group that follow each
+        other there are one copy into one device buffer (each result a view of it),
+        the others one copy each; one switch to the copy stream and one event for
+        all of them."""
+        results: dict[int, torch.Tensor] = {}
+        try:
+            runs = _runs(loads)
+            with self._copying():
+                for run in runs:
+                    first, last = run[0][1], run[-1][1]
+                    if first.host_group is None:
+                        result = torch.empty(first.shape, dtype=first.dtype, device=self.device)
+                        self._track_delivered(result, Tier.DEVICE, first.nbytes)
+                        result.copy_(_typed_view(first.host_block.buffer, first), non_blocking=True)
+                        results[id(run[0][0])] = result
+                        continue
+                    start, end = first.host_offset, last.host_offset + last.nbytes
+                    flat = torch.empty(end - start, dtype=torch.uint8, device=self.device)
+                    self._track_delivered(flat, Tier.DEVICE, sum(entry.nbytes for _, entry in run))
+                    flat.copy_(first.host_group.block.buffer[start:end], non_blocking=True)
+                    for handle, entry in run:
+                        offset = entry.host_offset - start
+                        results[id(handle)] = _typed_view(flat[offset:offset + entry.nbytes], entry)
+                event = self._copies_done()
+        except Exception as error:  # noqa: BLE001 - every load must finish
+            failure = error if isinstance(error, OffloadError) else \
+                TransferFailedError(f"load could not start: {error!r}", key=loads[0][0].key)
+            for handle, entry in loads:
+                self._load_finished(handle, entry, None, failure)
+            raise failure from error
+        for handle, entry in loads:
+            entry.last_event = event
+            handle._cuda_event = event
+            self._loaded(handle, entry)
+            self._load_finished(handle, entry, results[id(handle)], None)
+
+    def _loaded(self, handle, entry) -> None:
+        now = time.perf_counter()
+        self._recorder.transfer_finished((handle.kind, Tier.HOST, Tier.DEVICE), entry.nbytes, now, now, "load",
+                                         handle.label)
+
+
+def _runs(loads: list[tuple[TransferHandle, _Entry]]) -> list[list[tuple[TransferHandle, _Entry]]]:
+    """The loads as runs that one copy serves: members of one host group that follow
+    each other in it (in the group's order, whatever the order asked), or one load."""
+    grouped = sorted((load for load in loads if load[1].host_group is not None),
+                     key=lambda load: (id(load[1].host_group), load[1].host_offset))
+    runs = [[load] for load in loads if load[1].host_group is None]
+    for load in grouped:
+        entry = load[1]
+        if runs and runs[-1][0][1].host_group is entry.host_group:
+            before = runs[-1][-1][1]
+            if before is not entry and round_up(before.host_offset + before.nbytes, GROUP_ALIGNMENT) \
+                    == entry.host_offset:
+                runs[-1].append(load)
+                continue
+        runs.append([load])
+    return runs
