@@ -19,6 +19,7 @@ Usage:
     python -m bench soak [--steps 1000]       # bench/soak_bench.py
     python -m bench gpu [--small|--cpu-smoke] # bench/gpu_bench.py (CUDA)
     python -m bench gpu --check [--out DIR]   # bench/gpu_check.py: the CUDA validation in one command
+    python -m bench gpu --product [--only E0,E1,E2]   # bench/gpu_product.py: the product benchmark (CUDA)
     python -m bench all [--quick] [--only train,io]
 
 A single scenario runs its script with the arguments given after its name, as
@@ -103,9 +104,13 @@ SCENARIOS = (
     Scenario("gpu_check", "gpu_check.py", (), ("--cpu-smoke",),
              "the CUDA validation in one command (also `gpu --check`): cuda_check tests, then the gpu rows that "
              "decide the goals, one JSON and plot, within --budget-s (needs CUDA)", out_is_dir=True),
+    Scenario("gpu_product", "gpu_product.py", (), ("--cpu-smoke",),
+             "the product benchmark (also `gpu --product`): Llama layers of hidden 4096 at sequence 2048, resident "
+             "Inductor vs weights on host, and 5 B parameters beyond a device cap vs FSDP2 CPU offload, with MFU "
+             "(needs CUDA)"),
 )
 # Scenarios `all` runs unless --only names them: they need hardware this machine may lack.
-NEEDS_CUDA = ("gpu", "gpu_check")
+NEEDS_CUDA = ("gpu", "gpu_check", "gpu_product")
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
 
 
@@ -211,6 +216,9 @@ def main() -> None:
     if argv[:1] == ["gpu"] and "--check" in argv[1:]:
         # `gpu --check`: the whole CUDA validation (bench/gpu_check.py), not the full table.
         argv = ["gpu_check", *(arg for arg in argv[1:] if arg != "--check")]
+    elif argv[:1] == ["gpu"] and "--product" in argv[1:]:
+        # `gpu --product`: the product benchmark (bench/gpu_product.py).
+        argv = ["gpu_product", *(arg for arg in argv[1:] if arg != "--product")]
     if argv and argv[0] in BY_NAME:
         # Everything after the scenario's name belongs to its script.
         scenario = BY_NAME[argv[0]]

@@ -165,7 +165,9 @@ def tier_bytes(bytes_moved) -> dict:
 
 
 def fsdp2_cpu_offload(model, device):
-    """Wraps ``model`` with FSDP2 and CPU offload in a one-process group.
+    """Wraps ``model`` with FSDP2 and CPU offload in a one-process group. The
+    offloaded parameters are pinned on a CUDA device, as ``CPUOffloadPolicy()`` does;
+    on the CPU, where pinning needs an accelerator, they are not (a smoke run).
 
     Raises:
         RuntimeError: torch.distributed cannot make a one-process group here, or
@@ -180,9 +182,10 @@ def fsdp2_cpu_offload(model, device):
     if not dist.is_initialized():
         store = dist.FileStore(tempfile.mktemp(prefix="slc-gpu-bench-store-"), 1)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for layer in model.model.layers:
-        fully_shard(layer, offload_policy=CPUOffloadPolicy())
-    fully_shard(model, offload_policy=CPUOffloadPolicy())
+        fully_shard(layer, offload_policy=policy)
+    fully_shard(model, offload_policy=policy)
     return model
 
 

@@ -238,15 +238,16 @@ def run_tests(args, out: str, clock: Clock, device: str) -> dict:
     return step
 
 
-def run_row(spec: dict, timeout_s: float) -> dict:
-    """One bench row in its own process (gpu_bench.py --row), with a fresh Inductor and
+def run_row(spec: dict, timeout_s: float, script: str = "gpu_bench.py") -> dict:
+    """One bench row in its own process (`script` --row: a script of bench/ whose
+    ``--row`` prints the row's JSON as its last line), with a fresh Inductor and
     Triton cache, for at most `timeout_s`."""
     cache = tempfile.mkdtemp(prefix="slc-gpu-check-cache-")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
            "TRITON_CACHE_DIR": os.path.join(cache, "triton"), "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         code, seconds, timed_out = run_limited(
-            [sys.executable, os.path.join(HERE, "gpu_bench.py"), "--row", json.dumps(spec)], timeout_s,
+            [sys.executable, os.path.join(HERE, script), "--row", json.dumps(spec)], timeout_s,
             env=env, stdout=stdout, stderr=stderr)
         stdout.seek(0)
         stderr.seek(0)
