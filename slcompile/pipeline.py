@@ -661,7 +661,10 @@ def _annotate_streams(step: StepState):
 def _coalesce_transfers(step: StepState) -> CoalescedTransfers | None:
     if step.lowering != "inductor":
         return None
-    step.graphs[step.kind], done = coalesce_transfers(step.graphs[step.kind])
+    streamer = step.plan.streamer if step.plan is not None else None
+    # Whole weights on a host tier that copies load straight into a visit's packed tensors.
+    fetches = streamer is not None and streamer.tier == "host" and not streamer.sharded
+    step.graphs[step.kind], done = coalesce_transfers(step.graphs[step.kind], fetches=fetches)
     return done
 
 

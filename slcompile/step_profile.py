@@ -26,6 +26,9 @@ __all__ = ["StepOps", "profile_step", "classify_events"]
 
 _COMPILED = "## Call CompiledFxGraph"
 _AUTOGRAD_ACCUMULATE = "torch::autograd::AccumulateGrad"
+# Operators that allocate tensor memory (a view allocates none).
+_ALLOCATIONS = frozenset({"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::zeros", "aten::zeros_like",
+                          "aten::ones", "aten::full", "aten::clone"})
 # The CUDA API calls that launch work: kernels (the runtime's and the driver's) and
 # CUDA graphs. The profiler sees them with CUDA activity on.
 _LAUNCHES = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
@@ -45,6 +48,8 @@ class StepOps:
         accumulate_grad: operators dispatched by autograd's `.grad` accumulation.
         launches: CUDA API call name -> calls that launched a kernel or a CUDA graph
             (seen only by a profile with CUDA activity: `profile_step(cuda=True)`).
+        slc_allocations: `slc::` op name -> tensor allocations dispatched inside its
+            calls (a loaded weight's memory, a token), outermost op counted.
     """
 
     eager: dict[str, int]
@@ -52,6 +57,7 @@ class StepOps:
     compiled_calls: int
     accumulate_grad: int
     launches: dict[str, int] = dataclasses.field(default_factory=dict)
+    slc_allocations: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def eager_count(self, namespace: str) -> int:
         """Eager calls of operators of `namespace` ("prims", "aten")."""
@@ -74,6 +80,7 @@ def classify_events(events) -> StepOps:
     eager: collections.Counter = collections.Counter()
     slc: dict[str, list[float]] = collections.defaultdict(list)
     launches: collections.Counter = collections.Counter()
+    allocations: collections.Counter = collections.Counter()
     compiled = accumulate = 0
     for event in events:
         name = event.name
@@ -90,7 +97,12 @@ def classify_events(events) -> StepOps:
         if not name.startswith(("aten::", "prims::")):
             continue
         outer = [a.name for a in _ancestors(event)]
-        if any(a.startswith((_COMPILED, "slc::")) for a in outer):
+        ops = [a for a in outer if a.startswith("slc::")]
+        if ops:  # (a compiled program calls the transfer ops)
+            if name in _ALLOCATIONS and not any(a in _ALLOCATIONS for a in outer):  # a clone's own empty is its
+                allocations[ops[-1]] += 1
+            continue
+        if any(a.startswith(_COMPILED) for a in outer):
             continue
         if _AUTOGRAD_ACCUMULATE in outer:
             accumulate += 1
@@ -98,7 +110,7 @@ def classify_events(events) -> StepOps:
         if any(a.startswith(("aten::", "prims::")) for a in outer):
             continue  # counted as its outermost operator
         eager[name] += 1
-    return StepOps(dict(eager), dict(slc), compiled, accumulate, dict(launches))
+    return StepOps(dict(eager), dict(slc), compiled, accumulate, dict(launches), dict(allocations))
 
 
 def profile_step(step: Callable[[], object], *, cuda: bool = False) -> StepOps:

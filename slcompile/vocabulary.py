@@ -23,7 +23,8 @@ Consecutive transfer calls of one kind go to the runtime as one call each
 them), with the arguments of each member in order:
 
     slc::fetch_issue_many(str[] keys) -> Tensor
-    slc::fetch_weight_many(Tensor[] params, str[] keys) -> Tensor[]  # a visit's weights
+    slc::fetch_weight_many(Tensor[] params, str[] keys) -> Tensor[]  # a visit's weights,
+                                                      # packed: one tensor per dtype
     slc::stash_many(Tensor[] xs, str[] keys) -> Tensor[]  # their stash tokens
     slc::wait_many(Tensor[] tokens, Tensor[] keepalive) -> Tensor
     slc::unstash_many(Tensor[] stash_tokens) -> Tensor[]  # their load tokens
@@ -32,6 +33,13 @@ them), with the arguments of each member in order:
 
 (`unstash_wait_many` names its dtypes, "float32": torch 2.11 hands a `ScalarType[]` to
 a Python kernel as integers.)
+
+`fetch_weight_many` returns a block visit's weights packed (`weight_layout`): one flat
+tensor per dtype, in the order the dtypes first appear among its members, each member
+at the next 16-byte boundary of its dtype's tensor, in the members' order; the graph
+reads each weight as a slice of it (`coalesce_transfers` writes the views). A custom
+op's outputs must not alias one another, so the members cannot be returned as views
+of one buffer; packed, a visit is one allocation and one copy per dtype.
 
 `fetch_weight` is a pure function of its key (the compiler may re-run it; AOTAutograd
 recomputes it in the backward) and its gradient flows to `param` unchanged. Every other
@@ -60,6 +68,7 @@ and one parser each: `WeightKey` (`w3|w0:layers_0_fc_weight#sb1@bwd`), `StashKey
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import re
 from types import MappingProxyType
@@ -84,6 +93,9 @@ __all__ = [
     "UNSTASH_WAIT_MANY",
     "FETCH_ISSUE_MANY",
     "FETCH_WEIGHT_MANY",
+    "WeightLayout",
+    "weight_layout",
+    "packing_order",
     "SLC_OPS",
     "COALESCED",
     "split_sizes",
@@ -207,9 +219,56 @@ def _(keys):
     return fake_token()
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightLayout:
+    """How `fetch_weight_many` packs a visit's weights (`weight_layout`).
+
+    Attributes:
+        sections: (dtype, elements) of each packed tensor, in the order the dtypes
+            first appear among the members.
+        places: per member, (its section, its first element there).
+    """
+
+    sections: tuple[tuple[torch.dtype, int], ...]
+    places: tuple[tuple[int, int], ...]
+
+
+WEIGHT_ALIGNMENT = 16
+"""Bytes each packed weight starts on, from its tensor's start: what Triton kernels
+assume of a tensor's address (FSDP pads the parameters it flattens the same way)."""
+
+
+def weight_layout(members) -> WeightLayout:
+    """The packing of weights of (shape, dtype) `members`, in their order (see the
+    module docstring)."""
+    index: dict[torch.dtype, int] = {}
+    ends: list[int] = []
+    places = []
+    for shape, dtype in members:
+        if dtype not in index:
+            index[dtype] = len(ends)
+            ends.append(0)
+        section = index[dtype]
+        step = max(WEIGHT_ALIGNMENT // dtype.itemsize, 1)
+        offset = -(-ends[section] // step) * step
+        places.append((section, offset))
+        ends[section] = offset + math.prod(shape)
+    return WeightLayout(tuple(zip(index, ends)), tuple(places))
+
+
+def packing_order(members) -> list[int]:
+    """The order `fetch_weight_many` takes a visit's weights in, and a block's host
+    group holds them: the indices of (stored key, dtype) `members`, by key, those of
+    the first dtype among them first (so that each dtype's weights follow each other)."""
+    by_key = sorted(range(len(members)), key=lambda i: members[i][0])
+    dtypes = list(dict.fromkeys(members[i][1] for i in by_key))
+    return sorted(by_key, key=lambda i: dtypes.index(members[i][1]))
+
+
 @torch.library.register_fake("slc::fetch_weight_many", lib=_LIB)
 def _(params, keys):
-    return [torch.empty_like(param) for param in params]
+    layout = weight_layout([(p.shape, p.dtype) for p in params])
+    return [torch.empty(n, dtype=dtype, device=params[0].device) for dtype, n in layout.sections]
 
 
 @torch.library.register_fake("slc::unstash_many", lib=_LIB)

@@ -82,8 +82,10 @@ def fetched_weights(graph) -> dict[str, int]:
 
 
 def fetched_weight_bytes(report) -> int:
-    """Bytes of the weights a compiled step's forward and backward fetch."""
-    return sum(sum(fetched_weights(report.graphs[kind]).values()) for kind in ("forward", "backward"))
+    """Bytes of the weights a compiled step's forward and backward fetch (read from the
+    graphs as planned: under Inductor a visit's fetches are one call once compiled)."""
+    graphs = report.partitioned or report.graphs
+    return sum(sum(fetched_weights(graphs[kind]).values()) for kind in ("forward", "backward"))
 
 
 def check_layer_major(report, k):

@@ -145,10 +145,9 @@ def test_nothing_of_the_step_runs_eagerly(tmp_path):
     ours, plain = dispatched["speedloader"], dispatched["plain"]
     assert ours.compiled_calls == plain.compiled_calls == 2
     assert ours.eager_count("prims") == 0
-    # A block visit's weight issues run as one call (`coalesce_transfers`), its fetches
-    # as another; a unit's stashes and loads too where it saves more than one tensor.
-    assert set(ours.slc_host_us) >= {"slc::fetch_issue_many", "slc::fetch_weight_many"}
-    assert "slc::fetch_weight" not in ours.slc_host_us
+    # A block's weight issues run as one call (`coalesce_transfers`); a unit's stashes
+    # and loads too where it saves more than one tensor.
+    assert set(ours.slc_host_us) >= {"slc::fetch_issue_many", "slc::fetch_weight"}
     assert set(ours.slc_host_us) & {"slc::stash", "slc::stash_many"}
     assert set(ours.slc_host_us) & {"slc::unstash_wait", "slc::unstash_wait_many"}
     assert {name: n for name, n in ours.eager.items() if n > plain.eager.get(name, 0)} == {}

@@ -19,6 +19,8 @@ from models import GPTConfig, TinyGPT, make_gpt_batch
 
 import slcompile
 from slcompile.runtime import Tier, TransferKind, collect_garbage, reset_runtime_stats, runtime_stats
+from slcompile.runtime.engine import get_engine
+from slcompile.vocabulary import FETCH_WEIGHT_MANY
 
 pytestmark = pytest.mark.cuda_check
 
@@ -67,20 +69,32 @@ def test_every_tier_combination_equals_eager_and_moves_the_bytes_of_its_graphs(w
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("activations", ["host", "nvme"])
-def test_strided_saved_activations_come_back_where_inductor_code_expects_them(activations, tmp_path):
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_strided_saved_activations_and_packed_weights_come_back_where_inductor_code_expects_them(
+        tier, tmp_path, monkeypatch):
     """Under Inductor, what attention saves for its backward may be strided (the
     output of cuDNN attention: (B, S, H, D) memory seen as (B, H, S, D)) or a view at
     an offset into a fused projection. Stored on a tier and loaded back, each must
-    reach the compiled backward with the layout its code was compiled for."""
+    reach the compiled backward with the layout its code was compiled for. A block
+    visit's weights on a host tier that copies come packed (one `fetch_weight_many`,
+    each weight a view of one tensor per dtype), and read as such. On a CPU machine
+    this test's engine keeps a host tier of its own (`SLC_SEPARATE_HOST`), as a GPU's."""
+    get_engine()  # the process-wide engine, as the environment made it: not this test's
+    monkeypatch.setenv("SLC_SEPARATE_HOST", "1")
     device = device_under_test()
     idx, targets = (t.to(device) for t in make_gpt_batch(CFG, 4))
-    options = {"lowering": "inductor", "num_subbatches": 2, "activations": activations, "recompute": "none",
-               "min_offload_bytes": 0, "offload_dir": str(tmp_path), "on_refusal": "raise"}
+    options = {"lowering": "inductor", "num_subbatches": 2, "activations": tier, "weights": tier,
+               "live_blocks": 1, "recompute": "none", "min_offload_bytes": 0, "offload_dir": str(tmp_path),
+               "on_refusal": "raise"}
+    reset_runtime_stats()
     assert_matches_eager(TinyGPT(CFG).to(device), lambda m: m(idx, targets), options)
-    stashed = [node.args[0].meta["val"] for node in slcompile.compile_reports()[-1].graphs["forward"].graph.nodes
-               if node.target is torch.ops.slc.stash.default]
-    assert bool(stashed) == _copies(activations)
+    report = slcompile.compile_reports()[-1]
+    assert [node for node in report.graphs["forward"].graph.nodes if node.target is torch.ops.slc.stash_many.default]
+    visits = {kind: [node for node in report.graphs[kind].graph.nodes if node.target is FETCH_WEIGHT_MANY]
+              for kind in ("forward", "backward")}
+    assert [len(visits["forward"]), len(visits["backward"])] == ([CFG.n_layers] * 2 if tier == "host" else [0, 0])
+    # Each block fetched once a forward and once a backward, byte for byte.
+    assert _moved(TransferKind.WEIGHT, Tier.DEVICE) == fetched_weight_bytes(report) > 0
 
 
 @pytest.mark.skipif(not on_cuda(), reason="the CUDA caching allocator's peak (the CPU one: test_offload_activations)")

@@ -419,10 +419,13 @@ def partition_key(plan: StepPlan) -> bytes:
     """The Inductor cache key of the partitioner and joint pass wrapped with `plan`.
 
     The plan is part of the graphs (fetch and stash keys); the code is this module,
-    the pass manager and every module a declared pass of any stage lives in.
+    the pass manager and every module a declared pass of any stage lives in; the
+    passes `SLC_DISABLE` skips change the graphs Inductor compiles too.
     """
     files = (__file__, pass_manager.__file__, pipeline.__file__, *pass_modules(all_passes()))
-    return get_hash_for_files(tuple(sorted(set(files)))) + repr(dataclasses.astuple(_plan_key(plan))).encode()
+    disabled = sorted(pass_manager.disabled_passes(all_passes()))
+    return get_hash_for_files(tuple(sorted(set(files)))) + repr((dataclasses.astuple(_plan_key(plan)),
+                                                                 disabled)).encode()
 
 
 def _plan_key(plan: StepPlan):

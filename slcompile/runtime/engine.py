@@ -388,13 +388,15 @@ class TransferEngine(NvmeTransfers, HostCopies):
         tier's small reads (native AIO) are counted and started as one run."""
         return self._host_copies or aio_default()
 
-    def load_many(self, keys, kind: TransferKind | str | None = None) -> list[TransferHandle]:
+    def load_many(self, keys, kind: TransferKind | str | None = None, into=None) -> list[TransferHandle]:
         """Issues loads of `keys` (as `load` does, in order) together: where the host
         tier copies, its copies go to the copy stream in one switch and are awaited
         by one event, the members of a host group that follow each other there by
-        one copy into one device buffer (`_load_host_together`); on a CPU machine the
-        nvme tier's small reads are counted and started as one run
-        (`_load_nvme_new_run`); other loads are issued one by one.
+        one copy into one device buffer (`_load_host_together`; with `into`, into
+        one region of the tensor the destinations view where they follow each other
+        there as in the group); on a CPU machine the nvme tier's small reads are
+        counted and started as one run (`_load_nvme_new_run`); other loads are
+        issued one by one. `into`: a destination per key, as `load` takes one.
 
         Raises:
             UnknownKeyError, TransferFailedError: as `load` (the loads of the keys
@@ -403,21 +405,23 @@ class TransferEngine(NvmeTransfers, HostCopies):
         started: list[tuple[TransferHandle, _Entry | None, TransferHandle | None]] = []
         try:
             with self._lock:
-                for key in keys:
-                    started.append(self._start_load(key, kind, None))
+                for key, destination in zip(keys, into or itertools.repeat(None)):
+                    started.append(self._start_load(key, kind, destination))
         finally:
-            together = []
+            together, destinations = [], {}
             alone = not self._host_copies and profiler_sees_buffers()  # see `_together`
-            for handle, entry, pending_store in started:
+            for (handle, entry, pending_store), destination in zip(started, into or itertools.repeat(None)):
                 if entry is None:
                     continue
-                if not alone and self._together(entry, pending_store):
+                if not alone and self._together(entry, pending_store) and \
+                        (destination is None or entry.tier is Tier.HOST):
                     together.append((handle, entry))
+                    destinations[id(handle)] = destination
                 else:
-                    self._dispatch_load(handle, entry, pending_store, None)
+                    self._dispatch_load(handle, entry, pending_store, destination)
             host = [load for load in together if load[1].tier is Tier.HOST]
             if host:
-                self._load_host_together(host)
+                self._load_host_together(host, destinations)
             if len(host) < len(together):
                 self._load_nvme_new_run([load for load in together if load[1].tier is not Tier.HOST])
         return [handle for handle, _, _ in started]
@@ -456,7 +460,7 @@ class TransferEngine(NvmeTransfers, HostCopies):
                 handle.zero_copy = True
                 handle._finish(entry.tensor, None)
                 return handle, None, None
-            if into is not None and not self._cuda and into.data_ptr() % PAGE_BYTES:
+            if into is not None and entry.tier is Tier.NVME and not self._cuda and into.data_ptr() % PAGE_BYTES:
                 raise ValueError(f"load of {key!r} into a tensor that does not start on a page: on a CPU machine "
                                  "O_DIRECT reads need page-aligned memory; pass a view of a page-aligned buffer "
                                  "(PageBufferCache.tensor) or leave into=None")

@@ -255,30 +255,13 @@ class HostCopies:
             self._load_finished(handle, entry, None, error)
             raise
 
-    def _load_host_together(self, loads: list[tuple[TransferHandle, _Entry]]) -> None:
-        """Host-tier loads issued as one: members of one host group that follow each
-        other there are one copy into one device buffer (each result a view of it),
-        the others one copy each; one switch to the copy stream and one event for
-        all of them."""
-        results: dict[int, torch.Tensor] = {}
+    def _load_host_together(self, loads: list[tuple[TransferHandle, _Entry]], destinations=None) -> None:
+        """Host-tier loads issued as one (`_copy_runs`): one switch to the copy stream
+        and one event for all; `destinations`: id(handle) -> its tensor or None."""
+        destinations = destinations or {}
         try:
-            runs = _runs(loads)
             with self._copying():
-                for run in runs:
-                    first, last = run[0][1], run[-1][1]
-                    if first.host_group is None:
-                        result = torch.empty(first.shape, dtype=first.dtype, device=self.device)
-                        self._track_delivered(result, Tier.DEVICE, first.nbytes)
-                        result.copy_(_typed_view(first.host_block.buffer, first), non_blocking=True)
-                        results[id(run[0][0])] = result
-                        continue
-                    start, end = first.host_offset, last.host_offset + last.nbytes
-                    flat = torch.empty(end - start, dtype=torch.uint8, device=self.device)
-                    self._track_delivered(flat, Tier.DEVICE, sum(entry.nbytes for _, entry in run))
-                    flat.copy_(first.host_group.block.buffer[start:end], non_blocking=True)
-                    for handle, entry in run:
-                        offset = entry.host_offset - start
-                        results[id(handle)] = _typed_view(flat[offset:offset + entry.nbytes], entry)
+                results = self._copy_runs([(entry, destinations.get(id(handle))) for handle, entry in loads])
                 event = self._copies_done()
         except Exception as error:  # noqa: BLE001 - every load must finish
             failure = error if isinstance(error, OffloadError) else \
@@ -286,11 +269,103 @@ class HostCopies:
             for handle, entry in loads:
                 self._load_finished(handle, entry, None, failure)
             raise failure from error
-        for handle, entry in loads:
+        for (handle, entry), result in zip(loads, results):
             entry.last_event = event
             handle._cuda_event = event
             self._loaded(handle, entry)
-            self._load_finished(handle, entry, results[id(handle)], None)
+            self._load_finished(handle, entry, result, None)
+
+    def load_packed(self, keys, places, packed, kind: TransferKind | str = TransferKind.WEIGHT
+                    ) -> TransferHandle | None:
+        """Loads of keys resting in host memory of their own into packed tensors (a
+        block visit's weights: `vocabulary.weight_layout`) as one transfer: one
+        handle, one record on the timeline, one event, and one copy for each run of
+        keys that follow each other in a host group as their places do in one packed
+        tensor (keys in the group's order, the packing order, make one run per
+        dtype). `wait` on the handle returns None (the results are `packed`). Returns
+        None, issuing nothing, where a key does not rest so (another tier, a failed
+        store): `load_many` loads those.
+
+        Args:
+            keys: the keys, in order.
+            places: per key, (its packed tensor's index, its first element there).
+            packed: the tensors loaded into, each of one dtype.
+
+        Raises:
+            TransferFailedError: a copy could not start.
+        """
+        keys = [normalize_key(key) for key in keys]
+        kind = kind if kind.__class__ is TransferKind else TransferKind(kind)
+        with self._lock:
+            entries = [self._entries.get(key) for key in keys]
+            if not self._host_copies or any(entry is None or entry.error is not None or entry.host_block is None
+                                            for entry in entries):
+                return None
+            for entry in entries:
+                entry.readers += 1
+        nbytes = sum(entry.nbytes for entry in entries)
+        handle = TransferHandle(next(self._ids), keys[0], kind, Tier.HOST, Tier.DEVICE, nbytes, "load")
+        error = None
+        try:
+            with self._copying():
+                for first, last in _packed_runs(entries, places, packed):
+                    (entry, (section, offset)), end = first, last[0].host_offset + last[0].nbytes
+                    target = packed[section]
+                    span = (end - entry.host_offset) // target.element_size() if entry.host_group is not None \
+                        else entry.nbytes // target.element_size()
+                    source = entry.host_group.block.buffer[entry.host_offset:end] \
+                        if entry.host_group is not None else entry.host_block.buffer[:entry.nbytes]
+                    target[offset:offset + span].copy_(source.view(target.dtype), non_blocking=True)
+                event = self._copies_done()
+        except Exception as failure:  # noqa: BLE001 - the load must finish
+            error = failure if isinstance(failure, OffloadError) else \
+                TransferFailedError(f"load could not start: {failure!r}", key=keys[0])
+        for entry in entries:
+            if error is None:
+                entry.last_event = event
+            with self._lock:
+                entry.readers -= 1
+            self._release_if_unused(entry)
+        if error is not None:
+            handle._finish(None, error)
+            raise error
+        handle._cuda_event = event
+        now = time.perf_counter()
+        self._recorder.transfer_finished((kind, Tier.HOST, Tier.DEVICE), nbytes, now, now, "load",
+                                         f"{kind.value} {keys[0]} and {len(keys) - 1} more host->device")
+        handle._finish(None, None)
+        return handle
+
+    def _copy_runs(self, pairs: list[tuple[_Entry, torch.Tensor | None]]) -> list[torch.Tensor]:
+        """Copies host entries to the device, in the copy context: members of one host
+        group that follow each other there are one copy, into one new device buffer
+        (each result a view of it) or into their destinations, where those follow each
+        other in one tensor's memory as in the group; the others one copy each.
+        Returns each pair's result (its destination, when given)."""
+        results: list[torch.Tensor | None] = [destination for _, destination in pairs]
+        for run in _runs(pairs):
+            first, destination = pairs[run[0]]
+            last = pairs[run[-1]][0]
+            if first.host_group is None:
+                if destination is None:
+                    destination = results[run[0]] = torch.empty(first.shape, dtype=first.dtype, device=self.device)
+                    self._track_delivered(destination, Tier.DEVICE, first.nbytes)
+                destination.copy_(_typed_view(first.host_block.buffer, first), non_blocking=True)
+                continue
+            start, end = first.host_offset, last.host_offset + last.nbytes
+            source = first.host_group.block.buffer[start:end]
+            if destination is None:
+                flat = torch.empty(end - start, dtype=torch.uint8, device=self.device)
+                self._track_delivered(flat, Tier.DEVICE, sum(pairs[i][0].nbytes for i in run))
+                for i in run:
+                    entry = pairs[i][0]
+                    offset = entry.host_offset - start
+                    results[i] = _typed_view(flat[offset:offset + entry.nbytes], entry)
+            else:  # one tensor's memory, from the first destination on: its dtype
+                flat = destination.as_strided(((end - start) // destination.element_size(),), (1,))
+                source = source.view(destination.dtype)
+            flat.copy_(source, non_blocking=True)
+        return results
 
     def _loaded(self, handle, entry) -> None:
         now = time.perf_counter()
@@ -298,19 +373,49 @@ class HostCopies:
                                          handle.label)
 
 
-def _runs(loads: list[tuple[TransferHandle, _Entry]]) -> list[list[tuple[TransferHandle, _Entry]]]:
-    """The loads as runs that one copy serves: members of one host group that follow
-    each other in it (in the group's order, whatever the order asked), or one load."""
-    grouped = sorted((load for load in loads if load[1].host_group is not None),
-                     key=lambda load: (id(load[1].host_group), load[1].host_offset))
-    runs = [[load] for load in loads if load[1].host_group is None]
-    for load in grouped:
-        entry = load[1]
-        if runs and runs[-1][0][1].host_group is entry.host_group:
-            before = runs[-1][-1][1]
-            if before is not entry and round_up(before.host_offset + before.nbytes, GROUP_ALIGNMENT) \
-                    == entry.host_offset:
-                runs[-1].append(load)
+def _runs(pairs: list[tuple[_Entry, torch.Tensor | None]]) -> list[list[int]]:
+    """The (entry, destination) pairs, by index, as runs that one copy serves: members
+    of one host group that follow each other in it (in the group's order, whatever the
+    order asked), whose destinations, if given, follow each other likewise in one
+    tensor's memory; or one pair."""
+    grouped = sorted((i for i, (entry, _) in enumerate(pairs) if entry.host_group is not None),
+                     key=lambda i: (id(pairs[i][0].host_group), pairs[i][0].host_offset))
+    runs = [[i] for i, (entry, _) in enumerate(pairs) if entry.host_group is None]
+    for i in grouped:
+        entry, destination = pairs[i]
+        if runs and pairs[runs[-1][0]][0].host_group is entry.host_group:
+            before, before_destination = pairs[runs[-1][-1]]
+            if before is not entry and \
+                    round_up(before.host_offset + before.nbytes, GROUP_ALIGNMENT) == entry.host_offset and \
+                    _follows(before_destination, destination, entry.host_offset - before.host_offset):
+                runs[-1].append(i)
                 continue
-        runs.append([load])
+        runs.append([i])
     return runs
+
+
+def _packed_runs(entries: list[_Entry], places, packed) -> list[tuple[tuple, tuple]]:
+    """(first, last) (entry, place) of each run `load_packed` copies at once: entries
+    in order that follow each other in one host group as their places do in one
+    packed tensor."""
+    runs = []
+    before = None
+    for entry, place in zip(entries, places):
+        if before is not None and entry.host_group is not None and entry.host_group is before[0].host_group \
+                and place[0] == before[1][0] and \
+                round_up(before[0].host_offset + before[0].nbytes, GROUP_ALIGNMENT) == entry.host_offset and \
+                (place[1] - before[1][1]) * packed[place[0]].element_size() == entry.host_offset - before[0].host_offset:
+            runs[-1] = (runs[-1][0], (entry, place))
+        else:
+            runs.append(((entry, place), (entry, place)))
+        before = (entry, place)
+    return runs
+
+
+def _follows(before: torch.Tensor | None, after: torch.Tensor | None, distance: int) -> bool:
+    """Whether `after` starts `distance` bytes after `before` in the same memory (or
+    neither has a destination)."""
+    if before is None or after is None:
+        return before is None and after is None
+    return before.untyped_storage().data_ptr() == after.untyped_storage().data_ptr() and \
+        after.data_ptr() - before.data_ptr() == distance

@@ -54,10 +54,9 @@ def unstash_wait_many(
 
 
 def fetch_issue_many(keys: Sequence[str]) -> torch.Tensor:
-    """`fetch_issue` of each weight key; a dependency token."""
+    """`fetch_issue` of each weight key (`weights.fetch_issue_many`); a dependency token."""
     with batched():
-        for key in keys:
-            weights.fetch_issue(key)
+        weights.fetch_issue_many(list(keys))
     return ops._dependency_token()
 
 

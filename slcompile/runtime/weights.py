@@ -88,12 +88,13 @@ from slcompile.runtime import gradients, ops
 from slcompile.runtime.engine import TransferEngine, TransferHandle
 from slcompile.runtime.errors import OffloadError
 from slcompile.runtime.tiers import Tier, TransferKind
-from slcompile.vocabulary import WeightKey
+from slcompile.runtime.visits import PackedVisits
+from slcompile.vocabulary import WeightKey, packing_order
 
 __all__ = [
     "WeightStreamer", "stored_key_for", "mark_sharded", "weight_home", "update_weights",
     "stage_weights", "commit_weights", "discard_weights", "StagedWeight", "drain_prefetches", "shard_group_of",
-    "fetch_weight_many",
+    "fetch_weight_many", "fetch_issue_many",
     "release", "restore", "parameter_name", "forget_weights",
 ]
 
@@ -371,8 +372,9 @@ class WeightStreamer:
         # Sharded: graph key -> the load of the shard a pending all-gather reads,
         # held until the fetch so the shard is freed there, on the graph's thread.
         self.shard_loads: dict[str, TransferHandle] = {}
-        self.shapes: dict[str, torch.Size] = {}  # stored key -> the weight's shape, when sharded
-        self.dtypes: dict[str, torch.dtype] = {}  # stored key -> the weight's dtype, when sharded
+        self.shapes: dict[str, torch.Size] = {}  # stored key -> the weight's shape
+        self.dtypes: dict[str, torch.dtype] = {}  # stored key -> the weight's dtype
+        self.visits = PackedVisits(engine, self.shapes, self.dtypes)  # loaded packed (`issue_many`)
         # Stored key -> the engine holding it, for weights another streamer stored
         # (a graph compiled again, perhaps with another offload_dir); else `engine`.
         self.homes: dict[str, TransferEngine] = {}
@@ -404,7 +406,10 @@ class WeightStreamer:
                 order the block reads them (a visit's loads follow it).
         """
         fresh = []
-        for stored_key, param, name in members:
+        # Stored in packing order: a visit packs its weights in the order the host
+        # group holds them, so that it copies each run of them once (`runtime/visits.py`).
+        order = packing_order([(stored_key, param.dtype) for stored_key, param, _ in members])
+        for stored_key, param, name in (members[i] for i in order):
             self.shapes[stored_key] = param.shape
             self.dtypes[stored_key] = param.dtype
             with _REGISTRY_LOCK:
@@ -462,28 +467,41 @@ class WeightStreamer:
             _release_shard(engine, load)
         return weight
 
-    def fetch_many(self, keys: list[WeightKey], graph_keys: list[str]) -> list[torch.Tensor]:
-        """`fetch` of each key, as one: the loads not issued yet are issued together
-        (`TransferEngine.load_many`: one copy of a host group's run), and the compute
-        stream waits once per copy event. Sharded weights are fetched one by one."""
-        if self.shards is not None:
-            return [self.fetch(key, graph_key) for key, graph_key in zip(keys, graph_keys)]
+    # -- a visit's weights, packed (`slc::fetch_weight_many`) -------------
+    def _packs(self, keys: list[WeightKey]) -> bool:
+        """Whether these weights load straight into a visit's packed tensors
+        (`runtime/visits.py`): whole weights resting in this streamer's engine (this
+        streamer's, or an earlier compile's of the same model) on a host tier that
+        copies."""
+        return (self.shards is None and self.tier is Tier.HOST
+                and not self.engine.copies_nothing(Tier.HOST, Tier.DEVICE)
+                and all(self._engine_of(key.stored) is self.engine for key in keys))
+
+    def issue_many(self, keys: list[WeightKey], graph_keys: list[str]) -> None:
+        """`issue` of each key, as one: a visit's weights on a host tier that copies
+        are loaded straight into its packed tensors, which `fetch_many` takes."""
+        if not self._packs(keys):
+            for key, graph_key in zip(keys, graph_keys):
+                self.issue(key, graph_key=graph_key)
+            return
         with self.lock:
-            if self.queued:
-                self._issue_queued()
-            handles = [self.pending.pop(graph_key, None) for graph_key in graph_keys]
-        engines = [self._engine_of(key.stored) for key in keys]
-        missing: dict[int, tuple[TransferEngine, list[int]]] = {}
-        for index, handle in enumerate(handles):
-            if handle is None:
-                missing.setdefault(id(engines[index]), (engines[index], []))[1].append(index)
-        for engine, indices in missing.values():
-            loads = engine.load_many([keys[i].stored for i in indices], TransferKind.WEIGHT)
-            for index, handle in zip(indices, loads):
-                handles[index] = handle
-        if all(engine is engines[0] for engine in engines):
-            return engines[0].wait_many(handles)
-        return [engine.wait(handle) for engine, handle in zip(engines, handles)]
+            if not any(k in self.pending or k in self.queued for k in graph_keys):
+                self.visits.issue(keys, graph_keys)
+
+    def fetch_many(self, keys: list[WeightKey], graph_keys: list[str]) -> list[torch.Tensor]:
+        """The weights `keys` name (in packing order, as `coalesce_transfers` writes
+        them), packed as `vocabulary.weight_layout` says: the visit's loads issued by
+        `issue_many`, or loaded now. Weights that load another way (sharded, issued
+        one by one, resting in another engine) are fetched one by one and packed by
+        copies."""
+        with self.lock:
+            loading = self.visits.take(graph_keys)
+            alone = self.queued or any(k in self.pending for k in graph_keys)
+        if loading is None and not alone and self._packs(keys):
+            loading = self.visits.load(keys)
+        if loading is not None:
+            return self.visits.wait(loading)
+        return self.visits.pack([self.fetch(key, graph_key) for key, graph_key in zip(keys, graph_keys)])
 
     def _gather(self, key: WeightKey, load: TransferHandle) -> TransferHandle:
         """The all-gather of the weight whose shard `load` brings, into a buffer
@@ -512,6 +530,7 @@ class WeightStreamer:
 
     def _drop_pending(self) -> None:
         self.queued.clear()  # never issued: nothing to wait for
+        self.visits.drop()
         pending, self.pending = self.pending, {}
         shard_loads, self.shard_loads = self.shard_loads, {}
         for graph_key, handle in pending.items():
@@ -551,7 +570,8 @@ class WeightStreamer:
                 engine = self._engine_of(stored_key)
                 engine.wait(self.pending.pop(graph_key))
                 self.pending[graph_key] = engine.load(stored_key, TransferKind.WEIGHT)
-        return len(stale)
+            visits = self.visits.reload(stored_key)
+        return len(stale) + visits
 
 
 def _release_shard(engine: TransferEngine, load: TransferHandle) -> None:
@@ -599,14 +619,24 @@ def fetch_weight(param: torch.Tensor, key: str) -> torch.Tensor:
     return _streamer_of(parsed).fetch(parsed, graph_key=graph_key)
 
 
-def fetch_weight_many(params: list[torch.Tensor], keys: list[str]) -> list[torch.Tensor]:
-    """`fetch_weight` of each (param, key), as one call: a block visit's fetches
-    (one streamer's, as `coalesce_transfers` groups them)."""
+def fetch_issue_many(keys: list[str]) -> None:
+    """`fetch_issue` of each key, as one call: a block visit's issues (one streamer's,
+    as `coalesce_transfers` groups them)."""
     parsed = [_parsed_key(key) for key in keys]
     streamer = _streamer_of(parsed[0][0])
     if any(key.streamer != streamer.name for key, _ in parsed):
-        return [fetch_weight(param, key) for param, key in zip(params, keys)]
-    return streamer.fetch_many([key for key, _ in parsed], [graph_key for _, graph_key in parsed])
+        for key in keys:
+            fetch_issue(key)
+        return
+    streamer.issue_many([key for key, _ in parsed], [graph_key for _, graph_key in parsed])
+
+
+def fetch_weight_many(params: list[torch.Tensor], keys: list[str]) -> list[torch.Tensor]:
+    """A block visit's weights (one streamer's, in packing order, as
+    `coalesce_transfers` groups them), packed: one tensor per dtype
+    (`vocabulary.weight_layout`)."""
+    parsed = [_parsed_key(key) for key in keys]
+    return _streamer_of(parsed[0][0]).fetch_many([key for key, _ in parsed], [graph_key for _, graph_key in parsed])
 
 
 def shard_group_of(param: torch.Tensor):

@@ -230,3 +230,17 @@ def test_pass_declarations_are_checked_and_hashed():
                    "annotate_streams", "mark_regions", "outline_regions", "find_blocks", "interleave", "memory", "derive",
                    "batch_propagation/propagate", "batch_propagation/routing", "batch_propagation/writes"):
         assert any(f.endswith(f"/{module}.py") for f in files), module
+
+
+def test_the_inductor_cache_key_names_the_passes_skipped(monkeypatch):
+    # A graph compiled with a pass skipped is another graph: Inductor's caches must not
+    # serve it for the same plan compiled with every pass.
+    from slcompile.backends.lowering import StepPlan, partition_key
+
+    plan = StepPlan(block_positions={0: 0}, num_subbatches=2)
+    monkeypatch.setenv("SLC_DISABLE", "")
+    every = partition_key(plan)
+    monkeypatch.setenv("SLC_DISABLE", "coalesce_transfers")
+    assert partition_key(plan) != every
+    monkeypatch.setenv("SLC_DISABLE", "")
+    assert partition_key(plan) == every

@@ -15,8 +15,8 @@ from slcompile.runtime import Tier, TransferEngine, TransferKind, runtime_stats
 from slcompile.runtime.host_copies import GROUP_ALIGNMENT, group_layout
 from slcompile.runtime.ranges import round_up
 from slcompile.runtime.tiers import PAGE_BYTES
-from slcompile.runtime.weights import WeightStreamer, stage_weights, commit_weights, update_weights
-from slcompile.vocabulary import FETCH_ISSUE, FETCH_WEIGHT, FETCH_ISSUE_MANY, FETCH_WEIGHT_MANY
+from slcompile.runtime.weights import WeightStreamer, commit_weights, stage_weights, update_weights
+from slcompile.vocabulary import FETCH_ISSUE, FETCH_ISSUE_MANY, FETCH_WEIGHT, FETCH_WEIGHT_MANY, WeightKey, weight_layout
 
 WEIGHT, HOST, DEVICE = TransferKind.WEIGHT, Tier.HOST, Tier.DEVICE
 # A block's weights as a Llama's: norms of odd byte sizes between matrices.
@@ -126,7 +126,7 @@ def _offloaded_block(engine: TransferEngine) -> tuple[WeightStreamer, list[torch
     return streamer, params, expected, keys
 
 
-def test_a_visit_is_one_issue_and_one_fetch_whatever_its_weights(host_engine, monkeypatch):
+def test_a_visit_is_one_issue_and_one_fetch_packed_one_copy_a_dtype(host_engine, monkeypatch):
     from slcompile.runtime import set_engine
 
     previous = set_engine(host_engine)
@@ -135,9 +135,13 @@ def test_a_visit_is_one_issue_and_one_fetch_whatever_its_weights(host_engine, mo
         graph = torch.fx.Graph()
         placeholders = [graph.placeholder(f"p{i}") for i in range(len(params))]
         issues = [graph.call_function(FETCH_ISSUE, (key,)) for key in keys]
-        fetched = [graph.call_function(FETCH_WEIGHT, (p, key)) for p, key in zip(placeholders, keys)]
+        fetched = []
+        for placeholder, key, param in zip(placeholders, keys, params):
+            node = graph.call_function(FETCH_WEIGHT, (placeholder, key))
+            node.meta["val"] = torch.empty_like(param, device="meta")
+            fetched.append(node)
         graph.output((*fetched, *issues))
-        module, done = coalesce_transfers(torch.fx.GraphModule(torch.nn.Module(), graph))
+        module, done = coalesce_transfers(torch.fx.GraphModule(torch.nn.Module(), graph), fetches=True)
         calls = [node.target for node in module.graph.nodes if node.op == "call_function"
                  and getattr(node.target, "namespace", None) == "slc"]
         assert calls == [FETCH_ISSUE_MANY, FETCH_WEIGHT_MANY] and done.members == 2 * len(params)
@@ -146,12 +150,15 @@ def test_a_visit_is_one_issue_and_one_fetch_whatever_its_weights(host_engine, mo
         monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: (copies.append(self.shape), real(self, *a, **k))[1])
         before = dict(runtime_stats().cumulative.bytes_moved)
         out = module(*params)
-        assert len(copies) == 1  # the whole block, one copy
+        # The float32 weights one copy, the bfloat16 one another: one a dtype.
+        assert len(copies) == len({v.dtype for v in expected}) == 2
         for got, want in zip(out[:len(params)], expected):
-            assert torch.equal(got, want)
-        assert {t.untyped_storage().data_ptr() for t in out[:len(params)]} == {out[0].untyped_storage().data_ptr()}
+            assert got.dtype == want.dtype and torch.equal(got, want)
+            assert got.data_ptr() % GROUP_ALIGNMENT == 0
+        storages = {got.dtype: got.untyped_storage().data_ptr() for got in out[:len(params)]}
+        assert all(got.untyped_storage().data_ptr() == storages[got.dtype] for got in out[:len(params)])
         assert _moved(before) == {(WEIGHT, HOST, DEVICE): sum(nbytes_of(v) for v in expected)}
-        assert streamer.pending == {}
+        assert streamer.pending == {} and streamer.visits.loading == {}
     finally:
         set_engine(previous)
 
@@ -171,3 +178,33 @@ def test_an_update_of_host_weights_is_written_in_place_all_together(host_engine)
     assert torch.equal(host_engine.wait(host_engine.load(stored[0])), expected[0])
     assert host_engine._entries[stored[0]].host_block.buffer.data_ptr() == addresses[0]
     assert sorted(host_engine.keys()) == sorted(stored)  # no staging key left
+
+
+def test_a_visit_issued_before_its_weights_change_is_loaded_again_with_the_new_values(host_engine):
+    streamer, params, expected, keys = _offloaded_block(host_engine)
+    parsed = [WeightKey.parse(key) for key in keys]
+    streamer.issue_many(parsed, keys)
+    new = [torch.full_like(e, 2.0) for e in expected]
+    commit_weights(stage_weights(list(zip(params, new))))
+    ordered = streamer.visits.ordered(parsed)
+    packed = streamer.fetch_many(ordered, [key.format() for key in ordered])
+    by_key = dict(zip(keys, new))
+    layout = weight_layout([(by_key[key.format()].shape, by_key[key.format()].dtype) for key in ordered])
+    for key, (section, offset) in zip(ordered, layout.places):
+        want = by_key[key.format()]
+        assert torch.equal(packed[section][offset:offset + want.numel()].view(want.shape), want)
+
+
+def test_weights_issued_one_by_one_are_packed_by_copies(host_engine):
+    streamer, params, expected, keys = _offloaded_block(host_engine)
+    parsed = [WeightKey.parse(key) for key in keys]
+    for key, graph_key in zip(parsed, keys):
+        streamer.issue(key, graph_key=graph_key)
+    ordered = streamer.visits.ordered(parsed)
+    packed = streamer.fetch_many(ordered, [key.format() for key in ordered])
+    by_key = dict(zip(keys, expected))
+    layout = weight_layout([(by_key[key.format()].shape, by_key[key.format()].dtype) for key in ordered])
+    for key, (section, offset) in zip(ordered, layout.places):
+        want = by_key[key.format()]
+        assert torch.equal(packed[section][offset:offset + want.numel()].view(want.shape), want)
+    assert streamer.pending == {} and streamer.queued == {}
