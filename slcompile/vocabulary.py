@@ -94,6 +94,7 @@ __all__ = [
     "FETCH_ISSUE_MANY",
     "FETCH_WEIGHT_MANY",
     "WeightLayout",
+    "WEIGHT_ALIGNMENT",
     "weight_layout",
     "packing_order",
     "SLC_OPS",

@@ -142,3 +142,14 @@ def test_passes_analyses_and_schedules_never_import_the_runtime():
                     if name.startswith(("slcompile.runtime", "slcompile.backends")) and not allowed:
                         found.append(f"{path.relative_to(package)}: {name}")
     assert found == [], found
+
+
+def test_a_visits_weights_pack_one_tensor_a_dtype_each_on_a_16_byte_boundary():
+    from slcompile.vocabulary import packing_order, weight_layout
+
+    layout = weight_layout([((5,), torch.float32), ((3,), torch.bfloat16), ((6, 5), torch.float32)])
+    assert layout.sections == ((torch.float32, 38), (torch.bfloat16, 3))
+    assert layout.places == ((0, 0), (1, 0), (0, 8))  # 5 floats end at 20 bytes; the next starts at 32
+    # By key, then the first dtype among them first.
+    members = [("b", torch.float32), ("a", torch.bfloat16), ("c", torch.float32), ("d", torch.bfloat16)]
+    assert packing_order(members) == [1, 3, 0, 2]

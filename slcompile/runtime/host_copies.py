@@ -19,10 +19,10 @@ Guarantees:
 - Host groups: tensors stored onto the host together (``store_many``, as a block's
   weights are) share one range of the pool, each at the next 16-byte boundary after
   the one before (``group_layout``: what Triton kernels assume of a tensor's start,
-  and how FSDP pads the parameters it flattens). Loads of members of one group that
-  follow each other there (a block visit's weights, ``load_many``) are one copy into
-  one device buffer, and each member's result is a view of it: a visit costs one
-  allocation, one copy and one event, whatever the number of its weights.
+  as `vocabulary.weight_layout` packs a visit's weights). Loads of members of one
+  group that follow each other there are one copy: into one new device buffer, each
+  member's result a view of it (``load_many``), or into the packed tensors of a
+  block visit, as one transfer with one handle and one record (``load_packed``).
 - ``overwrite`` writes new values into a host entry's own bytes, after the copies
   that read them: the entry keeps its address (a captured copy from it stays valid);
   ``read_host`` reads an entry there, for a consumer on the host.
@@ -36,6 +36,8 @@ import time
 
 import torch
 
+from slcompile.vocabulary import WEIGHT_ALIGNMENT
+
 from .errors import OffloadError, TransferFailedError, UnknownKeyError
 from .handles import TransferHandle, _Entry, _typed_view, normalize_key
 from .ranges import round_up
@@ -43,8 +45,9 @@ from .tiers import HostBlock, HostPool, Tier, TransferKind
 
 __all__ = ["HostCopies", "HostGroup", "group_layout", "GROUP_ALIGNMENT"]
 
-GROUP_ALIGNMENT = 16
-"""Bytes a host group's members are aligned to, from the group's start."""
+GROUP_ALIGNMENT = WEIGHT_ALIGNMENT
+"""Bytes a host group's members are aligned to, from the group's start: as a block
+visit packs them (`vocabulary.weight_layout`), so that a run of them is one copy."""
 
 
 def group_layout(sizes) -> tuple[list[int], int]:
