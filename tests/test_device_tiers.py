@@ -10,6 +10,7 @@ device's memory there and moves nothing)."""
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from models import GPTConfig, TinyGPT, make_gpt_batch
 import slcompile
 from slcompile.runtime import Tier, TransferKind, collect_garbage, reset_runtime_stats, runtime_stats
 from slcompile.runtime.engine import get_engine
-from slcompile.vocabulary import FETCH_WEIGHT_MANY
+from slcompile.vocabulary import FETCH_WEIGHT_MANY, is_slc_op
 
 pytestmark = pytest.mark.cuda_check
 
@@ -95,6 +96,19 @@ def test_strided_saved_activations_and_packed_weights_come_back_where_inductor_c
     assert [len(visits["forward"]), len(visits["backward"])] == ([CFG.n_layers] * 2 if tier == "host" else [0, 0])
     # Each block fetched once a forward and once a backward, byte for byte.
     assert _moved(TransferKind.WEIGHT, Tier.DEVICE) == fetched_weight_bytes(report) > 0
+    # No transfer's token reaches a kernel (a CPU tensor there would cut a CUDA graph):
+    # tokens go from one slc:: op to another; what compute reads of a transfer is data.
+    for kind in ("forward", "backward"):
+        for node in report.graphs[kind].graph.nodes:
+            if node.op != "call_function" or is_slc_op(node) or node.target is operator.getitem:
+                continue
+            for source in node.all_input_nodes:
+                while source.target is operator.getitem:
+                    source = source.args[0]
+                if is_slc_op(source):
+                    values = source.meta["val"] if isinstance(source.meta["val"], (list, tuple)) \
+                        else [source.meta["val"]]
+                    assert all(v.dim() > 0 or v.dtype is not torch.int64 for v in values), (kind, node, source)
 
 
 @pytest.mark.skipif(not on_cuda(), reason="the CUDA caching allocator's peak (the CPU one: test_offload_activations)")
