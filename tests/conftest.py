@@ -30,8 +30,16 @@ def fresh_dynamo():
     torch._dynamo.reset()
     slcompile.clear_compile_reports()
     torch.manual_seed(0)
+    settings = _settings_in_environment()
     yield
     torch._dynamo.reset()
+    # A setting left in the environment changes every later test of the worker and the
+    # processes they start: the test that leaves it fails, not a later one.
+    assert _settings_in_environment() == settings, "the test changed SLC_* variables of the process"
+
+
+def _settings_in_environment() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if key.startswith("SLC_")}
 
 
 def run_train_step(model, call, params_of=None):

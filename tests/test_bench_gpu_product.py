@@ -123,12 +123,14 @@ def test_mfu_is_model_flops_over_step_time_and_peak():
     assert row["mfu"] is None
 
 
-def test_a_row_runs_until_the_later_rows_estimates_and_rows_past_the_budget_are_skipped(tmp_path):
+def test_a_row_runs_until_the_later_rows_estimates_and_rows_past_the_budget_are_skipped(tmp_path, monkeypatch):
     estimates = gpu_product.ROW_ESTIMATE_S
     assert gpu_product.time_limit("B1", ["P1"], 535, estimates) == 535 - estimates["P1"]
     assert gpu_product.time_limit("B1", ["P1"], 300, estimates) == estimates["B1"]
     assert gpu_product.time_limit("B1", ["P1"], 200, estimates) == 200
     out = tmp_path / "product.json"
+    # main() sets it for the rows' children; it must not outlive this test in the process.
+    monkeypatch.setenv("SLC_SEPARATE_HOST", "1")
     assert gpu_product.main(["--cpu-smoke", "--out", str(out), "--budget-s", "1"]) == 1
     record = json.loads(out.read_text())
     assert [r["spec"]["row"] for r in record["rows"]] == ["E0", "E1", "E2", "B1", "P1"]
