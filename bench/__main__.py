@@ -9,6 +9,7 @@ Usage:
     python -m bench activation ...            # bench/activation_bench.py
     python -m bench memory ...                # bench/memory_bench.py
     python -m bench optimizer ...             # bench/optimizer_bench.py
+    python -m bench lora ...                  # bench/lora_bench.py
     python -m bench generate ...              # bench/generate_bench.py
     python -m bench distributed ...           # bench/distributed_bench.py
     python -m bench compile ...               # bench/compile_bench.py
@@ -77,6 +78,9 @@ SCENARIOS = (
     Scenario("optimizer", "optimizer_bench.py", ("--repeats", "5"), ("--quick", "--repeats", "1"),
              "training with AdamW: offload_optimizer (host, nvme; speedloader and grad_accumulation) vs "
              "gathered_weights vs resident vs DeepSpeed ZeRO-3 (when installed)"),
+    Scenario("lora", "lora_bench.py", ("--rounds", "7"), ("--quick",),
+             "LoRA fine-tuning of a 2-layer Llama: the frozen base on nvme (adapters resident, or streamed with "
+             "offload_optimizer) vs the base resident"),
     Scenario("generate", "generate_bench.py", ("--repeats", "1"), ("--quick",),
              "generation, weights and KV cache on nvme: slcompile.generate vs accelerate disk_offload vs resident"),
     Scenario("distributed", "distributed_bench.py", ("--steps", "5"), ("--quick", "--steps", "2"),

@@ -21,6 +21,7 @@ from slcompile.runtime.stats import mark_step, reset_runtime_stats, runtime_stat
 from slcompile.runtime.gathering import gathered_weights, offloaded_parameters
 from slcompile.optim import OffloadedOptimizer, offload_optimizer
 from slcompile.checkpoint import load_sharded, save_sharded
+from slcompile.pretrained import save_pretrained
 from slcompile.tune import Candidate, GenerationTuneResult, TuneResult, tune, tune_generation
 from slcompile.compare import PolicyComparison, PolicyRow, compare_policies
 from slcompile.schedules.policy import Policy
@@ -54,6 +55,7 @@ __all__ = [
     "OffloadedOptimizer",
     "save_sharded",
     "load_sharded",
+    "save_pretrained",
     "tune",
     "generate",
     "explain_generation",

@@ -14,6 +14,10 @@ Guarantees:
   without adding guards: torch's own function where it exists (2.12 and later), else
   the shape environment's ``size_hint`` (2.11), which answers the same.
 
+- ``backed_value(shape_env, symbol)`` is the value a backed size symbol had when
+  traced (None for an unbacked one): ``ShapeEnv.backed_var_to_val`` where it exists,
+  else ``var_to_val`` (which later releases still answer, with a warning).
+
 What moved, for the record: ``torch.fx.experimental.symbolic_shapes.optimization_hint``
 appeared in 2.12; 2.11 has ``ShapeEnv.size_hint`` (and ``hint_int``, gone by 2.13).
 The other internals used (``torch._inductor.custom_graph_pass.CustomGraphPass``,
@@ -62,6 +66,7 @@ __all__ = [
     "TORCH_VERSION",
     "optimization_hint",
     "shape_env_optimization_hint",
+    "backed_value",
     "missing_internals",
     "torch_is_supported",
     "capture_graphs",
@@ -120,6 +125,13 @@ def shape_env_optimization_hint(value: torch.SymInt | int, fallback: int | None 
 
 optimization_hint = getattr(_symbolic_shapes, "optimization_hint", shape_env_optimization_hint)
 """``optimization_hint(value, fallback=None) -> int``: see the module docstring."""
+
+
+def backed_value(shape_env, symbol) -> int | None:
+    """The traced value of a backed size symbol of `shape_env`; None for an unbacked one."""
+    values = getattr(shape_env, "backed_var_to_val", None)
+    value = (shape_env.var_to_val if values is None else values).get(symbol)
+    return None if value is None else int(value)
 
 
 # (module, attribute or None for the module itself), or (module, config key).

@@ -21,7 +21,7 @@ from slcompile.errors import OptionError
 if TYPE_CHECKING:
     from slcompile.analysis.machine import MachineProfile
 
-__all__ = ["SpeedLoaderConfig", "options", "check_names", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "SUFFIXES", "GRADIENTS", "GENERATION_ONLY", "parse_bytes", "resolve", "environment_variable"]
+__all__ = ["SpeedLoaderConfig", "options", "check_names", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "SUFFIXES", "GRADIENTS", "TRAINABLE", "GENERATION_ONLY", "parse_bytes", "resolve", "environment_variable"]
 
 LOWERINGS = ("inductor", "aot_eager")
 TIERS = ("device", "host", "nvme")
@@ -30,6 +30,7 @@ ON_REFUSAL = ("fallback", "raise")
 RECOMPUTE = ("auto", "none", "blocks")
 SUFFIXES = ("auto", "whole", "subbatches")
 GRADIENTS = ("auto",) + TIERS
+TRAINABLE = ("auto", "stream", "device")
 GENERATION_ONLY = ("kv_cache", "prefill_subbatches")
 """The options only `slcompile.generate` reads (a compiled step keeps no KV cache)."""
 _UNITS = MappingProxyType({"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -109,6 +110,23 @@ class SpeedLoaderConfig:
             backward, shared by all K sub-batches; parameters read outside one block
             (embeddings, the head, tied weights) stay resident. Read or update
             offloaded parameters inside `slcompile.gathered_weights(model)`.
+        trainable: which trainable weights (`requires_grad`) of a block stay on
+            the device when `weights` streams the block's weights. Frozen weights
+            always stream: the backward loads them again only where the input
+            gradients read them, and they have no gradient and no optimizer state.
+            "auto" (default): a block's trainable weights stay on the device when
+            the same block also holds frozen weights (adapters such as LoRA's over
+            a frozen base, whose bytes are a small share of the block's), so any
+            torch optimizer steps them as it steps the embeddings; a block whose
+            weights all train (full training) streams them all, as "stream" does.
+            "stream": every weight only one block reads streams, trainable or not
+            (step them with `slcompile.offload_optimizer` or inside
+            `slcompile.gathered_weights`). "device": every trainable weight stays,
+            and only frozen ones stream. A block whose trainable weights are a
+            large share of it (its attention frozen, its MLP trained) keeps them
+            all under "auto": "stream" moves them too. The compile report
+            (`CompileReport.weights`) and `slcompile.explain` list each resident
+            weight with its reason.
         live_blocks: how many blocks' weights may be on the device at once: the one
             computing and `live_blocks - 1` prefetched ahead.
         offload_dir: directory for the nvme tier's private files (default: the
@@ -120,7 +138,11 @@ class SpeedLoaderConfig:
             backward use; under `memory_budget`, the planner stashes only what the
             budget needs, longest idle first (`slcompile.schedules.planner`).
         min_offload_bytes: saved tensors smaller than this stay on the device
-            (default 64 KiB; transfers that small cost more than they free).
+            (default 64 KiB; transfers that small cost more than they free). A
+            graph with a symbolic batch or sequence compares each at its largest
+            size (the range of its size symbols: unbounded unless
+            `torch._dynamo.mark_dynamic(..., max=)` bounds it), so a saved tensor
+            that grows with them leaves at every size.
         recompute: what the backward does with the activations inside a block:
             "none" keeps every saved tensor, "blocks" saves only each block's input
             (and random masks) and recomputes the block's internals from it during
@@ -145,7 +167,8 @@ class SpeedLoaderConfig:
             a string ("2GiB", "512MB"); None means no limit. The peak is predicted
             from the compiled graphs before anything runs; when no plan fits,
             compiling raises `slcompile.BudgetError` naming the smallest budget that
-            would.
+            would. A graph with symbolic sizes is guarded to the sizes at which its
+            plan fits: another size compiles again, planned at that size.
         gradients: where the gradients of streamed block weights go when the
             backward has summed them over the K sub-batches: "device" returns them
             as `.grad`; "host" or "nvme" stores each block's gradients there once
@@ -203,6 +226,7 @@ class SpeedLoaderConfig:
     batch_dim: int = 0
     on_refusal: str = "fallback"
     weights: str = "device"
+    trainable: str = "auto"
     live_blocks: int = 2
     offload_dir: str | None = None
     activations: str = "device"
@@ -232,6 +256,7 @@ class SpeedLoaderConfig:
                 raise OptionError(problem)
         _check_choice("on_refusal", self.on_refusal, ON_REFUSAL)
         _check_choice("weights", self.weights, TIERS)
+        _check_choice("trainable", self.trainable, TRAINABLE)
         _check_int("live_blocks", self.live_blocks, minimum=1)
         _check_choice("activations", self.activations, TIERS)
         _check_int("min_offload_bytes", self.min_offload_bytes, minimum=0)
@@ -361,6 +386,10 @@ def _check_offload_dir(path: Any) -> None:
         # abspath("") is the current directory, but the nvme tier would not go there.
         raise OptionError("speedloader option 'offload_dir': the empty path names no directory; leave it "
                           "unset for the temp dir, or name one ('.' for the current directory)")
+    if "\0" in os.fspath(path):
+        # os.path.exists answers False for it; the first system call on it would raise
+        # a bare "embedded null byte" once the nvme tier makes its directory.
+        raise OptionError(f"speedloader option 'offload_dir': {path!r} holds a null byte, which no path may hold")
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path):
         if not os.path.isdir(path):

@@ -36,6 +36,7 @@ from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import (
     BudgetError, OffloadError, OptionError, RefusedError, as_refusal, compile_error, passes_through_fallback,
 )
+from slcompile.passes.stream_weights import weight_placement
 from slcompile.pipeline import run_pipeline
 from slcompile.runtime.facts import process_facts
 from slcompile.runtime.gathering import loading_released_weights
@@ -69,6 +70,9 @@ class GraphExplanation:
             idle steps (`slcompile.schedules.planner.describe`).
         notes: what the backend changed of the options for this graph (gradient
             checkpointing run as `recompute="blocks"`).
+        weights: which parameters would stream from the `weights` tier and which
+            stay on the device, with the reason (`WeightPlacement`), or None when
+            none streams.
         time: the predicted timeline of one steady-state step on the machine
             profile (`slcompile.analysis.time.TimePrediction`: per block compute,
             stalls and transfers per lane, the step time, tokens/s and what bounds
@@ -91,6 +95,7 @@ class GraphExplanation:
     budget_error: str | None = None
     activation_plan: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    weights: Any = None
     time: Any = None
     planned_schedule: Any = dataclasses.field(default=None, repr=False)
 
@@ -104,6 +109,8 @@ class GraphExplanation:
             f"fallback: {self.fallback_reason or 'none'}",
             *(f"note: {note}" for note in self.notes),
         ]
+        if self.weights is not None:
+            lines += self.weights.lines()
         if self.memory is not None:
             lines.append(str(self.memory))
         if self.time is not None:
@@ -165,6 +172,11 @@ class Explanation:
     @property
     def memory_expressions(self) -> dict | None:
         return self._first().memory_expressions
+
+    @property
+    def weights(self):
+        """The first graph's `WeightPlacement`, or None."""
+        return self._first().weights
 
     @property
     def memory(self):
@@ -378,6 +390,8 @@ def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None
         budget_error=budget_error,
         activation_plan=activation_plan,
         notes=state.notes if state is not None else (),
+        weights=weight_placement(state.streamed, state.inputs, state.streamer.tier)
+        if reason is None and state is not None and state.streamed is not None else None,
         time=timeline,
         planned_schedule=planned,
     )
@@ -497,6 +511,8 @@ def plan_with_optimizer(state, optimizer=None, optimizer_options=None):
         off = {id(p) for block in streamed for p in block}
         resident = [i.value for i in state.inputs if i.kind == "param" and isinstance(i.value, torch.Tensor)
                     and i.value.requires_grad and id(i.value) not in off]
+        # A frozen weight has no host copy, state or gradient to count.
+        streamed = [trained for trained in ([p for p in block if p.requires_grad] for block in streamed) if trained]
         memory = optimizer_memory(
             optimizer, options, [resident], streamed, states=states, max_grad_norm=max_grad_norm,
             machine=plan.machine,

@@ -31,10 +31,16 @@ What the subclass changes, and why:
    backward calls come back as `.grad` (device memory for every streamed
    gradient) and the optimizer steps them from there. `num_subbatches` splits a
    batch without that cost.
-4. Checkpoints: `model.state_dict()` and `load_state_dict()` read and write
-   streamed weights through the offloaded optimizer's host copies, and its
-   `state_dict()` is keyed by parameter name, so the Trainer's save and resume
-   work unchanged; a checkpoint resumes in a fresh `SpeedLoaderTrainer` and model.
+4. Checkpoints: with streamed weights the model's files (a peft model's adapters
+   excepted, which peft saves) are written by
+   `slcompile.save_pretrained` (`_save`): the Hugging Face safetensors layout, its
+   streamed weights read one block at a time from the offloaded optimizer's host
+   copies (or their tier), never the whole model at once as `model.state_dict()`
+   would; a model with streamed weights has at least one file per block, so the
+   Trainer's checkpoint is sharded (`model.safetensors.index.json`), which its
+   resume reads as any sharded checkpoint. `load_state_dict()` writes streamed
+   weights through the host copies, and the optimizer's `state_dict()` is keyed by
+   parameter name, so a checkpoint resumes in a fresh `SpeedLoaderTrainer` and model.
 
 A batch that K does not divide (a last batch of 3 at K=2, say) runs the plain graph
 (the backend's fallback); with streamed weights that step runs inside
@@ -51,17 +57,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
 
 from slcompile import defaults
 from slcompile.config import SpeedLoaderConfig, check_names, options_of_mode
 from slcompile.optim import OffloadedOptimizer, offload_optimizer
+from slcompile.pretrained import save_pretrained
 from slcompile.runtime.facts import machine_facts
-from slcompile.runtime.gathering import gathered_weights
+from slcompile.runtime.gathering import gathered_weights, offloaded_parameters
 
 __all__ = ["SpeedLoaderTrainer"]
 
@@ -176,6 +185,27 @@ class SpeedLoaderTrainer(Trainer):
                  "streamed weights", batch, self.num_subbatches)
         return gathered_weights(self.model)
 
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The model's files, its config, the processing class and the arguments, as
+        the Trainer's `_save` writes them; with streamed weights (and no
+        `state_dict` given) the weights through `slcompile.save_pretrained`, one
+        block at a time from where they rest. A peft model saves its adapters as peft
+        does (the Trainer's own `_save`)."""
+        if state_dict is not None or not offloaded_parameters(self.model) or _is_peft_model(self.model):
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return None
+        log.info("speedloader: saving the model's weights block by block to %s", output_dir)
+        save_pretrained(self.model, output_dir)
+        tokenizer = getattr(self.data_collator, "tokenizer", None)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        return None
+
     @property
     def _offloads_optimizer(self) -> bool:
         return isinstance(_unwrap_optimizer(self.optimizer), OffloadedOptimizer)
@@ -224,6 +254,14 @@ class SpeedLoaderTrainer(Trainer):
                 and optimizer.last_grad_norm is not None:
             logs = {**logs, "grad_norm": optimizer.last_grad_norm.item()}
         super().log(logs, *args, **kwargs)
+
+
+def _is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
 
 
 def _unwrap_optimizer(optimizer):

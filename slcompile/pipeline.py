@@ -28,6 +28,7 @@ returns); the Inductor cache key covers its module.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -64,7 +65,14 @@ from slcompile.passes.offload_activations import (
 from slcompile.passes.offload_gradients import GradientReport, offload_gradients
 from slcompile.passes.order_layer_major import order_layer_major
 from slcompile.passes.spill_boundaries import SpilledBoundaries, spill_boundaries
-from slcompile.passes.stream_weights import PlacedPrefetches, StreamedWeights, place_prefetches, stream_weights, tag_fetch_views
+from slcompile.passes.stream_weights import (
+    PlacedPrefetches,
+    StreamedWeights,
+    place_prefetches,
+    resident_trainable,
+    stream_weights,
+    tag_fetch_views,
+)
 from slcompile.plans import StreamerPlan, new_name
 from slcompile.schedules.base import STASH_TIERS, Schedule, recompute_text
 from slcompile.schedules.derive import schedule_of
@@ -253,14 +261,23 @@ def _plan_schedule(state: PipelineState) -> PipelineState:
 
 def gradients_leave(config: SpeedLoaderConfig, blocks: BlockGraph, inputs, facts: ProcessFacts) -> bool:
     """Whether the backward sends the block weights' gradients off the device, as
-    `slcompile.runtime.gradients.sink_plan_for` decides when the graph lowers:
-    `gradients` names a tier, or ("auto") an offloaded optimizer holds a block weight."""
+    `slcompile.runtime.gradients.sink_plan_for` decides when the graph lowers: some
+    block weight that streams has a gradient (the `trainable` option keeps none on
+    the device, `resident_trainable`), and `gradients` names a tier or ("auto") an
+    offloaded optimizer holds it."""
     if config.gradients == "device":
         return False
-    if config.gradients != "auto":
-        return True
-    values = {i.name: i.value for i in inputs}
-    return any(id(values.get(name)) in facts.optimizer_held for block in blocks.blocks for name in block.params)
+    values = {i.name: i.value for i in inputs if i.kind == "param"}
+    readers = collections.Counter(name for block in blocks.blocks for name in set(block.params))
+    for block in blocks.blocks:
+        # What `stream_weights` may stream: the parameters no other block reads.
+        params = [values[name] for name in block.params if name in values and readers[name] == 1]
+        kept = resident_trainable(config.trainable, params)
+        for param in params:
+            if param.requires_grad and id(param) not in kept and (
+                    config.gradients != "auto" or id(param) in facts.optimizer_held):
+                return True
+    return False
 
 
 def _interleave(state: PipelineState) -> PipelineState:
@@ -284,7 +301,7 @@ def _stream(state: PipelineState) -> PipelineState:
     )
     gm, streamed = stream_weights(
         state.gm, state.blocks, state.inputs, functools.partial(facts.stored_key, streamer.name), streamer.graph_key,
-        fetch_groups=state.schedule.fetch_groups(),
+        fetch_groups=state.schedule.fetch_groups(), trainable=config.trainable,
     )
     return dataclasses.replace(state, gm=gm, streamer=streamer, streamed=streamed)
 

@@ -55,9 +55,15 @@ class CompileReport:
         block_inputs: block index -> positions among the graph's inputs of the
             parameters it reads (AOTAutograd's backward returns gradients in that order).
         streamed_bytes: bytes of block weights fetched from their tier each pass (P).
+        weights: which parameters stream from their tier and which stay on the
+            device, with the reason (`slcompile.passes.stream_weights.WeightPlacement`),
+            or None when no weight streams.
         fused_weight_grads: weight gradients summed over sub-batches in one matmul.
         memory: the predicted memory per tier (`MemoryPrediction`) of the plan
             compiled, for the example inputs.
+        budget_guard: under a `memory_budget`, with symbolic sizes, the condition
+            on them under which the plan compiled fits the budget, which Dynamo
+            guards the graph with (`slcompile.backends.lowering.guard_budget`); else None.
         offloaded_activations: which saved activations rest off the device.
         spilled_boundaries: which boundary activations rest off the device while they
             wait for their sub-batch's next region (`SpilledBoundaries`).
@@ -84,8 +90,10 @@ class CompileReport:
     partitioned: dict[str, torch.fx.GraphModule] = dataclasses.field(default_factory=dict)
     block_inputs: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     streamed_bytes: int = 0
+    weights: object = None
     fused_weight_grads: int = 0
     memory: object = None
+    budget_guard: object = None
     offloaded_activations: object = None
     spilled_boundaries: object = None
     offloaded_gradients: object = None

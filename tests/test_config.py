@@ -1,3 +1,5 @@
+import pathlib
+
 import pytest
 
 import slcompile
@@ -79,3 +81,11 @@ def test_the_schedule_option_describes_every_built_in_policy():
     for name in BUILTIN_POLICIES:
         assert f'"{name}"' in text, name
     assert "the three" not in text
+
+
+@pytest.mark.parametrize("path", ["od\x00b", pathlib.Path("od\x00b")])
+def test_an_offload_dir_with_a_null_byte_is_refused_where_it_is_set(path):
+    with pytest.raises(slcompile.OptionError, match=r"^speedloader option 'offload_dir': .* holds a null byte"):
+        slcompile.options(weights="nvme", offload_dir=path)
+    with pytest.raises(slcompile.OptionError, match="'offload_dir'"):
+        SpeedLoaderConfig(offload_dir=path)

@@ -243,6 +243,31 @@ def test_tokens_sorted_by_expert_route_per_sub_batch_like_eager(restore, num_sub
     assert report.fallback_reason is None and len(report.blocks) == LAYERS
 
 
+def test_gpt_oss_experts_split_each_tokens_gate_and_up_like_eager():
+    """GPT-OSS's experts take each routed token's gate and up projections from one
+    matmul's interleaved features (`gate_up[..., ::2]`, `gate_up[..., 1::2]`): a slice
+    of every row's own features, which keeps tokens apart and splits."""
+    model, call = _decoder("GptOssConfig", "GptOssForCausalLM", num_local_experts=4, num_experts_per_tok=2,
+                           head_dim=8, intermediate_size=HIDDEN)
+    assert_matches_eager(model.train(), call, {**OPTIONS, "num_subbatches": 2}, atol=2e-5, rtol=2e-5)
+    (report,) = [r for r in slcompile.compile_reports() if r.blocks]
+    assert report.fallback_reason is None and len(report.blocks) == LAYERS
+
+
+class FirstRows(nn.Module):
+    """Sorted tokens, of which a slice of the rows is kept: which tokens those are
+    depends on the other samples' tokens."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.score = nn.Linear(width, 1)
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        rows, _ = torch.sort(self.score(tokens).squeeze(-1))
+        return x * rows[:4].sum()
+
+
 class NeverRestored(nn.Module):
     """Sorts its tokens by a score and never puts them back: the order of the
     tokens it returns depends on the other samples'."""
@@ -259,7 +284,8 @@ class NeverRestored(nn.Module):
 @pytest.mark.parametrize("block, words", [
     (CapacityMoE, "node cumsum .* works along the batch dimension"),
     (NeverRestored, r"\(view_as\) .* combines tokens in the order their sub-batch routed them"),
-], ids=["capacity", "never-restored"])
+    (FirstRows, r"\(getitem\) .* picks among tokens routed by their sub-batch \(it indexes their rows, dim 0\)"),
+], ids=["capacity", "never-restored", "first-rows"])
 def test_routing_that_couples_samples_is_refused(block, words):
     model = torch.compile(Stack(block), backend="speedloader", options={**OPTIONS, "num_subbatches": 2})
     with pytest.raises(slcompile.CompileError, match=words):

@@ -151,9 +151,30 @@ def test_optimizers_that_need_every_gradient_at_once_are_refused():
     model = _model()
     with pytest.raises(ValueError, match="LBFGS"):
         slcompile.offload_optimizer(model, torch.optim.LBFGS, lr=1.0)
-    opt = slcompile.offload_optimizer(model, torch.optim.SGD, lr=0.1)
-    with pytest.raises(ValueError, match="closure"):
-        opt.step(lambda: torch.tensor(0.0))
+
+
+def test_a_closure_runs_with_grad_enabled_and_step_returns_its_loss_as_torch_optimizers_do():
+    eager = _model()
+    model = copy.deepcopy(eager)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    opt = slcompile.offload_optimizer(model, torch.optim.AdamW, lr=1e-2, gradients="nvme")
+    compiled = torch.compile(model, backend="speedloader", options={**NVME, "num_subbatches": 2})
+    for step in range(2):
+        idx, targets = make_gpt_batch(CFG, 4, seed=step)
+        losses = []
+        for net, optimizer in ((compiled, opt), (eager, eager_opt)):
+            def closure(net=net, optimizer=optimizer):
+                optimizer.zero_grad()
+                loss = net(idx, targets)[1]
+                loss.backward()
+                return loss
+            with torch.no_grad():  # as a training loop may call it: the closure's backward needs grad
+                losses.append(optimizer.step(closure))
+        torch.testing.assert_close(losses[0], losses[1])
+    assert slcompile.mark_step().total_bytes(kind=TransferKind.GRADIENT) > 0  # the blocks stepped off the device
+    with slcompile.gathered_weights(model):
+        for (name, param), expected in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(param, expected, msg=lambda text, name=name: f"{name}: {text}")
     opt.close()
 
 

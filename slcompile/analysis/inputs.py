@@ -8,12 +8,13 @@ placeholders and records where each came from in `node.meta["grapharg"].source`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 import torch
 import torch.fx
 
-__all__ = ["GraphInput", "classify_inputs"]
+__all__ = ["GraphInput", "classify_inputs", "parameter_name"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,15 @@ class GraphInput:
     kind: str
     source: str
     value: object
+
+
+def parameter_name(source: str) -> str:
+    """`layers.0.fc.weight` for Dynamo's `L['self']._modules['layers']._modules['0']
+    ._modules['fc']._parameters['weight']` (or `.__dict__['_modules']['layers']`, as
+    Dynamo reads a module whose class defines `__getattr__`, peft's); other sources
+    as they are."""
+    parts = re.findall(r"(?:\._(?:modules|parameters)|\.__dict__\['_(?:modules|parameters)'\])\['([^']+)'\]", source)
+    return ".".join(parts) if parts else source
 
 
 def classify_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> list[GraphInput]:

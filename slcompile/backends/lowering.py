@@ -26,6 +26,14 @@ hold them weakly, and every compiled graph, as well as the callable `lower` retu
 holds the `StepRuntime` (`hold_runtime`). A step compiled again, a model deleted or
 `torch._dynamo.reset()` lets them go. Lowered without one (`explain`, `tune`), a
 step makes no runtime object.
+
+A graph with symbolic sizes (a dynamic batch or sequence) is planned at the sizes it
+was traced with, and Dynamo runs it at every size its guards admit. Under a
+`memory_budget` the plan chosen is held to the budget at every size: the lowering
+adds a guard that its predicted device peak, a sympy expression of the size
+symbols, is within the budget (`guard_budget`), so a size at which it is not makes
+Dynamo compile the graph again, planned at that size (or raising `BudgetError`, as a
+graph traced at that size would).
 """
 
 from __future__ import annotations
@@ -38,13 +46,14 @@ from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn, get_hash_for_files
 
 from slcompile import pipeline
 from slcompile.analysis.machine import MachineFacts
-from slcompile.compat import graph_module, lazy_graph_modules
+from slcompile.compat import backed_value, graph_module, lazy_graph_modules
 from slcompile.errors import BudgetError, PolicyError
 from slcompile.passes import manager as pass_manager
 from slcompile.passes.manager import pass_modules
@@ -65,7 +74,7 @@ from slcompile.runtime.step import StepRuntime
 from slcompile.schedules.base import Schedule
 from slcompile.schedules.planner import kept_bytes
 
-__all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES", "failed_stage", "hold_runtime"]
+__all__ = ["lower", "StepPlan", "INDUCTOR_PATCHES", "failed_stage", "hold_runtime", "guard_budget"]
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +232,54 @@ def hold_runtime(compiled: Callable, runtime: StepRuntime) -> Callable:
     return compiled
 
 
+def guard_budget(peak: sympy.Expr, budget: int, graph: torch.fx.GraphModule) -> sympy.Expr | None:
+    """Makes the graph being compiled run only at sizes where `peak` fits `budget`.
+
+    `peak` is a plan's predicted device peak (`MemoryPrediction.expressions
+    ["peak_device"]`), chosen because it fits at the sizes the graph was traced with.
+    Where it depends on the sizes of the graph's inputs, the condition becomes a
+    guard of the shape environment, which Dynamo checks before every call of the
+    compiled frame: a size that breaks it compiles the frame again. A symbol no input
+    carries (the length of an RNG state the backward recomputes with, which does not
+    follow the batch) is taken at its traced value: Dynamo cannot check it.
+
+    Args:
+        peak: the predicted device peak in bytes, of the size symbols.
+        budget: the device's limit in bytes.
+        graph: the step's forward (its placeholders carry the inputs' symbols).
+
+    Returns:
+        the condition guarded, or None for a peak that does not depend on an input's size.
+    """
+    shape_env, carried = None, set()
+    for node in graph.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        for size in (value.shape if isinstance(value, torch.Tensor) else (value,)):
+            if isinstance(size, torch.SymInt):
+                shape_env = size.node.shape_env
+                carried |= size.node.expr.free_symbols
+    if shape_env is None or not peak.free_symbols & carried:
+        return None
+    traced = {symbol: backed_value(shape_env, symbol) for symbol in peak.free_symbols - carried}
+    if any(value is None for value in traced.values()):
+        log.warning("speedloader: the plan fits the memory budget at the traced sizes only: its peak %s depends "
+                    "on a size known only when the step runs", peak)
+        return None
+    condition = sympy.Le(peak.subs(traced), budget)
+    try:
+        # At the traced sizes (where the plan fits) it holds, and the shape
+        # environment records it as a guard of the frame.
+        holds = shape_env.evaluate_expr(condition)
+    except Exception as err:  # noqa: BLE001 - the plan stands; only its guard is lost
+        log.warning("speedloader: the plan fits the memory budget at the traced sizes only: guarding %s "
+                    "failed (%s: %s)", condition, type(err).__name__, err)
+        return None
+    if not holds:
+        raise AssertionError(f"the plan chosen under the budget does not fit it at the traced sizes: {condition}")
+    log.info("speedloader: the plan holds the memory budget at sizes where %s", condition)
+    return condition
+
+
 def failed_stage(pass_log, lowering: str) -> str:
     """Where a compilation that failed outside a pass was, in words, from the stage
     of the last pass that ran (`PassLog`): a pass's own failure names its pass."""
@@ -317,6 +374,9 @@ class _PlannedPartition:
                     prediction.peak_bytes["device"] - kept_bytes(schedule) > plan.memory_budget:
                 hopeless.add(recompute)  # or nothing more to stash: the same plan again
             if plan.memory_budget is None or prediction.peak_bytes["device"] <= plan.memory_budget:
+                if plan.memory_budget is not None:
+                    self.report.budget_guard = guard_budget(
+                        prediction.expressions["peak_device"], plan.memory_budget, fw)
                 self.report.memory = prediction
                 self.report.offloaded_activations = offloaded if offloaded is not None else OffloadedActivations()
                 self.report.spilled_boundaries = step.results.spill_boundaries

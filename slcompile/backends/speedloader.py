@@ -36,6 +36,7 @@ from slcompile.errors import (
     BudgetError, NoBlocksError, OffloadError, OptionError, RecompileLimitWarning, RefusedError, as_refusal,
     compile_error, passes_through_fallback,
 )
+from slcompile.passes.stream_weights import weight_placement
 from slcompile.pipeline import run_pipeline
 from slcompile.schedules.policies import plan_suffix
 from slcompile.runtime.facts import process_facts
@@ -147,6 +148,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
 
     report.blocks = tuple(b.path for b in state.blocks.blocks)
     report.batch_size = state.batch.batch_size
+    if state.streamed is not None:
+        report.weights = weight_placement(state.streamed, state.inputs, state.streamer.tier)
     report.block_inputs = {
         b.index: tuple(state.batch.input_index[name] for name in b.params) for b in state.blocks.blocks
     }

@@ -21,7 +21,12 @@ what `num_subbatches` does inside one step; a second backward before `step()` ra
 `OffloadError`); an optimizer whose update of a parameter reads only that
 parameter's gradient and state (SGD, Adam, AdamW, Adagrad, RMSprop, ...). LBFGS
 (a closure that re-evaluates the loss) and SparseAdam are refused with a
-`ValueError`; so is a closure passed to `step()`.
+`ValueError`. `step(closure)` runs the closure (the forward and the backward, during
+which the blocks step) under `torch.enable_grad()`, does what `step()` does and
+returns the closure's loss, as torch's optimizers do: Lightning's automatic
+optimization passes one to every step. A closure of Lightning's Trainer that would
+clip the gradients (`gradient_clip_val`) is refused with a `ValueError` before it
+runs: the clip reads `.grad`, which the streamed weights never get.
 
 `params=` takes parameters or param groups as `optimizer_class` does, and the
 optimizer is a `torch.optim.Optimizer` whose `param_groups` every step reads (the
@@ -85,7 +90,7 @@ in the log. The host copies are the weights' master values: change weights throu
 The modules: `optimizer` holds the public wrapper (`offload_optimizer`,
 `OffloadedOptimizer`), which receives the gradients, runs the block steps on its
 worker and closes each step; `host_step` holds one block's step over its host
-copies, with its state on the host or in nvme files.
+copies, with its state on the host or in nvme files; `checks` what it refuses.
 """
 
 from slcompile.optim.optimizer import OffloadedOptimizer, attached_optimizer_memory, offload_optimizer

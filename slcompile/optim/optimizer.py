@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from slcompile.optim.checks import check_optimizer_class, check_state_size, refuse_lightning_clip
 from slcompile.optim.host_step import _copy, _HostStep, _options, _take_options
 from slcompile.runtime import gradients as gradient_runtime
 from slcompile.runtime.engine import TransferEngine, get_engine
@@ -102,7 +103,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         **optimizer_options: Any,
     ):
-        _check_optimizer_class(optimizer_class)
+        check_optimizer_class(optimizer_class)
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise ValueError(f"offload_optimizer: max_grad_norm must be a positive number or None, "
                              f"got {max_grad_norm!r}")
@@ -215,16 +216,36 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._pending.append(self._worker.submit(task, sink, group))
 
     # -- the optimizer API ------------------------------------------------
-    def step(self, closure: Callable | None = None) -> None:
+    def step(self, closure: Callable | None = None) -> Any:
         """Waits for the block steps still running, then steps every other parameter.
         With `max_grad_norm`: computes the clip factor, then runs the block steps.
+
+        Args:
+            closure: as torch's optimizers take it, the forward and the backward
+                of this step (Lightning passes one in automatic optimization): run
+                first, under `torch.enable_grad()`; the blocks step as their
+                gradients arrive during it.
+
+        Returns:
+            what `closure` returned (the loss), or None without one.
 
         Raises:
             DiskFullError: no room for a block's updated weights (that block's step is
                 undone) or nvme states; see `slcompile.optim`'s docstring.
+            ValueError: `closure` is Lightning's and its Trainer clips gradients
+                (`gradient_clip_val`), which would clip only the resident
+                parameters' `.grad`: clip with `max_grad_norm` instead.
         """
+        loss = None
         if closure is not None:
-            raise ValueError("OffloadedOptimizer.step takes no closure: blocks step as their gradients arrive")
+            refuse_lightning_clip(closure)
+            with torch.enable_grad():
+                loss = closure()
+        self._step()
+        return loss
+
+    def _step(self) -> None:
+        """`step()` once the gradients are in (or arriving)."""
         try:
             self._step_blocks()
         except BaseException:
@@ -299,14 +320,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         model's streamed weights, per block; its other parameters step on the device.
 
         Args:
-            streamed: the streamed parameters, grouped by block.
+            streamed: the streamed parameters, grouped by block; those this
+                optimizer does not hold (frozen weights) have no host copy, state
+                or gradient.
             machine: the machine's facts (`MachineFacts`); default: this machine's,
                 with the streamed weights' shard group's ranks.
         """
         from slcompile.analysis.optimizer_memory import optimizer_memory
 
-        blocks = [list(block) for block in streamed]
-        off = {id(p) for block in blocks for p in block}
+        held = {id(p) for p in self.params}
+        blocks = [[p for p in block if id(p) in held] for block in streamed]
+        off = {id(p) for block in streamed for p in block}
+        blocks = [block for block in blocks if block]
         resident = [[p for p in group["params"] if id(p) not in off] for group in self.param_groups]
         # The class's options as the first group has them; weight decay where any group has it.
         options = {key: self.param_groups[0][key] for key in self.defaults if key in self.param_groups[0]}
@@ -409,7 +434,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for index, param in enumerate(host_step.params):
                 values = self._loaded_state.pop(self._names[id(param)], None)
                 if values is not None:
-                    _check_state_size(param, self._names[id(param)], values, host_step.masters[index])
+                    check_state_size(param, self._names[id(param)], values, host_step.masters[index])
                     host_step.set_state(index, values)
         if self._resident is not None:
             self._install_resident_state()
@@ -533,7 +558,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for index, param in enumerate(params):
                 values = self._loaded_state.pop(self._names[id(param)], None)
                 if values is not None:
-                    _check_state_size(param, self._names[id(param)], values, masters[index])
+                    check_state_size(param, self._names[id(param)], values, masters[index])
                     host_step.set_state(index, values)
             self._host_steps[key] = host_step
         return host_step
@@ -732,32 +757,3 @@ def _raise_first(errors: Iterable[OffloadError | None]) -> None:
     for error in errors:
         if error is not None:
             raise error
-
-
-def _check_state_size(param: torch.nn.Parameter, name: str, values: Mapping[str, Any], master: torch.Tensor) -> None:
-    """Refuses a loaded state of a sharded weight whose tensors are not the size of
-    the host copy, this rank's shard, they step with (an elementwise optimizer's
-    state always is; others keep their own shapes and checks)."""
-    if shard_group_of(param) is None:
-        return
-    for key, value in values.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() != master.numel():
-            raise ValueError(
-                f"load_state_dict: the optimizer state {key!r} of {name!r} has {value.numel()} elements, its "
-                f"host copy {master.numel()}: a state of a weight sharded over another number of ranks (or "
-                "not sharded); load it with slcompile.load_sharded into a model compiled with the same "
-                "shard_weights"
-            )
-
-
-def _check_optimizer_class(optimizer_class) -> None:
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(f"offload_optimizer needs a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-    if issubclass(optimizer_class, torch.optim.LBFGS):
-        raise ValueError(
-            "offload_optimizer cannot run LBFGS: its step needs every gradient at once and re-evaluates "
-            "the loss with a closure, but the offloaded optimizer steps each block as its gradients "
-            "arrive; keep LBFGS on the device (weights='device', gradients='device')"
-        )
-    if issubclass(optimizer_class, torch.optim.SparseAdam):
-        raise ValueError("offload_optimizer cannot run SparseAdam: block weights get dense gradients")

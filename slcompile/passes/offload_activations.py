@@ -17,6 +17,12 @@ Around AOTAutograd's partitioner:
   device if it must (a graph input or a view of one, a model output, not of one
   sub-batch, smaller than `min_offload_bytes`). The policy is asked again with them
   (`Schedule.replan`): it decides which steps stash and where every transfer runs.
+  A graph with symbolic sizes runs at every size its guards admit, not only at the
+  one it was traced with: a saved tensor is compared with `min_offload_bytes` at the
+  largest size its shape may take (`largest_bytes`: the upper ends of its size
+  symbols' ranges, unbounded unless `torch._dynamo.mark_dynamic(..., max=)` bounds
+  them), so one that grows with the batch or the sequence leaves at every size, and
+  at any size the graph stashes at least what a graph traced at that size would.
 - `offload_saved` (the partitioned pair): every saved tensor of a step the schedule
   stashes is stored once its (block, sub-batch) is done computing (`slc::stash`, one
   after another after the step's last node, so the step's compute stays one run
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 
 import sympy
@@ -52,7 +59,10 @@ from slcompile.meta import SlcMeta, get_slc_meta, set_slc_meta
 from slcompile.schedules.base import SavedActivation, Schedule
 from slcompile.vocabulary import STASH, UNSTASH, UNSTASH_WAIT, WAIT, fake_token, is_compute
 
-__all__ = ["OffloadedActivations", "tag_block_recompute", "saved_activations", "offload_saved", "forward_nodes"]
+__all__ = [
+    "OffloadedActivations", "tag_block_recompute", "saved_activations", "offload_saved", "forward_nodes",
+    "largest_bytes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +219,23 @@ def _bytes_hint(value: torch.Tensor) -> int:
     return optimization_hint(value.numel()) * value.element_size()
 
 
+def largest_bytes(value: torch.Tensor) -> int | float:
+    """The most bytes `value` takes at any size its graph may run at: its size as
+    is, or for a symbolic one the upper end of its range in the shape environment
+    (`math.inf` where a size symbol is unbounded, as Dynamo leaves a dynamic batch
+    unless `mark_dynamic(..., max=)` bounds it)."""
+    numel = value.numel()
+    if not isinstance(numel, torch.SymInt):
+        return int(numel) * value.element_size()
+    node = numel.node
+    if not node.expr.free_symbols:
+        return int(node.expr) * value.element_size()
+    upper = node.shape_env.bound_sympy(node.expr).upper
+    if not isinstance(upper, sympy.Integer):  # torch's int_oo calls itself finite
+        return math.inf
+    return int(upper) * value.element_size()
+
+
 def _step_of_nodes(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, tuple | None], dict[tuple, torch.fx.Node]]:
     """(node -> the compute step it runs in: the step of the last node at or before
     it that computes for one sub-batch, or for the suffix run whole; step -> its
@@ -233,7 +260,9 @@ def saved_activations(
     in steps and why those that cannot leave the device stay.
 
     The last forward use is the step of the last forward reader (at least the step
-    that makes it); the first backward use the step of the first backward reader.
+    that makes it); the first backward use the step of the first backward reader. A
+    tensor stays for being smaller than `min_bytes` only where it is smaller at its
+    largest size (`largest_bytes`).
     """
     fw_nodes = list(fw.graph.nodes)
     outputs = list(fw_nodes[-1].args[0])
@@ -268,8 +297,13 @@ def saved_activations(
             reason = "not of one sub-batch of the prefix or a block"
         elif node.name not in bw_inputs:
             reason = "not read by the backward"
-        elif _bytes_hint(value) < min_bytes:
-            reason = f"smaller than min_offload_bytes ({_bytes_hint(value)} B)"
+        elif largest_bytes(value) < min_bytes:
+            # Below the threshold at the largest size it may take: a graph traced at
+            # a small batch and run at a larger one keeps nothing a graph traced at
+            # the larger batch would stash.
+            largest = largest_bytes(value)
+            reason = (f"smaller than min_offload_bytes ({largest} B)" if largest == _bytes_hint(value) else
+                      f"smaller than min_offload_bytes at its largest size ({largest} B)")
         readers = [u for u in node.users if u.op != "output"]
         last = max((fw_step[u] for u in readers if fw_step[u] is not None), key=fw_order.__getitem__, default=owner)
         if owner is not None and last is not None and fw_order.get(owner, -1) > fw_order.get(last, -1):

@@ -8,9 +8,14 @@ forward. The fetch is tagged for recomputation (`meta["recompute"]`, which AOTAu
 carries to the joint graph), so the backward fetches again instead of keeping the
 forward's copy alive: weight traffic per training step is 2·P whatever K is.
 Parameters read by the prefix, the suffix or several blocks (tied embeddings) stay
-resident. `tag_fetch_views` finishes the job on the joint graph: views of a fetched
-weight (`t` for a matmul) are recomputed with it, else the partitioner would save the
-view and with it the whole weight.
+resident, and so do trainable weights where the `trainable` option keeps them
+(`resident_trainable`: by default those of a block that also holds frozen weights,
+LoRA adapters over a frozen base). A frozen weight (no `requires_grad`) streams like
+any other: the backward fetches it again only where the input gradients read it, and
+it has no gradient to send anywhere. `weight_placement` names what streams and why
+the rest stays, for the compile report and `explain`. `tag_fetch_views` finishes the
+job on the joint graph: views of a fetched weight (`t` for a matmul) are recomputed
+with it, else the partitioner would save the view and with it the whole weight.
 
 When the schedule fetches per sub-batch (`Schedule.fetch_groups()`, the
 grad_accumulation policy) each sub-batch gets its own fetch of the block's weights,
@@ -40,9 +45,10 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from slcompile.analysis.inputs import GraphInput
+from slcompile.analysis.inputs import GraphInput, parameter_name
 from slcompile.meta import SlcMeta, get_slc_meta, set_slc_meta
 from slcompile.passes.find_blocks import BlockGraph
+from slcompile.units import format_bytes
 from slcompile.vocabulary import (
     FETCH_ISSUE,
     FETCH_WEIGHT,
@@ -53,7 +59,8 @@ from slcompile.vocabulary import (
     prefetch_ahead,
 )
 
-__all__ = ["StreamedWeights", "PlacedPrefetches", "stream_weights", "tag_fetch_views", "place_prefetches"]
+__all__ = ["StreamedWeights", "WeightPlacement", "PlacedPrefetches", "stream_weights", "resident_trainable",
+           "weight_placement", "tag_fetch_views", "place_prefetches"]
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +73,104 @@ class StreamedWeights:
             streamed weights.
         resident: parameter placeholders that stay on the device, with the reason.
         streamed_bytes: bytes of all streamed weights (P).
+        frozen_bytes: bytes of the streamed weights that need no gradient (part of P).
     """
 
     blocks: tuple[tuple[tuple[str, str], ...], ...]
     resident: tuple[tuple[str, str], ...]
     streamed_bytes: int
+    frozen_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightPlacement:
+    """Where the parameters of a compiled graph rest and why (`weight_placement`):
+    what `CompileReport.weights` holds and `slcompile.explain` prints.
+
+    Attributes:
+        tier: the tier the streamed weights rest on.
+        streamed: per block, the names of its streamed parameters
+            (`model.layers.0.mlp.up_proj.weight`).
+        frozen: the names of the streamed parameters that need no gradient.
+        resident: (parameter name, why it stays on the device) of the others.
+        streamed_bytes: bytes of the streamed weights (P).
+        frozen_bytes: bytes of the frozen ones among them.
+    """
+
+    tier: str
+    streamed: tuple[tuple[str, ...], ...]
+    frozen: frozenset[str]
+    resident: tuple[tuple[str, str], ...]
+    streamed_bytes: int
+    frozen_bytes: int
+
+    def lines(self) -> tuple[str, ...]:
+        """One line for the streamed weights, then one per reason a weight stays,
+        naming the first few."""
+        count = sum(map(len, self.streamed))
+        frozen = (f", {format_bytes(self.frozen_bytes)} of it frozen (no gradient)" if self.frozen_bytes
+                  else "")
+        lines = [f"weights: {count} streamed from {self.tier} in {len(self.streamed)} blocks "
+                 f"(P = {format_bytes(self.streamed_bytes)}{frozen}); {len(self.resident)} on the device"]
+        reasons: dict[str, list[str]] = defaultdict(list)
+        for name, why in self.resident:
+            reasons[why].append(name)
+        for why, names in reasons.items():
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            lines.append(f"  {len(names)} {why}: {shown}")
+        return tuple(lines)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def weight_placement(streamed: StreamedWeights, inputs: tuple[GraphInput, ...], tier: str) -> WeightPlacement:
+    """The `WeightPlacement` of a graph's streamed weights, named as the model names them.
+
+    Args:
+        streamed: what `stream_weights` streamed.
+        inputs: the graph's classified placeholders.
+        tier: the `weights` tier.
+    """
+    by_name = {i.name: i for i in inputs}
+
+    def name(placeholder: str) -> str:
+        graph_input = by_name.get(placeholder)
+        return parameter_name(graph_input.source) if graph_input is not None and graph_input.source else placeholder
+
+    frozen = frozenset(name(placeholder) for block in streamed.blocks for placeholder, _ in block
+                       if not getattr(by_name[placeholder].value, "requires_grad", True))
+    return WeightPlacement(
+        tier=tier,
+        streamed=tuple(tuple(name(placeholder) for placeholder, _ in block) for block in streamed.blocks),
+        frozen=frozen,
+        resident=tuple((name(placeholder), why) for placeholder, why in streamed.resident),
+        streamed_bytes=streamed.streamed_bytes,
+        frozen_bytes=streamed.frozen_bytes,
+    )
+
+
+def resident_trainable(trainable: str, block_values) -> dict[int, str]:
+    """The trainable weights of one block that the `trainable` option keeps on the
+    device (`SpeedLoaderConfig.trainable`), with the reason.
+
+    Args:
+        trainable: the option: "auto", "stream" or "device".
+        block_values: the parameters only this block reads.
+
+    Returns:
+        id(parameter) -> why it stays, for each one kept.
+    """
+    values = list(block_values)
+    if trainable == "stream":
+        return {}
+    if trainable == "device":
+        why = "trainable (trainable='device')"
+    elif any(not value.requires_grad for value in values):
+        why = "trainable, in a block that also holds frozen weights (trainable='auto')"
+    else:
+        return {}  # every weight of the block trains: full training streams them all
+    return {id(value): why for value in values if value.requires_grad}
 
 
 def stream_weights(
@@ -81,6 +181,7 @@ def stream_weights(
     graph_key_for,
     *,
     fetch_groups: Mapping[tuple[int, int], int | None] | None = None,
+    trainable: str = "auto",
 ) -> tuple[torch.fx.GraphModule, StreamedWeights]:
     """Inserts the fetches into the interleaved graph `gm` (changed in place).
 
@@ -93,6 +194,8 @@ def stream_weights(
         fetch_groups: (block, sub-batch) -> the sub-batch naming the fetch it reads
             (`Schedule.fetch_groups()`); None, or None for a block: one fetch of
             each weight for all the block's sub-batches.
+        trainable: which trainable weights of a block stay on the device
+            (`resident_trainable`).
 
     Returns:
         (gm, what was streamed).
@@ -101,8 +204,9 @@ def stream_weights(
     position = {block.index: pos for pos, block in enumerate(blocks.blocks)}
     per_block: dict[int, list[tuple[str, str]]] = defaultdict(list)
     resident = []
-    streamed_bytes = 0
+    streamed_bytes = frozen_bytes = 0
     order_of = _order_of(gm)
+    candidates: list[tuple[torch.fx.Node, int]] = []
     for node in list(gm.graph.nodes):
         if node.op != "placeholder" or node.name not in params:
             continue
@@ -111,9 +215,19 @@ def stream_weights(
             where = "several blocks" if len(readers) > 1 else "the prefix or suffix"
             resident.append((node.name, f"read by {where}"))
             continue
-        block = readers.pop()
-        key = key_for(node.name, params[node.name].value)
+        candidates.append((node, readers.pop()))
+    of_block: dict[int, list[torch.Tensor]] = defaultdict(list)
+    for node, block in candidates:
+        of_block[block].append(params[node.name].value)
+    kept = {}
+    for values in of_block.values():
+        kept.update(resident_trainable(trainable, values))
+    for node, block in candidates:
         value = params[node.name].value
+        if id(value) in kept:
+            resident.append((node.name, kept[id(value)]))
+            continue
+        key = key_for(node.name, value)
         for subbatch, users in _user_groups(node, block, fetch_groups or {}, order_of):
             graph_key = dataclasses.replace(graph_key_for(key), subbatch=subbatch).format()
             with gm.graph.inserting_before(users[0]):
@@ -125,12 +239,15 @@ def stream_weights(
             fetch.meta["val"] = torch.empty_like(value, device="meta")
         per_block[position[block]].append((node.name, key))
         streamed_bytes += value.numel() * value.element_size()
+        if not value.requires_grad:
+            frozen_bytes += value.numel() * value.element_size()
     gm.graph.lint()
     gm.recompile()
     result = StreamedWeights(
         blocks=tuple(tuple(per_block[pos]) for pos in range(len(blocks.blocks))),
         resident=tuple(resident),
         streamed_bytes=streamed_bytes,
+        frozen_bytes=frozen_bytes,
     )
     log.debug("streaming %d bytes of block weights; %d parameters stay resident", streamed_bytes, len(resident))
     return gm, result

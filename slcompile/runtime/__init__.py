@@ -27,6 +27,7 @@ from .errors import (
     HostPoolFullError,
     OffloadDirError,
     OffloadError,
+    ArenaClosedError,
     OffloadFileMissingError,
     ShortReadError,
     TransferFailedError,
@@ -85,6 +86,7 @@ __all__ = [
     "UnknownKeyError",
     "HostPoolFullError",
     "TransferFailedError",
+    "ArenaClosedError",
 ]
 
 log = logging.getLogger(__name__)

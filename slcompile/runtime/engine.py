@@ -147,6 +147,8 @@ class TransferEngine(NvmeTransfers, HostCopies):
         self._recorder = recorder
         self._lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
+        # The keys the last `close()` forgot, for the error of a load of one.
+        self._closed_keys: frozenset[str] = frozenset()
         self._arena: NvmeArena | None = None
         self._host_pool: HostPool | None = None
         self._ids = itertools.count(1)
@@ -446,6 +448,9 @@ class TransferEngine(NvmeTransfers, HostCopies):
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
+                if key in self._closed_keys:
+                    raise UnknownKeyError("nothing is stored under this key: the engine was closed since it was "
+                                          "stored (TransferEngine.close() forgets every key)", key=key)
                 raise UnknownKeyError("nothing is stored under this key", key=key)
             if entry.error is not None:
                 raise TransferFailedError(
@@ -606,9 +611,12 @@ class TransferEngine(NvmeTransfers, HostCopies):
             return key in self._entries
 
     def close(self) -> None:
-        """Forgets every key and removes the nvme arena (waiting for its I/O)."""
+        """Forgets every key and removes the nvme arena (waiting for its I/O). A later
+        store starts a new arena; a load of a key it forgot raises `UnknownKeyError`
+        saying so."""
         with self._lock:
             entries = list(self._entries.values())
+            self._closed_keys = frozenset(self._entries)
             self._entries.clear()
             for entry in entries:
                 self._retire(entry)

@@ -23,6 +23,7 @@ __all__ = [
     "UnknownKeyError",
     "HostPoolFullError",
     "TransferFailedError",
+    "ArenaClosedError",
 ]
 
 from slcompile.errors import OffloadError
@@ -81,6 +82,12 @@ class UnknownKeyError(OffloadError):
 
 class HostPoolFullError(OffloadError):
     """The pinned host pool has no free range of the requested size."""
+
+
+class ArenaClosedError(OffloadError):
+    """A transfer reached an nvme arena after `NvmeArena.close()` (or after its
+    transfer engine went): its directory, file and I/O threads are gone. Its file
+    descriptors' numbers may name other files by then, so nothing is attempted."""
 
 
 class TransferFailedError(OffloadError):

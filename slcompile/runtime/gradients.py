@@ -250,10 +250,14 @@ def sink_plan_for(gradients: str, streamer, streamed, inputs, offload_dir: str |
     explicit = gradients != "auto" or streamer.sharded
     if not explicit and not held:
         return None
+    # A frozen weight streams for its values alone: no gradient of it is stored or expected.
+    leaving = frozenset(key for key, holder in holders.items()
+                        if params[key].requires_grad and (explicit or holder is not None))
+    if not leaving and not streamer.sharded:
+        return None
     return SinkPlan(
         new_name("g"), gradients if gradients != "auto" else held[0].gradient_tier.value,
-        leaving=frozenset(params if explicit else (key for key, holder in holders.items() if holder is not None)),
-        offload_dir=offload_dir, sharded=streamer.sharded,
+        leaving=leaving, offload_dir=offload_dir, sharded=streamer.sharded,
     )
 
 

@@ -62,7 +62,13 @@ Guarantees:
 - Failures raise named errors from ``slcompile.runtime.errors`` naming the tensor
   key and the path: ``OffloadDirError``, ``DiskFullError`` (the cap or a real
   ENOSPC), ``ShortReadError``, ``CorruptDataError`` (with the file offset),
-  ``OffloadFileMissingError``.
+  ``OffloadFileMissingError``, ``ArenaClosedError``.
+- Nothing after ``close``: once closed (or collected), every call that would
+  allocate, write or read raises ``ArenaClosedError`` before it touches a file
+  descriptor. The arena's descriptors are closed by then, and their numbers may
+  already name files the process opened since: a write through one would land in
+  them. ``close`` takes the allocation lock, so a slot allocated or a file grown
+  while it closes is done before the descriptors go.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .errors import (
+    ArenaClosedError,
     CorruptDataError,
     DiskFullError,
     OffloadDirError,
@@ -172,6 +179,7 @@ class NvmeArena(AioTransfers):
         checksums: bool | None = None,
         aio: bool | None = None,
     ):
+        self._closing = False
         if offload_dir is None:
             offload_dir = tempfile.gettempdir()
         if not os.fspath(offload_dir):
@@ -265,6 +273,7 @@ class NvmeArena(AioTransfers):
         """
         padded = round_up(nbytes, PAGE_BYTES)
         with self._lock:
+            self._refuse_closed(key)
             byte_range = self._allocator.allocate(padded)
             if byte_range is None:
                 self._grow(padded - self._allocator.tail_free(), key)
@@ -279,6 +288,7 @@ class NvmeArena(AioTransfers):
         padded = [round_up(nbytes, PAGE_BYTES) for nbytes in sizes]
         total = sum(padded)
         with self._lock:
+            self._refuse_closed(keys[0])
             byte_range = self._allocator.allocate(total)
             if byte_range is None:
                 self._grow(total - self._allocator.tail_free(), keys[0])
@@ -376,6 +386,7 @@ class NvmeArena(AioTransfers):
             before: Called by each chunk before its I/O (e.g. to wait for a
                 device-to-host copy into the source).
         """
+        self._refuse_closed(slot.key)
         if self.checksums:
             slot.checksums = [None] * -(-slot.nbytes // self.chunk_bytes)
 
@@ -415,6 +426,7 @@ class NvmeArena(AioTransfers):
         An arena file removed underneath is found before the read: `on_done` gets
         `OffloadFileMissingError`.
         """
+        self._refuse_closed(slot.key)
         if not slot.valid:
             raise OffloadError(
                 "slot is not completely written; refusing to read it", key=slot.key,
@@ -444,6 +456,7 @@ class NvmeArena(AioTransfers):
         Raises:
             OffloadError: the slot is not (or no longer) completely written.
         """
+        self._refuse_closed(slot.key)
         if not slot.valid:
             raise OffloadError(
                 "slot is not completely written; refusing to read it", key=slot.key,
@@ -490,6 +503,13 @@ class NvmeArena(AioTransfers):
             length = min(self.chunk_bytes, nbytes - start)
             self._executor.submit(
                 chunk_fn, batch, slot, start, address + start, length, memory_bytes - start, nbytes=length
+            )
+
+    def _refuse_closed(self, key: str) -> None:
+        if self._closing or not self._finalizer.alive:
+            raise ArenaClosedError(
+                "the nvme arena is closed: its directory, file and I/O threads are gone, so nothing can be "
+                "stored in it or read from it", key=key, path=self.file_path,
             )
 
     def _check_file(self, key: str) -> None:
@@ -595,5 +615,8 @@ class NvmeArena(AioTransfers):
         return not self._finalizer.alive
 
     def close(self) -> None:
-        """Waits for queued I/O, closes the file and removes the private directory."""
+        """Waits for queued I/O, closes the file and removes the private directory;
+        every later call that would do I/O raises `ArenaClosedError`."""
+        with self._lock:  # an allocation growing the file finishes first
+            self._closing = True
         self._finalizer()

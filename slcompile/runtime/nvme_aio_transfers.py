@@ -8,7 +8,7 @@ as ``NvmeTransfers`` is a part of the transfer engine.
 
 Needs: the arena's ``_aio`` (None: none of this runs), ``_aio_bytes``, ``_fd``,
 ``_lock``, ``_staging_free``, ``_vectored``, ``checksums``, ``file_path``, ``write``,
-``_check_file`` and ``_os_error``.
+``_refuse_closed``, ``_check_file`` and ``_os_error``.
 
 Guarantees: the issuing thread copies what is not page-aligned into staging pages and
 takes a write's checksums; the reaper thread checks a read's, and reports every outcome
@@ -70,6 +70,7 @@ class AioTransfers:
         the run whole (at most `AIO_MAX_BYTES` and one chunk), copied into one staging
         buffer and written by one I/O; otherwise slot by slot. `on_done` is called once,
         with the run's outcome (every slot valid, or the first error)."""
+        self._refuse_closed(slots[0].key)
         padded = slots[-1].byte_range.offset + slots[-1].byte_range.size - slots[0].byte_range.offset
         if padded > self._aio_bytes or len(slots) == 1:
             self._write_each(slots, sources, on_done, on_start)
@@ -156,7 +157,9 @@ class AioTransfers:
 
         Raises:
             OffloadError: a slot is not (or no longer) completely written.
+            ArenaClosedError: the arena is closed.
         """
+        self._refuse_closed(slots[0].key)
         for slot in slots:
             if not slot.valid:
                 raise OffloadError("slot is not completely written; refusing to read it", key=slot.key,

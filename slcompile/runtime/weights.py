@@ -82,6 +82,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from slcompile.analysis.inputs import parameter_name
 from slcompile.errors import ReleasedWeightError
 from slcompile.plans import new_name
 from slcompile.runtime import gradients, ops
@@ -315,15 +316,6 @@ def _mark_released(tensor: torch.Tensor, like: torch.Tensor, cls: type | None = 
         entry = _RELEASED.get(like)
         _RELEASED[tensor] = (type(tensor), *entry[1:])
     tensor.__class__ = cls or _released_class(type(tensor))
-
-
-def parameter_name(source: str) -> str:
-    """`layers.0.fc.weight` for Dynamo's `L['self']._modules['layers']._modules['0']
-    ._modules['fc']._parameters['weight']`; other sources as they are."""
-    import re
-
-    parts = re.findall(r"\._(?:modules|parameters)\['([^']+)'\]", source)
-    return ".".join(parts) if parts else source
 
 
 def release(param: torch.Tensor, name: str, tier: Tier) -> None:

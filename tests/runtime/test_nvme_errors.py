@@ -16,6 +16,7 @@ from devices import flip_bits, same_bits
 from io_faults import fail_writes
 
 from slcompile.runtime import (
+    ArenaClosedError,
     CorruptDataError,
     DiskFullError,
     NvmeArena,
@@ -27,6 +28,7 @@ from slcompile.runtime import (
     TransferEngine,
     TransferFailedError,
     TransferKind,
+    UnknownKeyError,
 )
 from slcompile.runtime.nvme_aio import AioQueue
 
@@ -451,3 +453,42 @@ def test_checksums_can_be_turned_off(tmp_path, monkeypatch, switch):
         assert loaded[0].item() != 1.0 and torch.equal(loaded[1:], values[1:])
     finally:
         engine.close()
+
+
+def test_transfers_after_the_arena_closed_say_so_and_touch_no_other_file(tmp_path):
+    """A store or load that reaches a closed arena (`engine.arena.close()`, an engine
+    collected at exit under a thread still storing) is refused before any system call:
+    the arena's descriptor numbers are free by then, and the next files opened get them."""
+    engine = TransferEngine(offload_dir=str(tmp_path))
+    others = []
+    try:
+        engine.wait(engine.store("small", torch.ones(10), NVME, WEIGHT))  # native AIO's size
+        engine.wait(engine.store("large", torch.ones(1 << 19), NVME, WEIGHT))  # the I/O threads'
+        arena = engine.arena
+        arena.close()
+        others = [os.open(tmp_path / f"other{index}", os.O_RDWR | os.O_CREAT, 0o600) for index in range(4)]
+        for key, size in (("again", 10), ("larger", 1 << 19)):
+            with pytest.raises(ArenaClosedError, match="^the nvme arena is closed") as caught:
+                engine.wait(engine.store(key, torch.ones(size), NVME, WEIGHT))
+            assert_names(caught.value, key, arena.file_path)
+        for key in ("small", "large"):
+            with pytest.raises(ArenaClosedError, match="^the nvme arena is closed") as caught:
+                engine.wait(engine.load(key))
+            assert_names(caught.value, key, arena.file_path)
+        assert [os.fstat(fd).st_size for fd in others] == [0] * len(others)
+        with pytest.raises(ArenaClosedError, match="^the nvme arena is closed"):
+            arena.allocate(4096, "direct")
+    finally:
+        for fd in others:
+            os.close(fd)
+        engine.close()
+
+
+def test_a_load_of_a_key_the_engine_forgot_when_it_closed_says_so(tmp_path):
+    engine = TransferEngine(offload_dir=str(tmp_path))
+    engine.wait(engine.store("w", torch.ones(10), NVME, WEIGHT))
+    engine.close()
+    with pytest.raises(UnknownKeyError, match="the engine was closed since it was stored"):
+        engine.load("w")
+    with pytest.raises(UnknownKeyError, match="^nothing is stored under this key; tensor key 'never'"):
+        engine.load("never")

@@ -13,6 +13,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from slcompile.analysis.batch_propagation.cross_sample import _getitem_touches_batch
 from slcompile.analysis.batch_propagation.nodes import _describe, _named_args, _target_name
 from slcompile.analysis.batch_propagation.plan import BATCHED_INT, NodeSplit
 
@@ -56,6 +57,16 @@ _COUNTS = frozenset({"histc", "bincount"})
 _SCATTERS = frozenset({"setitem", "index_add", "index_add_", "index_copy", "index_copy_"})
 # Ops that keep what the values mean (a dtype, a copy).
 _KEEP_VALUES = frozenset({"to", "float", "int", "long", "clone", "contiguous", "detach"})
+
+
+def _basic_index(index) -> bool:
+    """Whether a subscript holds only ints, slices, None and Ellipsis (no tensor)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(
+        item is None or item is Ellipsis or isinstance(item, (int, torch.SymInt))
+        or (isinstance(item, slice) and not any(isinstance(v, torch.Tensor) for v in (item.start, item.stop, item.step)))
+        for item in items
+    )
 
 
 def _is_counts(route) -> bool:
@@ -115,6 +126,8 @@ class _Routing:
             return _TOKENS, None
         if name in _KEEP_VALUES and first is not None and len(node.all_input_nodes) == 1:
             return first, None
+        if name == "getitem" and first is not None and first.kind == "rows" and _basic_index(args[1]):
+            return self._route_basic_index(node, args, first)
         if name in ("getitem", "index_select"):
             return self._route_gather(node, name, args, kwargs, routed)
         if name in ("floordiv", "remainder", "mod") and first is not None and first.kind == "positions":
@@ -152,6 +165,15 @@ class _Routing:
             if self.splits[node.args[0].name].out_bdims == BATCHED_INT:
                 return _Route("iota", length=self.full[node.args[0].name]), None
         return None
+
+    def _route_basic_index(self, node, args, rows):
+        """x[..., ::2], x[:, 0]: indexing by ints and slices that leaves the rows (dim
+        0) whole reads each routed row's own values (GPT-OSS splits each token's
+        gate and up projections so): rows in the same order."""
+        if _getitem_touches_batch(node, args[1], args[0], 0) is not None:
+            return None, (f"{_describe(node)} picks among tokens routed by their sub-batch (it indexes their "
+                          "rows, dim 0): on one sub-batch the same index picks other tokens")
+        return _Route("rows", order=rows.order, length=rows.length), None
 
     def _route_gather(self, node, name, args, kwargs, routed):
         """x[positions] and x.index_select(0, positions): rows in the positions' order."""
