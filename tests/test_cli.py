@@ -10,15 +10,15 @@ import textwrap
 
 import pytest
 
+import fresh_process
+
 TESTS = os.path.dirname(__file__)
 
 
 def _run(*args, timeout=600, pythonpath=()):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join((TESTS, *map(str, pythonpath))))
     env.pop("SLC_DISABLE", None)
-    return subprocess.run(
-        [sys.executable, "-m", "slcompile", *args], capture_output=True, text=True, env=env, timeout=timeout
-    )
+    return fresh_process.run_module("slcompile", list(args), os.getcwd(), env, timeout=timeout)
 
 
 def _written(stdout: str) -> list[pathlib.Path]:

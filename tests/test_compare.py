@@ -10,12 +10,11 @@ import json
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
+import fresh_process
 import slcompile
 from models import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.runtime.stats import runtime_stats
@@ -77,8 +76,7 @@ def test_one_process_gives_the_figures_of_one_process_per_policy(comparison):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(ROOT), str(ROOT / "tests"))))
     env.pop("SLC_DISABLE", None)
     for row in comparison.rows:
-        alone = subprocess.run([sys.executable, "-c", _ALONE, row.policy, json.dumps(OPTIONS)], capture_output=True,
-                               text=True, env=env, timeout=600)
+        alone = fresh_process.run_code(_ALONE, os.getcwd(), env, timeout=600, args=[row.policy, json.dumps(OPTIONS)])
         assert alone.returncode == 0, alone.stderr[-3000:]
         assert json.loads(alone.stdout.strip().splitlines()[-1]) == row.figures()
     speedloader, zigzag = comparison.rows

@@ -6,12 +6,11 @@ import dataclasses
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
+import fresh_process
 import slcompile
 from conftest import assert_matches_eager
 from models import GPTConfig, TinyGPT, make_gpt_batch
@@ -202,7 +201,8 @@ def test_an_unknown_name_lists_the_registered_ones(registry):
 def _run(*args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(ROOT), str(TESTS))))
     env.pop("SLC_DISABLE", None)
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert args[0] == "-m"
+    return fresh_process.run_module(args[1], list(args[2:]), ROOT, env, timeout=600)
 
 
 def test_a_registered_policy_by_name_on_the_command_line(tmp_path):

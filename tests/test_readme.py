@@ -1,17 +1,18 @@
 """The README's code blocks run as written, as a new user would run them.
 
 Each Python block runs alone in a fresh interpreter (a reader copies one block, not
-the page), with `lowering="aot_eager"` added to each `slcompile.options(...)`. The cheap shell lines (`slcompile ...`) run in a scratch folder; the
+the page; `fresh_process` forks it from a server that has imported torch and
+transformers), with `lowering="aot_eager"` added to each `slcompile.options(...)`. The cheap shell lines (`slcompile ...`) run in a scratch folder; the
 set-up commands, which create a virtual environment, are what CI itself runs.
 """
 
 import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+
+import fresh_process
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -20,9 +21,8 @@ def _blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
 
 
-def _run(args, cwd, timeout=900):
-    env = {k: v for k, v in os.environ.items() if k not in ("SLC_DISABLE", "PYTHONPATH")}
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("SLC_DISABLE", "PYTHONPATH")}
 
 
 def _check_explain_output(stdout: str) -> None:
@@ -50,7 +50,7 @@ def _quick(code: str) -> str:
 @pytest.mark.parametrize("index", range(len(_blocks("python"))))
 def test_each_python_block_runs_alone_with_aot_eager(tmp_path, index):
     code = _blocks("python")[index]
-    result = _run([sys.executable, "-c", _quick(code)], tmp_path)
+    result = fresh_process.run_code(_quick(code), tmp_path, _env(), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     if "slcompile.explain(" in code:
         _check_explain_output(result.stdout)
@@ -96,7 +96,7 @@ def test_command_line_examples_run_as_written(tmp_path, lines):
 
 
 def _check_command_line(command: list[str], tmp_path: pathlib.Path) -> None:
-    result = _run([sys.executable, "-m", "slcompile", *command[1:]], tmp_path)
+    result = fresh_process.run_module("slcompile", command[1:], tmp_path, _env(), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / (_flag(command, "--out") or "slcompile-out")
     read = _flag(command, "--schedule-file")
