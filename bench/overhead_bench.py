@@ -458,13 +458,7 @@ def launch_bound(steps: int, out: str | None, wanted: set[str] | None) -> int:
         "malloc": {key: os.environ.get(key) for key in KEPT_HEAP},
     }
     record["goals"] = launch_bound_goals(rows)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(record, f, indent=1)
-    plot_launch_bound(record, os.path.splitext(out)[0] + ".png")
-    print(json.dumps(record))
-    print(f"overhead_bench: wrote {out} and its .png", file=sys.stderr)
-    return 0
+    return write_record(record, out, plot_launch_bound)
 
 
 def plot(record: dict, path: str) -> None:
@@ -536,6 +530,11 @@ def main() -> int:
 
     steps = 5 if args.quick else args.steps
     wanted = set(args.only.split(",")) if args.only else None
+    names = {row[0] for row in (LAUNCH_BOUND_ROWS if args.launch_bound else WRAPPER_ROWS if args.wrapper else ROWS)}
+    if wanted is not None and wanted - names:
+        print(f"overhead_bench: unknown row(s) {', '.join(sorted(wanted - names))}; choose from "
+              f"{', '.join(sorted(names))}", file=sys.stderr)
+        return 2
     if args.launch_bound:
         quick_out = os.path.join(tempfile.mkdtemp(prefix="slc-overhead-"), "overhead_bench_launch_bound.json")
         return launch_bound(steps, args.out or (quick_out if args.quick else None), wanted)
@@ -558,10 +557,16 @@ def main() -> int:
         "malloc": {key: os.environ.get(key) for key in KEPT_HEAP},
     }
     record["goals"] = goals(rows)
+    return write_record(record, out, plot)
+
+
+def write_record(record: dict, out: str, draw) -> int:
+    """Writes `record` as JSON to `out` and `draw(record, path)`'s plot beside it, and
+    prints the record."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(record, f, indent=1)
-    plot(record, os.path.splitext(out)[0] + ".png")
+    draw(record, os.path.splitext(out)[0] + ".png")
     print(json.dumps(record))
     print(f"overhead_bench: wrote {out} and its .png", file=sys.stderr)
     return 0
