@@ -89,3 +89,35 @@ def test_trainer_gradient_clip_val_with_the_offloaded_optimizer_is_refused_befor
     assert slcompile.compile_reports() == []  # refused before the closure's forward
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name]), name
+
+
+def test_a_checkpoint_of_the_fit_resumes_in_a_fresh_trainer_and_model_as_if_never_stopped(tmp_path):
+    """Lightning's checkpoint holds the model's `state_dict()` (streamed weights read
+    through the optimizer's host copies) and the offloaded optimizer's state keyed by
+    parameter name; a fresh compiled model and Trainer resumed from it take the same
+    steps as the run that did not stop. The same batch every step: Lightning restarts
+    a plain DataLoader from its first batch."""
+    batch = make_gpt_batch(CFG, 4, seed=0)
+
+    def fit(steps, checkpoints=None, ckpt_path=None) -> _Module:
+        model, _ = _compiled(tmp_path / "offload")
+        module = _Module(model, lambda m: slcompile.offload_optimizer(m, torch.optim.AdamW, lr=LR, states="nvme",
+                                                                      gradients="nvme"))
+        callbacks = [] if checkpoints is None else [lightning.pytorch.callbacks.ModelCheckpoint(
+            dirpath=checkpoints, every_n_train_steps=1, save_top_k=-1)]
+        trainer = lightning.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
+                                    enable_checkpointing=checkpoints is not None, callbacks=callbacks,
+                                    enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, torch.utils.data.DataLoader([batch] * 4, batch_size=None), ckpt_path=ckpt_path)
+        torch._dynamo.reset()
+        return module
+
+    whole = fit(4)
+    first = fit(2, checkpoints=tmp_path / "checkpoints")
+    resumed = fit(4, ckpt_path=tmp_path / "checkpoints" / "epoch=0-step=2.ckpt")
+    # Exactly: the same arithmetic from the same state.
+    torch.testing.assert_close(first.losses, whole.losses[:2], rtol=0, atol=0)
+    torch.testing.assert_close(resumed.losses, whole.losses[2:], rtol=0, atol=0)
+    with slcompile.gathered_weights(whole.model), slcompile.gathered_weights(resumed.model):
+        for (name, expected), (_, actual) in zip(whole.model.named_parameters(), resumed.model.named_parameters()):
+            assert torch.equal(actual, expected), name
