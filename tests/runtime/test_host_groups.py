@@ -189,10 +189,7 @@ def test_a_visit_issued_before_its_weights_change_is_loaded_again_with_the_new_v
     ordered = streamer.visits.ordered(parsed)
     packed = streamer.fetch_many(ordered, [key.format() for key in ordered])
     by_key = dict(zip(keys, new))
-    layout = weight_layout([(by_key[key.format()].shape, by_key[key.format()].dtype) for key in ordered])
-    for key, (section, offset) in zip(ordered, layout.places):
-        want = by_key[key.format()]
-        assert torch.equal(packed[section][offset:offset + want.numel()].view(want.shape), want)
+    _assert_packed(packed, ordered, by_key)
 
 
 def test_weights_issued_one_by_one_are_packed_by_copies(host_engine):
@@ -203,8 +200,14 @@ def test_weights_issued_one_by_one_are_packed_by_copies(host_engine):
     ordered = streamer.visits.ordered(parsed)
     packed = streamer.fetch_many(ordered, [key.format() for key in ordered])
     by_key = dict(zip(keys, expected))
+    _assert_packed(packed, ordered, by_key)
+    assert streamer.pending == {} and streamer.queued == {}
+
+
+def _assert_packed(packed, ordered, by_key) -> None:
+    """Each weight of `ordered` is its value in `by_key` (by formatted key) at its
+    place in the packed tensors (`weight_layout`)."""
     layout = weight_layout([(by_key[key.format()].shape, by_key[key.format()].dtype) for key in ordered])
     for key, (section, offset) in zip(ordered, layout.places):
         want = by_key[key.format()]
         assert torch.equal(packed[section][offset:offset + want.numel()].view(want.shape), want)
-    assert streamer.pending == {} and streamer.queued == {}
