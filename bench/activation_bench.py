@@ -168,8 +168,8 @@ def run_one(spec: dict) -> dict:
     from slcompile.analysis.memory import measured_peak_bytes, predict_memory
     from slcompile.examples import GPTConfig, TinyGPT
     from slcompile.runtime import Tier, TransferKind, mark_step, reset_runtime_stats
-    from slcompile.runtime.nvme import buffers_seen_by_profiler
-    from slcompile.runtime.tiers import PAGE_BYTES
+    from slcompile.runtime.storage.nvme import buffers_seen_by_profiler
+    from slcompile.runtime.storage.tiers import PAGE_BYTES
 
     load_start = os.getloadavg()
     torch.manual_seed(0)

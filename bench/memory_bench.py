@@ -41,8 +41,8 @@ def run(k: int, live_blocks: int, recompute: str, d_model: int) -> dict:
     from slcompile.analysis.machine import MachineFacts
     from slcompile.analysis.memory import predict_memory
     from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
-    from slcompile.runtime.nvme import buffers_seen_by_profiler
-    from slcompile.runtime.tiers import PAGE_BYTES
+    from slcompile.runtime.storage.nvme import buffers_seen_by_profiler
+    from slcompile.runtime.storage.tiers import PAGE_BYTES
 
     torch._dynamo.reset()
     torch.manual_seed(0)

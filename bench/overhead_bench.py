@@ -300,7 +300,7 @@ def copy_calls(step) -> dict[str, int]:
     """The host tier's switches to the copy stream and its copy events in one step
     (`HostCopies._copying` / `_copies_done`): on a GPU, one `wait_stream` a switch and
     a record and a wait an event."""
-    from slcompile.runtime.host_copies import HostCopies
+    from slcompile.runtime.storage.host_copier import HostCopies
 
     counts = {"copy_stream_switches": 0, "copy_events": 0}
     switch, done = HostCopies._copying, HostCopies._copies_done

@@ -49,7 +49,8 @@ def open_fds() -> int:
 def runtime_objects() -> int:
     """Live weight streamers, activation stashes, gradient sinks and engines: the
     registries the compiled graphs' ops look them up in (flat: one compile's worth)."""
-    from slcompile.runtime import activations, engine, gradients, weights
+    from slcompile.runtime import activations, gradients, weights
+    from slcompile.runtime.storage import engine
 
     return len(weights._STREAMERS) + len(activations._STASHES) + len(gradients._SINKS) + len(engine._ENGINES)
 
@@ -113,7 +114,7 @@ def soak(steps: int, warmup: int, d_model: int, offload_dir: str, timeline_on: b
             "moved_bytes": moved, "timeline_events": len(timeline()), "runtime_objects": runtime_objects(),
         })
     opt.close()
-    from slcompile.runtime.engine import get_engine
+    from slcompile.runtime.storage.engine import get_engine
 
     get_engine(offload_dir).close()  # removes the arena's directory
     summary = {"d_model": d_model, "timeline": timeline_on,

@@ -19,8 +19,8 @@ from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import measured_peak_bytes, predict_memory
 from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.runtime import collect_garbage, reset_runtime_stats, runtime_stats
-from slcompile.runtime.nvme import buffers_seen_by_profiler
-from slcompile.runtime.tiers import PAGE_BYTES
+from slcompile.runtime.storage.nvme import buffers_seen_by_profiler
+from slcompile.runtime.storage.tiers import PAGE_BYTES
 
 OUT = pathlib.Path(__file__).parent / "results" / "spill_bench.json"
 POLICIES = ("speedloader", "spilling", "zigzag_spilling")

@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from slcompile.optim import OffloadedOptimizer
 from slcompile.runtime.collectives import process_group_ready, shard_range
-from slcompile.runtime.tiers import TransferKind
+from slcompile.runtime.storage.tiers import TransferKind
 from slcompile.runtime.weights import shard_group_of, weight_home
 
 __all__ = ["save_sharded", "load_sharded"]

@@ -269,7 +269,7 @@ def _measure_disk(offload_dir) -> tuple[float, float, float, float]:
     """(write bytes/s, read bytes/s, latency s, compute-thread seconds per transfer
     op) of the nvme tier as a step uses it (`TransferEngine` stores and loads, their
     I/O threads and checksums), fitted from small and large transfers."""
-    from slcompile.runtime.engine import TransferEngine
+    from slcompile.runtime.storage.engine import TransferEngine
     from slcompile.runtime.stats import Recorder
 
     small, large = 64 << 10, 16 << 20

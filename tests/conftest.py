@@ -116,7 +116,7 @@ def steady_step_peak_bytes(model, step) -> int:
     released again, as a training loop's update does, which drops prefetched loads:
     every allocation of the step is then made inside the profiled window."""
     from slcompile.analysis.memory import measured_peak_bytes
-    from slcompile.runtime.nvme import buffers_seen_by_profiler
+    from slcompile.runtime.storage.nvme import buffers_seen_by_profiler
 
     def measured_step():
         for p in model.parameters():

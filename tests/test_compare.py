@@ -19,7 +19,7 @@ import slcompile
 from models import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.runtime.stats import runtime_stats
 from slcompile.schedules import POLICIES, Policy, register_policy
-from slcompile.runtime.tiers import Tier
+from slcompile.runtime.storage.tiers import Tier
 from slcompile.units import format_bytes
 from slcompile.viz.roles import format_bytes as label_bytes, transfer_bytes
 from slcompile.vocabulary import is_fetch_issue, is_stash, is_stash_wait, is_unstash

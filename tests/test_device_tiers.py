@@ -20,7 +20,7 @@ from models import GPTConfig, TinyGPT, make_gpt_batch
 
 import slcompile
 from slcompile.runtime import Tier, TransferKind, collect_garbage, reset_runtime_stats, runtime_stats
-from slcompile.runtime.engine import get_engine
+from slcompile.runtime.storage.engine import get_engine
 from slcompile.vocabulary import FETCH_WEIGHT_MANY, is_slc_op
 
 pytestmark = pytest.mark.cuda_check

@@ -12,7 +12,7 @@ import torch
 
 import slcompile
 from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
-from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.runtime.storage.tiers import Tier, TransferKind
 
 CFG = GPTConfig(n_layers=2)  # d_model 32, 16 tokens: at 64 KiB, nothing of batch 8 leaves; much of batch 80 does
 

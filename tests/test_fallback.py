@@ -129,8 +129,8 @@ def test_explain_reports_a_later_stage_failure(monkeypatch):
 
 
 def test_disk_full_while_compiling_is_a_compile_error_with_our_message(tmp_path, monkeypatch, caplog):
-    from slcompile.runtime import engine as engines
-    from slcompile.runtime.engine import TransferEngine
+    from slcompile.runtime.storage import engine as engines
+    from slcompile.runtime.storage.engine import TransferEngine
     from slcompile.runtime.errors import DiskFullError
 
     engine = TransferEngine(offload_dir=str(tmp_path), capacity_bytes=4096)

@@ -11,8 +11,8 @@ import slcompile
 from io_faults import fail_writes
 from models import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.runtime import DiskFullError, OffloadError
-from slcompile.runtime.engine import get_engine
-from slcompile.runtime.nvme import NvmeArena
+from slcompile.runtime.storage.engine import get_engine
+from slcompile.runtime.storage.nvme import NvmeArena
 from slcompile.runtime.weights import weight_home
 
 CFG = GPTConfig(n_layers=4, d_model=32, vocab_size=64, seq_len=8)

@@ -16,7 +16,7 @@ from models import GPTConfig, TinyGPT, make_gpt_batch
 
 import slcompile
 from slcompile.runtime import Tier, TransferKind, mark_step, reset_runtime_stats
-from slcompile.runtime.engine import TransferEngine, get_engine, set_engine
+from slcompile.runtime.storage.engine import TransferEngine, get_engine, set_engine
 from slcompile.runtime.weights import weight_home
 
 CFG = GPTConfig(n_layers=2, d_model=32, vocab_size=64, seq_len=8)
@@ -29,7 +29,7 @@ def _host_addresses(model) -> dict[str, int]:
     for name, param in slcompile.offloaded_parameters(model):
         engine, key, tier = weight_home(param)
         assert tier is Tier.HOST
-        addresses[name] = engine._entries[key].host_block.buffer.data_ptr()
+        addresses[name] = engine._ledger.entries[key].host_block.buffer.data_ptr()
     return addresses
 
 
@@ -94,7 +94,7 @@ def test_weights_on_a_copying_host_step_like_eager_and_stay_where_they_were_stor
     engine = weight_home(next(p for _, p in slcompile.offloaded_parameters(model)))[0]
     assert not [key for key in engine.keys() if key.endswith("~update")]
     # One host group a block: a block's weights in one range of the pool.
-    groups = {id(engine._entries[weight_home(p)[1]].host_group) for _, p in slcompile.offloaded_parameters(model)}
+    groups = {id(engine._ledger.entries[weight_home(p)[1]].host_group) for _, p in slcompile.offloaded_parameters(model)}
     assert len(groups) == CFG.n_layers
     opt.close()
     reset_runtime_stats()

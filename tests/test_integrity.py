@@ -9,7 +9,7 @@ import torch
 import slcompile
 from devices import flip_bits
 from models import GPTConfig, TinyGPT, make_gpt_batch
-from slcompile.runtime.engine import get_engine
+from slcompile.runtime.storage.engine import get_engine
 from slcompile.runtime.weights import weight_home
 
 CFG = GPTConfig(n_layers=2, d_model=32, vocab_size=64, seq_len=8)

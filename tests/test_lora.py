@@ -14,7 +14,7 @@ import torch
 import slcompile
 from models import hf_llama
 from slcompile.passes.stream_weights import resident_trainable
-from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.runtime.storage.tiers import Tier, TransferKind
 
 peft = pytest.importorskip("peft")
 

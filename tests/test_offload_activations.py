@@ -13,7 +13,7 @@ from models import GPTConfig, TinyGPT, hf_gpt2, make_gpt_batch
 from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import predict_memory
 from slcompile.runtime import Tier, TransferKind, collect_garbage, get_engine, reset_runtime_stats, runtime_stats
-from slcompile.runtime.tiers import PAGE_BYTES
+from slcompile.runtime.storage.tiers import PAGE_BYTES
 from slcompile.schedules import Policy, speedloader_schedule
 
 CFG = GPTConfig()

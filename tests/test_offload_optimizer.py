@@ -140,10 +140,8 @@ def test_prefetched_weights_are_loaded_after_their_update():
     # weight (no stale load thrown away and issued again); besides: the gather loads
     # every streamed weight once. The last step's prefetches of the next forward
     # (every weight the forward fetches) are dropped by the gather: held for their
-    # visit's first fetch where the engine loads a visit's issues together, they were
-    # never issued; otherwise they were loaded, after the update.
-    prefetched = 0 if slcompile.runtime.get_engine().batches_loads else report.streamed_bytes
-    assert loaded == 3 * cycle + report.streamed_bytes + prefetched
+    # visit's first fetch, which loads a visit's issues together, they were never issued.
+    assert loaded == 3 * cycle + report.streamed_bytes
     opt.close()
 
 
@@ -346,7 +344,7 @@ def test_model_compiled_before_the_optimizer_steps_from_grad():
 
 
 def test_full_disk_for_nvme_states_is_a_named_error_and_leaves_no_partial_state(tmp_path):
-    from slcompile.runtime.engine import get_engine
+    from slcompile.runtime.storage.engine import get_engine
     from slcompile.runtime import DiskFullError
 
     model = _model()
@@ -387,9 +385,9 @@ def test_nvme_states_keep_no_earlier_step_in_memory(tmp_path):
     same after 20 steps as after 3, not grow by one generation of states a step."""
     import gc
 
-    from slcompile.runtime.engine import get_engine
+    from slcompile.runtime.storage.engine import get_engine
     from slcompile.runtime import runtime_stats
-    from slcompile.runtime.engine import TransferHandle, _Entry
+    from slcompile.runtime.storage.engine import TransferHandle, _Entry
 
     model = _model()
     opt = slcompile.offload_optimizer(model, torch.optim.AdamW, lr=1e-3, states="nvme", gradients="nvme")
@@ -431,8 +429,8 @@ def _bytes(state):
 def test_model_four_times_the_budget_trains_under_it():
     from slcompile.analysis.machine import MachineFacts
     from slcompile.analysis.memory import measured_peak_bytes, predict_memory
-    from slcompile.runtime.nvme import buffers_seen_by_profiler
-    from slcompile.runtime.tiers import PAGE_BYTES
+    from slcompile.runtime.storage.nvme import buffers_seen_by_profiler
+    from slcompile.runtime.storage.tiers import PAGE_BYTES
     from slcompile.runtime.weights import drain_prefetches
 
     cfg = GPTConfig(n_layers=8, d_model=64, vocab_size=64, seq_len=8)
@@ -593,7 +591,7 @@ def test_max_grad_norm_clips_like_clip_grad_norm_in_two_phases():
 
 
 def test_full_disk_for_updated_weights_undoes_the_block_steps(tmp_path):
-    from slcompile.runtime.engine import get_engine
+    from slcompile.runtime.storage.engine import get_engine
     from slcompile.runtime import DiskFullError
     from slcompile.runtime.weights import weight_home
 

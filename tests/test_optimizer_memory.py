@@ -10,8 +10,8 @@ from models import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import measured_peak_bytes, predict_memory
 from slcompile.analysis.optimizer_memory import optimizer_memory
-from slcompile.runtime.nvme import buffers_seen_by_profiler
-from slcompile.runtime.tiers import PAGE_BYTES
+from slcompile.runtime.storage.nvme import buffers_seen_by_profiler
+from slcompile.runtime.storage.tiers import PAGE_BYTES
 from slcompile.runtime.weights import drain_prefetches
 from slcompile.units import format_bytes
 

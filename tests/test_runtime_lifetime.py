@@ -14,9 +14,10 @@ import torch
 
 import slcompile
 from models import GPTConfig, TinyGPT, make_gpt_batch
-from slcompile.runtime import activations, collect_garbage, engine, gradients, runtime_stats, weights
-from slcompile.runtime.nvme import PRIVATE_DIR_PREFIX
-from slcompile.runtime.tiers import Tier
+from slcompile.runtime import activations, collect_garbage, gradients, runtime_stats, weights
+from slcompile.runtime.storage import engine
+from slcompile.runtime.storage.nvme import PRIVATE_DIR_PREFIX
+from slcompile.runtime.storage.tiers import Tier
 
 CFG = GPTConfig(n_layers=2, d_model=32, vocab_size=64, seq_len=8)
 OFFLOADED = {"lowering": "aot_eager", "weights": "nvme", "activations": "nvme", "min_offload_bytes": 0,
@@ -104,8 +105,7 @@ def test_an_engine_goes_with_the_last_model_storing_through_it_and_its_files_go_
     offload_engine = engine._ENGINES[str(tmp_path)]
     gone = weakref.ref(offload_engine)
     arena = offload_engine.arena
-    io_threads = [*arena._executor._threads, *([arena._aio._reaper] if arena._aio is not None else [])]
-    io_threads = [thread for thread in io_threads if thread is not None]
+    io_threads = list(arena._executor._threads)
     del arena
     (private_dir,) = os.listdir(tmp_path)
     assert private_dir.startswith(PRIVATE_DIR_PREFIX) and io_threads
@@ -171,7 +171,7 @@ def test_a_step_plan_names_its_runtime_objects_and_holds_none(tmp_path):
     from slcompile.config import SpeedLoaderConfig
     from slcompile.explain import plan_with_optimizer
     from slcompile.pipeline import run_pipeline
-    from slcompile.runtime.facts import process_facts
+    from slcompile.facts import process_facts
 
     model = TinyGPT(CFG)
     idx, targets = make_gpt_batch(CFG, 4)

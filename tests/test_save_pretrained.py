@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import slcompile
-from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.runtime.storage.tiers import Tier, TransferKind
 
 
 def _tied_llama():

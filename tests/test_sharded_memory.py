@@ -21,8 +21,8 @@ from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import measured_peak_bytes, predict_memory
 from slcompile.errors import BudgetError
 from slcompile.runtime import collect_garbage
-from slcompile.runtime.nvme import buffers_seen_by_profiler
-from slcompile.runtime.tiers import PAGE_BYTES
+from slcompile.runtime.storage.nvme import buffers_seen_by_profiler
+from slcompile.runtime.storage.tiers import PAGE_BYTES
 from slcompile.runtime.weights import drain_prefetches
 from slcompile.units import format_bytes
 

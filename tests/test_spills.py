@@ -14,8 +14,8 @@ from models import GPTConfig, TinyGPT, hf_llama, make_gpt_batch
 from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import measured_peak_bytes, predict_memory
 from slcompile.runtime import Tier, TransferKind, collect_garbage, reset_runtime_stats, runtime_stats
-from slcompile.runtime.nvme import buffers_seen_by_profiler
-from slcompile.runtime.tiers import PAGE_BYTES
+from slcompile.runtime.storage.nvme import buffers_seen_by_profiler
+from slcompile.runtime.storage.tiers import PAGE_BYTES
 from slcompile.schedules import POLICIES, Policy, Schedule, ScheduleRequest, Step, validate_schedule
 
 CFG = GPTConfig(vocab_size=32, seq_len=32, d_model=64, n_heads=2, n_layers=4)

@@ -649,7 +649,7 @@ def measured_peak_bytes(fn) -> int:
     """Peak bytes torch's CPU allocator handed out while `fn()` ran, relative to its
     start: the running sum of every allocation (+) and free (-) torch.profiler
     records. Memory allocated before the call is not seen; loads of the transfer
-    engine are seen inside `slcompile.runtime.nvme.buffers_seen_by_profiler()`."""
+    engine are seen inside `slcompile.runtime.storage.nvme.buffers_seen_by_profiler()`."""
     from torch.profiler import profile
 
     with profile(profile_memory=True) as prof:

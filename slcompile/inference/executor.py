@@ -34,7 +34,7 @@ from slcompile.meta import format_tag
 from slcompile.plans import StashPlan, StreamerPlan, new_name
 from slcompile.runtime.stats import TransferKey
 from slcompile.runtime.step import StepRuntime
-from slcompile.runtime.tiers import Tier
+from slcompile.runtime.storage.tiers import Tier
 from slcompile.runtime.weights import stored_key_for
 from slcompile.schedules.base import Schedule
 from slcompile.schedules.generation import PassRequest, offloads_hidden
@@ -82,7 +82,7 @@ class _Generation:
     def __init__(self, model, plan: _Plan, backend, generator, progress):
         from transformers import DynamicCache
 
-        from slcompile.runtime.engine import get_engine
+        from slcompile.runtime.storage.engine import get_engine
         from slcompile.runtime.kv import KVStore
 
         self.model, self.plan, self.generator, self.progress = model, plan, generator, progress

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from slcompile.runtime.stats import TransferKey
-from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.runtime.storage.tiers import Tier, TransferKind
 from slcompile.schedules.base import Schedule
 
 __all__ = ["GenerationStep", "GenerationOutput"]

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from slcompile.runtime.engine import TransferEngine
+from slcompile.runtime.storage.engine import TransferEngine
 from slcompile.runtime.errors import OffloadError
-from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.runtime.storage.tiers import Tier, TransferKind
 from slcompile.runtime.weights import weight_home
 
 __all__: list[str] = []

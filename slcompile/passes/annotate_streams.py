@@ -6,7 +6,7 @@ compiler (after every pass that places transfers, before `mark_regions`). Every
 the name of the stream the runtime runs that transfer on; compute nodes keep no
 annotation, which in PyTorch's convention means the default (compute) stream:
 
-- `COPY` ("copy"): the transfer engine's (`slcompile.runtime.engine`): on CUDA its
+- `COPY` ("copy"): the transfer engine's (`slcompile.runtime.storage.engine`): on CUDA its
   one persistent copy stream, both directions; on CPU its nvme I/O threads. Weight
   fetches, activation stashes and unstashes, weight gradient stores.
 - `COMM` ("comm"): the communication thread of the `ShardGroup`

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from . import activations, gradients, ops, runs, weights  # registers the slc:: op implementations
-from .engine import (
+from .storage.engine import (
     StoredTensor,
     TransferEngine,
     TransferHandle,
@@ -35,7 +35,7 @@ from .errors import (
     UnsupportedTensorError,
 )
 from .finalizing import collect_garbage
-from .nvme import NvmeArena, clean_stale_dirs
+from .storage.nvme import NvmeArena, clean_stale_dirs
 from .stats import (
     RuntimeStats,
     StepStats,
@@ -47,7 +47,7 @@ from .stats import (
     set_timeline_enabled,
     timeline,
 )
-from .tiers import HostPool, Tier, TransferKind, compute_device, device_for, host_is_device
+from .storage.tiers import HostPool, Tier, TransferKind, compute_device, device_for, host_is_device
 
 __all__ = [
     "Tier",

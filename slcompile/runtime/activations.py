@@ -15,8 +15,14 @@ names instead of the stash's (a unit whose schedule chose its tier). Every store
 a fresh stored key (`...#17`), so two forwards of the same graph before their
 backwards never overwrite each other. The stored copy lives as long as the stash
 token: AOTAutograd keeps the token as a saved tensor and drops it when the backward
-is done with it (or when the graph is freed without a backward), and the token's
-finalizer frees the copy. A second backward
+is done with it (or when the graph is freed without a backward). A saved activation's
+stash is loaded once (`offload_activations` places one `slc::unstash` per stash, its
+last use), so that load frees an nvme copy where it is issued: its slot goes back as
+soon as the read is done, whatever still holds the token. A spill of a boundary
+activation (`spill_boundaries`, a key whose name is marked `spill`) may be filled in
+the forward and loaded again in the backward when a stash shares it: its token's
+finalizer frees it, as it frees the copies on other tiers and those of a stash never
+loaded (a forward without a backward). A second backward
 through one graph (`retain_graph=True`) is not supported: AOTAutograd donates the
 backward's saved buffers, and torch refuses the second backward of such a graph.
 """
@@ -33,11 +39,11 @@ import torch
 
 from slcompile.plans import new_name
 from slcompile.runtime import ops
-from slcompile.runtime.engine import TransferEngine, TransferHandle
+from slcompile.runtime.storage.engine import TransferEngine, TransferHandle
 from slcompile.runtime.errors import OffloadError
 from slcompile.runtime.stats import RECORDER
-from slcompile.runtime.tiers import Tier, TransferKind
-from slcompile.vocabulary import StashKey
+from slcompile.runtime.storage.tiers import Tier, TransferKind
+from slcompile.vocabulary import SPILL_MARK, StashKey
 
 __all__ = ["ActivationStash"]
 
@@ -150,10 +156,35 @@ def _stashed(stash_token: torch.Tensor) -> tuple[TransferEngine, TransferHandle]
     return engine, handle
 
 
+def _load_once(engine: TransferEngine, loads: Sequence[TransferHandle]) -> None:
+    """Frees the nvme copies of saved activations whose loads were just issued (each
+    such stash's last use): a slot goes back once its read is done, on the I/O thread
+    that read it. A spill may be loaded again (see the module's docstring); a host
+    block waits for its copy's event before it goes back (on a GPU that would stall
+    the issuing thread here): those go with their tokens."""
+    for load in loads:
+        if load.source is Tier.NVME and load.key.split(".")[2:3] != [SPILL_MARK]:
+            engine.free(load.key)
+
+
+def _stored_key(engine: TransferEngine, handle: TransferHandle) -> str:
+    if handle.key not in engine:
+        raise OffloadError("this stash was loaded already: a saved activation's stash is loaded once "
+                           "(slc::unstash is its last use)", key=handle.key)
+    return handle.key
+
+
 def unstash(stash_token: torch.Tensor) -> torch.Tensor:
-    """Issues the load of a stashed activation; returns the load's token."""
+    """Issues the load of a stashed activation; returns the load's token. The stash's
+    copy goes once the load is done (`_load_once`).
+
+    Raises:
+        OffloadError: the stash was loaded already.
+    """
     engine, handle = _stashed(stash_token)
-    return ops._token_for(engine, engine.load(handle.key, TransferKind.ACTIVATION))
+    load = engine.load(_stored_key(engine, handle), TransferKind.ACTIVATION)
+    _load_once(engine, (load,))
+    return ops._token_for(engine, load)
 
 
 def unstash_many(stash_tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -163,7 +194,8 @@ def unstash_many(stash_tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     engine = found[0][0] if found else None
     if any(found_engine is not engine for found_engine, _ in found):
         return [unstash(token) for token in stash_tokens]
-    handles = engine.load_many([handle.key for _, handle in found], TransferKind.ACTIVATION)
+    handles = engine.load_many([_stored_key(engine, handle) for _, handle in found], TransferKind.ACTIVATION)
+    _load_once(engine, handles)
     return ops._tokens_for(engine, handles)
 
 

@@ -56,10 +56,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .engine import TransferHandle
+from .storage.engine import TransferHandle
 from .errors import OffloadError
 from .stats import RECORDER
-from .tiers import Tier, TransferKind
+from .storage.tiers import Tier, TransferKind
 
 __all__ = ["ShardGroup", "shard_group", "shard_range", "process_group_ready", "COLLECTIVE_LANE"]
 

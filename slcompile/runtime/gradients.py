@@ -41,10 +41,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from slcompile.errors import OptionError
 from slcompile.plans import SinkPlan, new_name
 from slcompile.runtime import ops
-from slcompile.runtime.engine import TransferEngine, TransferHandle
+from slcompile.runtime.storage.engine import TransferEngine, TransferHandle
 from slcompile.runtime.errors import OffloadError
 from slcompile.runtime.stats import RECORDER
-from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.runtime.storage.tiers import Tier, TransferKind
 from slcompile.vocabulary import GradientKey
 
 __all__ = [

@@ -50,9 +50,9 @@ import torch
 from slcompile.kv_segments import KV_STORES_IN_FLIGHT, forgettable_segments, merged_segments, reads_in_place
 from slcompile.plans import new_name
 
-from .engine import TransferEngine, TransferHandle
-from .page_buffers import PageBufferCache
-from .tiers import PAGE_BYTES, Tier, TransferKind
+from .storage.engine import TransferEngine, TransferHandle
+from .storage.page_buffers import PageBufferCache
+from .storage.tiers import PAGE_BYTES, Tier, TransferKind
 
 __all__ = ["KVStore", "PartRows"]
 

@@ -43,10 +43,10 @@ import torch
 
 from slcompile import vocabulary
 
-from .engine import TransferEngine, TransferHandle
+from .storage.engine import TransferEngine, TransferHandle
 from .errors import OffloadError
 from .finalizing import when_safe
-from .page_buffers import profiler_sees_buffers
+from .storage.page_buffers import profiler_sees_buffers
 from .stats import RECORDER
 
 __all__ = [

@@ -5,8 +5,8 @@ as one call (`slcompile.passes.coalesce_transfers` writes them; their schemas ar
 Each does what the single op does for each member, in order, and returns the members'
 results in order (the waits and the weight issues one dependency token). The nvme I/O
 a run issues reaches the arena together when the run's issues are done
-(`nvme_io.batched`): one `io_submit` for native AIO, one job of one I/O thread
-otherwise, where one per tensor would wake a thread (or the disk) per tensor.
+(`nvme_io.batched`): one job of one I/O thread, where one per tensor would wake a
+thread per tensor.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from slcompile.vocabulary import dtype_of, split_sizes
 
 from . import activations, ops, weights
-from .nvme_io import batched
+from .storage.nvme_io import batched
 
 __all__ = ["stash_many", "wait_many", "unstash_many", "unstash_wait_many", "fetch_issue_many"]
 

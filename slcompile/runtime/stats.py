@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from ..units import format_bytes
-from .tiers import Tier, TransferKind
+from .storage.tiers import Tier, TransferKind
 
 __all__ = [
     "TimelineEvent",

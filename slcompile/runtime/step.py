@@ -23,7 +23,7 @@ import torch
 
 from slcompile.plans import SinkPlan, StashPlan, StreamerPlan
 from slcompile.runtime.activations import ActivationStash
-from slcompile.runtime.engine import get_engine
+from slcompile.runtime.storage.engine import get_engine
 from slcompile.runtime.gradients import GradientSink
 from slcompile.runtime.weights import WeightStreamer, mark_sharded
 
@@ -72,7 +72,7 @@ class StepRuntime:
         engine = get_engine(streamer_plan.offload_dir)
         self.streamer = WeightStreamer(
             engine, streamer_plan.tier, streamer_plan.live_blocks, shards=shards, name=streamer_plan.name,
-            group_issues=streamer_plan.issues_in_groups and engine.batches_loads,
+            group_issues=streamer_plan.issues_in_groups,
         )
         if sink_plan is not None:
             self.sink = GradientSink(

@@ -23,8 +23,8 @@ import torch
 
 from slcompile.vocabulary import WeightKey, WeightLayout, packing_order, weight_layout
 
-from .engine import TransferEngine, TransferHandle
-from .tiers import TransferKind
+from .storage.engine import TransferEngine, TransferHandle
+from .storage.tiers import TransferKind
 
 __all__ = ["PackedVisits", "Loading"]
 

@@ -1,10 +1,9 @@
 """Runs of consecutive activation transfers as one call (`coalesce_transfers`), and
-their nvme I/O as one job of the I/O threads or one submission to native AIO
-(`nvme_io.batched`)."""
+their nvme I/O as one job of the I/O threads (`nvme_io.batched`), a run of slots
+written or read by one I/O."""
 
 from __future__ import annotations
 
-import errno
 import os
 import queue
 import threading
@@ -18,8 +17,7 @@ from slcompile.passes.coalesce_transfers import coalesce_transfers
 from slcompile.runtime import Tier, TransferEngine, TransferKind, collect_garbage, ops, runtime_stats
 from slcompile.runtime.activations import ActivationStash
 from slcompile.runtime.errors import CorruptDataError, OffloadFileMissingError, TransferFailedError
-from slcompile.runtime.nvme_aio import IOCB_CMD_PREAD, IOCB_CMD_PREADV, AioQueue, inode_holding_gil
-from slcompile.runtime.nvme_io import JOB_BYTES, IoThreads, batched
+from slcompile.runtime.storage.nvme_io import JOB_BYTES, IoThreads, batched
 from slcompile.runtime.stats import Recorder
 from slcompile.runtime.weights import WeightStreamer
 from slcompile.vocabulary import (
@@ -155,44 +153,8 @@ def test_batched_jobs_hold_about_job_bytes_and_a_large_transfer_alone():
         threads.shutdown()
 
 
-def test_a_run_of_small_transfers_reaches_the_kernel_in_one_submission(engine, monkeypatch):
-    if engine.arena._aio is None:
-        pytest.skip("no native AIO on this machine")
-    calls = []
-    real = AioQueue._submit_some
-    monkeypatch.setattr(AioQueue, "_submit_some", lambda self, requests: (calls.append(len(requests)),
-                                                                           real(self, requests))[1])
-    base = torch.randn(10 * 1000 + 3)
-    values = [base[3 + 1000 * i: 3 + 1000 * (i + 1)] for i in range(10)]  # not page-aligned
-    with batched():
-        stores = [engine.store(f"v{i}", value, NVME, ACT) for i, value in enumerate(values)]
-    for handle in stores:
-        engine.wait(handle)
-    with batched():
-        loads = [engine.load(f"v{i}") for i in range(10)]
-    assert [torch.equal(engine.wait(handle), value) for handle, value in zip(loads, values)] == [True] * 10
-    big = torch.randn(1 << 19)  # 2 MiB: the I/O threads' chunks
-    engine.wait(engine.store("big", big, NVME, ACT))
-    assert torch.equal(engine.wait(engine.load("big")), big)
-    assert calls == [10, 10]
-    nbytes = 10 * 1000 * 4 + big.numel() * 4
-    assert dict(runtime_stats().cumulative.bytes_moved) == {(ACT, DEVICE, NVME): nbytes, (ACT, NVME, DEVICE): nbytes}
-
-
-def test_native_aio_can_be_turned_off(tmp_path, monkeypatch):
-    monkeypatch.setenv("SLC_AIO", "0")
-    engine = TransferEngine(offload_dir=str(tmp_path))
-    try:
-        assert engine.arena._aio is None
-        value = torch.randn(100)
-        engine.wait(engine.store("x", value, NVME, ACT))
-        assert torch.equal(engine.wait(engine.load("x")), value)
-    finally:
-        engine.close()
-
-
-def test_a_run_of_weight_issues_is_one_call_and_one_submission(global_engine, monkeypatch):
-    streamer = WeightStreamer(global_engine, "nvme", live_blocks=2)
+def test_a_run_of_weight_issues_is_one_call_and_one_read(global_engine, monkeypatch):
+    streamer = WeightStreamer(global_engine, "nvme", live_blocks=2, group_issues=True)
     values = {f"w{i}": torch.randn(16, 8 * (i + 1)) for i in range(3)}
     expected = {name: value.clone() for name, value in values.items()}
     keys = []
@@ -207,29 +169,17 @@ def test_a_run_of_weight_issues_is_one_call_and_one_submission(global_engine, mo
     (group,) = [node for node in module.graph.nodes if node.op == "call_function"]
     assert (group.target, group.args, done.members) == (FETCH_ISSUE_MANY, (keys,), 3)
     assert list(module.graph.output_node().args[0]) == [group] * 3
-    calls = []
-    real = AioQueue._submit_some
-    monkeypatch.setattr(AioQueue, "_submit_some", lambda self, requests: (calls.append(len(requests)),
-                                                                           real(self, requests))[1])
+    calls = _recording_io(monkeypatch)
     module()
-    assert sorted(streamer.pending) == sorted(keys)
+    # A visit's issues are held until its first fetch, which starts their loads together.
+    assert sorted(streamer.queued) == sorted(keys) and streamer.pending == {}
     for (name, value), key in zip(values.items(), keys):
         assert torch.equal(torch.ops.slc.fetch_weight(value, key), expected[name])
     assert streamer.pending == {}
-    assert calls == ([3] if global_engine.arena._aio is not None else [])
+    # The three weights follow each other in the arena file: one vectored read.
+    assert [(op, len(sizes)) for op, sizes in calls] == [("preadv", 3)]
     assert runtime_stats().cumulative.bytes_moved[TransferKind.WEIGHT, NVME, DEVICE] == sum(
         value.numel() * 4 for value in expected.values())
-
-
-def test_a_transfer_submitted_after_shutdown_completes_cancelled_on_the_caller():
-    aio = AioQueue.open()
-    if aio is None:
-        pytest.skip("no native AIO on this machine")
-    aio.shutdown()
-    completed = []
-    aio.submit([(-1, IOCB_CMD_PREAD, 0, 4096, 0,
-                 lambda result, end: completed.append((result, threading.current_thread())))])
-    assert completed == [(-errno.ECANCELED, threading.current_thread())]
 
 
 def _run_values() -> list[torch.Tensor]:
@@ -239,21 +189,20 @@ def _run_values() -> list[torch.Tensor]:
             + [torch.randn(5, 7).half(), torch.rand(33) > 0.5, torch.arange(3, dtype=torch.int64)])
 
 
-def _recording_submissions(monkeypatch, opcodes: bool = False) -> list[list]:
-    """The byte count of each request of each native AIO submission (a vectored
-    read's: its buffer count), as issued; with `opcodes`, (opcode, that count)."""
+def _recording_io(monkeypatch) -> list[tuple[str, list[int]]]:
+    """Each nvme read or write the arena makes, as `(os call, its buffers' sizes)`."""
     calls = []
-    real = AioQueue._submit_some
-    monkeypatch.setattr(AioQueue, "_submit_some", lambda self, requests: (
-        calls.append([(request[1], request[3]) if opcodes else request[3] for request in requests]),
-        real(self, requests))[1])
+    for name in ("preadv", "pwritev"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda fd, buffers, offset, name=name, real=real: (
+            calls.append((name, [len(buffer) for buffer in buffers])), real(fd, buffers, offset))[1])
     return calls
 
 
 def test_a_run_of_stores_is_one_write_and_loads_back_in_one_read_in_any_order(engine, monkeypatch):
-    if engine.arena.aio_bytes == 0 or engine._cuda:
-        pytest.skip("runs are written whole by native AIO on a CPU machine")
-    calls = _recording_submissions(monkeypatch)
+    if engine.device.type == "cuda":
+        pytest.skip("a run is written by one I/O on a CPU machine")
+    calls = _recording_io(monkeypatch)
     values = _run_values()
     keys = [f"r{i}" for i in range(len(values))]
     before = runtime_stats().resident_bytes
@@ -262,14 +211,14 @@ def test_a_run_of_stores_is_one_write_and_loads_back_in_one_read_in_any_order(en
     for handle in stores:
         engine.wait(handle)
     padded = [-(-value.numel() * value.element_size() // 4096) * 4096 for value in values]
-    assert calls == [[sum(padded)]]
+    assert calls == [("pwritev", [sum(padded)])]
     offsets = [engine.nvme_location(key)[1] for key in keys]
     assert offsets == [offsets[0] + sum(padded[:i]) for i in range(len(values))]
     with batched():
         loads = engine.load_many(keys[::-1])
     loaded = [engine.wait(handle) for handle in loads][::-1]
     # The members follow each other in the file: one read into each member's memory.
-    assert calls[1] == ([len(values)] if engine.arena.vectored else padded[::-1])
+    assert calls[1:] == [("preadv", padded)]
     assert all(torch.equal(got, value) and got.dtype == value.dtype for got, value in zip(loaded, values))
     nbytes = sum(value.numel() * value.element_size() for value in values)
     stats = runtime_stats()
@@ -299,40 +248,27 @@ def _stored_run(engine) -> tuple[list[torch.Tensor], list[str]]:
 
 
 def test_loads_of_members_apart_in_the_file_are_read_apart(engine, monkeypatch):
-    if engine.arena.aio_bytes == 0 or engine._cuda or not engine.arena.vectored:
-        pytest.skip("runs are read whole by native AIO's vectored reads on a CPU machine")
+    if engine.device.type == "cuda":
+        pytest.skip("a run is read by one I/O on a CPU machine")
     values, keys = _stored_run(engine)
-    calls = _recording_submissions(monkeypatch, opcodes=True)
+    calls = _recording_io(monkeypatch)
     chosen = [5, 0, 1, 3, 6]  # three groups in the file: 0-1, 3, 5-6
     with batched():
         loads = engine.load_many([keys[index] for index in chosen])
     for index, handle in zip(chosen, loads):
         assert torch.equal(engine.wait(handle), values[index])
-    assert sorted(calls[0]) == [(IOCB_CMD_PREADV, 1), (IOCB_CMD_PREADV, 2), (IOCB_CMD_PREADV, 2)]
+    assert sorted((op, len(sizes)) for op, sizes in calls) == [("preadv", 1), ("preadv", 2), ("preadv", 2)]
     moved = runtime_stats().cumulative
     assert moved.transfers[(ACT, NVME, DEVICE)] == len(chosen)
     assert moved.bytes_moved[(ACT, NVME, DEVICE)] == sum(values[i].numel() * values[i].element_size() for i in chosen)
 
 
-def test_without_vectored_reads_each_member_is_read_alone(engine, monkeypatch):
-    if engine.arena.aio_bytes == 0 or engine._cuda:
-        pytest.skip("runs are read by native AIO on a CPU machine")
-    values, keys = _stored_run(engine)
-    monkeypatch.setattr(engine.arena, "_vectored", False)
-    calls = _recording_submissions(monkeypatch, opcodes=True)
-    with batched():
-        loads = engine.load_many(keys)
-    for value, handle in zip(values, loads):
-        assert torch.equal(engine.wait(handle), value)
-    assert calls == [[(IOCB_CMD_PREAD, -(-value.numel() * value.element_size() // 4096) * 4096) for value in values]]
-
-
 def test_a_run_read_from_a_removed_arena_file_fails_every_member_and_frees_its_memory(engine):
-    if engine.arena.aio_bytes == 0 or engine._cuda or not engine.arena.vectored:
-        pytest.skip("runs are read whole by native AIO's vectored reads on a CPU machine")
+    if engine.device.type == "cuda":
+        pytest.skip("a run is read by one I/O on a CPU machine")
     values, keys = _stored_run(engine)
     resident = runtime_stats().resident_bytes[DEVICE]
-    idle = engine._buffers.idle_bytes
+    idle = engine._ledger.buffers.idle_bytes
     os.unlink(engine.arena.file_path)
     with batched():
         loads = engine.load_many(keys)
@@ -341,24 +277,12 @@ def test_a_run_read_from_a_removed_arena_file_fails_every_member_and_frees_its_m
             engine.wait(handle)
     assert runtime_stats().resident_bytes[DEVICE] == resident
     # The memory taken for the run went back to the cache, unused.
-    assert engine._buffers.idle_bytes == idle + sum(-(-v.numel() * v.element_size() // 4096) * 4096 for v in values)
-
-
-def test_inode_holding_gil_is_what_stat_says(tmp_path):
-    (tmp_path / "file").write_bytes(b"x")
-    directory = os.open(tmp_path, os.O_RDONLY)
-    try:
-        assert inode_holding_gil(directory, "file") == os.stat(tmp_path / "file").st_ino
-        assert inode_holding_gil(directory, "missing") is None
-        os.symlink(tmp_path / "file", tmp_path / "link")
-        assert inode_holding_gil(directory, "link") == os.lstat(tmp_path / "link").st_ino
-    finally:
-        os.close(directory)
+    assert engine._ledger.buffers.idle_bytes == idle + sum(-(-v.numel() * v.element_size() // 4096) * 4096 for v in values)
 
 
 def test_a_corrupt_member_of_a_stored_run_is_named_and_the_others_load(engine):
-    if engine.arena.aio_bytes == 0 or engine._cuda:
-        pytest.skip("runs are written whole by native AIO on a CPU machine")
+    if engine.device.type == "cuda":
+        pytest.skip("a run is written by one I/O on a CPU machine")
     values, keys = _stored_run(engine)
     path, offset, nbytes = engine.nvme_location(keys[3])
     flip_bits(path, offset + nbytes - 1)
@@ -370,16 +294,16 @@ def test_a_corrupt_member_of_a_stored_run_is_named_and_the_others_load(engine):
         assert torch.equal(engine.wait(loads[index]), values[index])
 
 
-def test_a_run_native_aio_does_not_take_whole_is_written_slot_by_slot(engine, monkeypatch):
-    if engine.arena.aio_bytes == 0 or engine._cuda:
-        pytest.skip("runs are written whole by native AIO on a CPU machine")
-    calls = _recording_submissions(monkeypatch)
+def test_a_run_over_run_bytes_is_written_slot_by_slot(engine, monkeypatch):
+    if engine.device.type == "cuda":
+        pytest.skip("a run is written by one I/O on a CPU machine")
+    calls = _recording_io(monkeypatch)
     values = [torch.randn(100_000 + i) for i in range(3)]  # 1.2 MB together, each under 1 MiB
     with batched():
         stores = engine.store_many(["a", "b", "c"], values, NVME, ACT)
     for handle in stores:
         engine.wait(handle)
-    assert calls == [[-(-value.numel() * 4 // 4096) * 4096 for value in values]]
+    assert sorted(calls) == sorted(("pwritev", [-(-value.numel() * 4 // 4096) * 4096]) for value in values)
     assert all(torch.equal(engine.wait(engine.load(key)), value) for key, value in zip("abc", values))
     assert runtime_stats().cumulative.bytes_moved[(ACT, DEVICE, NVME)] == sum(value.numel() * 4 for value in values)
 

@@ -22,7 +22,6 @@ from slcompile.runtime import (
     collect_garbage,
     runtime_stats,
 )
-from slcompile.runtime.nvme_aio import _DEPTH as AIO_DEPTH
 from slcompile.runtime.stats import Recorder
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool)
@@ -265,12 +264,12 @@ def test_closing_an_engine_finishes_every_store_in_flight(tmp_path, caplog):
     assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
 
 
-def test_loads_issued_behind_their_stores_finish_when_they_fill_every_aio_slot(tmp_path):
+def test_loads_issued_behind_their_stores_finish_with_hundreds_in_flight(tmp_path):
     """A load of a key whose store is in flight is issued when the store completes,
-    on the AIO reaper: with every slot in flight it must not wait for one (only the
-    reaper frees them)."""
+    on the I/O thread that wrote it: it must not wait there for a thread that only
+    the queue behind it would free."""
     engine = TransferEngine(offload_dir=str(tmp_path))
-    sources = [torch.full((256,), float(index), device=DEV) for index in range(8 * AIO_DEPTH)]
+    sources = [torch.full((256,), float(index), device=DEV) for index in range(512)]
     loaded = []
 
     def store_and_load():
@@ -307,14 +306,14 @@ def test_a_store_that_forgets_its_source_leaves_the_free_to_the_waiting_thread(e
     from torch.profiler import profile
 
     release = threading.Event()
-    finish = engine._release_if_unused
+    finish = engine._ledger.release_if_unused
 
     def lingering(entry):  # the I/O thread, after waking the waiter, is held up here
         if threading.current_thread() is not threading.main_thread():
             release.wait(10)
         finish(entry)
 
-    monkeypatch.setattr(engine, "_release_if_unused", lingering)
+    monkeypatch.setattr(engine._ledger, "release_if_unused", lingering)
     with profile(profile_memory=True) as prof:
         source = torch.ones(1 << 16)
         handle = engine.store("stash", source, NVME, TransferKind.ACTIVATION, forget_source=True)
@@ -351,7 +350,7 @@ def test_no_idle_buffers_kept_without_a_cache(tmp_path):
         loaded = engine.wait(engine.load("a"))
         del loaded
         collect_garbage()
-        assert engine._buffers.idle_bytes == 0
+        assert engine._ledger.buffers.idle_bytes == 0
     finally:
         engine.close()
 
@@ -383,7 +382,7 @@ def test_loaded_tensors_stored_again_keep_no_earlier_generation(engine):
     under a fresh key, free the old one. Nothing of an earlier generation may stay."""
     import weakref
 
-    from slcompile.runtime.engine import TransferHandle, _Entry
+    from slcompile.runtime.storage.engine import TransferHandle, _Entry
 
     # What other engines of the process still hold (a test before this one in the same worker) is not this one's.
     entries_before, handles_before = _live(_Entry), _live(TransferHandle)

@@ -37,7 +37,7 @@ def test_when_safe_calls_at_once_outside_a_collection_and_on_another_thread_insi
 
 _LOCKS = {
     "arena": lambda engine: engine.arena._lock,
-    "page_buffers": lambda engine: engine._buffers._lock,
+    "page_buffers": lambda engine: engine._ledger.buffers._lock,
     "recorder": lambda engine: RECORDER._lock,
 }
 
@@ -53,7 +53,10 @@ def test_a_token_and_a_loaded_tensor_collected_inside_a_critical_section_are_fre
     token = torch.ops.slc.stash(x, stash.graph_key("a"))
     torch.ops.slc.wait(token, [x])
     loaded = torch.ops.slc.unstash_wait(torch.ops.slc.unstash(token), x.shape, x.dtype, x.device)
-    assert torch.equal(loaded, x) and len(global_engine.keys()) == 1
+    kept = torch.ops.slc.stash(x, stash.graph_key("b"))  # never loaded: its copy goes with its token
+    torch.ops.slc.wait(kept, [x])
+    # An nvme copy went with its load (`slc::unstash` is a stash's last use).
+    assert torch.equal(loaded, x) and len(global_engine.keys()) == (1 if tier == "nvme" else 2)
     lock = _LOCKS[held](global_engine)
 
     def collect_inside():
@@ -62,9 +65,9 @@ def test_a_token_and_a_loaded_tensor_collected_inside_a_critical_section_are_fre
 
     gc.disable()  # the tensors die in the collection below, not in one of their own
     try:
-        ring = [token, loaded]
+        ring = [token, kept, loaded]
         ring.append(ring)
-        del token, loaded, ring
+        del token, kept, loaded, ring
         collector = threading.Thread(target=collect_inside, daemon=True)
         collector.start()
         collector.join(30)

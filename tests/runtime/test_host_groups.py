@@ -1,6 +1,6 @@
 """A block's weights on a host tier that copies, as one group: stored in one range of
 the pool, a visit's loads one copy into one device buffer, updated in place at fixed
-addresses (`slcompile.runtime.host_copies`). On a CPU machine the engine's
+addresses (`slcompile.runtime.storage.host_copier`). On a CPU machine the engine's
 `separate_host` gives the host tier memory of its own, so this path runs and counts
 here as it does on a GPU (without streams and pinning)."""
 
@@ -12,9 +12,9 @@ import torch.fx
 
 from slcompile.passes.coalesce_transfers import coalesce_transfers
 from slcompile.runtime import Tier, TransferEngine, TransferKind, runtime_stats
-from slcompile.runtime.host_copies import GROUP_ALIGNMENT, group_layout
-from slcompile.runtime.ranges import round_up
-from slcompile.runtime.tiers import PAGE_BYTES
+from slcompile.runtime.storage.host_copier import GROUP_ALIGNMENT, group_layout
+from slcompile.runtime.storage.ranges import round_up
+from slcompile.runtime.storage.tiers import PAGE_BYTES
 from slcompile.runtime.weights import WeightStreamer, commit_weights, stage_weights, update_weights
 from slcompile.vocabulary import FETCH_ISSUE, FETCH_ISSUE_MANY, FETCH_WEIGHT, FETCH_WEIGHT_MANY, WeightKey, weight_layout
 
@@ -88,10 +88,10 @@ def test_overwrite_keeps_the_address_and_later_loads_read_the_new_values(host_en
     values = _values()
     keys = [f"blk0.w{i}" for i in range(len(values))]
     host_engine.wait_many(host_engine.store_many(keys, values, HOST, WEIGHT))
-    address = host_engine._entries[keys[1]].host_block.buffer.data_ptr()
+    address = host_engine._ledger.entries[keys[1]].host_block.buffer.data_ptr()
     new = torch.full_like(values[1], 3.5)
     host_engine.overwrite(keys[1], new)
-    assert host_engine._entries[keys[1]].host_block.buffer.data_ptr() == address
+    assert host_engine._ledger.entries[keys[1]].host_block.buffer.data_ptr() == address
     loaded = host_engine.wait_many(host_engine.load_many(keys, WEIGHT))
     assert torch.equal(loaded[1], new) and torch.equal(loaded[0], values[0]) and torch.equal(loaded[3], values[3])
     with pytest.raises(ValueError, match="float16 values"):
@@ -166,17 +166,17 @@ def test_a_visit_is_one_issue_and_one_fetch_packed_one_copy_a_dtype(host_engine,
 def test_an_update_of_host_weights_is_written_in_place_all_together(host_engine):
     streamer, params, expected, keys = _offloaded_block(host_engine)
     stored = [key.split("|", 1)[1].rsplit("@", 1)[0] for key in keys]
-    addresses = [host_engine._entries[key].host_block.buffer.data_ptr() for key in stored]
+    addresses = [host_engine._ledger.entries[key].host_block.buffer.data_ptr() for key in stored]
     new = [torch.full_like(e, float(i)) for i, e in enumerate(expected)]
     staged = stage_weights(list(zip(params, new)))
     # Staged, not yet in place: a load still reads the previous values.
     assert all(torch.equal(t, e) for t, e in zip(host_engine.wait_many(host_engine.load_many(stored)), expected))
     commit_weights(staged)
-    assert [host_engine._entries[key].host_block.buffer.data_ptr() for key in stored] == addresses
+    assert [host_engine._ledger.entries[key].host_block.buffer.data_ptr() for key in stored] == addresses
     assert all(torch.equal(t, n) for t, n in zip(host_engine.wait_many(host_engine.load_many(stored)), new))
     update_weights([(params[0], expected[0])])
     assert torch.equal(host_engine.wait(host_engine.load(stored[0])), expected[0])
-    assert host_engine._entries[stored[0]].host_block.buffer.data_ptr() == addresses[0]
+    assert host_engine._ledger.entries[stored[0]].host_block.buffer.data_ptr() == addresses[0]
     assert sorted(host_engine.keys()) == sorted(stored)  # no staging key left
 
 

@@ -11,7 +11,7 @@ from devices import device_under_test, on_cuda
 import slcompile
 from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.runtime import configure_engine, runtime_stats
-from slcompile.runtime.tiers import PAGE_BYTES
+from slcompile.runtime.storage.tiers import PAGE_BYTES
 
 pytestmark = [pytest.mark.skipif(not on_cuda(), reason="pins host memory: CUDA machines only"), pytest.mark.cuda_check]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import functools
 import os
 import stat
 import threading
@@ -30,7 +29,6 @@ from slcompile.runtime import (
     TransferKind,
     UnknownKeyError,
 )
-from slcompile.runtime.nvme_aio import AioQueue
 
 NVME, WEIGHT = Tier.NVME, TransferKind.WEIGHT
 
@@ -131,21 +129,8 @@ def test_enospc_during_a_write_fails_the_store_and_its_loads(engine, monkeypatch
     assert engine.arena.used_bytes == 0
 
 
-@pytest.fixture(params=["threads", "aio"])
-def io_path(request, monkeypatch):
-    """Small transfers through the arena's I/O threads, or through native AIO."""
-    if request.param == "aio":
-        probe = AioQueue.open()
-        if probe is None:
-            pytest.skip("no native AIO on this machine")
-        probe.shutdown()
-    monkeypatch.setenv("SLC_AIO", "1" if request.param == "aio" else "0")
-    return request.param
-
-
-def test_load_chained_behind_a_failing_store_fails_too(engine, monkeypatch, io_path):
+def test_load_chained_behind_a_failing_store_fails_too(engine, monkeypatch):
     assert engine.arena is not None  # the arena exists before the I/O is broken
-    assert (engine.arena._aio is not None) == (io_path == "aio")
     load_issued = threading.Event()
     fail_writes(monkeypatch, lambda offset: errno.EIO, before=lambda: load_issued.wait(timeout=30))
     store = engine.store("g", torch.ones(1000), NVME, TransferKind.GRADIENT)
@@ -157,20 +142,14 @@ def test_load_chained_behind_a_failing_store_fails_too(engine, monkeypatch, io_p
         engine.wait(load)
 
 
-def test_a_failed_read_names_its_error_and_the_data_reads_back_after(engine, monkeypatch, io_path):
+def test_a_failed_read_names_its_error_and_the_data_reads_back_after(engine, monkeypatch):
     engine.wait(engine.store("r", torch.arange(3000.0), NVME, WEIGHT))
-    real_preadv, real_submit = os.preadv, AioQueue.submit
 
     def broken_preadv(fd, buffers, offset):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    def broken_submit(self, requests):
-        real_submit(self, [(*r[:5], functools.partial(lambda cb, result, end: cb(-errno.EIO, end), r[5]))
-                           for r in requests])
-
     with monkeypatch.context() as patch:
         patch.setattr(os, "preadv", broken_preadv)
-        patch.setattr(AioQueue, "submit", broken_submit)
         with pytest.raises(OffloadError, match="read failed") as caught:
             engine.wait(engine.load("r"))
     assert_names(caught.value, "r", engine.arena.file_path)
@@ -218,7 +197,7 @@ def test_a_slot_is_not_readable_before_its_write_completes(tmp_path):
     assert not os.path.exists(arena.path)
 
 
-def test_weight_update_that_fails_part_way_leaves_every_weight_as_it_was(engine, monkeypatch, io_path):
+def test_weight_update_that_fails_part_way_leaves_every_weight_as_it_was(engine, monkeypatch):
     from slcompile.runtime.weights import WeightStreamer, update_weights
 
     streamer = WeightStreamer(engine, NVME, live_blocks=1)
@@ -362,7 +341,7 @@ def test_an_offload_dir_others_may_rename_in_is_used_with_a_warning_naming_it(tm
     below = shared / "mine"  # made by the arena, mode 0700, but movable with its parent's entries
     for offload_dir in (shared, below):
         caplog.clear()
-        with caplog.at_level("WARNING", logger="slcompile.runtime.offload_dirs"):
+        with caplog.at_level("WARNING", logger="slcompile.runtime.storage.offload_dirs"):
             arena = NvmeArena(str(offload_dir))
             arena.close()
         messages = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
@@ -462,8 +441,8 @@ def test_transfers_after_the_arena_closed_say_so_and_touch_no_other_file(tmp_pat
     engine = TransferEngine(offload_dir=str(tmp_path))
     others = []
     try:
-        engine.wait(engine.store("small", torch.ones(10), NVME, WEIGHT))  # native AIO's size
-        engine.wait(engine.store("large", torch.ones(1 << 19), NVME, WEIGHT))  # the I/O threads'
+        engine.wait(engine.store("small", torch.ones(10), NVME, WEIGHT))  # one chunk
+        engine.wait(engine.store("large", torch.ones(1 << 19), NVME, WEIGHT))  # several chunks
         arena = engine.arena
         arena.close()
         others = [os.open(tmp_path / f"other{index}", os.O_RDWR | os.O_CREAT, 0o600) for index in range(4)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slcompile.runtime.ranges import ByteRange, RangeAllocator
+from slcompile.runtime.storage.ranges import ByteRange, RangeAllocator
 
 
 def test_allocations_are_aligned_and_disjoint():

@@ -23,8 +23,8 @@ from slcompile.runtime import (
     runtime_stats,
 )
 from slcompile.runtime.errors import HostPoolFullError
-from slcompile.runtime.memory_limits import AvailableMemory, available_host_memory
-from slcompile.runtime.tiers import pageable_chunk, pinned_chunk
+from slcompile.runtime.storage.memory_limits import AvailableMemory, available_host_memory
+from slcompile.runtime.storage.tiers import pageable_chunk, pinned_chunk
 
 
 def test_enums_are_their_names():

@@ -1,6 +1,6 @@
 """Page-aligned memory for O_DIRECT I/O, and the cache that reuses it.
 
-Where it sits: below the nvme arena (``slcompile.runtime.nvme``), whose I/O threads
+Where it sits: below the nvme arena (``slcompile.runtime.storage.nvme``), whose I/O threads
 read into and write from this memory, and the transfer engine, whose CPU loads
 return tensors on it (``PageBufferCache``); the KV store joins segments in it.
 
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .finalizing import when_safe
+from ..finalizing import when_safe
 from .ranges import round_up
 from .tiers import PAGE_BYTES
 
@@ -39,8 +39,6 @@ __all__ = [
     "buffers_seen_by_profiler",
     "profiler_sees_buffers",
     "address_of",
-    "copy_memory",
-    "fill_memory",
     "memory_at",
 ]
 
@@ -217,20 +215,3 @@ def memory_at(address: int, nbytes: int) -> memoryview:
     """A writable byte memoryview over raw memory the caller keeps alive."""
     return _memory_view_from_memory(address, nbytes, _PYBUF_WRITE)
 
-
-def _held_gil(name: str, argtypes: tuple, fallback: Callable) -> Callable:
-    """libc's `name` called without releasing the GIL (`ctypes.PyDLL`). On the compute
-    thread a small copy then runs to its end: released, the GIL would let an I/O
-    completion's Python run first, and the copy's caller wait for it."""
-    try:
-        function = getattr(ctypes.PyDLL(None), name)
-    except (OSError, AttributeError):
-        return fallback
-    function.restype, function.argtypes = ctypes.c_void_p, argtypes
-    return function
-
-
-copy_memory = _held_gil("memmove", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.memmove)
-"""`copy_memory(destination, source, nbytes)`: memmove holding the GIL."""
-fill_memory = _held_gil("memset", (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t), ctypes.memset)
-"""`fill_memory(destination, byte, nbytes)`: memset holding the GIL."""

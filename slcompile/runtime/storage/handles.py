@@ -1,7 +1,7 @@
 """The transfer engine's records: the handle of one issued transfer and what rests
 under one key.
 
-Where it sits: below ``TransferEngine`` (``slcompile.runtime.engine``), which makes
+Where it sits: below ``TransferEngine`` (``slcompile.runtime.storage.engine``), which makes
 and reads every record here; callers see handles and ``StoredTensor``s, the custom
 ops carry a handle's id in their token.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import OffloadError, UnsupportedTensorError
+from ..errors import OffloadError, UnsupportedTensorError
 from .nvme_io import NvmeSlot
 from .tiers import HostBlock, Tier, TransferKind
 
@@ -217,7 +217,7 @@ class _Entry:
         self.readers = 0
         self.retired = False
         self.last_event = None
-        # A member of a host group (`slcompile.runtime.host_copies`): the group, and
+        # A member of a host group (`slcompile.runtime.storage.host_copier`): the group, and
         # where in its range the entry's bytes start.
         self.host_group = None
         self.host_offset = 0

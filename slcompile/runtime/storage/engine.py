@@ -44,7 +44,7 @@ Guarantees:
   (``reserve_host``) and grown by whole chunks; copies are ``non_blocking``;
   ``wait`` makes the current stream wait on the copy's event. Host copies are
   counted when issued. A run stored onto the host together is one host group, and
-  a run of its loads one copy (``slcompile.runtime.host_copies``).
+  a run of its loads one copy (``slcompile.runtime.storage.host_copier``).
 - ``separate_host`` (default: ``SLC_SEPARATE_HOST=1`` in the environment) gives a
   CPU machine's engine a host tier of its own memory, which loads and stores copy,
   as a GPU machine's does (without streams or pinning): the host tier's path,
@@ -53,6 +53,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -62,19 +63,14 @@ import weakref
 
 import torch
 
-from .errors import (
-    OffloadError,
-    TransferFailedError,
-    UnknownKeyError,
-)
-from .finalizing import when_safe
+from ..errors import TransferFailedError, UnknownKeyError
 from .handles import StoredTensor, TransferHandle, _Entry, normalize_key, storable
-from .host_copies import HostCopies
+from .host_copier import HostCopier
+from .ledger import Ledger
 from .nvme import NvmeArena, NvmeSlot, PageBufferCache
-from .nvme_aio import aio_default
-from .nvme_transfers import NvmeTransfers
+from .nvme_store import NvmeStore
 from .page_buffers import profiler_sees_buffers
-from .stats import RECORDER, Recorder
+from ..stats import RECORDER, Recorder
 from .tiers import (
     DEFAULT_CHUNK_BYTES,
     PAGE_BYTES,
@@ -98,7 +94,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class TransferEngine(NvmeTransfers, HostCopies):
+class TransferEngine:
     """Moves tensors between the device, host and nvme tiers, asynchronously.
 
     Args:
@@ -120,6 +116,13 @@ class TransferEngine(NvmeTransfers, HostCopies):
             that loads and stores copy (default: ``SLC_SEPARATE_HOST=1``); a CUDA
             machine's host tier always is.
         recorder: Where bytes, stalls and events are counted.
+
+    The engine is made of three parts, each holding what it needs: its ``Ledger``
+    (``slcompile.runtime.storage.ledger``: the entries by key, the arena, the host pool and
+    the page buffers, and the bookkeeping that releases them), its ``NvmeStore``
+    (``slcompile.runtime.storage.nvme_store``) and its ``HostCopier``
+    (``slcompile.runtime.storage.host_copier``). It checks what it is asked and hands each
+    transfer to the part of its tier.
     """
 
     def __init__(
@@ -144,69 +147,40 @@ class TransferEngine(NvmeTransfers, HostCopies):
         self.host_chunk_bytes = host_chunk_bytes
         self.checksums = checksums
         self.device = compute_device()
-        self._recorder = recorder
-        self._lock = threading.RLock()
-        self._entries: dict[str, _Entry] = {}
-        # The keys the last `close()` forgot, for the error of a load of one.
-        self._closed_keys: frozenset[str] = frozenset()
-        self._arena: NvmeArena | None = None
-        self._host_pool: HostPool | None = None
-        self._ids = itertools.count(1)
-        self._buffers = PageBufferCache(buffer_cache_bytes)
-        self._cuda = self.device.type == "cuda"
+        cuda = self.device.type == "cuda"
         if separate_host is None:
             separate_host = os.environ.get("SLC_SEPARATE_HOST", "0") == "1"
+        self._recorder = recorder
+        # Made by partials that refer to no engine, so that an engine nothing holds goes.
+        make_arena = functools.partial(NvmeArena, offload_dir, capacity_bytes=capacity_bytes,
+                                       chunk_bytes=chunk_bytes, num_threads=num_io_threads, checksums=checksums)
+        make_pool = functools.partial(HostPool, pin=cuda, chunk_bytes=host_chunk_bytes, limit_bytes=host_memory,
+                                      on_growth=functools.partial(_count_pinned, recorder))
         # Whether the host tier is memory of its own, which moves between it and the device copy.
-        self._host_copies = self._cuda or separate_host
+        self._ledger = Ledger(self.device, recorder, make_arena, make_pool, PageBufferCache(buffer_cache_bytes),
+                              host_copies=cuda or separate_host)
         # One persistent copy stream: a new stream per call would cost a sync each time.
-        self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
-        # Once nothing holds the engine (`get_engine`'s registry does not), the tiers
-        # stop counting what its keys held, and its arena goes (`_get_arena`).
-        weakref.finalize(self, when_safe, _uncount, self._entries, recorder).atexit = False
-        self._close_arena: weakref.finalize | None = None
+        self._host = HostCopier(self._ledger, torch.cuda.Stream(self.device) if cuda else None)
+        self._nvme = NvmeStore(self._ledger, self._host)
+        # The keys the last `close()` forgot, for the error of a load of one.
+        self._closed_keys: frozenset[str] = frozenset()
 
     # -- resources -----------------------------------------------------------
 
     @property
     def arena(self) -> NvmeArena:
         """The nvme arena, created on first use."""
-        return self._get_arena(None)
+        return self._ledger.get_arena(None)
 
     @property
     def has_arena(self) -> bool:
         """True once the nvme arena exists."""
-        return self._arena is not None
-
-    def _get_arena(self, key: str | None) -> NvmeArena:
-        with self._lock:
-            if self._arena is None:
-                try:
-                    self._arena = NvmeArena(
-                        self.offload_dir,
-                        capacity_bytes=self.capacity_bytes,
-                        chunk_bytes=self.chunk_bytes,
-                        num_threads=self.num_io_threads,
-                        checksums=self.checksums,
-                    )
-                except OffloadError as error:
-                    raise (error.with_key(key) if key is not None else error) from error
-                # Removes the directory and stops the I/O threads when the engine goes.
-                self._close_arena = weakref.finalize(self, when_safe, self._arena.close)
-            return self._arena
-
-    def _pool(self) -> HostPool:
-        with self._lock:
-            if self._host_pool is None:
-                self._host_pool = HostPool(
-                    pin=self._cuda, chunk_bytes=self.host_chunk_bytes, limit_bytes=self.host_memory,
-                    on_growth=lambda growth: self._recorder.host_pinned(growth.pinned_bytes),
-                )
-            return self._host_pool
+        return self._ledger.arena is not None
 
     @property
     def host_pool(self) -> HostPool | None:
         """The pinned host pool, once something was reserved or stored in it."""
-        return self._host_pool
+        return self._ledger.host_pool
 
     def reserve_host(
         self, nbytes: int, *, largest: int = 0, what: str = "the plan", host_memory: int | None = None
@@ -230,9 +204,9 @@ class TransferEngine(NvmeTransfers, HostCopies):
             HostPoolFullError: over ``host_memory`` or the memory could not be pinned;
                 the message names the bytes and the option.
         """
-        if not self._host_copies or nbytes <= 0:
+        if not self._ledger.host_copies or nbytes <= 0:
             return None
-        pool = self._pool()
+        pool = self._ledger.pool()
         if host_memory is not None:
             self.host_memory = host_memory
             pool.limit_bytes = host_memory
@@ -240,8 +214,8 @@ class TransferEngine(NvmeTransfers, HostCopies):
 
     def host_bytes_of(self, keys) -> int:
         """Bytes of the given keys that rest on the host tier now (unknown keys: 0)."""
-        with self._lock:
-            entries = (self._entries.get(normalize_key(key)) for key in keys)
+        with self._ledger.lock:
+            entries = (self._ledger.entries.get(normalize_key(key)) for key in keys)
             return sum(e.nbytes for e in entries if e is not None and e.tier is Tier.HOST)
 
     def copies_nothing(self, source: Tier | str, destination: Tier | str) -> bool:
@@ -253,12 +227,12 @@ class TransferEngine(NvmeTransfers, HostCopies):
         destination = destination if destination.__class__ is Tier else Tier(destination)
         if source is destination:
             return True
-        return not self._host_copies and {source, destination} <= {Tier.DEVICE, Tier.HOST}
+        return not self._ledger.host_copies and {source, destination} <= {Tier.DEVICE, Tier.HOST}
 
     def tier_of(self, tensor: torch.Tensor) -> Tier:
         """The tier a tensor's memory belongs to: device if on the compute device,
         else host."""
-        return Tier.DEVICE if tensor.device.type == self.device.type else Tier.HOST
+        return self._ledger.tier_of(tensor)
 
     # -- public API ----------------------------------------------------------
 
@@ -302,30 +276,30 @@ class TransferEngine(NvmeTransfers, HostCopies):
         source = self._prepare_source(key, tensor)
         nbytes = source.numel() * source.element_size()
         source_tier = self.tier_of(source)
-        handle = TransferHandle(next(self._ids), key, kind, source_tier, tier, nbytes, "store")
+        handle = TransferHandle(next(self._ledger.ids), key, kind, source_tier, tier, nbytes, "store")
         handle.forget_source = forget_source
         entry = _Entry(key, tier, kind, tuple(source.shape), source.dtype, nbytes)
         if self.copies_nothing(source_tier, tier):
             entry.tensor = source
             handle.zero_copy = True
             self._recorder.resident_change(tier, nbytes)
-            self._install(entry)
+            self._ledger.install(entry)
             handle._finish(source, None)
         elif tier is Tier.NVME:
-            self._store_nvme(handle, entry, source, reserved)
+            self._nvme.store(handle, entry, source, reserved)
         elif tier is Tier.HOST:
-            self._store_host_copy(handle, entry, source)
+            self._host.store(handle, entry, source)
         else:
-            self._store_device_copy(handle, entry, source)
+            self._host.store_on_device(handle, entry, source)
         return handle
 
     def store_many(self, keys, tensors, tier: Tier | str, kind: TransferKind | str,
                    forget_source: bool = False) -> list[TransferHandle]:
         """`store` of each (key, tensor), in order, onto one tier: a run onto a host
         tier that copies is one host group (one range of the pool, whose members
-        `load_many` loads by one copy: `slcompile.runtime.host_copies`); on a CPU
+        `load_many` loads by one copy: `slcompile.runtime.storage.host_copier`); on a CPU
         machine a run onto the nvme tier takes consecutive slots of the arena and,
-        where native AIO takes it whole, is written by one I/O (`NvmeArena.write_run`);
+        at most `NvmeArena.run_bytes` in all, is written by one I/O (`NvmeArena.write_run`);
         otherwise the tensors are stored one by one.
 
         Raises:
@@ -334,16 +308,16 @@ class TransferEngine(NvmeTransfers, HostCopies):
         tier = tier if tier.__class__ is Tier else Tier(tier)
         kind = kind if kind.__class__ is TransferKind else TransferKind(kind)
         keys = [normalize_key(key) for key in keys]
-        if tier is Tier.HOST and self._host_copies and len(keys) > 1:
+        if tier is Tier.HOST and self._ledger.host_copies and len(keys) > 1:
             sources = [self._prepare_source(key, tensor) for key, tensor in zip(keys, tensors)]
-            return self._store_host_group(keys, sources, kind)
-        if tier is not Tier.NVME or self._cuda or len(keys) < 2:
+            return self._host.store_group(keys, sources, kind)
+        if tier is not Tier.NVME or self._ledger.cuda or len(keys) < 2:
             return [self.store(key, tensor, tier, kind, forget_source) for key, tensor in zip(keys, tensors)]
         sources = [self._prepare_source(key, tensor) for key, tensor in zip(keys, tensors)]
         sizes = [source.numel() * source.element_size() for source in sources]
         if 0 in sizes:
             return [self.store(key, source, tier, kind, forget_source) for key, source in zip(keys, sources)]
-        ids = self._ids
+        ids = self._ledger.ids
         # A CPU machine's sources are all in its memory: the device tier.
         handles = [TransferHandle(next(ids), key, kind, Tier.DEVICE, tier, nbytes, "store")
                    for key, nbytes in zip(keys, sizes)]
@@ -352,7 +326,7 @@ class TransferEngine(NvmeTransfers, HostCopies):
                 handle.forget_source = True
         entries = [_Entry(key, tier, kind, tuple(source.shape), source.dtype, nbytes)
                    for key, source, nbytes in zip(keys, sources, sizes)]
-        self._store_nvme_run(handles, entries, sources)
+        self._nvme.store_run(handles, entries, sources)
         return handles
 
     def load(self, key: str | int, kind: TransferKind | str | None = None,
@@ -382,14 +356,6 @@ class TransferEngine(NvmeTransfers, HostCopies):
             self._dispatch_load(handle, entry, pending_store, into)
         return handle
 
-    @property
-    def batches_loads(self) -> bool:
-        """Whether `load_many` issues loads together at a lower cost than one by one:
-        where the host tier copies, its copies share one switch to the copy stream and
-        one event, and a host group's members one copy; on a CPU machine, the nvme
-        tier's small reads (native AIO) are counted and started as one run."""
-        return self._host_copies or aio_default()
-
     def load_many(self, keys, kind: TransferKind | str | None = None, into=None) -> list[TransferHandle]:
         """Issues loads of `keys` (as `load` does, in order) together: where the host
         tier copies, its copies go to the copy stream in one switch and are awaited
@@ -397,7 +363,7 @@ class TransferEngine(NvmeTransfers, HostCopies):
         one copy into one device buffer (`_load_host_together`; with `into`, into
         one region of the tensor the destinations view where they follow each other
         there as in the group); on a CPU machine the nvme tier's small reads are
-        counted and started as one run (`_load_nvme_new_run`); other loads are
+        counted and started as one run (`NvmeStore.load_new_run`); other loads are
         issued one by one. `into`: a destination per key, as `load` takes one.
 
         Raises:
@@ -406,12 +372,12 @@ class TransferEngine(NvmeTransfers, HostCopies):
         """
         started: list[tuple[TransferHandle, _Entry | None, TransferHandle | None]] = []
         try:
-            with self._lock:
+            with self._ledger.lock:
                 for key, destination in zip(keys, into or itertools.repeat(None)):
                     started.append(self._start_load(key, kind, destination))
         finally:
             together, destinations = [], {}
-            alone = not self._host_copies and profiler_sees_buffers()  # see `_together`
+            alone = not self._ledger.host_copies and profiler_sees_buffers()  # see `_together`
             for (handle, entry, pending_store), destination in zip(started, into or itertools.repeat(None)):
                 if entry is None:
                     continue
@@ -423,30 +389,31 @@ class TransferEngine(NvmeTransfers, HostCopies):
                     self._dispatch_load(handle, entry, pending_store, destination)
             host = [load for load in together if load[1].tier is Tier.HOST]
             if host:
-                self._load_host_together(host, destinations)
+                self._host.load_together(host, destinations)
             if len(host) < len(together):
-                self._load_nvme_new_run([load for load in together if load[1].tier is not Tier.HOST])
+                self._nvme.load_new_run([load for load in together if load[1].tier is not Tier.HOST])
         return [handle for handle, _, _ in started]
 
     def _together(self, entry: _Entry, pending_store: TransferHandle | None) -> bool:
         """Whether `load_many` issues this entry's load with the others: from a host
-        tier that copies; on a CPU machine from a written nvme slot that native AIO
-        reads whole into new memory (never while the profiler is to see the memory
+        tier that copies; on a CPU machine from a written nvme slot small enough to
+        be a member of a run one I/O reads (`NvmeArena.run_bytes`), into new memory (never while the profiler is to see the memory
         loads take: `load_many` asks that once)."""
         if entry.tier is Tier.HOST:
             return entry.host_block is not None
-        if self._cuda:
+        if self._ledger.cuda:
             return False
         slot = entry.slot
         return (entry.tier is Tier.NVME and entry.error is None and slot is not None and slot.valid
-                and (pending_store is None or pending_store._finished) and 0 < entry.nbytes <= self._arena.aio_bytes)
+                and (pending_store is None or pending_store._finished)
+                and 0 < entry.nbytes <= self._ledger.arena.run_bytes)
 
     def _start_load(self, key, kind, into) -> tuple[TransferHandle, _Entry | None, TransferHandle | None]:
         """(the load's handle, its entry or None when it finished without copying,
         the store it must follow)."""
         key = normalize_key(key)
-        with self._lock:
-            entry = self._entries.get(key)
+        with self._ledger.lock:
+            entry = self._ledger.entries.get(key)
             if entry is None:
                 if key in self._closed_keys:
                     raise UnknownKeyError("nothing is stored under this key: the engine was closed since it was "
@@ -459,13 +426,13 @@ class TransferEngine(NvmeTransfers, HostCopies):
                 )
             kind = entry.kind if kind is None else kind if kind.__class__ is TransferKind else TransferKind(kind)
             handle = TransferHandle(
-                next(self._ids), key, kind, entry.tier, Tier.DEVICE, entry.nbytes, "load"
+                next(self._ledger.ids), key, kind, entry.tier, Tier.DEVICE, entry.nbytes, "load"
             )
             if entry.tensor is not None and self.copies_nothing(entry.tier, Tier.DEVICE):
                 handle.zero_copy = True
                 handle._finish(entry.tensor, None)
                 return handle, None, None
-            if into is not None and entry.tier is Tier.NVME and not self._cuda and into.data_ptr() % PAGE_BYTES:
+            if into is not None and entry.tier is Tier.NVME and not self._ledger.cuda and into.data_ptr() % PAGE_BYTES:
                 raise ValueError(f"load of {key!r} into a tensor that does not start on a page: on a CPU machine "
                                  "O_DIRECT reads need page-aligned memory; pass a view of a page-aligned buffer "
                                  "(PageBufferCache.tensor) or leave into=None")
@@ -476,11 +443,11 @@ class TransferEngine(NvmeTransfers, HostCopies):
         if entry.tier is Tier.NVME:
             if pending_store is not None:
                 # Read only what the store wrote: start after its last chunk landed.
-                pending_store._when_done(lambda: self._load_nvme(handle, entry, into))
+                pending_store._when_done(lambda: self._nvme.load(handle, entry, into))
             else:
-                self._load_nvme(handle, entry, into)
+                self._nvme.load(handle, entry, into)
         else:
-            self._load_host_copy(handle, entry, into)
+            self._host.load(handle, entry, into)
 
     def wait(self, handle: TransferHandle) -> torch.Tensor:
         """Blocks until ``handle``'s transfer is done; may be called again.
@@ -522,11 +489,11 @@ class TransferEngine(NvmeTransfers, HostCopies):
             UnknownKeyError: nothing is stored under ``key``.
         """
         key = normalize_key(key)
-        with self._lock:
-            entry = self._entries.pop(key, None)
+        with self._ledger.lock:
+            entry = self._ledger.entries.pop(key, None)
             if entry is None:
                 raise UnknownKeyError("cannot free: nothing is stored under this key", key=key)
-            self._retire(entry)
+            self._ledger.retire(entry)
 
     def rename(self, key: str | int, new_key: str | int) -> None:
         """Moves what rests under ``key`` to ``new_key``, replacing what that held
@@ -537,14 +504,14 @@ class TransferEngine(NvmeTransfers, HostCopies):
             UnknownKeyError: nothing is stored under ``key``.
         """
         key, new_key = normalize_key(key), normalize_key(new_key)
-        with self._lock:
-            entry = self._entries.pop(key, None)
+        with self._ledger.lock:
+            entry = self._ledger.entries.pop(key, None)
             if entry is None:
                 raise UnknownKeyError("cannot rename: nothing is stored under this key", key=key)
             entry.key = new_key
             if entry.slot is not None:
                 entry.slot.key = new_key  # errors of later reads name the key it rests under
-            self._install(entry)
+            self._ledger.install(entry)
 
     def stored(self, key: str | int) -> StoredTensor:
         """Describes what rests under ``key``.
@@ -553,8 +520,8 @@ class TransferEngine(NvmeTransfers, HostCopies):
             UnknownKeyError: nothing is stored under ``key``.
         """
         key = normalize_key(key)
-        with self._lock:
-            entry = self._entries.get(key)
+        with self._ledger.lock:
+            entry = self._ledger.entries.get(key)
         if entry is None:
             raise UnknownKeyError("nothing is stored under this key", key=key)
         return StoredTensor(key, entry.tier, entry.kind, entry.shape, entry.dtype, entry.nbytes)
@@ -573,15 +540,16 @@ class TransferEngine(NvmeTransfers, HostCopies):
         key = normalize_key(key)
         if Tier(tier) is not Tier.NVME or nbytes == 0:
             return None
-        return self._get_arena(key).allocate(nbytes, key)
+        return self._ledger.get_arena(key).allocate(nbytes, key)
 
     def unreserve(self, slot: NvmeSlot | None) -> None:
         """Gives back a reservation that no store used (a used one is left alone)."""
-        if slot is not None and not slot.valid and self._arena is not None:
-            with self._lock:
-                used = any(entry.slot is slot for entry in self._entries.values())
+        arena = self._ledger.arena
+        if slot is not None and not slot.valid and arena is not None:
+            with self._ledger.lock:
+                used = any(entry.slot is slot for entry in self._ledger.entries.values())
             if not used:
-                self._arena.release(slot)
+                arena.release(slot)
 
     def nvme_location(self, key: str | int) -> tuple[str, int, int]:
         """Where the bytes of a key on the nvme tier are: (arena file, offset, nbytes).
@@ -590,39 +558,39 @@ class TransferEngine(NvmeTransfers, HostCopies):
             UnknownKeyError: nothing is stored under ``key``, or not in an nvme file.
         """
         key = normalize_key(key)
-        with self._lock:
-            entry = self._entries.get(key)
+        with self._ledger.lock:
+            entry = self._ledger.entries.get(key)
             slot = entry.slot if entry is not None else None
         if slot is None:
             raise UnknownKeyError("nothing is stored under this key in an nvme file", key=key)
-        return self._arena.file_path, slot.byte_range.offset, slot.nbytes
+        return self._ledger.arena.file_path, slot.byte_range.offset, slot.nbytes
 
     def keys(self) -> list[str]:
         """The keys currently stored."""
-        with self._lock:
-            return list(self._entries)
+        with self._ledger.lock:
+            return list(self._ledger.entries)
 
     def __contains__(self, key: object) -> bool:
         try:
             key = normalize_key(key)  # type: ignore[arg-type]
         except TypeError:
             return False
-        with self._lock:
-            return key in self._entries
+        with self._ledger.lock:
+            return key in self._ledger.entries
 
     def close(self) -> None:
         """Forgets every key and removes the nvme arena (waiting for its I/O). A later
         store starts a new arena; a load of a key it forgot raises `UnknownKeyError`
         saying so."""
-        with self._lock:
-            entries = list(self._entries.values())
-            self._closed_keys = frozenset(self._entries)
-            self._entries.clear()
+        ledger = self._ledger
+        with ledger.lock:
+            entries = list(ledger.entries.values())
+            self._closed_keys = frozenset(ledger.entries)
+            ledger.entries.clear()
             for entry in entries:
-                self._retire(entry)
-            self._arena = None
-            close_arena, self._close_arena = self._close_arena, None
-        self._buffers.clear()
+                ledger.retire(entry)
+            close_arena = ledger.forget_arena()
+        ledger.buffers.clear()
         if close_arena is not None:
             close_arena()
 
@@ -635,86 +603,27 @@ class TransferEngine(NvmeTransfers, HostCopies):
             self._recorder.local_copy(copied)
         return source
 
-    # -- bookkeeping -----------------------------------------------------------
+    # -- the host tier's own memory --------------------------------------------
 
-    def _install(self, entry: _Entry) -> None:
-        self._install_many((entry,))
+    def overwrite(self, key: str | int, values: torch.Tensor, kind: TransferKind | str | None = None) -> None:
+        """`HostCopier.overwrite`: `values` written in place into the host memory `key`
+        rests in, its address kept."""
+        self._host.overwrite(key, values, kind)
 
-    def _install_many(self, entries) -> None:
-        """Makes each entry its key's, retiring what the key held before."""
-        with self._lock:
-            installed = self._entries
-            for entry in entries:
-                old = installed.get(entry.key)
-                installed[entry.key] = entry
-                if old is not None:
-                    self._retire(old)
+    def read_host(self, key: str | int) -> torch.Tensor:
+        """`HostCopier.read_host`: a copy, read on the host, of a key resting in host
+        memory of its own."""
+        return self._host.read_host(key)
 
-    def _retire(self, entry: _Entry) -> None:
-        with self._lock:
-            entry.retired = True
-            self._release_if_unused(entry)
-
-    def _release_if_unused(self, entry: _Entry) -> None:
-        with self._lock:
-            if not entry.retired or entry.readers > 0:
-                return
-            if entry.store_handle is not None and not entry.store_handle.done():
-                return
-            slot, entry.slot = entry.slot, None
-            tensor, entry.tensor = entry.tensor, None
-            block, entry.host_block = entry.host_block, None
-            event, entry.last_event = entry.last_event, None
-        if slot is not None and not slot.released:
-            self._release_slot(slot)
-            self._recorder.resident_change(Tier.NVME, -entry.nbytes)
-        if tensor is not None:
-            self._recorder.resident_change(entry.tier, -entry.nbytes)
-        if block is not None:
-            if event is not None:
-                event.synchronize()
-            if entry.host_group is not None:
-                entry.host_group.release_member(self._host_pool)
-            else:
-                self._host_pool.release(block)
-            self._recorder.resident_change(Tier.HOST, -entry.nbytes)
-
-    def _fail_entry(self, entry: _Entry, error: OffloadError) -> None:
-        with self._lock:
-            entry.error = error
-            slot, entry.slot = entry.slot, None
-        if slot is not None:
-            self._release_slot(slot)
-            self._recorder.resident_change(Tier.NVME, -entry.nbytes)
-
-    def _release_slot(self, slot: NvmeSlot) -> None:
-        # A transfer that finishes while `close` waits for the arena's I/O finds it
-        # gone from the engine: its file goes with it.
-        arena = self._arena
-        if arena is not None:
-            arena.release(slot)
-
-    def _track_delivered(self, owner: object, tier: Tier, nbytes: int) -> None:
-        self._recorder.resident_change(tier, nbytes)
-        weakref.finalize(owner, when_safe, self._recorder.resident_change, tier, -nbytes)
-
-    def _load_finished(self, handle, entry, result, error) -> None:
-        with self._lock:
-            entry.readers -= 1
-        self._release_if_unused(entry)
-        handle._finish(result, error)
+    def load_packed(self, keys, places, packed, kind: TransferKind | str = TransferKind.WEIGHT
+                    ) -> TransferHandle | None:
+        """`HostCopier.load_packed`: a block visit's weights resting on a host tier that
+        copies, loaded into its packed tensors as one transfer (None: not all rest so)."""
+        return self._host.load_packed(keys, places, packed, kind)
 
 
-
-def _uncount(entries: dict[str, _Entry], recorder: Recorder) -> None:
-    """Takes what the keys of an engine that is gone held off the tiers' resident bytes."""
-    for entry in entries.values():
-        if entry.slot is not None and not entry.slot.released:
-            recorder.resident_change(Tier.NVME, -entry.nbytes)
-        if entry.tensor is not None:
-            recorder.resident_change(entry.tier, -entry.nbytes)
-        if entry.host_block is not None:
-            recorder.resident_change(Tier.HOST, -entry.nbytes)
+def _count_pinned(recorder: Recorder, growth: HostPoolGrowth) -> None:
+    recorder.host_pinned(growth.pinned_bytes)
 
 
 _ENGINE: TransferEngine | None = None

@@ -42,13 +42,12 @@ Guarantees:
   the bytes free).
 - I/O runs on a small pool of threads using ``os.preadv``/``os.pwritev``, which
   release the GIL; a tensor larger than ``chunk_bytes`` is split into chunks so
-  several I/Os are in flight at once. Where Linux offers native asynchronous I/O
-  (``nvme_aio``; ``aio=False`` or ``SLC_AIO=0`` turns it off), a transfer of at
-  most ``AIO_MAX_BYTES`` (and one chunk) is handed to the kernel by the issuing
-  thread instead: a source that is not page-aligned is first copied into staging
-  pages there, and its checksum taken there; the reaper thread checks a read's.
-  Slots that follow each other in the file are read by one vectored I/O into the
-  buffers of each (``read_groups``, ``read_run``) where the kernel takes it.
+  several I/Os are in flight at once. A run of slots that follow each other in the
+  file (``allocate_run``), at most ``RUN_MAX_BYTES`` in all, is written by one I/O
+  from one staging buffer (``write_run``), and slots that follow each other are read
+  by one vectored I/O into the buffers of each (``read_groups``, ``read_run``): one
+  job of one I/O thread, which also copies, checksums and checks what it moves, so
+  the issuing thread pays a queue put.
 - A slot becomes readable (``valid``) only after every chunk of its write has
   completed; half-written data is never read back. A failed write leaves the
   slot invalid.
@@ -79,12 +78,14 @@ import logging
 import os
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 
+import crc32c
 import torch
 
-from .errors import (
+from ..errors import (
     ArenaClosedError,
     CorruptDataError,
     DiskFullError,
@@ -93,9 +94,7 @@ from .errors import (
     OffloadFileMissingError,
     ShortReadError,
 )
-from .finalizing import when_safe
-from .nvme_aio import AioQueue, aio_default, inode_holding_gil
-from .nvme_aio_transfers import AioTransfers, _checksum
+from ..finalizing import when_safe
 from .nvme_io import IoBatch, IoOutcome, IoThreads, NvmeSlot
 from .offload_dirs import (
     LIVE_DIRS,
@@ -132,11 +131,18 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _ARENA_FILE = "arena.bin"
-AIO_MAX_BYTES = 1 << 20
-"""The largest transfer handed to native AIO (larger ones go to the I/O threads,
-which copy, checksum and write their chunks in parallel)."""
+RUN_MAX_BYTES = 1 << 20
+"""The most bytes of a run of slots written or read by one I/O (``write_run``,
+``read_groups``); a larger transfer goes by chunks, which the I/O threads share."""
+_IOV_MAX = 1024  # buffers one vectored read takes (Linux's UIO_MAXIOV)
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 CHECKSUMS_ENV = "SLC_CHECKSUMS"
+
+
+def _checksum(view: memoryview) -> int:
+    # CRC-32C in hardware (SSE4.2 / ARMv8 CRC) where there is one; the GIL is
+    # released for large buffers, so I/O threads checksum in parallel with compute.
+    return crc32c.crc32c(view)
 
 
 def checksums_default() -> bool:
@@ -145,7 +151,7 @@ def checksums_default() -> bool:
     return os.environ.get(CHECKSUMS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-class NvmeArena(AioTransfers):
+class NvmeArena:
     """An O_DIRECT slab file in a private directory, read and written by I/O threads.
 
     Args:
@@ -160,8 +166,6 @@ class NvmeArena(AioTransfers):
             grows by its own size up to this, so a small arena stays small).
         checksums: Checksum every slot when written and verify it when read
             (default: on, unless ``SLC_CHECKSUMS=0``).
-        aio: Hand small transfers to Linux's native AIO where it is available
-            (default: yes, unless ``SLC_AIO=0``).
 
     Raises:
         OffloadDirError: the directory is missing, not a directory, unwritable,
@@ -177,7 +181,6 @@ class NvmeArena(AioTransfers):
         num_threads: int = 4,
         grow_bytes: int = 256 << 20,
         checksums: bool | None = None,
-        aio: bool | None = None,
     ):
         self._closing = False
         if offload_dir is None:
@@ -202,11 +205,9 @@ class NvmeArena(AioTransfers):
         self.file_path = os.path.join(self.path, _ARENA_FILE)
         fds: list[int] = [self._dir_fd]
         executor = IoThreads(num_threads, "slc-nvme")
-        self._aio = AioQueue.open() if (aio_default() if aio is None else aio) else None
-        self._aio_bytes = min(self.chunk_bytes, AIO_MAX_BYTES) if self._aio is not None else 0
+        self._run_bytes = min(self.chunk_bytes, RUN_MAX_BYTES)
         self._finalizer = weakref.finalize(
-            self, when_safe, remove_private_dir, (self._aio, executor) if self._aio is not None else (executor,),
-            fds, self.path, os.getpid()
+            self, when_safe, remove_private_dir, (executor,), fds, self.path, os.getpid()
         )
         try:
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -236,9 +237,6 @@ class NvmeArena(AioTransfers):
         self._allocator = RangeAllocator(0, PAGE_BYTES)
         self._lock = threading.Lock()
         self._staging = threading.local()
-        self._staging_free: dict[int, list[PageBuffer]] = {}  # AIO writes' staging pages by size
-        # Native AIO reads a group of slots into several buffers (`read_groups`).
-        self._vectored = self._probe_vectored_reads()
         log.debug("nvme arena at %s (cap=%s)", self.file_path, capacity_bytes)
 
     # -- space -------------------------------------------------------------
@@ -254,9 +252,10 @@ class NvmeArena(AioTransfers):
         return self._allocator.used_bytes
 
     @property
-    def aio_bytes(self) -> int:
-        """The largest transfer native AIO takes whole (0: none does)."""
-        return self._aio_bytes
+    def run_bytes(self) -> int:
+        """The most bytes of a run one I/O writes (``write_run``) or reads
+        (``read_groups``); a slot larger than this is never part of one."""
+        return self._run_bytes
 
     def allocate(self, nbytes: int, key: str) -> NvmeSlot:
         """Reserves a slot for a tensor of ``nbytes`` bytes, growing the file if needed.
@@ -395,9 +394,6 @@ class NvmeArena(AioTransfers):
                 slot.valid = True
             on_done(outcome)
 
-        if slot.nbytes <= self._aio_bytes and before is None:
-            self._aio_write(slot, address, readable_bytes, finish, on_start)
-            return
         self._submit(slot, address, readable_bytes, self._write_chunk, finish, on_start, before)
 
     def read(
@@ -416,8 +412,7 @@ class NvmeArena(AioTransfers):
             address: Page-aligned destination address.
             writable_bytes: Bytes writable from ``address``; at least the slot's
                 padded size.
-            on_done: Called once, on an I/O thread (or the AIO reaper), with the
-                outcome.
+            on_done: Called once, on an I/O thread, with the outcome.
             on_start: Called when the first chunk starts.
 
         Raises:
@@ -434,9 +429,6 @@ class NvmeArena(AioTransfers):
             )
         if address % PAGE_BYTES or writable_bytes < slot.byte_range.size:
             raise ValueError("read destination must be page-aligned and padded to pages")
-        if slot.nbytes <= self._aio_bytes:
-            self._aio_read(slot, address, on_done, on_start)
-            return
         self._submit(slot, address, writable_bytes, self._read_chunk, on_done, on_start, None)
 
     def read_new(
@@ -450,8 +442,7 @@ class NvmeArena(AioTransfers):
         """Reads a valid slot into a tensor that `make_destination()` makes
         (page-aligned, its storage padded to whole pages): on an I/O thread, so the
         issuing thread makes no tensor and waits on no file check (the check that
-        the arena file is still there runs there too, its error in the outcome); for
-        a transfer native AIO takes, on the issuing thread, which then submits it.
+        the arena file is still there runs there too, its error in the outcome).
 
         Raises:
             OffloadError: the slot is not (or no longer) completely written.
@@ -462,15 +453,6 @@ class NvmeArena(AioTransfers):
                 "slot is not completely written; refusing to read it", key=slot.key,
                 path=self.file_path,
             )
-        if slot.nbytes <= self._aio_bytes:
-            # Natively asynchronous: the destination is made here, the read is the kernel's.
-            try:
-                address = make_destination().data_ptr()
-            except Exception as failure:  # noqa: BLE001 - reported as the read's outcome
-                self._fail(on_done, failure, slot.key)
-                return
-            self._aio_read(slot, address, on_done, on_start)
-            return
         self._executor.submit(self._start_read_new, slot, make_destination, on_done, on_start,
                               nbytes=slot.nbytes)
 
@@ -495,6 +477,172 @@ class NvmeArena(AioTransfers):
                                   min(self.chunk_bytes, nbytes - start), writable - start)
         self._read_chunk(batch, slot, 0, address, min(self.chunk_bytes, nbytes), writable)
 
+    def write_run(
+        self,
+        slots: Sequence[NvmeSlot],
+        sources: Sequence[tuple[int, int]],
+        on_done: Callable[[IoOutcome], None],
+        *,
+        on_start: Callable[[float], None] | None = None,
+    ) -> None:
+        """Writes `sources`, `(address, readable bytes)` each, into `slots` from
+        `allocate_run` (in its order), as `write` writes one: a run of at most
+        `run_bytes` by one I/O, one job of one I/O thread, which copies the members
+        into its staging pages and checksums them there; a larger run (or a run of
+        one) slot by slot. `on_done` is called once, on an I/O thread, with the run's
+        outcome (every slot valid, or the first error). The caller keeps the sources
+        alive and unchanged until then."""
+        self._refuse_closed(slots[0].key)
+        padded = slots[-1].byte_range.offset + slots[-1].byte_range.size - slots[0].byte_range.offset
+        if padded > self._run_bytes or len(slots) == 1:
+            batch = IoBatch(len(slots), on_start, on_done, None)
+            for slot, (address, readable) in zip(slots, sources):
+                self.write(slot, address, readable, lambda outcome: batch.chunk_finished(outcome.error),
+                           on_start=lambda _: batch.chunk_started())
+            return
+        self._executor.submit(self._write_run, slots, sources, padded, on_done, on_start, nbytes=padded)
+
+    def _write_run(self, slots, sources, padded, on_done, on_start) -> None:
+        outcome = IoOutcome()
+        outcome.start = time.perf_counter()
+        if on_start is not None:
+            on_start(outcome.start)
+        key = slots[0].key
+        try:
+            self._check_file(key)
+            staging, base = self._staging_buffer()
+            first = slots[0].byte_range.offset
+            with memoryview(staging) as view:
+                for slot, (address, _) in zip(slots, sources):
+                    at = slot.byte_range.offset - first
+                    ctypes.memmove(base + at, address, slot.nbytes)
+                    if slot.byte_range.size > slot.nbytes:
+                        ctypes.memset(base + at + slot.nbytes, 0, slot.byte_range.size - slot.nbytes)
+                    slot.checksums = [_checksum(view[at:at + slot.nbytes])] if self.checksums else None
+                self._write_all(view[:padded], first)
+            for slot in slots:
+                slot.valid = True
+        except OffloadError as failure:
+            outcome.error = failure
+        except OSError as failure:
+            outcome.error = self._os_error(failure, "write failed", key)
+        except Exception as failure:  # noqa: BLE001 - must reach the waiting thread
+            outcome.error = OffloadError(f"write failed: {failure!r}", key=key, path=self.file_path)
+        outcome.end = time.perf_counter()
+        on_done(outcome)
+
+    def read_groups(self, slots: Sequence[NvmeSlot]) -> list[list[int]]:
+        """Indices of `slots` in groups that cover them, each a set of slots that
+        `read_run` reads with one I/O: slots that follow each other in the file (as
+        `allocate_run` makes them), in file order, at most `run_bytes` in all; every
+        other slot alone."""
+        if len(slots) < 2:
+            return [[index] for index in range(len(slots))]
+        groups: list[list[int]] = []
+        end = total = None
+        for index in sorted(range(len(slots)), key=lambda index: slots[index].byte_range.offset):
+            slot = slots[index]
+            size = slot.byte_range.size
+            if (slot.byte_range.offset != end or total + size > self._run_bytes
+                    or len(groups[-1]) >= _IOV_MAX or slot.nbytes > self._run_bytes):
+                groups.append([])
+                total = 0
+            groups[-1].append(index)
+            end = slot.byte_range.offset + size
+            total += size
+        return groups
+
+    def read_run(
+        self,
+        slots: Sequence[NvmeSlot],
+        addresses: Sequence[int],
+        on_done: Callable[[IoOutcome, dict[int, OffloadError]], None],
+    ) -> None:
+        """Reads valid `slots`, one group of `read_groups`, into `addresses` (each on a
+        page, the slot's padded size writable there) by one vectored read, one job of
+        one I/O thread. `on_done(outcome, failed)` runs once, on that thread:
+        `outcome.error` fails every slot; `failed` maps a slot's index to its own error
+        (a short read, a checksum that does not match).
+
+        Raises:
+            OffloadError: a slot is not (or no longer) completely written.
+            ArenaClosedError: the arena is closed.
+        """
+        self._refuse_closed(slots[0].key)
+        for slot in slots:
+            if not slot.valid:
+                raise OffloadError("slot is not completely written; refusing to read it", key=slot.key,
+                                   path=self.file_path)
+        self._executor.submit(self._read_run, slots, addresses, on_done,
+                              nbytes=sum(slot.byte_range.size for slot in slots))
+
+    def _read_run(self, slots, addresses, on_done) -> None:
+        outcome = IoOutcome()
+        outcome.start = time.perf_counter()
+        failed: dict[int, OffloadError] = {}
+        key = slots[0].key
+        try:
+            self._check_file(key)
+            sizes = [slot.byte_range.size for slot in slots]
+            got = self._read_all([memory_at(address, size) for address, size in zip(addresses, sizes)],
+                                 slots[0].byte_range.offset)
+            for index, (slot, address) in enumerate(zip(slots, addresses)):
+                error = self._read_error(slot, address, got)
+                if error is not None:
+                    failed[index] = error
+                got -= sizes[index]
+        except OffloadError as failure:
+            outcome.error = failure
+        except OSError as failure:
+            outcome.error = self._os_error(failure, "read failed", key)
+        except Exception as failure:  # noqa: BLE001 - must reach the waiting thread
+            outcome.error = OffloadError(f"read failed: {failure!r}", key=key, path=self.file_path)
+        outcome.end = time.perf_counter()
+        on_done(outcome, failed)
+
+    def _read_error(self, slot: NvmeSlot, address: int, got: int) -> OffloadError | None:
+        """What is wrong with a slot of one chunk read into `address`, of which `got`
+        bytes (the tensor's own first) came back: a short read, a checksum that does
+        not match, or nothing."""
+        nbytes, offset = slot.nbytes, slot.byte_range.offset
+        if got < nbytes:
+            return ShortReadError(f"read {max(got, 0)} of {nbytes} bytes at file offset {offset}",
+                                  key=slot.key, path=self.file_path)
+        if slot.checksums is None:
+            return None
+        found = _checksum(memory_at(address, nbytes))
+        if found == slot.checksums[0]:
+            return None
+        return CorruptDataError(
+            f"corrupt data: the {nbytes} bytes at file offset {offset} (byte 0 of the tensor) read "
+            f"back with CRC-32C {found:08x}, written with {slot.checksums[0]:08x}",
+            key=slot.key, path=self.file_path, offset=offset,
+        )
+
+    def _write_all(self, view: memoryview, offset: int) -> None:
+        written = 0
+        while written < len(view):
+            count = os.pwritev(self._fd, [view[written:]], offset + written)
+            if count <= 0:
+                raise OSError(errno.EIO, "write made no progress")
+            written += count
+
+    def _read_all(self, views: list[memoryview], offset: int) -> int:
+        """Reads the file from `offset` into `views`, one after the other, by vectored
+        reads until they are full or the file ends; the bytes read."""
+        got, total = 0, sum(len(view) for view in views)
+        while got < total:
+            count = os.preadv(self._fd, views, offset + got)
+            if count == 0:
+                break
+            got += count
+            while views and count >= len(views[0]):  # what is left: the views not yet full
+                count -= len(views[0])
+                views = views[1:]
+            if views:
+                views = [views[0][count:], *views[1:]]
+        return got
+
     def _submit(self, slot, address, memory_bytes, chunk_fn, on_done, on_start, before) -> None:
         nbytes = slot.nbytes
         starts = range(0, nbytes, self.chunk_bytes)
@@ -513,7 +661,11 @@ class NvmeArena(AioTransfers):
             )
 
     def _check_file(self, key: str) -> None:
-        if inode_holding_gil(self._dir_fd, _ARENA_FILE) != self._inode:
+        try:
+            inode = os.stat(_ARENA_FILE, dir_fd=self._dir_fd, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            inode = None
+        if inode != self._inode:
             raise OffloadFileMissingError(
                 "the arena file was removed while tensors lived in it", key=key,
                 path=self.file_path,
@@ -554,13 +706,7 @@ class NvmeArena(AioTransfers):
                 view = memoryview(staging)[:padded]
             if slot.checksums is not None:
                 slot.checksums[start // self.chunk_bytes] = _checksum(view[:length])
-            offset = slot.byte_range.offset + start
-            written = 0
-            while written < padded:
-                count = os.pwritev(self._fd, [view[written:]], offset + written)
-                if count <= 0:
-                    raise OSError(errno.EIO, "write made no progress")
-                written += count
+            self._write_all(view, slot.byte_range.offset + start)
         except OffloadError as failure:
             error = failure
         except OSError as failure:

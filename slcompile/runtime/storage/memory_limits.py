@@ -1,6 +1,6 @@
 """How much more memory the machine, and the container the process runs in, can give.
 
-Where it sits: below the host pool (``slcompile.runtime.tiers.HostPool``), which
+Where it sits: below the host pool (``slcompile.runtime.storage.tiers.HostPool``), which
 checks each growth of pinned memory against it before pinning anything. Pinned
 pages can be neither swapped nor reclaimed, so pinning past what is available ends
 in the kernel's OOM killer, not in an error that names the option to change.

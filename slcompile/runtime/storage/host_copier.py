@@ -2,14 +2,14 @@
 one copy stream on a CUDA machine; as plain copies on a CPU machine whose engine
 keeps a separate host tier (``separate_host``: the same path, testable without a GPU).
 
-Where it sits: a part of ``TransferEngine`` (``slcompile.runtime.engine``), which
-calls these methods for the host and device tiers when ``_host_copies`` is set and,
-through ``_copy_to_host``/``_copy_from_host``, for the staging of nvme transfers on
-a CUDA machine.
+Where it sits: one ``HostCopier`` per ``TransferEngine`` (``slcompile.runtime.storage.engine``),
+which holds it and hands it the host and device tiers' transfers where the host tier
+copies; the engine's nvme store (``slcompile.runtime.storage.nvme_store``) holds it too,
+for the staging of nvme transfers on a CUDA machine (``copy_to_host``,
+``copy_from_host``).
 
-Needs: the engine's ``device``, ``_cuda``, ``_copy_stream`` (one persistent stream,
-None on a CPU), ``_pool()`` (the host pool: pinned on a CUDA machine), ``_recorder``
-and its bookkeeping (``_install``, ``_load_finished``, ``_track_delivered``).
+Needs: the engine's ``Ledger`` (``slcompile.runtime.storage.ledger``: its entries, the host
+pool, pinned on a CUDA machine, and the bookkeeping) and the copy stream (None on a CPU).
 
 Guarantees:
 - On a CUDA machine copies are ``non_blocking`` on the copy stream, which first
@@ -38,12 +38,13 @@ import torch
 
 from slcompile.vocabulary import WEIGHT_ALIGNMENT
 
-from .errors import OffloadError, TransferFailedError, UnknownKeyError
+from ..errors import OffloadError, TransferFailedError, UnknownKeyError
 from .handles import TransferHandle, _Entry, _typed_view, normalize_key
+from .ledger import Ledger
 from .ranges import round_up
 from .tiers import HostBlock, HostPool, Tier, TransferKind
 
-__all__ = ["HostCopies", "HostGroup", "group_layout", "GROUP_ALIGNMENT"]
+__all__ = ["HostCopier", "HostGroup", "group_layout", "GROUP_ALIGNMENT"]
 
 GROUP_ALIGNMENT = WEIGHT_ALIGNMENT
 """Bytes a host group's members are aligned to, from the group's start: as a block
@@ -77,24 +78,33 @@ class HostGroup:
             pool.release(self.block)
 
 
-class HostCopies:
-    """The host- and device-tier transfers of ``TransferEngine`` where the host tier
-    copies (see the module docstring)."""
+class HostCopier:
+    """The host- and device-tier transfers of a ``TransferEngine`` where the host tier
+    copies (see the module docstring).
+
+    Args:
+        ledger: The engine's entries and memory.
+        copy_stream: The one persistent copy stream of a CUDA machine (None on a CPU).
+    """
+
+    def __init__(self, ledger: Ledger, copy_stream):
+        self._ledger = ledger
+        self._copy_stream = copy_stream
 
     # -- the copy stream (a CUDA machine) or none (a CPU machine) -------------
 
     def _copying(self):
         """The context copies are issued in: the copy stream, after the work the
         compute stream issued so far."""
-        if not self._cuda:
+        if not self._ledger.cuda:
             return contextlib.nullcontext()
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self._ledger.device))
         return torch.cuda.stream(self._copy_stream)
 
     def _copies_done(self):
         """What a reader waits on before using what the copies issued so far wrote:
         an event of the copy stream; None on a CPU, where a copy is done when issued."""
-        if not self._cuda:
+        if not self._ledger.cuda:
             return None
         event = torch.cuda.Event()
         event.record(self._copy_stream)
@@ -102,12 +112,12 @@ class HostCopies:
 
     # -- the nvme staging of a CUDA machine ------------------------------------
 
-    def _copy_to_host(self, source: torch.Tensor, block: HostBlock, entry: _Entry):
+    def copy_to_host(self, source: torch.Tensor, block: HostBlock, entry: _Entry):
         with self._copying():
             _typed_view(block.buffer, entry).copy_(source, non_blocking=True)
             return self._copies_done()
 
-    def _copy_from_host(self, result: torch.Tensor, block: HostBlock, entry: _Entry, *, wait: bool):
+    def copy_from_host(self, result: torch.Tensor, block: HostBlock, entry: _Entry, *, wait: bool):
         with torch.cuda.stream(self._copy_stream):
             result.copy_(_typed_view(block.buffer, entry), non_blocking=True)
             event = torch.cuda.Event()
@@ -118,27 +128,27 @@ class HostCopies:
 
     # -- stores ---------------------------------------------------------------
 
-    def _store_host_copy(self, handle, entry, source) -> None:
-        block = self._pool().allocate(entry.nbytes, handle.key)
-        self._recorder.resident_change(Tier.HOST, entry.nbytes)
-        event = self._copy_to_host(source, block, entry)
+    def store(self, handle, entry, source) -> None:
+        block = self._ledger.pool().allocate(entry.nbytes, handle.key)
+        self._ledger.recorder.resident_change(Tier.HOST, entry.nbytes)
+        event = self.copy_to_host(source, block, entry)
         entry.host_block, entry.last_event = block, event
         handle._cuda_event = event
-        self._install(entry)
+        self._ledger.install(entry)
         self._stored(handle, entry, Tier.HOST)
         handle._finish(source, None)
 
-    def _store_host_group(self, keys: list[str], sources: list[torch.Tensor], kind) -> list[TransferHandle]:
+    def store_group(self, keys: list[str], sources: list[torch.Tensor], kind) -> list[TransferHandle]:
         """Stores of a run onto the host as one group: one pool range, one event."""
         handles, entries = [], []
         for key, source in zip(keys, sources):
             nbytes = source.numel() * source.element_size()
-            handles.append(TransferHandle(next(self._ids), key, kind, self.tier_of(source), Tier.HOST, nbytes, "store"))
+            handles.append(TransferHandle(next(self._ledger.ids), key, kind, self._ledger.tier_of(source), Tier.HOST, nbytes, "store"))
             entries.append(_Entry(key, Tier.HOST, kind, tuple(source.shape), source.dtype, nbytes))
         offsets, total = group_layout([entry.nbytes for entry in entries])
-        block = self._pool().allocate(total, keys[0])
+        block = self._ledger.pool().allocate(total, keys[0])
         group = HostGroup(block, len(entries))
-        self._recorder.resident_change(Tier.HOST, sum(entry.nbytes for entry in entries))
+        self._ledger.recorder.resident_change(Tier.HOST, sum(entry.nbytes for entry in entries))
         with self._copying():
             for entry, source, offset in zip(entries, sources, offsets):
                 entry.host_block = HostBlock(None, block.buffer[offset:offset + entry.nbytes], block.chunk)
@@ -148,27 +158,27 @@ class HostCopies:
         for handle, entry, source in zip(handles, entries, sources):
             entry.last_event = event
             handle._cuda_event = event
-            self._install(entry)
+            self._ledger.install(entry)
             self._stored(handle, entry, Tier.HOST)
             handle._finish(source, None)
         return handles
 
-    def _store_device_copy(self, handle, entry, source) -> None:
+    def store_on_device(self, handle, entry, source) -> None:
         # Allocated on the compute stream, which is where it will be used and freed.
-        result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+        result = torch.empty(entry.shape, dtype=entry.dtype, device=self._ledger.device)
         with self._copying():
             result.copy_(source, non_blocking=True)
             event = self._copies_done()
         entry.tensor = result
         handle._cuda_event = event
-        self._recorder.resident_change(Tier.DEVICE, entry.nbytes)
-        self._install(entry)
+        self._ledger.recorder.resident_change(Tier.DEVICE, entry.nbytes)
+        self._ledger.install(entry)
         self._stored(handle, entry, Tier.DEVICE)
         handle._finish(result, None)
 
     def _stored(self, handle, entry, tier: Tier) -> None:
         now = time.perf_counter()
-        self._recorder.transfer_finished((handle.kind, handle.source, tier), entry.nbytes, now, now, "store",
+        self._ledger.recorder.transfer_finished((handle.kind, handle.source, tier), entry.nbytes, now, now, "store",
                                          handle.label)
 
     def overwrite(self, key: str | int, values: torch.Tensor, kind: TransferKind | str | None = None) -> None:
@@ -184,8 +194,8 @@ class HostCopies:
                 dtype or number of elements.
         """
         key = normalize_key(key)
-        with self._lock:
-            entry = self._entries.get(key)
+        with self._ledger.lock:
+            entry = self._ledger.entries.get(key)
             if entry is None:
                 raise UnknownKeyError("cannot overwrite: nothing is stored under this key", key=key)
             self._overwrite_host(entry, values.detach(), entry.kind if kind is None else TransferKind(kind))
@@ -201,14 +211,14 @@ class HostCopies:
             ValueError: ``key`` does not rest in host memory of its own.
         """
         key = normalize_key(key)
-        with self._lock:
-            entry = self._entries.get(key)
+        with self._ledger.lock:
+            entry = self._ledger.entries.get(key)
             if entry is None:
                 raise UnknownKeyError("cannot read: nothing is stored under this key", key=key)
             return self._read_host(entry)
 
     def _overwrite_host(self, entry: _Entry, values: torch.Tensor, kind) -> None:
-        """`TransferEngine.overwrite` of `entry` (the caller holds the engine's lock)."""
+        """`overwrite` of `entry` (the caller holds the ledger's lock)."""
         if entry.host_block is None:
             raise ValueError(f"overwrite({entry.key!r}): only a key resting in host memory of its own is written in "
                              f"place; this one rests on the {entry.tier.value} tier")
@@ -224,28 +234,28 @@ class HostCopies:
             event.synchronize()  # the caller may change `values` once this returns
         entry.last_event = None
         now = time.perf_counter()
-        self._recorder.transfer_finished((kind, self.tier_of(values), Tier.HOST), entry.nbytes, now, now, "store",
+        self._ledger.recorder.transfer_finished((kind, self._ledger.tier_of(values), Tier.HOST), entry.nbytes, now, now, "store",
                                          f"{kind.value} {entry.key} overwrite")
 
     def _read_host(self, entry: _Entry) -> torch.Tensor:
-        """`TransferEngine.read_host` of `entry` (the caller holds the engine's lock)."""
+        """`read_host` of `entry` (the caller holds the ledger's lock)."""
         if entry.host_block is None:
             raise ValueError(f"read_host({entry.key!r}): the key rests on the {entry.tier.value} tier, not in host "
                              "memory of its own")
         if entry.last_event is not None:  # the store writing it
             entry.last_event.synchronize()
-        self._recorder.local_copy(entry.nbytes)
+        self._ledger.recorder.local_copy(entry.nbytes)
         return _typed_view(entry.host_block.buffer, entry).clone()
 
     # -- loads ----------------------------------------------------------------
 
-    def _load_host_copy(self, handle, entry, into=None) -> None:
+    def load(self, handle, entry, into=None) -> None:
         try:
             result = into
             if result is None:
                 # Allocated on the compute stream, which is where it will be used and freed.
-                result = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
-                self._track_delivered(result, Tier.DEVICE, entry.nbytes)
+                result = torch.empty(entry.shape, dtype=entry.dtype, device=self._ledger.device)
+                self._ledger.track_delivered(result, Tier.DEVICE, entry.nbytes)
             with self._copying():
                 source = _typed_view(entry.host_block.buffer, entry) if entry.host_block is not None else entry.tensor
                 result.copy_(source, non_blocking=True)
@@ -253,12 +263,12 @@ class HostCopies:
             entry.last_event = event
             handle._cuda_event = event
             self._loaded(handle, entry)
-            self._load_finished(handle, entry, result, None)
+            self._ledger.load_finished(handle, entry, result, None)
         except OffloadError as error:
-            self._load_finished(handle, entry, None, error)
+            self._ledger.load_finished(handle, entry, None, error)
             raise
 
-    def _load_host_together(self, loads: list[tuple[TransferHandle, _Entry]], destinations=None) -> None:
+    def load_together(self, loads: list[tuple[TransferHandle, _Entry]], destinations=None) -> None:
         """Host-tier loads issued as one (`_copy_runs`): one switch to the copy stream
         and one event for all; `destinations`: id(handle) -> its tensor or None."""
         destinations = destinations or {}
@@ -270,13 +280,13 @@ class HostCopies:
             failure = error if isinstance(error, OffloadError) else \
                 TransferFailedError(f"load could not start: {error!r}", key=loads[0][0].key)
             for handle, entry in loads:
-                self._load_finished(handle, entry, None, failure)
+                self._ledger.load_finished(handle, entry, None, failure)
             raise failure from error
         for (handle, entry), result in zip(loads, results):
             entry.last_event = event
             handle._cuda_event = event
             self._loaded(handle, entry)
-            self._load_finished(handle, entry, result, None)
+            self._ledger.load_finished(handle, entry, result, None)
 
     def load_packed(self, keys, places, packed, kind: TransferKind | str = TransferKind.WEIGHT
                     ) -> TransferHandle | None:
@@ -299,15 +309,15 @@ class HostCopies:
         """
         keys = [normalize_key(key) for key in keys]
         kind = kind if kind.__class__ is TransferKind else TransferKind(kind)
-        with self._lock:
-            entries = [self._entries.get(key) for key in keys]
-            if not self._host_copies or any(entry is None or entry.error is not None or entry.host_block is None
+        with self._ledger.lock:
+            entries = [self._ledger.entries.get(key) for key in keys]
+            if not self._ledger.host_copies or any(entry is None or entry.error is not None or entry.host_block is None
                                             for entry in entries):
                 return None
             for entry in entries:
                 entry.readers += 1
         nbytes = sum(entry.nbytes for entry in entries)
-        handle = TransferHandle(next(self._ids), keys[0], kind, Tier.HOST, Tier.DEVICE, nbytes, "load")
+        handle = TransferHandle(next(self._ledger.ids), keys[0], kind, Tier.HOST, Tier.DEVICE, nbytes, "load")
         error = None
         try:
             with self._copying():
@@ -326,15 +336,15 @@ class HostCopies:
         for entry in entries:
             if error is None:
                 entry.last_event = event
-            with self._lock:
+            with self._ledger.lock:
                 entry.readers -= 1
-            self._release_if_unused(entry)
+            self._ledger.release_if_unused(entry)
         if error is not None:
             handle._finish(None, error)
             raise error
         handle._cuda_event = event
         now = time.perf_counter()
-        self._recorder.transfer_finished((kind, Tier.HOST, Tier.DEVICE), nbytes, now, now, "load",
+        self._ledger.recorder.transfer_finished((kind, Tier.HOST, Tier.DEVICE), nbytes, now, now, "load",
                                          f"{kind.value} {keys[0]} and {len(keys) - 1} more host->device")
         handle._finish(None, None)
         return handle
@@ -351,15 +361,15 @@ class HostCopies:
             last = pairs[run[-1]][0]
             if first.host_group is None:
                 if destination is None:
-                    destination = results[run[0]] = torch.empty(first.shape, dtype=first.dtype, device=self.device)
-                    self._track_delivered(destination, Tier.DEVICE, first.nbytes)
+                    destination = results[run[0]] = torch.empty(first.shape, dtype=first.dtype, device=self._ledger.device)
+                    self._ledger.track_delivered(destination, Tier.DEVICE, first.nbytes)
                 destination.copy_(_typed_view(first.host_block.buffer, first), non_blocking=True)
                 continue
             start, end = first.host_offset, last.host_offset + last.nbytes
             source = first.host_group.block.buffer[start:end]
             if destination is None:
-                flat = torch.empty(end - start, dtype=torch.uint8, device=self.device)
-                self._track_delivered(flat, Tier.DEVICE, sum(pairs[i][0].nbytes for i in run))
+                flat = torch.empty(end - start, dtype=torch.uint8, device=self._ledger.device)
+                self._ledger.track_delivered(flat, Tier.DEVICE, sum(pairs[i][0].nbytes for i in run))
                 for i in run:
                     entry = pairs[i][0]
                     offset = entry.host_offset - start
@@ -372,7 +382,7 @@ class HostCopies:
 
     def _loaded(self, handle, entry) -> None:
         now = time.perf_counter()
-        self._recorder.transfer_finished((handle.kind, Tier.HOST, Tier.DEVICE), entry.nbytes, now, now, "load",
+        self._ledger.recorder.transfer_finished((handle.kind, Tier.HOST, Tier.DEVICE), entry.nbytes, now, now, "load",
                                          handle.label)
 
 

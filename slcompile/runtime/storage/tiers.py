@@ -15,10 +15,10 @@ Guarantees:
   ``cudaHostRegister`` (torch's pinned allocator rounds a request up to a power of
   two), so the bytes the pool books are the bytes pinned; a growth that would pin
   more than the machine or its cgroup has available is refused before anything is
-  pinned (``slcompile.runtime.memory_limits``).
+  pinned (``slcompile.runtime.storage.memory_limits``).
   On a CPU-only machine ``host`` *is* the device's memory: the engine moves
   nothing for it and counts zero bytes.
-- ``nvme`` is the O_DIRECT arena of ``slcompile.runtime.nvme``; it has no torch
+- ``nvme`` is the O_DIRECT arena of ``slcompile.runtime.storage.nvme``; it has no torch
   device of its own (data passes through host or device buffers).
 """
 
@@ -37,8 +37,8 @@ from collections.abc import Callable
 
 import torch
 
-from .errors import HostPoolFullError
-from .finalizing import when_safe
+from ..errors import HostPoolFullError
+from ..finalizing import when_safe
 from .memory_limits import AvailableMemory, available_host_memory
 from .ranges import ByteRange, RangeAllocator, round_up
 

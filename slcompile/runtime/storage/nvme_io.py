@@ -1,15 +1,15 @@
 """The nvme arena's I/O: its threads, the chunks of one slot transfer, their outcome.
 
-Where it sits: below the nvme arena (``slcompile.runtime.nvme``), which cuts each
+Where it sits: below the nvme arena (``slcompile.runtime.storage.nvme``), which cuts each
 slot write or read into chunks and submits them here.
 
 Guarantees:
 - ``IoThreads.submit`` costs the submitting thread one queue put; the threads start
   with the first submission and ``shutdown`` runs what was queued, then stops them.
 - Within ``batched()``, what a thread submits is held back until the outermost
-  ``batched()`` ends, then queued in order: to the I/O threads as jobs of about
-  ``JOB_BYTES`` each, to native AIO (``nvme_aio``) in one submission. A run of small
-  transfers wakes one I/O thread (or the disk once), not one per transfer.
+  ``batched()`` ends, then queued in order to the I/O threads as jobs of about
+  ``JOB_BYTES`` each: a run of small transfers wakes one I/O thread, not one per
+  transfer.
 - An ``IoBatch`` reports once, from the last of its chunks to finish, with the
   first error any chunk had; ``on_start`` runs once, when the first chunk starts.
 """
@@ -23,10 +23,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from .errors import OffloadError
+from ..errors import OffloadError
 from .ranges import ByteRange
 
-__all__ = ["NvmeSlot", "IoOutcome", "IoBatch", "IoThreads", "batched", "defer", "first_in_batch", "JOB_BYTES"]
+__all__ = ["NvmeSlot", "IoOutcome", "IoBatch", "IoThreads", "batched", "defer", "JOB_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,7 @@ _deferred = threading.local()
 
 @contextlib.contextmanager
 def batched() -> Iterator[None]:
-    """Holds back the I/O this thread submits (``IoThreads.submit``,
-    ``AioQueue.issue``) until the end of the outermost ``batched()``, then queues it
+    """Holds back the I/O this thread submits (``IoThreads.submit``) until the end of the outermost ``batched()``, then queues it
     (see the module's guarantees). Nothing may wait inside it for I/O issued inside
     it."""
     if getattr(_deferred, "items", None) is not None:
@@ -62,17 +61,6 @@ def _queue_jobs(items: list) -> None:
     for sink, payloads in by_sink.items():
         sink.flush_deferred(payloads)
 
-
-def first_in_batch(owner: object) -> bool:
-    """False when this thread is inside ``batched()`` and asked this already for
-    `owner` there (a check done once per run, not once per transfer); else True."""
-    seen = getattr(_deferred, "seen", None)
-    if seen is None:
-        return True
-    if id(owner) in seen:
-        return False
-    seen.add(id(owner))
-    return True
 
 
 def defer(sink, payload) -> bool:

@@ -1,6 +1,6 @@
 """The private directories nvme arenas live in: made, locked, found stale, removed.
 
-Where it sits: below the nvme arena (``slcompile.runtime.nvme``), which makes its
+Where it sits: below the nvme arena (``slcompile.runtime.storage.nvme``), which makes its
 directory here, lists it as live and removes it when it is closed or collected.
 
 Guarantees (the privacy, liveness and cleanup the arena promises):
@@ -29,7 +29,7 @@ import stat
 import threading
 import time
 
-from .errors import OffloadDirError, OffloadError
+from ..errors import OffloadDirError, OffloadError
 
 __all__ = [
     "PRIVATE_DIR_PREFIX",
@@ -295,7 +295,7 @@ def remove_private_dir(
 ) -> None:
     # Runs from close(), garbage collection or interpreter exit; must not use the arena.
     # A forked child inherits the arena but not the directory: only its maker removes it.
-    # `executors` (the I/O threads, the AIO queue) finish what was queued first.
+    # `executors` (the I/O threads) finish what was queued first.
     mine = os.getpid() == owner
     if mine:
         for executor in executors:
