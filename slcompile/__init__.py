@@ -15,6 +15,7 @@ from slcompile.errors import (
 )
 from slcompile.explain import Explanation, GraphExplanation, explain
 from slcompile.generate import GenerationExplanation, GenerationOutput, explain_generation, generate, generation
+from slcompile.passes.manager import pass_settings
 from slcompile.report import CompileReport, clear_compile_reports, compile_reports
 from slcompile.runtime.errors import CorruptDataError, DiskFullError, OffloadError
 from slcompile.runtime.stats import mark_step, reset_runtime_stats, runtime_stats
@@ -46,6 +47,7 @@ __all__ = [
     "CompileReport",
     "compile_reports",
     "clear_compile_reports",
+    "pass_settings",
     "runtime_stats",
     "mark_step",
     "reset_runtime_stats",

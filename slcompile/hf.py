@@ -66,10 +66,10 @@ from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from slcompile import defaults
-from slcompile.config import SpeedLoaderConfig, check_names, options_of_mode
+from slcompile.config import SpeedLoaderConfig, batch_split_problem, check_names, options_of_mode
+from slcompile.facts import machine_facts
 from slcompile.optim import OffloadedOptimizer, offload_optimizer
 from slcompile.pretrained import save_pretrained
-from slcompile.runtime.facts import machine_facts
 from slcompile.runtime.gathering import gathered_weights, offloaded_parameters
 
 __all__ = ["SpeedLoaderTrainer"]
@@ -179,10 +179,10 @@ class SpeedLoaderTrainer(Trainer):
         runs inside `gathered_weights` (the whole model on the device for it)."""
         batch = next((value.shape[self.batch_dim] for value in inputs.values()
                       if isinstance(value, torch.Tensor) and value.dim() > self.batch_dim), None)
-        if not self.streams_weights or batch is None or batch % self.num_subbatches == 0:
+        problem = None if batch is None else batch_split_problem(batch, self.num_subbatches)
+        if not self.streams_weights or problem is None:
             return contextlib.nullcontext()
-        log.info("speedloader: batch size %d is not divisible by num_subbatches=%d: this step gathers the "
-                 "streamed weights", batch, self.num_subbatches)
+        log.info("speedloader: %s: this step gathers the streamed weights", problem)
         return gathered_weights(self.model)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:

@@ -39,6 +39,7 @@ import torch
 import torch.fx
 
 from slcompile.analysis.batch_propagation import PROPAGATE_BATCH_CODE, BatchPlan, propagate_batch, run_suffix_whole
+from slcompile.analysis.blocks import BlockGraph
 from slcompile.analysis.inputs import GraphInput, classify_inputs
 from slcompile.analysis.machine import ProcessFacts
 from slcompile.analysis.memory import MemoryPrediction, predict_memory
@@ -48,7 +49,7 @@ from slcompile.errors import PolicyError, RefusedError
 from slcompile.passes.check_splittable import check_splittable
 from slcompile.passes.coalesce_transfers import CoalescedTransfers, coalesce_transfers
 from slcompile.passes.find_batch_dim import BatchInfo, find_batch_dim
-from slcompile.passes.find_blocks import BlockGraph, find_blocks
+from slcompile.passes.find_blocks import find_blocks
 from slcompile.passes.fuse_weight_grads import fuse_weight_grads
 from slcompile.passes.inline_checkpoints import inline_checkpoints
 from slcompile.passes.interleave import InterleaveReport, interleave
@@ -119,7 +120,7 @@ class PipelineState:
         notes: what the passes changed of the options, in words (shown by
             `explain()` and logged).
         facts: what the passes need of the machine and the process, found by the
-            caller before they run (`slcompile.runtime.facts.process_facts`).
+            caller before they run (`slcompile.facts.process_facts`).
     """
 
     gm: torch.fx.GraphModule
@@ -338,7 +339,7 @@ def run_pipeline(
         example_inputs: Dynamo's example inputs.
         config: the backend's options.
         facts: what the passes need of the machine and the process
-            (`slcompile.runtime.facts.process_facts(config, example_inputs)`).
+            (`slcompile.facts.process_facts(config, example_inputs)`).
         passes: the passes to run, in order.
         stop_after: the name of the last pass to run (analysis without rewriting).
         passes_log: the log the later stages continue (`CompileReport.pass_log`);
@@ -350,7 +351,8 @@ def run_pipeline(
     Raises:
         RefusedError: a pass refused the graph; the message names the passes run and
             `err.state` holds what the passes before it produced.
-        ValueError: `SLC_DISABLE` names an unknown pass or one that cannot be disabled.
+        ValueError: the pass settings (`SLC_DISABLE`, `pass_settings`) disable an unknown
+            pass or one that cannot be disabled.
     """
     state = PipelineState(gm=gm, example_inputs=example_inputs, config=config, facts=facts)
     return run_stage(passes, state, passes_log if passes_log is not None else PassLog(), stop_after=stop_after)
@@ -358,7 +360,7 @@ def run_pipeline(
 
 def run_stage(passes: Sequence[Pass], state: Any, passes_log: PassLog, **kwargs: Any) -> Any:
     """`run_passes` over one stage's passes, with every declared pass as the names
-    `SLC_DISABLE` may give."""
+    the pass settings may disable."""
     return run_passes(passes, state, passes_log, declared=all_passes(), **kwargs)
 
 

@@ -40,9 +40,8 @@ from safetensors.torch import save_file
 from slcompile.config import parse_bytes
 from slcompile.errors import OptionError
 from slcompile.optim import OffloadedOptimizer
-from slcompile.runtime.gathering import load_whole
 from slcompile.runtime.gradients import consumer_of
-from slcompile.runtime.weights import shard_group_of, weight_home
+from slcompile.runtime.weights import load_whole, shard_group_of, weight_home
 
 __all__ = ["save_pretrained", "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME"]
 

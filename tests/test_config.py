@@ -89,3 +89,14 @@ def test_an_offload_dir_with_a_null_byte_is_refused_where_it_is_set(path):
         slcompile.options(weights="nvme", offload_dir=path)
     with pytest.raises(slcompile.OptionError, match="'offload_dir'"):
         SpeedLoaderConfig(offload_dir=path)
+
+
+def test_k_divides_the_batch_in_one_rule_with_one_message():
+    from slcompile.config import batch_divisors, batch_split_problem
+
+    assert batch_split_problem(8, 4) is None and batch_split_problem(5, 1) is None
+    assert batch_split_problem(6, 4) == "batch size 6 is not divisible by num_subbatches=4"
+    assert batch_split_problem(2, 4, "(dim 0 of input x)") == (
+        "batch size 2 (dim 0 of input x) is not divisible by num_subbatches=4")
+    assert batch_split_problem(0, 2) is not None  # no empty sub-batches
+    assert batch_divisors(12) == [1, 2, 3, 4, 6, 12] and batch_divisors(1) == [1]

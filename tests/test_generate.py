@@ -12,9 +12,9 @@ from models import hf_gpt2, hf_llama
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import slcompile
+from slcompile.facts import machine_facts
 from slcompile.generate import explain_generation
-from slcompile.runtime.facts import machine_facts
-from slcompile.runtime.tiers import PAGE_BYTES, Tier, TransferKind
+from slcompile.runtime.storage.tiers import PAGE_BYTES, Tier, TransferKind
 
 VOCAB = 96
 PAD = 0
@@ -353,7 +353,7 @@ def test_bad_input_gets_a_clear_error():
 
 
 def test_kv_store_merges_new_positions_into_segments_and_reads_back_the_positions_the_cache_keeps(tmp_path):
-    from slcompile.runtime.engine import TransferEngine
+    from slcompile.runtime.storage.engine import TransferEngine
     from slcompile.runtime.kv import KVStore
 
     engine = TransferEngine(offload_dir=str(tmp_path))
@@ -409,7 +409,7 @@ def measured_generate_peak(model, input_ids, new_tokens, mask=None, **options) -
     it held before (the resident parameters), in steady state: compiled, weights
     already on their tier. Loads land in torch's allocator, one page of slack each."""
     from slcompile.analysis.memory import measured_peak_bytes
-    from slcompile.runtime.nvme import buffers_seen_by_profiler
+    from slcompile.runtime.storage.nvme import buffers_seen_by_profiler
 
     def run():
         run_generate(model, input_ids, mask, new_tokens, [], **options)
@@ -537,7 +537,7 @@ def test_prefill_with_hidden_states_on_the_kv_tier_gives_the_tokens_of_eager(tmp
     the spill ops a compiled graph uses, every one freed once taken); left padding,
     early EOS."""
     from slcompile.runtime import collect_garbage
-    from slcompile.runtime.engine import get_engine
+    from slcompile.runtime.storage.engine import get_engine
     from slcompile.runtime.ops import pending_tokens
 
     model = FAMILIES[family]().eval()
@@ -707,7 +707,7 @@ def test_explain_without_a_traceable_forward_logs_and_tune_generation_refuses(mo
 def test_kv_store_keeps_no_stored_tensor_alive_once_its_store_is_done(tmp_path):
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from slcompile.runtime.engine import TransferEngine
+    from slcompile.runtime.storage.engine import TransferEngine
     from slcompile.runtime.kv import KVStore
 
     engine = TransferEngine(offload_dir=str(tmp_path))

@@ -1,11 +1,13 @@
 """The partitioned forward and backward graphs run layer-major, and each block's
 weight gradients are summed over all sub-batches before the previous block starts."""
 
+import graphlib
+
 import pytest
 import torch
 
 import slcompile
-from slcompile.analysis.order import layer_major_violations
+from slcompile.analysis.order import layer_major_violations, priority_order
 from conftest import check_layer_major
 from models import GPTConfig, TinyGPT, hf_llama, make_gpt_batch
 
@@ -49,3 +51,13 @@ def test_tiny_gpt_inductor_is_layer_major_and_exact():
     idx, targets = make_gpt_batch(CFG, 8)
     assert_matches_eager(TinyGPT(CFG), lambda m: m(idx, targets), {"num_subbatches": 4, "lowering": "inductor"})
     check_layer_major(slcompile.compile_reports()[-1], 4)
+
+
+def test_priority_order_takes_the_most_urgent_ready_item_ties_in_the_given_order():
+    # b and c wait for a; d is ready at once but least urgent; a and e tie.
+    deps = {"a": (), "b": ("a",), "c": ("a",), "d": (), "e": ()}
+    key = {"a": 1, "b": 2, "c": 0, "d": 5, "e": 1}
+    assert priority_order(["a", "b", "c", "d", "e"], deps, key=key.__getitem__) == ["a", "c", "e", "b", "d"]
+    assert priority_order(["e", "d", "c", "b", "a"], deps, key=key.__getitem__) == ["e", "a", "c", "b", "d"]
+    with pytest.raises(graphlib.CycleError):
+        priority_order(["a", "b"], {"a": ("b",), "b": ("a",)}, key=str)

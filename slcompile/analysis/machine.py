@@ -29,7 +29,7 @@ _INF = math.inf
 @dataclasses.dataclass(frozen=True)
 class MachineFacts:
     """What a plan's memory depends on about the machine, found once
-    (`slcompile.runtime.facts.machine_facts`) and handed to the analyses as plain data.
+    (`slcompile.facts.machine_facts`) and handed to the analyses as plain data.
     The defaults are a GPU's with one rank: only the device tier is the device's
     memory, loads take their own size.
 
@@ -41,7 +41,7 @@ class MachineFacts:
             rounded up to this (a page on a CPU machine, whose loads read files
             straight into page-padded memory; 1 on a GPU).
         load_overhead: bytes each loaded tensor takes beyond that (0; a page where the
-            allocator's own view is measured: `slcompile.runtime.nvme.buffers_seen_by_profiler`).
+            allocator's own view is measured: `slcompile.runtime.storage.nvme.buffers_seen_by_profiler`).
         world_size: the ranks the streamed weights are sharded over (`shard_weights`;
             1: not sharded).
     """
@@ -70,7 +70,7 @@ class MachineFacts:
 class ProcessFacts:
     """What the Dynamo stage's passes need to know of the machine and of the process
     it runs in, found once by the backend before they run
-    (`slcompile.runtime.facts.process_facts`) and handed to them as plain data, so
+    (`slcompile.facts.process_facts`) and handed to them as plain data, so
     that compiling never asks the runtime.
 
     Attributes:

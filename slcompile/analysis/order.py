@@ -7,11 +7,18 @@ copies `meta["custom"]` to the nodes it derives). Only ops that compute count
 (`vocabulary.is_compute`): views (`permute` of a weight saved for the backward, say)
 cost nothing and the partitioner moves them freely, and neither do size arithmetic on
 SymInts, getitems, detaches and the `slc::` transfer ops.
+
+The passes that put a graph into an order (`interleave`, `order_layer_major`) sort
+its nodes with `priority_order`: a topological sort that, among the nodes ready,
+takes the most urgent first.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import graphlib
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import torch.fx
 
@@ -27,7 +34,10 @@ __all__ = [
     "layer_major_violations",
     "sample_major_violations",
     "grads_ready_before_next_block",
+    "priority_order",
 ]
+
+_Item = TypeVar("_Item", bound=Hashable)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,3 +186,29 @@ def grads_ready_before_next_block(
                     f"gradient of input {index} (block {later}) is finished after block {earlier} starts"
                 )
     return problems
+
+
+def priority_order(items: Iterable[_Item], deps: Mapping[_Item, Iterable[_Item]],
+                   key: Callable[[_Item], Any]) -> list[_Item]:
+    """`items` in an order where each comes after every item it depends on: of the
+    items whose dependencies have all come, the one of least `key` comes next, ties
+    in the order of `items` (Kahn's sort with a priority queue, as networkx's
+    `lexicographical_topological_sort` does it).
+
+    Args:
+        items: the items, in the order that breaks ties.
+        deps: item -> the items it comes after (each one of `items`).
+        key: an item's priority: the least comes first.
+
+    Raises:
+        graphlib.CycleError: (a ValueError) the dependencies make a cycle.
+    """
+    import networkx  # on the first sort, not with the package
+
+    graph = networkx.DiGraph()
+    graph.add_nodes_from(items)
+    graph.add_edges_from((dep, item) for item, before in deps.items() for dep in before)
+    try:
+        return list(networkx.lexicographical_topological_sort(graph, key=key))
+    except networkx.NetworkXUnfeasible as err:
+        raise graphlib.CycleError("the dependencies make a cycle") from err

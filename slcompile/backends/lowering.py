@@ -480,7 +480,8 @@ def partition_key(plan: StepPlan) -> bytes:
 
     The plan is part of the graphs (fetch and stash keys); the code is this module,
     the pass manager and every module a declared pass of any stage lives in; the
-    passes `SLC_DISABLE` skips change the graphs Inductor compiles too.
+    passes the pass settings skip (`SLC_DISABLE`, `pass_settings`) change the graphs
+    Inductor compiles too.
     """
     files = (__file__, pass_manager.__file__, pipeline.__file__, *pass_modules(all_passes()))
     disabled = sorted(pass_manager.disabled_passes(all_passes()))

@@ -25,7 +25,7 @@ from slcompile.inference.pass_graph import PassGraph, PassLayout, lower_pass
 from slcompile.inference.records import GenerationStep
 from slcompile.meta import format_tag
 from slcompile.runtime.stats import TransferKey
-from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.runtime.storage.tiers import Tier, TransferKind
 from slcompile.schedules.base import Schedule
 from slcompile.schedules.generation import PassRequest, offloads_hidden
 
@@ -191,7 +191,7 @@ def explain_generation(
         input_shape: `input_ids.shape`, `(batch, length)`.
         machine: the machine's facts the memory is predicted with (`MachineFacts`:
             which tiers copy, how a loaded tensor is padded); default: this
-            machine's (`slcompile.runtime.facts.machine_facts(offload_dir)`).
+            machine's (`slcompile.facts.machine_facts(offload_dir)`).
         padded: predict the memory for left-padded prompts, every sequence padded
             (the masks the model then builds for each sub-batch are counted); the
             bound for any `attention_mask`.
@@ -228,7 +228,7 @@ def _explain_generation(model, input_shape, max_new_tokens, config: SpeedLoaderC
     steps and the tail between calls for one model and input shape (they do not
     depend on the tiers)."""
     from slcompile.kv_segments import forgettable_segments, merged_segments
-    from slcompile.runtime.facts import machine_facts
+    from slcompile.facts import machine_facts
     from slcompile.runtime.weights import weight_home
 
     weights, kv_cache = config.weights, config.kv_cache

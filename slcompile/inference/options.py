@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slcompile.config import SpeedLoaderConfig
+from slcompile.config import SpeedLoaderConfig, batch_divisors, batch_split_problem
 from slcompile.errors import OptionError, RefusedError
 
 __all__ = ["cache_parameter", "find_decoder_layers", "generation_config"]
@@ -139,8 +139,9 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 def _check_subbatches(option: str, value: Any, batch: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or batch % value:
-        divisors = [k for k in range(1, batch + 1) if batch % k == 0]
+    if (not isinstance(value, int) or isinstance(value, bool) or value < 1
+            or batch_split_problem(batch, value) is not None):
+        divisors = batch_divisors(batch)
         raise OptionError(f"generate: {option}={value!r} does not divide the batch of {batch} "
                           f"sequences; use a divisor of {batch} ({', '.join(map(str, divisors))}) or pad the batch")
 

@@ -18,9 +18,9 @@ import torch
 from slcompile.optim.checks import check_optimizer_class, check_state_size, refuse_lightning_clip
 from slcompile.optim.host_step import _copy, _HostStep, _options, _take_options
 from slcompile.runtime import gradients as gradient_runtime
-from slcompile.runtime.engine import TransferEngine, get_engine
+from slcompile.runtime.storage.engine import TransferEngine, get_engine
 from slcompile.runtime.errors import OffloadError
-from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.runtime.storage.tiers import Tier, TransferKind
 from slcompile.runtime.weights import (
     StagedWeight,
     commit_weights,
@@ -339,7 +339,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if any(decays):
             options["weight_decay"] = next(decay for decay in decays if decay)
         if machine is None:
-            from slcompile.runtime.facts import machine_facts
+            from slcompile.facts import machine_facts
 
             shards = next((g for g in (shard_group_of(p) for block in blocks for p in block) if g is not None), None)
             machine = machine_facts(world_size=shards.world_size if shards is not None else 1)

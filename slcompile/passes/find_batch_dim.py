@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from slcompile.analysis.inputs import GraphInput
+from slcompile.config import batch_split_problem
 from slcompile.errors import RefusedError
 
 __all__ = ["BatchInfo", "find_batch_dim"]
@@ -94,13 +95,10 @@ def find_batch_dim(
             if symbolic_size(i) is None and int(i.value.shape[batch_dim]) == batch_size
         }
         symbols = ()
-    if num_subbatches > 1:
-        if batch_size < num_subbatches or batch_size % num_subbatches:
-            raise RefusedError(
-                f"batch size {batch_size} (dim {batch_dim} of input {first.source or first.name}) "
-                f"is not divisible by num_subbatches={num_subbatches}",
-                "find_batch_dim",
-            )
+    problem = batch_split_problem(batch_size, num_subbatches,
+                                  f"(dim {batch_dim} of input {first.source or first.name})")
+    if problem is not None:
+        raise RefusedError(problem, "find_batch_dim")
     return BatchInfo(
         batch_size=batch_size,
         batch_dim=batch_dim,

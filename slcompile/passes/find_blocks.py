@@ -32,7 +32,6 @@ the child's number in its container.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import re
@@ -41,60 +40,17 @@ from collections import Counter, defaultdict
 import torch
 import torch.fx
 
+from slcompile.analysis.blocks import Block, BlockGraph
 from slcompile.analysis.inputs import GraphInput
 from slcompile.errors import NoBlocksError, RefusedError
 from slcompile.meta import module_path
 
-__all__ = ["Block", "BlockGraph", "find_blocks"]
+__all__ = ["find_blocks"]
 
 log = logging.getLogger(__name__)
 
 _INDEXED = re.compile(r"^(.*?)(?:\.(\d+)|\[(\d+)\])$")
 _CHILD = re.compile(r"\.\d+|\[\d+\]")
-
-
-@dataclasses.dataclass(frozen=True)
-class Block:
-    """One block.
-
-    Attributes:
-        index: its position in the container (`layers.3` -> 3); with several stacks,
-            its position in execution order across them (`decoder.block.0` after two
-            encoder blocks -> 2).
-        path: the module path, as the user names it (`model.layers.3`).
-        nodes: names of its call nodes, in graph order.
-        params: names of the parameter placeholders it reads.
-        group: index of its structural-identity group.
-    """
-
-    index: int
-    path: str
-    nodes: tuple[str, ...]
-    params: tuple[str, ...]
-    group: int
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockGraph:
-    """The result of `find_blocks`.
-
-    Attributes:
-        container: the module list holding the blocks (`model.layers`); with several
-            stacks, the one holding the most block nodes.
-        blocks: the blocks in execution order.
-        regions: node name -> "prefix", "block" or "suffix", for every non-placeholder.
-        block_of: node name -> block position in `blocks`, for block nodes.
-        groups: block positions grouped by structural identity.
-        stacks: per stack, in execution order, its container and its block positions
-            (one stack: `(("layers", (0, 1, ...)),)`).
-    """
-
-    container: str
-    blocks: tuple[Block, ...]
-    regions: dict[str, str]
-    block_of: dict[str, int]
-    groups: tuple[tuple[int, ...], ...]
-    stacks: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def find_blocks(gm: torch.fx.GraphModule, inputs: list[GraphInput]) -> BlockGraph:

@@ -32,7 +32,7 @@ or sample-major), reversed.
 from __future__ import annotations
 
 import dataclasses
-import heapq
+import graphlib
 import logging
 import operator
 from collections.abc import Iterator
@@ -43,11 +43,12 @@ import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
 from slcompile.analysis.batch_propagation import BATCHED_INT, BatchPlan, is_barrier
+from slcompile.analysis.blocks import BlockGraph
+from slcompile.analysis.order import priority_order
 from slcompile.compat import graph_module
 from slcompile.errors import RefusedError
 from slcompile.meta import SlcMeta, set_slc_meta
 from slcompile.passes.find_batch_dim import BatchInfo
-from slcompile.passes.find_blocks import BlockGraph
 from slcompile.schedules.base import Schedule
 
 __all__ = ["InterleaveReport", "interleave"]
@@ -86,11 +87,11 @@ def interleave(
     return _Interleaver(gm, blocks, batch, plan, schedule).run()
 
 
-@dataclasses.dataclass(order=True)
+@dataclasses.dataclass
 class _Item:
-    key: tuple
-    node: torch.fx.Node = dataclasses.field(compare=False)
-    slot: Any = dataclasses.field(compare=False)
+    key: tuple  # the emission priority (`_priority`)
+    node: torch.fx.Node
+    slot: Any
 
 
 class _Interleaver:
@@ -180,24 +181,12 @@ class _Interleaver:
                 deps[key].update(d for d in self._deps(item.node, item.slot) if d in items)
         self._order_barriers(calls, items, deps)
 
-        users: dict[tuple[str, Any], list] = {key: [] for key in items}
-        for key, ds in deps.items():
-            for d in ds:
-                users[d].append(key)
-        waiting = {key: len(ds) for key, ds in deps.items()}
-        ready = [items[key] for key, count in waiting.items() if count == 0]
-        heapq.heapify(ready)
-        emitted = 0
-        while ready:
-            item = heapq.heappop(ready)
-            self._emit(item)
-            emitted += 1
-            for user in users[(item.node.name, item.slot)]:
-                waiting[user] -= 1
-                if waiting[user] == 0:
-                    heapq.heappush(ready, items[user])
-        if emitted != len(items):
-            raise RefusedError("interleaving found a dependency cycle between blocks", "interleave")
+        try:
+            order = priority_order(items, deps, key=lambda key: items[key].key)
+        except graphlib.CycleError:
+            raise RefusedError("interleaving found a dependency cycle between blocks", "interleave") from None
+        for key in order:
+            self._emit(items[key])
 
         self._emit_output(originals[-1])
         self.graph.lint()

@@ -15,21 +15,30 @@ graphs, returns a record), "rewrite" (changes them) or "check" (refuses what the
 later passes cannot handle correctly). `run_passes` runs one stage's passes in order
 and, for each one:
 
-- skips it when `SLC_DISABLE` (comma separated) names it, with one warning; a name
-  that no stage declares is a ValueError listing the valid names, and a check or a
-  pass the others cannot do without (`required`) cannot be disabled;
+- skips it when the settings disable it, with one warning; a name that no stage
+  declares is a ValueError listing the valid names, and a check or a pass the others
+  cannot do without (`required`) cannot be disabled;
 - times it and appends `"stage/name (N ms)"` to the `PassLog` of the graph Dynamo
   handed over (`CompileReport.passes_run`), so every stage's passes are listed;
 - lints the graphs it declares;
-- with `SLC_DUMP_DIR=d`, writes `d/NNN_name.txt` (the graphs as Python, and the
-  record a later-stage pass returned) and `.dot`, numbered by one counter per Dynamo
-  graph that continues across stages;
+- with a dump directory `d`, writes `d/NNN_name.txt` (the graphs as Python, and the
+  record a later-stage pass returned), and `.dot` when the settings hold a function
+  that draws a graph (`draw`: the backend, `explain` and `tune` hand in
+  `slcompile.backends.dumps.draw_graph`, since this layer does not import the
+  pictures), numbered by one counter per Dynamo graph that continues across stages;
 - turns an unexpected exception into an error naming the pass and the passes run so
   far: a `RefusedError` in the Dynamo stage, a `PassError` later (the backend
   compiles the graph plainly on either: `slcompile.errors.as_refusal`); a
   `RefusedError` raised by a pass keeps its reason, and the errors a user acts on
   (options, budget, offload I/O: `slcompile.errors.is_user_error`) keep their type,
   with a note naming the pass, in every stage.
+
+The settings (`PassSettings`) are scoped: `with pass_settings(disable=...,
+dump_dir=..., draw=...)`, a setting not given keeping the enclosing scope's; outside
+every scope they come from the environment, `SLC_DISABLE` (comma separated names)
+and `SLC_DUMP_DIR`. A Dynamo graph's passes run with the settings in effect when its
+first stage ran (`PassLog.settings`), so the backward that AOTAutograd compiles at
+the first backward call runs with the forward's.
 
 Pass functions: a "dynamo" pass takes the `PipelineState` and returns the next one;
 a pass of the other stages takes the `StepState` (`slcompile.pipeline`) (the plan, the report, the graphs by
@@ -41,13 +50,15 @@ after it and the lowering.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import os
 import pathlib
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +72,9 @@ __all__ = [
     "Pass",
     "PassLog",
     "PassError",
+    "PassSettings",
+    "pass_settings",
+    "current_pass_settings",
     "run_passes",
     "disabled_passes",
     "pass_modules",
@@ -108,6 +122,75 @@ class Pass:
         return self.kind != "check" and not self.required
 
 
+@dataclasses.dataclass(frozen=True)
+class PassSettings:
+    """How the passes of a compilation run.
+
+    Attributes:
+        disable: the names of the passes to skip.
+        dump_dir: where each pass's dump is written; None: no dumps.
+        draw: `draw(graph_module, title)`, a graph as DOT source, for the dumps'
+            `.dot` files; None: the dumps are text alone.
+        disabled_by: what named `disable`, for the log and the errors.
+    """
+
+    disable: frozenset[str] = frozenset()
+    dump_dir: pathlib.Path | None = None
+    draw: Callable[[torch.fx.GraphModule, str], str] | None = None
+    disabled_by: str = "SLC_DISABLE"
+
+
+_SETTINGS: contextvars.ContextVar[PassSettings | None] = contextvars.ContextVar("pass_settings", default=None)
+_INHERITED = object()  # a setting `pass_settings` was not given
+
+
+def current_pass_settings() -> PassSettings:
+    """The settings of the innermost `pass_settings` scope; outside every scope, the
+    environment's: `SLC_DISABLE` and `SLC_DUMP_DIR`."""
+    scoped = _SETTINGS.get()
+    if scoped is not None:
+        return scoped
+    dump_dir = os.environ.get("SLC_DUMP_DIR")
+    return PassSettings(disable=_pass_names(os.environ.get("SLC_DISABLE", "")),
+                        dump_dir=pathlib.Path(dump_dir) if dump_dir else None)
+
+
+@contextlib.contextmanager
+def pass_settings(*, disable: str | Iterable[str] = _INHERITED, dump_dir: str | os.PathLike | None = _INHERITED,
+                  draw: Callable[[torch.fx.GraphModule, str], str] | None = _INHERITED) -> Iterator[PassSettings]:
+    """Compiles inside the block run their passes with these settings; one not given
+    is the enclosing scope's (outside every scope, the environment's).
+
+    Args:
+        disable: the passes to skip: names, or one string of comma separated names as
+            `SLC_DISABLE` takes them; empty: none.
+        dump_dir: the directory each pass's dump is written to; None: no dumps.
+        draw: `draw(graph_module, title)` -> DOT source, for the dumps' `.dot` files;
+            None: text alone.
+
+    Yields:
+        the settings in effect inside the block.
+    """
+    changes: dict[str, Any] = {}
+    if disable is not _INHERITED:
+        changes.update(disable=_pass_names(disable), disabled_by="pass_settings(disable=...)")
+    if dump_dir is not _INHERITED:
+        changes["dump_dir"] = None if dump_dir is None else pathlib.Path(dump_dir)
+    if draw is not _INHERITED:
+        changes["draw"] = draw
+    token = _SETTINGS.set(dataclasses.replace(current_pass_settings(), **changes))
+    try:
+        yield _SETTINGS.get()
+    finally:
+        _SETTINGS.reset(token)
+
+
+def _pass_names(names: str | Iterable[str]) -> frozenset[str]:
+    if isinstance(names, str):
+        names = names.split(",")
+    return frozenset(name.strip() for name in names if name.strip())
+
+
 @dataclasses.dataclass
 class PassLog:
     """The passes run on one Dynamo graph, across all stages, in order.
@@ -115,26 +198,31 @@ class PassLog:
     Attributes:
         entries: `"stage/name (N ms)"` per pass run.
         dumps: the number of the next dump (continues across stages).
+        settings: the settings every stage's passes run with: those in effect when
+            the first stage ran.
     """
 
     entries: list[str] = dataclasses.field(default_factory=list)
     dumps: int = 0
+    settings: PassSettings | None = None
 
     def ran(self) -> str:
         return ", ".join(self.entries) or "none"
 
 
-def disabled_passes(declared: Iterable[Pass]) -> set[str]:
-    """The pass names listed in `SLC_DISABLE` (comma separated).
+def disabled_passes(declared: Iterable[Pass], settings: PassSettings | None = None) -> set[str]:
+    """The pass names the settings disable.
 
     Args:
         declared: every declared pass of every stage (`slcompile.pipeline.all_passes()`).
+        settings: default: `current_pass_settings()`.
 
     Raises:
         OptionError: (a ValueError) a name no stage declares (the message lists the
             valid ones), or a check or required pass.
     """
-    names = {p.strip() for p in os.environ.get("SLC_DISABLE", "").split(",") if p.strip()}
+    settings = settings if settings is not None else current_pass_settings()
+    names = set(settings.disable)
     if not names:
         return names
     by_name: dict[str, list[Pass]] = {}
@@ -144,14 +232,14 @@ def disabled_passes(declared: Iterable[Pass]) -> set[str]:
     if unknown:
         valid = sorted(n for n, steps in by_name.items() if all(s.can_be_disabled for s in steps))
         raise OptionError(
-            f"SLC_DISABLE names unknown pass(es) {', '.join(unknown)}; passes that can be disabled: "
+            f"{settings.disabled_by} names unknown pass(es) {', '.join(unknown)}; passes that can be disabled: "
             f"{', '.join(valid)}"
         )
     for name in sorted(names):
         fixed = [s for s in by_name[name] if not s.can_be_disabled]
         if fixed:
             why = "a check" if fixed[0].kind == "check" else "required by the passes after it"
-            raise OptionError(f"SLC_DISABLE names {name}, which cannot be disabled ({why})")
+            raise OptionError(f"{settings.disabled_by} names {name}, which cannot be disabled ({why})")
     return names
 
 
@@ -181,8 +269,10 @@ def run_passes(
         passes: the stage's passes, in order (all of one stage).
         state: a `PipelineState` for the "dynamo" stage, else a `StepState`
             (changed in place).
-        passes_log: the log of the Dynamo graph being compiled (numbers the dumps).
-        declared: every declared pass of every stage, which `SLC_DISABLE` may name
+        passes_log: the log of the Dynamo graph being compiled (numbers the dumps;
+            its `settings`, taken from the scope when they are None, say how the
+            passes run).
+        declared: every declared pass of every stage, which the settings may disable
             (`slcompile.pipeline.run_stage` passes them).
         label: added to the stage in the log, e.g. "recompute=blocks".
         stop_after: the name of the last pass to run.
@@ -195,14 +285,16 @@ def run_passes(
             message names the passes run so far and `err.state` holds the state
             before the pass.
         PassError: a pass of a later stage failed (same message and `state`).
-        ValueError: `SLC_DISABLE` names an unknown pass or one that cannot be disabled.
+        ValueError: the settings disable an unknown pass or one that cannot be disabled.
     """
-    disabled = disabled_passes(declared)
-    dump_dir = os.environ.get("SLC_DUMP_DIR")
+    if passes_log.settings is None:
+        passes_log.settings = current_pass_settings()
+    settings = passes_log.settings
+    disabled = disabled_passes(declared, settings)
     for step in passes:
         stage = f"{step.stage}[{label}]" if label else step.stage
         if step.name in disabled:
-            log.warning("speedloader: pass %s skipped (SLC_DISABLE)", step.name)
+            log.warning("speedloader: pass %s skipped (%s)", step.name, settings.disabled_by)
             continue
         started = time.perf_counter()
         try:
@@ -235,8 +327,8 @@ def run_passes(
         passes_log.entries.append(f"{stage}/{step.name} ({took * 1e3:.0f} ms)")
         if step.stage == "dynamo":
             state = dataclasses.replace(state, passes_run=tuple(passes_log.entries))
-        if dump_dir:
-            _dump(pathlib.Path(dump_dir), passes_log, step, state)
+        if settings.dump_dir is not None:
+            _dump(settings, passes_log, step, state)
         if step.name == stop_after:
             break
     return state
@@ -277,11 +369,9 @@ def _graphs(step: Pass, state: Any) -> list[torch.fx.Graph]:
     return graphs
 
 
-def _dump(directory: pathlib.Path, passes_log: PassLog, step: Pass, state: Any) -> None:
-    from slcompile.viz.dot import graph_to_dot
-
-    directory.mkdir(parents=True, exist_ok=True)
-    stem = directory / f"{passes_log.dumps:03d}_{step.name}"
+def _dump(settings: PassSettings, passes_log: PassLog, step: Pass, state: Any) -> None:
+    settings.dump_dir.mkdir(parents=True, exist_ok=True)
+    stem = settings.dump_dir / f"{passes_log.dumps:03d}_{step.name}"
     passes_log.dumps += 1
     texts, dots = [f"# after {passes_log.entries[-1]}\n"], []
     for graph in _graphs(step, state):
@@ -289,15 +379,17 @@ def _dump(directory: pathlib.Path, passes_log: PassLog, step: Pass, state: Any) 
         title = f"{step.name}: {graph_kind(step, state, graph)}"
         if isinstance(module, torch.fx.GraphModule) and module.graph is graph:
             texts.append(f"# {title}\n" + module.print_readable(print_output=False))
-            dots.append(graph_to_dot(module, title=title, detail="auto"))
+            if settings.draw is not None:
+                dots.append(settings.draw(module, title))
         else:
             texts.append(f"# {title}\n{graph}")
     result = getattr(state.results, step.name, None) if step.stage != "dynamo" else None
     if result is not None:
         texts.append(f"# result of {step.name}\n" + (result.text() if hasattr(result, "text") else str(result)))
     stem.with_suffix(".txt").write_text("\n".join(texts))
-    # Graphviz reads several graphs from one file (one page each).
-    stem.with_suffix(".dot").write_text("\n".join(dots) or "digraph empty {}\n")
+    if settings.draw is not None:
+        # Graphviz reads several graphs from one file (one page each).
+        stem.with_suffix(".dot").write_text("\n".join(dots) or "digraph empty {}\n")
 
 
 def graph_kind(step: Pass, state: Any, graph: torch.fx.Graph) -> str:

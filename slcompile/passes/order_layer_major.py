@@ -33,12 +33,13 @@ pass moves both next to their sub-batch's blocks.
 
 from __future__ import annotations
 
-import heapq
+import graphlib
 import logging
 
 import torch
 import torch.fx
 
+from slcompile.analysis.order import priority_order
 from slcompile.meta import get_slc_meta
 from slcompile.schedules.base import Schedule
 from slcompile.vocabulary import is_fetch
@@ -139,26 +140,10 @@ def order_layer_major(
         if node.op == "output":
             deps[node].update(n for n in nodes if n is not node and not n.users and n.op != "placeholder")
 
-    index = {node: i for i, node in enumerate(nodes)}
-    users: dict[torch.fx.Node, list] = {node: [] for node in nodes}
-    for node, ds in deps.items():
-        for d in ds:
-            users[d].append(node)
-    waiting = {node: len(ds) for node, ds in deps.items()}
-    ready = [(rank[n], index[n], n.name) for n in nodes if waiting[n] == 0]
-    heapq.heapify(ready)
-    by_name = {n.name: n for n in nodes}
-    order = []
-    while ready:
-        _, _, name = heapq.heappop(ready)
-        node = by_name[name]
-        order.append(node)
-        for user in users[node]:
-            waiting[user] -= 1
-            if waiting[user] == 0:
-                heapq.heappush(ready, (rank[user], index[user], user.name))
-    if len(order) != len(nodes):
-        raise RuntimeError("order_layer_major: dependency cycle")
+    try:
+        order = priority_order(nodes, deps, key=rank.__getitem__)  # ties: the graph's order
+    except graphlib.CycleError:
+        raise RuntimeError("order_layer_major: dependency cycle") from None
     moved = sum(1 for a, b in zip(order, nodes) if a is not b)
     if moved:
         anchor = order[0]

@@ -45,9 +45,9 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from slcompile.analysis.blocks import BlockGraph
 from slcompile.analysis.inputs import GraphInput, parameter_name
 from slcompile.meta import SlcMeta, get_slc_meta, set_slc_meta
-from slcompile.passes.find_blocks import BlockGraph
 from slcompile.units import format_bytes
 from slcompile.vocabulary import (
     FETCH_ISSUE,

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from slcompile.runtime.tiers import TransferKind
 from slcompile.runtime.weights import (
     _OWNERS,
     _REGISTRY_LOCK,
@@ -26,6 +25,7 @@ from slcompile.runtime.weights import (
     _ReleasedMixin,
     commit_weights,
     drain_prefetches,
+    load_whole,
     release,
     restore,
     shard_group_of,
@@ -33,7 +33,7 @@ from slcompile.runtime.weights import (
     weight_home,
 )
 
-__all__ = ["gathered_weights", "load_whole", "loading_released_weights", "offloaded_parameters"]
+__all__ = ["gathered_weights", "loading_released_weights", "offloaded_parameters"]
 
 
 def offloaded_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -125,16 +125,6 @@ def _load_each(params) -> None:
         restore(param, values.numel() * values.element_size())
         with torch.no_grad():
             param.copy_(values.view_as(param))
-def load_whole(param: torch.Tensor) -> torch.Tensor:
-    """The values of an offloaded parameter, loaded now (all-gathered when sharded)."""
-    engine, key, _ = weight_home(param)
-    load = engine.load(key, TransferKind.WEIGHT)
-    shards = shard_group_of(param)
-    if shards is None:
-        return engine.wait(load)
-    return shards.wait(shards.all_gather(key, lambda: engine.wait(load), param.shape))
-
-
 class _LoadedWeight(torch.autograd.Function):
     """A released parameter's values, loaded for one call; the gradient flows to it."""
 

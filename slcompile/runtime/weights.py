@@ -86,9 +86,9 @@ from slcompile.analysis.inputs import parameter_name
 from slcompile.errors import ReleasedWeightError
 from slcompile.plans import new_name
 from slcompile.runtime import gradients, ops
-from slcompile.runtime.engine import TransferEngine, TransferHandle
+from slcompile.runtime.storage.engine import TransferEngine, TransferHandle
 from slcompile.runtime.errors import OffloadError
-from slcompile.runtime.tiers import Tier, TransferKind
+from slcompile.runtime.storage.tiers import Tier, TransferKind
 from slcompile.runtime.visits import PackedVisits
 from slcompile.vocabulary import WeightKey, packing_order
 
@@ -96,7 +96,7 @@ __all__ = [
     "WeightStreamer", "stored_key_for", "mark_sharded", "weight_home", "update_weights",
     "stage_weights", "commit_weights", "discard_weights", "StagedWeight", "drain_prefetches", "shard_group_of",
     "fetch_weight_many", "fetch_issue_many",
-    "release", "restore", "parameter_name", "forget_weights",
+    "release", "restore", "parameter_name", "forget_weights", "load_whole",
 ]
 
 log = logging.getLogger(__name__)
@@ -201,8 +201,6 @@ class _ReleasedMixin:
         shards = shard_group_of(self)
         if weight_home(self) is None or (shards is not None and shards.world_size > 1):
             return super().__reduce_ex__(protocol)
-        from slcompile.runtime.gathering import load_whole
-
         saved = torch.nn.Parameter(load_whole(self).view(self.shape), self.requires_grad)
         saved.__dict__.update(self.__dict__)
         return saved.__reduce_ex__(protocol)
@@ -641,6 +639,16 @@ def weight_home(param: torch.Tensor) -> tuple[TransferEngine, str, Tier] | None:
     """(engine, stored key, tier) of an offloaded parameter; None when it is resident."""
     with _REGISTRY_LOCK:
         return _OWNERS.get(param)
+
+
+def load_whole(param: torch.Tensor) -> torch.Tensor:
+    """The values of an offloaded parameter, loaded now (all-gathered when sharded)."""
+    engine, key, _ = weight_home(param)
+    load = engine.load(key, TransferKind.WEIGHT)
+    shards = shard_group_of(param)
+    if shards is None:
+        return engine.wait(load)
+    return shards.wait(shards.all_gather(key, lambda: engine.wait(load), param.shape))
 
 
 def update_weights(updates: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -14,8 +14,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from slcompile.analysis.blocks import BlockGraph
 from slcompile.errors import BudgetError, PolicyError
-from slcompile.passes.find_blocks import BlockGraph
 from slcompile.schedules.base import Schedule, ScheduleRequest
 from slcompile.schedules.policy import Policy
 from slcompile.schedules.examples.lifetime_aware import LIFETIME_AWARE

@@ -12,9 +12,9 @@ import torch.nn as nn
 import torch.fx
 
 from slcompile.config import SpeedLoaderConfig
+from slcompile.facts import process_facts
 from slcompile.meta import get_slc_meta
 from slcompile.pipeline import run_pipeline
-from slcompile.runtime.facts import process_facts
 
 WIDTH, BATCH = 8, 4
 

@@ -51,7 +51,7 @@ class _CentredMLP(torch.nn.Module):
 def test_a_block_that_mixes_samples_is_refused_by_the_check():
     from slcompile.config import SpeedLoaderConfig
     from slcompile.pipeline import run_pipeline
-    from slcompile.runtime.facts import process_facts
+    from slcompile.facts import process_facts
 
     captured = []
     x = torch.randn(4, 8)

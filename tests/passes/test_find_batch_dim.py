@@ -17,9 +17,9 @@ from torch import nn
 import slcompile
 from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import RefusedError
+from slcompile.facts import process_facts
 from slcompile.passes.find_batch_dim import find_batch_dim
 from slcompile.pipeline import run_pipeline
-from slcompile.runtime.facts import process_facts
 
 OPTIONS = {"num_subbatches": 2, "lowering": "aot_eager", "on_refusal": "raise"}
 WIDTH, SEQ = 8, 6

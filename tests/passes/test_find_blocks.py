@@ -64,7 +64,7 @@ class _EncoderDecoder(torch.nn.Module):
 def _pipeline_of(model, *args, stop_after, **options):
     from slcompile.config import SpeedLoaderConfig
     from slcompile.pipeline import run_pipeline
-    from slcompile.runtime.facts import process_facts
+    from slcompile.facts import process_facts
 
     captured = []
     torch.compile(model, backend=lambda gm, inputs: captured.append((gm, inputs)) or gm.forward, fullgraph=True)(*args)

@@ -1,5 +1,6 @@
 """The pass manager: every stage's passes listed, dumped with one numbering, disabled by
-name; unknown names and checks refused; errors name the passes run."""
+name, in a scope or from the environment; unknown names and checks refused; errors
+name the passes run."""
 
 import copy
 import dataclasses
@@ -12,7 +13,10 @@ from expecttest import assert_expected_inline
 
 import slcompile
 from slcompile.errors import RefusedError
-from slcompile.passes.manager import Pass, PassError, PassLog, disabled_passes, pass_modules, run_passes
+from slcompile.passes.manager import (
+    Pass, PassError, PassLog, PassSettings, current_pass_settings, disabled_passes, pass_modules, pass_settings,
+    run_passes,
+)
 from slcompile.pipeline import StepResults, StepState, all_passes
 
 OPTIONS = {"num_subbatches": 2, "lowering": "aot_eager"}
@@ -143,6 +147,48 @@ def test_disabled_pass_is_skipped_and_logged(mlp, monkeypatch, caplog):
     assert not any("fuse_weight_grads" in entry or "mark_regions" in entry for entry in report.passes_run)
 
 
+def test_pass_settings_scope_the_disabled_passes_and_the_dumps(mlp, monkeypatch, tmp_path):
+    """Inside `pass_settings` a compile skips the pass it names and dumps where it says,
+    the backward too, which AOTAutograd compiles at the first backward call, here
+    outside the block; outside, the environment's settings (none) hold again."""
+    monkeypatch.delenv("SLC_DISABLE", raising=False)
+    monkeypatch.delenv("SLC_DUMP_DIR", raising=False)
+    model, x = mlp
+    compiled = torch.compile(copy.deepcopy(model), backend="speedloader", options=OPTIONS)
+    with slcompile.pass_settings(disable=["fuse_weight_grads"], dump_dir=tmp_path) as settings:
+        assert current_pass_settings() is settings
+        loss = compiled(x)
+    loss.backward()
+    inside = slcompile.compile_reports()[-1]
+    assert "compiled[backward]/drop_marks" in _names(inside.passes_run).splitlines()
+    assert not any("fuse_weight_grads" in entry for entry in inside.passes_run)
+    texts = sorted(p.name for p in tmp_path.glob("*.txt"))
+    assert len(texts) == len(inside.passes_run) and texts[-1] == f"{len(texts) - 1:03d}_drop_marks.txt"
+    assert sorted(p.stem for p in tmp_path.glob("*.dot")) == [name[:-4] for name in texts]
+
+    assert current_pass_settings() == PassSettings()
+    torch._dynamo.reset()  # compiled again, not served from Dynamo's cache
+    outside = _train_step(mlp)
+    assert "partitioned/fuse_weight_grads" in _names(outside.passes_run).splitlines()
+    assert sorted(p.name for p in tmp_path.glob("*.txt")) == texts
+
+
+def test_pass_settings_nest_over_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SLC_DISABLE", "mark_regions")
+    monkeypatch.setenv("SLC_DUMP_DIR", str(tmp_path))
+    assert current_pass_settings() == PassSettings(disable=frozenset({"mark_regions"}), dump_dir=tmp_path)
+    with pass_settings(dump_dir=None) as outer:
+        assert (outer.disable, outer.dump_dir) == ({"mark_regions"}, None)
+        with pass_settings(disable="interleave, fuse_weight_grads") as inner:
+            assert (inner.disable, inner.dump_dir) == ({"interleave", "fuse_weight_grads"}, None)
+            assert disabled_passes(all_passes()) == {"interleave", "fuse_weight_grads"}
+        assert current_pass_settings() is outer
+        with pass_settings(disable=["interleav"]), pytest.raises(
+                ValueError, match=r"^pass_settings\(disable=\.\.\.\) names unknown pass\(es\) interleav;"):
+            disabled_passes(all_passes())
+    assert current_pass_settings().dump_dir == tmp_path
+
+
 def test_unknown_name_in_slc_disable_lists_the_valid_names(monkeypatch):
     monkeypatch.setenv("SLC_DISABLE", "interleave,fuse_weight_grad")
     with pytest.raises(ValueError, match="unknown pass\\(es\\) fuse_weight_grad; passes that can be disabled: ") as caught:
@@ -206,7 +252,7 @@ def test_a_refusal_in_the_dynamo_stage_keeps_its_reason(dynamo_graph, monkeypatc
     monkeypatch.delenv("SLC_DISABLE", raising=False)
     from slcompile.config import SpeedLoaderConfig
     from slcompile.pipeline import PASSES, run_pipeline
-    from slcompile.runtime.facts import process_facts
+    from slcompile.facts import process_facts
 
     def refuse(state):
         raise RefusedError("this graph has no batch")

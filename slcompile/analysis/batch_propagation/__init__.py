@@ -22,9 +22,9 @@ dimension (a row-major merge, so each sub-batch's tokens stay one contiguous chu
 sorts the tokens by expert, gathers them, multiplies each expert's group and puts the
 results back in token order. Those ops work along the batch dimension, yet each
 token's result depends on that token alone: run per sub-batch, they route the
-sub-batch's own tokens (`_routing`). The values in between are *routed*, the
+sub-batch's own tokens (`routing`). The values in between are *routed*, the
 sub-batch's own and not slices of the full batch's; they stay batched nodes, and
-the rules say what each one holds (`_Route`) so that only ops whose meaning carries
+the rules say what each one holds (`Route`) so that only ops whose meaning carries
 over accept them, and none leaves its block in routed order.
 
 Padding masks gather each sample's own row: Hugging Face builds the 4-D mask with
@@ -49,11 +49,17 @@ A value is never assumed to be per-sample from its shape alone: every rule below
 checked against the fake outputs, and anything the rules cannot explain is a problem,
 not a guess.
 
-The modules, one idea each:
+The modules, one idea each. The walk holds one `PropagationState`; each family of
+rules is a module of functions of that state, which the walk calls (no class takes
+its rules from another module's class):
 
 - `plan`: what the propagation decides (`NodeSplit`, `BatchPlan`).
-- `propagate`: the walk over the graph and the rules every node goes through
-  (`propagate_batch`).
+- `state`: what one walk knows (`PropagationState`): each node's values at the full
+  batch and at one sub-batch, the splits and problems so far, the families' tables,
+  and the helpers they all use (`batched`, `input_bdims`, `execute`).
+- `propagate`: the walk over the graph and the order in which every node meets the
+  rules (`propagate_batch`).
+- `subbatch`: a node run on one sub-batch, and where its batch dimension went.
 - `cross_sample`: what mixes samples, and how an op after the blocks is combined
   from the sub-batches.
 - `reshape`: literal batch sizes in views rewritten; merges across the batch.

@@ -17,12 +17,12 @@ from torch.fx.operator_schemas import normalize_function
 
 from slcompile.meta import module_path
 
-__all__ = ["is_barrier"]
+__all__ = ["is_barrier", "CREATION_METHODS", "describe", "named_args", "run_real", "target_name"]
 
 log = logging.getLogger(__name__)
 
 # Methods that use their tensor argument only for dtype and device.
-_CREATION_METHODS = frozenset({"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"})
+CREATION_METHODS = frozenset({"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"})
 # Ops that change global state; they keep their place relative to everything else.
 _BARRIER_TARGETS: frozenset[object] = frozenset({
     torch._C._set_grad_enabled,
@@ -35,8 +35,8 @@ def is_barrier(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in _BARRIER_TARGETS
 
 
-def _run_real(node: torch.fx.Node, full: Mapping[str, Any], replace: Mapping[str, torch.Tensor],
-              args=None, kwargs=None, strict=False):
+def run_real(node: torch.fx.Node, full: Mapping[str, Any], replace: Mapping[str, torch.Tensor],
+             args=None, kwargs=None, strict=False):
     """Runs the node on real CPU tensors: `replace` for its tensor inputs, the full
     values of its integer inputs (or the given `args` and `kwargs`); None if it
     cannot run so (with `strict`, the op's error)."""
@@ -76,7 +76,7 @@ class _NotReal(Exception):
     pass
 
 
-def _named_args(node, args, kwargs) -> dict | None:
+def named_args(node, args, kwargs) -> dict | None:
     """The node's arguments by parameter name, or None when the signature is unknown."""
     target = node.target
     if node.op == "call_method":
@@ -100,11 +100,12 @@ def _named_args(node, args, kwargs) -> dict | None:
             continue
         if pair is not None:
             return pair.kwargs
-    log.debug("no signature for %s", _describe(node))
+    log.debug("no signature for %s", describe(node))
     return None
 
 
-def _target_name(node: torch.fx.Node) -> str:
+def target_name(node: torch.fx.Node) -> str:
+    """The name of the node's op: a method's name, "getitem", or the function's."""
     if node.op == "call_method":
         return node.target
     if node.target is operator.getitem:
@@ -112,10 +113,11 @@ def _target_name(node: torch.fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
 
 
-def _describe(node: torch.fx.Node) -> str:
+def describe(node: torch.fx.Node) -> str:
+    """The node as the refusals name it: `node mean (mean) in model.layers.0`."""
     stack = node.meta.get("nn_module_stack") or {}
     where = ""
     if stack:
         path = list(stack.values())[-1][0]
         where = " in " + (f"model.{module_path(path)}" if module_path(path) else "model")
-    return f"node {node.name} ({_target_name(node)}){where}"
+    return f"node {node.name} ({target_name(node)}){where}"

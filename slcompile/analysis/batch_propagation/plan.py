@@ -35,7 +35,7 @@ class NodeSplit:
         from_subbatch: a shared node that reads a batched input for its dtype and
             device only (`x.new_zeros(...)`): computed once from sub-batch 0.
         rebase: (input node name, dim) for shared sample indices (`arange` over the
-            batch, see `_Propagator._track_sample_index`) that a batched node reads
+            batch, see `sample_index.track_sample_index`) that a batched node reads
             as the index of its samples: each sub-batch reads its own slice less the
             index of its first sample, so that it indexes its own rows.
     """

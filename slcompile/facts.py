@@ -9,6 +9,10 @@ and `tune` make those records here, before the passes run:
 - `process_facts`: those, and what the process already holds of a graph's
   parameters: the keys of weights an earlier graph offloaded, and the weights an
   offloaded optimizer steps.
+
+Where it sits: above the runtime it reads, `config` and `analysis`; below what
+compiles or plans (the backend, `explain`, `tune`, generation) and the offloaded
+optimizer's memory model. The runtime never imports it.
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ import torch
 
 from slcompile.analysis.machine import MachineFacts, ProcessFacts
 from slcompile.config import TIERS
-from slcompile.runtime.engine import get_engine
+from slcompile.runtime.storage.engine import get_engine
 from slcompile.runtime.gradients import consumer_of
-from slcompile.runtime.tiers import PAGE_BYTES, Tier
+from slcompile.runtime.storage.tiers import PAGE_BYTES, Tier
 from slcompile.runtime.weights import weight_home
 
 __all__ = ["machine_facts", "process_facts"]
@@ -34,7 +38,7 @@ def machine_facts(offload_dir: str | None = None, world_size: int = 1, load_over
     CPU machine loads read files straight into page-padded memory). `world_size`
     and `load_overhead` are given: the ranks the weights shard over, and a loaded
     tensor's bytes beyond its padded size (a page where the allocator's view is
-    measured, inside `slcompile.runtime.nvme.buffers_seen_by_profiler`)."""
+    measured, inside `slcompile.runtime.storage.nvme.buffers_seen_by_profiler`)."""
     engine = get_engine(offload_dir)
     device = engine.device.type
     return MachineFacts(
