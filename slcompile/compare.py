@@ -339,7 +339,7 @@ def _format_table(header: list[str], lines: list[list[str]], left: tuple[int, ..
 def compare_policies(
     model: torch.nn.Module,
     *inputs: Any,
-    policies: Sequence[Any],
+    policies: Any,
     kwargs: Mapping[str, Any] | None = None,
     profile: Any = "current",
     run: bool = True,
@@ -351,8 +351,9 @@ def compare_policies(
     Args:
         model: the model; each policy compiles a deep copy of it.
         *inputs: its positional inputs.
-        policies: policy names (registered with `schedules.register_policy`, or built
-            in) or `schedules.Policy` objects, at least one; names must differ.
+        policies: a policy name (registered with `schedules.register_policy`, or
+            built in) or `schedules.Policy` object, or a sequence of them, at least
+            one; names must differ.
         kwargs: its keyword inputs.
         profile: the machine profile each step's time is predicted on
             (`slcompile.profile.machine_profile`: "current", a named profile, a
@@ -362,7 +363,8 @@ def compare_policies(
             predicts (`plan_peak_bytes`, `predicted_tier_peaks`, `time`, and from it
             `predicted_bytes_moved`), so the model may be on the meta device.
         **options: backend options shared by every policy (as in
-            `torch.compile(..., options=...)`), without `schedule`.
+            `torch.compile(..., options=...)`), without `schedule`; each takes one
+            value, or a sequence of one (`slcompile.config.option_values`).
 
     Returns:
         the PolicyComparison, one row per policy. A policy that fails (its schedule
@@ -377,12 +379,15 @@ def compare_policies(
             backend refuses: `RefusedError`; a lone policy's schedule refused:
             `CompileError` around its `PolicyError`).
     """
-    from slcompile.config import SpeedLoaderConfig
+    from slcompile.config import SpeedLoaderConfig, single_options
 
-    if not policies:
+    # One policy or a sequence of them (repeated names are refused below, not merged).
+    policies = tuple(policies) if isinstance(policies, (list, tuple, range)) else (policies,)
+    if not policies or policies == (None,):
         raise ValueError("compare_policies needs at least one policy (policies=['speedloader', ...])")
     if "schedule" in options:
         raise ValueError("compare_policies takes the policies as policies=[...], not the schedule option")
+    options = single_options(options, "compare_policies")
     names = [_policy_name(p) for p in policies]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
@@ -467,7 +472,7 @@ def _measure(model, inputs, kwargs, options, policy, name) -> PolicyRow:
     from slcompile.analysis.memory import measured_peak_bytes
     from slcompile.report import compile_reports
     from slcompile.runtime import collect_garbage
-    from slcompile.runtime.nvme import buffers_seen_by_profiler
+    from slcompile.runtime.storage.nvme import buffers_seen_by_profiler
     from slcompile.runtime.stats import runtime_stats
     from slcompile.runtime.weights import drain_prefetches, forget_weights
     from slcompile.viz.pictures import record_step
@@ -556,7 +561,7 @@ def _predicted_as_measured(report) -> int:
     places them: whole pages, plus one page of slack each."""
     from slcompile.analysis.machine import MachineFacts
     from slcompile.analysis.memory import predict_step_memory
-    from slcompile.runtime.tiers import PAGE_BYTES
+    from slcompile.runtime.storage.tiers import PAGE_BYTES
 
     live_blocks = report.config.live_blocks if report.streamed_bytes else 1
     prediction = predict_step_memory(report.graphs, live_blocks=live_blocks,

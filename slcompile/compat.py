@@ -43,6 +43,11 @@ The other internals used (``torch._inductor.custom_graph_pass.CustomGraphPass``,
   (the frame then runs eagerly): Dynamo only logs it. It wraps
   ``torch._dynamo.convert_frame.exceeds_recompile_limit`` and reads the backend from
   the frame of ``_compile`` that called it; a release without them is not watched.
+  A callback that claims the frame (returns True) is called again at each later call
+  that runs it eagerly: ``ConvertFrame.__call__`` is wrapped so that the frame runs
+  eagerly for that call only (``ConvertFrameReturn(apply_to_code=False)``) instead
+  of its code being marked to run from the cache alone; a release without them
+  calls it at the first only.
 
 Graphs differ too, without a name to reach: torch 2.13's partitioner saves the generator
 state of the CPU attention kernel it recomputes (``run_and_save_rng_state``, read back in
@@ -56,6 +61,7 @@ import contextlib
 import importlib
 import logging
 import sys
+import threading
 import weakref
 
 import torch
@@ -294,8 +300,17 @@ def watch_recompile_limit(callback) -> bool:
     """Calls `callback(limit_name, limit, compiler_fn, code)` each time Dynamo hits
     `limit_name` ("recompile_limit", "accumulated_recompile_limit") on `code` while
     compiling with `compiler_fn` (the backend as Dynamo holds it; None where it
-    cannot be read). Dynamo then runs that frame eagerly and, for later calls, looks
-    only in its cache. The callback runs inside Dynamo: what it raises propagates.
+    cannot be read). Dynamo then runs that frame eagerly. The callback runs inside
+    Dynamo: what it raises propagates.
+
+    A callback that returns True claims the frame: Dynamo would otherwise mark its
+    code to run from the cache alone, with no callback for any later call, so that
+    every configuration after the first past the limit would run eagerly unseen.
+    A claimed frame runs eagerly for this call only, and each later call that finds
+    no compiled entry comes back to the callbacks (with the backend of that call)
+    without entering Dynamo's compile, so long as the code keeps its cache entries
+    and the limits are unchanged (`torch._dynamo.reset()` or a raised limit gives
+    the code back to Dynamo).
 
     Returns:
         whether this torch can be watched (the wrapped function exists).
@@ -316,16 +331,82 @@ def watch_recompile_limit(callback) -> bool:
             if exceeded:
                 compiler_fn, code = _compiling()
                 limit = getattr(torch._dynamo.config, limit_name, None)
+                claimed = False
                 for watcher in tuple(watchers):
-                    watcher(limit_name, limit, compiler_fn, code)
+                    claimed = bool(watcher(limit_name, limit, compiler_fn, code)) or claimed
+                if claimed and code is not None:
+                    _PAST_LIMIT.claimed = (code, limit_name)
             return exceeded, limit_name
 
         exceeds_recompile_limit.__wrapped__ = original
         exceeds_recompile_limit.slc_watchers = watchers
         convert_frame.exceeds_recompile_limit = exceeds_recompile_limit
+        _watch_each_call(convert_frame, watchers)
     if callback not in watchers:
         watchers.append(callback)
     return True
+
+
+class _PastLimit(threading.local):
+    """The code a watcher claimed during this thread's current Dynamo compile."""
+
+    claimed: tuple | None = None
+
+
+_PAST_LIMIT = _PastLimit()
+# code -> (limit name, the limits then): code whose frames the watchers claimed.
+_CLAIMED_CODE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _limits() -> tuple:
+    config = torch._dynamo.config
+    return getattr(config, "recompile_limit", None), getattr(config, "accumulated_recompile_limit", None)
+
+
+def _watch_each_call(convert_frame, watchers) -> None:
+    """Wraps `ConvertFrame.__call__` (Dynamo's callback for a frame with no compiled
+    entry that matches): a frame a watcher claimed runs eagerly for this call only,
+    and a later call of its code past the same limits goes to the watchers directly."""
+    from torch._dynamo import types as dynamo_types
+
+    frame_class = getattr(convert_frame, "ConvertFrame", None)
+    result_class = getattr(dynamo_types, "ConvertFrameReturn", None)
+    strategy = getattr(dynamo_types, "FrameExecStrategy", None)
+    action = getattr(dynamo_types, "FrameAction", None)
+    if frame_class is None or strategy is None or action is None or result_class is None \
+            or "apply_to_code" not in getattr(result_class, "__dataclass_fields__", {}):
+        return  # this torch marks the code after the first: one warning, as Dynamo's own log
+    original = frame_class.__call__
+    if getattr(original, "slc_watched", False):
+        return
+
+    def run_eagerly_this_call():
+        return result_class(frame_exec_strategy=strategy(action.RUN_ONLY, action.RUN_ONLY), apply_to_code=False,
+                            skip_reason="recompile limit hit (slcompile watches each call)")
+
+    def __call__(self, frame, cache_entry, hooks, frame_state, skip=0):
+        code = frame.f_code
+        known = _CLAIMED_CODE.get(code)
+        if known is not None:
+            limit_name, limits = known
+            if cache_entry is not None and limits == _limits():
+                compiler_fn = getattr(self, "_torchdynamo_orig_backend", None)
+                limit = getattr(torch._dynamo.config, limit_name, None)
+                if any([bool(watcher(limit_name, limit, compiler_fn, code)) for watcher in tuple(watchers)]):
+                    return run_eagerly_this_call()
+            else:  # reset, or another limit: Dynamo decides again
+                del _CLAIMED_CODE[code]
+        _PAST_LIMIT.claimed = None
+        result = original(self, frame, cache_entry, hooks, frame_state, skip=skip + 1)
+        claimed, _PAST_LIMIT.claimed = _PAST_LIMIT.claimed, None
+        if claimed is not None and claimed[0] is code:
+            _CLAIMED_CODE[code] = (claimed[1], _limits())
+            return run_eagerly_this_call()
+        return result
+
+    __call__.slc_watched = True
+    __call__.__wrapped__ = original
+    frame_class.__call__ = __call__
 
 
 def _compiling():

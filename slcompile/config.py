@@ -21,7 +21,7 @@ from slcompile.errors import OptionError
 if TYPE_CHECKING:
     from slcompile.analysis.machine import MachineProfile
 
-__all__ = ["SpeedLoaderConfig", "options", "check_names", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "SUFFIXES", "GRADIENTS", "TRAINABLE", "GENERATION_ONLY", "parse_bytes", "resolve", "environment_variable"]
+__all__ = ["SpeedLoaderConfig", "options", "check_names", "LOWERINGS", "SCHEDULES", "ON_REFUSAL", "TIERS", "RECOMPUTE", "SUFFIXES", "GRADIENTS", "TRAINABLE", "GENERATION_ONLY", "parse_bytes", "batch_divisors", "batch_split_problem", "resolve", "environment_variable", "option_values", "one_option_value", "single_options", "check_option_value"]
 
 LOWERINGS = ("inductor", "aot_eager")
 TIERS = ("device", "host", "nvme")
@@ -342,6 +342,62 @@ def check_names(options: Mapping[str, Any]) -> Mapping[str, Any]:
     return options
 
 
+_SEQUENCES = (list, tuple, range)
+
+
+def option_values(key: str, value: Any, caller: str) -> tuple:
+    """The values an option is given as, one rule for `tune`, `explain` and
+    `compare_policies`: a single value, or a sequence of them (a list, tuple or
+    range), each kept once, in order. A string, a `Policy` or a profile is one value.
+
+    Raises:
+        OptionError: an empty sequence, naming the caller and the option.
+    """
+    if not isinstance(value, _SEQUENCES):
+        return (value,)
+    values: list = []
+    for item in value:
+        if not any(item is kept or (type(item) is type(kept) and item == kept) for kept in values):
+            values.append(item)
+    if not values:
+        raise OptionError(f"{caller}: option {key!r} needs a value or a non-empty list of values, got {value!r}")
+    return tuple(values)
+
+
+def one_option_value(key: str, value: Any, caller: str) -> Any:
+    """The one value of an option that takes a single value where `caller` plans
+    one configuration: a value, or a sequence of one.
+
+    Raises:
+        OptionError: a sequence of several values or none, naming the option.
+    """
+    values = option_values(key, value, caller)
+    if len(values) > 1:
+        raise OptionError(f"{caller}: option {key!r} takes one value here, got {len(values)}: {value!r} "
+                          f"(slcompile.tune searches several values of num_subbatches, live_blocks, weights, "
+                          f"activations and schedule)")
+    return values[0]
+
+
+def single_options(options: Mapping[str, Any], caller: str) -> dict[str, Any]:
+    """`options` with each value made one (`one_option_value`), keys unchecked."""
+    return {key: one_option_value(key, value, caller) for key, value in options.items()}
+
+
+def check_option_value(key: str, value: Any, caller: str) -> None:
+    """Checks one value of one option on its own, as compiling would (the others at
+    their defaults), before anything is captured.
+
+    Raises:
+        OptionError: the value is not one the option takes, naming the caller and
+            the option.
+    """
+    try:
+        SpeedLoaderConfig.from_options({key: value})
+    except OptionError as err:
+        raise OptionError(f"{caller}: {key}={value!r}: {err}") from None
+
+
 def options(**values: Any) -> dict[str, Any]:
     """The options of `torch.compile(model, backend="speedloader", options=...)`,
     checked now rather than at the first call of the compiled model.
@@ -428,6 +484,29 @@ def parse_bytes(value: Any, key: str = "value") -> int:
     if number < 1:
         raise OptionError(f"speedloader option {key!r} must be at least one byte, got {value!r}")
     return number
+
+
+def batch_split_problem(batch_size: int, num_subbatches: int, where: str = "") -> str | None:
+    """Why a batch of `batch_size` cannot be cut into `num_subbatches` equal, non-empty
+    sub-batches, or None when it can (one sub-batch is the whole batch, whatever its
+    size).
+
+    Args:
+        where: where the batch size was read, written after it: "(dim 0 of input x)".
+
+    Returns:
+        "batch size 6 is not divisible by num_subbatches=4", or None.
+    """
+    if num_subbatches == 1 or (batch_size >= num_subbatches and batch_size % num_subbatches == 0):
+        return None
+    size = f"{batch_size} {where}" if where else f"{batch_size}"
+    return f"batch size {size} is not divisible by num_subbatches={num_subbatches}"
+
+
+def batch_divisors(batch_size: int) -> list[int]:
+    """The values of `num_subbatches` that cut a batch of `batch_size` evenly, ascending
+    (those `batch_split_problem` finds nothing wrong with)."""
+    return [k for k in range(1, batch_size + 1) if batch_split_problem(batch_size, k) is None]
 
 
 def _check_int(key: str, value: Any, *, minimum: int) -> None:

@@ -31,14 +31,15 @@ from typing import Any
 import torch
 
 from slcompile import defaults
+from slcompile.backends.dumps import drawing_dumps
 from slcompile.compat import capture_graphs
-from slcompile.config import SpeedLoaderConfig
+from slcompile.config import SpeedLoaderConfig, single_options
 from slcompile.errors import (
     BudgetError, OffloadError, OptionError, RefusedError, as_refusal, compile_error, passes_through_fallback,
 )
+from slcompile.facts import process_facts
 from slcompile.passes.stream_weights import weight_placement
 from slcompile.pipeline import run_pipeline
-from slcompile.runtime.facts import process_facts
 from slcompile.runtime.gathering import loading_released_weights
 from slcompile.schedules.planner import describe
 from slcompile.schedules.policies import suffix_plans
@@ -245,7 +246,9 @@ def explain(
             named profile ("h100-pcie5-nvme", "8xh100-ib": what-if questions on
             paper), a `MachineProfile`, or None for no timeline.
         **options: backend options, as in `torch.compile(..., options=...)`; those
-            not given take their defaults from `slcompile.defaults`.
+            not given take their defaults from `slcompile.defaults`. Each takes one
+            value, or a sequence of one (`slcompile.config.option_values`: `tune`
+            searches several).
 
     Returns:
         the Explanation, one entry per captured graph, and the options that are not
@@ -253,6 +256,7 @@ def explain(
     """
     from slcompile.measure import machine_profile
 
+    options = single_options(options, "explain")
     config = SpeedLoaderConfig.from_options(options)
     _, sources = defaults.resolve(options)
     check_optimizer(optimizer, optimizer_options, "explain")
@@ -341,6 +345,7 @@ def _without_kv_cache_on_meta(model, args, kwargs: dict) -> str | None:
             "training step reads none; pass use_cache=False to the compiled model's calls to train the same graph")
 
 
+@drawing_dumps()
 def _explain_graph(gm, example_inputs, config: SpeedLoaderConfig, optimizer=None,
                    optimizer_options=None, machine=None, tiers=None) -> GraphExplanation:
     try:

@@ -1,8 +1,10 @@
 """What the backend did with each graph Dynamo handed it.
 
 `slcompile.compile_reports()` returns the reports of the graphs compiled in this
-process, newest last (a bounded history). Each keeps the schedule, the fallback reason
-and the order in which the AOTAutograd forward and backward graphs run their ops.
+process, and of the configurations Dynamo ran eagerly past its recompile limit
+(`CompileReport.compiled` False), newest last (a bounded history). Each keeps the
+schedule, the fallback reason and the order in which the AOTAutograd forward and
+backward graphs run their ops.
 
 Graphs are what a report weighs (their fake tensors, shape environment and generated
 code: megabytes for a tiny model), so only the newest `GRAPHS_KEPT` reports of the
@@ -76,6 +78,10 @@ class CompileReport:
             `cudagraphs` option (or mode="reduce-overhead") asked for, or None.
         graphs_dropped: True for a report of the history older than the newest
             `GRAPHS_KEPT`: a copy without `graphs` and `partitioned`.
+        compiled: False for the report of a configuration Dynamo ran eagerly, not
+            compiling it at all (its recompile limit hit on the frame:
+            `fallback_reason` says so); True for every graph the backend compiled,
+            plainly or not.
     """
 
     config: object
@@ -100,6 +106,7 @@ class CompileReport:
     regions: dict[str, object] = dataclasses.field(default_factory=dict)
     cudagraphs_skipped: str | None = None
     graphs_dropped: bool = False
+    compiled: bool = True
 
     @property
     def passes_run(self) -> tuple[str, ...]:
@@ -159,7 +166,8 @@ def discard_report(report: CompileReport) -> None:
 
 
 def compile_reports() -> list[CompileReport]:
-    """The reports of the graphs compiled in this process, oldest first."""
+    """The reports of the graphs compiled in this process, oldest first, and of the
+    configurations Dynamo ran eagerly past its recompile limit (`compiled` False)."""
     with _lock:
         return list(_reports)
 

@@ -50,10 +50,18 @@ from typing import Any
 
 import torch
 
-from slcompile.config import SpeedLoaderConfig, parse_bytes
+from slcompile.backends.dumps import drawing_dumps
+from slcompile.config import (
+    SpeedLoaderConfig, batch_divisors, check_names, check_option_value, one_option_value, option_values,
+    parse_bytes,
+)
 from slcompile.errors import BudgetError, OptionError, PolicyError, RefusedError
 
 __all__ = ["Candidate", "TuneResult", "tune", "GenerationTuneResult", "GenerationBudgetError", "tune_generation"]
+
+SEARCHED = frozenset({"weights", "activations", "schedule"})
+"""The backend options `tune` searches given a sequence of values (with its own
+`num_subbatches` and `live_blocks`); every other option takes one value."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +158,8 @@ def tune(
     *args: Any,
     memory_budget: int | str,
     kwargs: Mapping[str, Any] | None = None,
-    num_subbatches: Sequence[int] | None = None,
-    live_blocks: Sequence[int] = (2, 1),
+    num_subbatches: int | Sequence[int] | None = None,
+    live_blocks: int | Sequence[int] = (2, 1),
     optimizer: Any = None,
     optimizer_options: Mapping[str, Any] | None = None,
     profile: Any = None,
@@ -162,9 +170,10 @@ def tune(
     Args:
         model: the model; `args`/`kwargs` a full batch, as in training.
         memory_budget: the device's limit for one step (bytes or "2GiB").
-        num_subbatches: the K to consider (default: every divisor of the batch).
-        live_blocks: the windows to consider, preferred first (with weights on the
-            device, the first alone: nothing is fetched).
+        num_subbatches: the K to consider, one or a sequence (default: every
+            divisor of the batch).
+        live_blocks: the window or windows to consider, preferred first (with
+            weights on the device, the first alone: nothing is fetched).
         optimizer, optimizer_options: the optimizer whose step the budget covers,
             as in `slcompile.explain` (default: the offloaded optimizer attached to
             the model, if any).
@@ -181,13 +190,15 @@ def tune(
             policies (names or `Policy` objects), preferred first
             (`schedule=["speedloader", "grad_accumulation"]`): each is tried with
             every tier, K and window before the next, and the result's
-            `options["schedule"]` is the one chosen.
+            `options["schedule"]` is the one chosen. Every other option takes one
+            value (or a sequence of one), as `explain` and `compare_policies` do
+            (`slcompile.config.option_values`).
 
     Raises:
         BudgetError: no candidate fits; names the smallest budget any would need.
         RefusedError: the graph cannot be split into sub-batches at all.
-        OptionError: a bad option (a tier or policy list among them); with a list
-            of policies, options that conflict with one policy (`no_offload` and
+        OptionError: a bad option (a tier or policy list among them), raised
+            before the model is captured; with a list of policies, options that conflict with one policy (`no_offload` and
             weights off the device) refuse its candidates alone, and the error is
             raised when they conflict with every policy.
         PolicyError: the `schedule` policy's schedule is refused for every
@@ -200,8 +211,18 @@ def tune(
 
     budget = parse_bytes(memory_budget, "memory_budget")
     check_optimizer(optimizer, optimizer_options, "tune")
+    # Every option checked before the capture: a single value or a sequence of them.
+    options = {key: value if key in SEARCHED else one_option_value(key, value, "tune")
+               for key, value in check_names(options).items()}
+    live_blocks = option_values("live_blocks", live_blocks, "tune")
+    if num_subbatches is not None:
+        num_subbatches = option_values("num_subbatches", num_subbatches, "tune")
+    for key, values in (("live_blocks", live_blocks), ("num_subbatches", num_subbatches or ())):
+        for value in values:
+            check_option_value(key, value, "tune")
     tiers = [(w, a) for w in _choices(options, "weights") for a in _choices(options, "activations")]
     policies = _policies(options)
+    _check_combinations(options, tiers, policies, num_subbatches, live_blocks)
     captured = []
     capture_graphs(model, args, dict(kwargs or {}), lambda gm, example_inputs: captured.append((gm, example_inputs)),
                    fullgraph=True, run_as=loading_released_weights)
@@ -231,8 +252,9 @@ def _policies(options: Mapping[str, Any]) -> list | None:
     from slcompile.schedules.policies import unknown_policy
 
     value = options.get("schedule")
-    if not isinstance(value, (list, tuple)):
+    if not isinstance(value, (list, tuple, range)):
         return None
+    value = option_values("schedule", value, "tune") if value else value
     problems = [unknown_policy(v) for v in value if not callable(getattr(v, "build", None))]
     if not value or any(problems):
         raise OptionError(f"tune: schedule must be a policy or a list of policies (registered names or "
@@ -249,19 +271,42 @@ def _choices(options: Mapping[str, Any], key: str) -> list[str]:
     from slcompile.config import TIERS
 
     value = options.get(key, SpeedLoaderConfig.__dataclass_fields__[key].default)
-    values = list(value) if isinstance(value, (list, tuple)) else [value]
-    if not values or any(v not in TIERS for v in values):
+    values = list(value) if isinstance(value, (list, tuple, range)) else [value]
+    if not values or any(not isinstance(v, str) or v not in TIERS for v in values):
         raise OptionError(f"tune: {key} must be a tier or a list of tiers of {', '.join(TIERS)}, got {value!r}")
-    return list(dict.fromkeys(values))
+    return list(option_values(key, values, "tune"))
 
 
+def _check_combinations(options, tiers, policies, num_subbatches, live_blocks) -> None:
+    """Raises, before anything is captured, the `OptionError` of the first plan when
+    no policy and tiers searched make options a compile would take (the fixed
+    options conflict with every one); those that conflict with some are refused
+    for those alone, when they are tried."""
+    first: OptionError | None = None
+    for policy in policies or [None]:
+        for weights, activations in tiers:
+            chosen = {**options, "weights": weights, "activations": activations, "live_blocks": live_blocks[0]}
+            if num_subbatches:
+                chosen["num_subbatches"] = num_subbatches[0]
+            if policy is not None:
+                chosen["schedule"] = policy
+            try:
+                SpeedLoaderConfig.from_options(chosen)
+                return
+            except OptionError as err:
+                first = first or err
+    if first is not None:
+        raise first
+
+
+@drawing_dumps()
 def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimizer, optimizer_options, options,
                 machine=None, tiers=None, policies=None):
     from slcompile.backends.lowering import lower
     from slcompile.explain import plan_with_optimizer
     from slcompile.pipeline import run_pipeline
     from slcompile.report import CompileReport
-    from slcompile.runtime.facts import process_facts
+    from slcompile.facts import process_facts
     from slcompile.schedules.policies import plan_suffix
 
     def attempt(planned: SpeedLoaderConfig):
@@ -279,7 +324,7 @@ def _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimiz
             {**options, "num_subbatches": 1, "weights": weights, "activations": activations, **probe_schedule})
         probe = run_pipeline(gm, example_inputs, probe_config, facts=process_facts(probe_config, example_inputs))
         batch = probe.batch.batch_size
-        num_subbatches = [k for k in range(1, batch + 1) if batch % k == 0]
+        num_subbatches = batch_divisors(batch)
 
     tried, smallest, fitting, policy_errors, option_errors = [], None, [], [], []
     plans = [(policy, weights, activations) for policy in (policies or [None]) for weights, activations in tiers]
@@ -417,8 +462,8 @@ def tune_generation(
     from slcompile.config import TIERS
     from slcompile.inference.explain import _explain_generation
     from slcompile.inference.options import _plan, generation_config
-    from slcompile.runtime.engine import get_engine
-    from slcompile.runtime.tiers import Tier
+    from slcompile.runtime.storage.engine import get_engine
+    from slcompile.runtime.storage.tiers import Tier
 
     budget = parse_bytes(memory_budget, "memory_budget")
     # The checks of `generate`, before anything is traced.
@@ -427,7 +472,7 @@ def tune_generation(
           max_new_tokens=max_new_tokens, eos_token_id=[])
     batch = tuple(input_shape)[0]
     engine = get_engine(offload_dir)
-    divisors = [k for k in range(1, batch + 1) if batch % k == 0]
+    divisors = batch_divisors(batch)
 
     def tiers(fixed: str | None) -> list[str]:
         if fixed is not None:

@@ -17,7 +17,7 @@ from models import GPTConfig, TinyGPT, make_gpt_batch
 from slcompile.analysis.machine import MachineFacts
 from slcompile.analysis.memory import predict_memory
 from slcompile.runtime import Tier, TransferKind, collect_garbage, get_engine, reset_runtime_stats, runtime_stats
-from slcompile.runtime.tiers import PAGE_BYTES
+from slcompile.runtime.storage.tiers import PAGE_BYTES
 from slcompile.schedules import (
     Policy, SavedActivation, Schedule, ScheduleRequest, Step, add_fetches, add_stashes, add_stores,
     layer_major_compute, replay, speedloader_schedule, validate_schedule,
@@ -200,6 +200,25 @@ def test_choices_that_cannot_be_lowered_are_refused():
     kept = add_stashes(layer_major_compute(cpu), cpu, tier=lambda s: "host" if s.region == "prefix" else "nvme")
     assert {s.key for s in kept if s.kind == "stash.issue"} == {("block", b, s) for b in (0, 1) for s in (0, 1)}
     assert {s.tier for s in kept if s.kind == "stash.issue"} == {"nvme"}
+
+
+@pytest.mark.parametrize("mistyped", ["disk", "NVMe"])
+def test_a_mistyped_tier_is_refused_wherever_it_is_written(mistyped):
+    hint = "; did you mean 'nvme'?" if mistyped == "NVMe" else ""
+    problem = f"tier {mistyped!r} is not a slower tier (a stash goes to one of host, nvme){hint}"
+    # Through the policy kit's helper: refused, never a unit left on the device. The
+    # policy is named, and so is the first unit's stash step.
+    policy = _choosing(tier=lambda s: mistyped if s.region == "block" else None)
+    for request in (REQUEST, _saved_request(), dataclasses.replace(REQUEST, activations_offloaded=False)):
+        with pytest.raises(slcompile.PolicyError) as caught:
+            policy(request)
+        assert str(caught.value) == f"schedule policy 'choosing' at step `fwd stash.issue blk0.sb0 {mistyped}`: {problem}"
+    # The same step written by hand, and read from text.
+    steps = speedloader_schedule(REQUEST).steps
+    by_hand = Schedule(tuple(dataclasses.replace(s, tier=mistyped) if s.kind == "stash.issue" and s.block == 0
+                             and s.subbatch == 0 else s for s in steps))
+    _refused(by_hand, REQUEST, f"fwd stash.issue blk0.sb0 {mistyped}", problem)
+    _refused(Schedule.from_text(by_hand.text()), REQUEST, f"fwd stash.issue blk0.sb0 {mistyped}", problem)
 
 
 def test_a_key_naming_a_tier_stores_there():

@@ -67,19 +67,61 @@ def test_a_sweep_past_the_recompile_limit_says_which_configurations_ran_eagerly(
         if eager_from is None and _own_compiled_report(options):
             assert not caught
             continue
-        # Dynamo ran this configuration eagerly: said loudly, with the fix, and the
-        # newest report is this configuration's, saying so.
-        if eager_from is None:
-            eager_from = i
-            assert len(caught) == 1
-            message = str(caught[0].message)
-            assert "recompile_limit" in message and "runs eagerly" in message
-            assert "torch._dynamo.reset()" in message and "every later torch.compile of that code" in message
-            assert f"'min_offload_bytes': {i}" in message
-            report = slcompile.compile_reports()[-1]
-            assert report.config == slcompile.SpeedLoaderConfig.from_options(options)
-            assert report.fallback_reason == message
+        # Dynamo ran this configuration eagerly: every one past the limit says so
+        # loudly, with the fix, and the newest report is this configuration's, saying so.
+        eager_from = i if eager_from is None else eager_from
+        assert len(caught) == 1
+        message = str(caught[0].message)
+        assert "recompile_limit" in message and "runs eagerly" in message
+        assert "torch._dynamo.reset()" in message and "every later torch.compile of that code" in message
+        assert f"'min_offload_bytes': {i}" in message
+        report = slcompile.compile_reports()[-1]
+        assert report.config == slcompile.SpeedLoaderConfig.from_options(options)
+        assert report.fallback_reason == message and not report.compiled
     assert eager_from == torch._dynamo.config.recompile_limit
+
+
+def test_every_call_past_the_recompile_limit_warns():
+    with torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False):
+        _calls_past_the_limit()
+
+
+def _calls_past_the_limit():
+    model = Model()
+    options = {"lowering": "aot_eager", "num_subbatches": 2}
+    compiled = torch.compile(model, backend="speedloader", options=options)
+    warned, reports = [], []
+    for batch in (8, 12, 16, 12, 8):
+        before = len(slcompile.compile_reports())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled(torch.randn(batch, 8))
+        warned.append(sum(issubclass(w.category, slcompile.RecompileLimitWarning) for w in caught))
+        reports.append((len(slcompile.compile_reports()) - before, slcompile.compile_reports()[-1].compiled))
+    # The first size compiles; each other size runs eagerly and says so at every
+    # call; the size compiled before still runs its compiled graph, silently. One
+    # report says the configuration ran eagerly, not one a call.
+    assert warned == [0, 1, 1, 1, 0]
+    assert reports == [(1, True), (1, False), (0, False), (0, False), (0, False)]
+    # Another configuration of the same code, past the limit too: warned at each
+    # call, and the newest report is its own.
+    other = torch.compile(model, backend="speedloader", options={**options, "num_subbatches": 4})
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            other(torch.randn(8, 8))
+        assert [str(w.message) for w in caught if issubclass(w.category, slcompile.RecompileLimitWarning)] \
+            and "'num_subbatches': 4" in str(caught[-1].message)
+        newest = slcompile.compile_reports()[-1]
+        assert newest.config.num_subbatches == 4 and not newest.compiled and newest.fallback_reason
+    # A reset gives the code back to Dynamo: the next configuration compiles.
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="speedloader", options=options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(8, 8))
+    assert not [w for w in caught if issubclass(w.category, slcompile.RecompileLimitWarning)]
+    assert slcompile.compile_reports()[-1].compiled and slcompile.compile_reports()[-1].fallback_reason is None
 
 
 def test_the_documented_sweep_compiles_every_configuration():

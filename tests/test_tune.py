@@ -109,3 +109,45 @@ def test_tune_searches_the_policies_listed_and_chooses_the_one_predicted_fastest
         "grad_accumulation"]
     with pytest.raises(slcompile.OptionError, match="tune: schedule must be a policy or a list of policies"):
         slcompile.tune(model, idx, targets, memory_budget="1GiB", schedule=["speedloader", "zigzag?"], **searched)
+
+
+def test_every_option_takes_a_value_or_a_sequence_and_is_checked_before_the_capture(monkeypatch):
+    tiny = GPTConfig(n_layers=2, d_model=32)
+    idx, targets = make_gpt_batch(tiny, 4)
+    model = TinyGPT(tiny)
+    fixed = {"lowering": "aot_eager", "weights": "nvme", "min_offload_bytes": 0}
+    one = slcompile.tune(model, idx, targets, memory_budget="1GiB", num_subbatches=2, live_blocks=2, **fixed)
+    listed = slcompile.tune(model, idx, targets, memory_budget="1GiB", num_subbatches=[2], live_blocks=[2],
+                            **{**fixed, "lowering": ["aot_eager"], "weights": ("nvme",)})
+    assert one.options == listed.options and one.options["live_blocks"] == 2
+    assert [c.options for c in one.tried] == [c.options for c in listed.tried]
+    # explain and compare_policies read options by the same rule: one value, or a sequence of one.
+    assert slcompile.explain(model, idx, targets, profile=None, live_blocks=[2], **fixed).graphs[0].schedule \
+        == slcompile.explain(model, idx, targets, profile=None, live_blocks=2, **fixed).graphs[0].schedule
+    compared = slcompile.compare_policies(model, idx, targets, policies="speedloader", run=False, profile=None,
+                                          live_blocks=[2], **fixed)
+    assert [row.policy for row in compared.rows] == ["speedloader"]
+
+    # A bad type or value fails at once, naming the option: nothing is captured.
+    def captured(*args, **kwargs):
+        raise AssertionError("the model was captured before the options were checked")
+
+    monkeypatch.setattr(slcompile.compat, "capture_graphs", captured)
+    reports = len(slcompile.compile_reports())
+    for bad, message in (
+        ({"live_blocks": "2"}, "tune: live_blocks='2': speedloader option 'live_blocks' must be an int"),
+        ({"live_blocks": [2, 0]}, "tune: live_blocks=0: speedloader option 'live_blocks' must be >= 1"),
+        ({"num_subbatches": []}, "tune: option 'num_subbatches' needs a value or a non-empty list"),
+        ({"lowering": ["aot_eager", "inductor"]}, "tune: option 'lowering' takes one value here, got 2"),
+        ({"weights": "disk"}, "tune: weights must be a tier or a list of tiers"),
+        ({"schedule": "no_offload"}, "speedloader options 'schedule' and 'weights' conflict"),
+        ({"recompte": "none"}, "unknown speedloader option 'recompte'; did you mean 'recompute'?"),
+    ):
+        with pytest.raises(slcompile.OptionError) as caught:
+            slcompile.tune(model, idx, targets, memory_budget="1GiB", **{**fixed, **bad})
+        assert message in str(caught.value)
+    with pytest.raises(slcompile.OptionError, match="explain: option 'live_blocks' takes one value here, got 2"):
+        slcompile.explain(model, idx, targets, profile=None, live_blocks=[1, 2], **fixed)
+    with pytest.raises(slcompile.OptionError, match="compare_policies: option 'live_blocks' takes one value here"):
+        slcompile.compare_policies(model, idx, targets, policies=["speedloader"], run=False, live_blocks=(1, 2))
+    assert len(slcompile.compile_reports()) == reports

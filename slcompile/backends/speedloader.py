@@ -11,8 +11,9 @@ Results are never silently different: a dynamic batch that turns out not divisib
 K at run time runs the plain graph, compiled on first need. Nor does a model run
 eagerly unnoticed: when Dynamo hits its recompile limit on a frame it would compile
 with this backend (a sweep of configurations in one process, without
-`torch._dynamo.reset()` between them), a `RecompileLimitWarning` says so, names the
-fix, and the report of that compile says it ran eagerly.
+`torch._dynamo.reset()` between them), a `RecompileLimitWarning` says so at every
+call that runs eagerly, in each configuration past the limit, names the fix, and the
+newest report is that configuration's, saying it ran eagerly (`compiled` False).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ import torch
 import torch.fx
 
 from slcompile.analysis.inputs import classify_inputs
+from slcompile.backends.dumps import drawing_dumps
 from slcompile.backends.lowering import StepPlan, failed_stage, lower
-from slcompile.config import SpeedLoaderConfig, options_of_mode
+from slcompile.config import SpeedLoaderConfig, batch_split_problem, options_of_mode
 from slcompile.compat import watch_recompile_limit
 from slcompile.errors import (
     BudgetError, NoBlocksError, OffloadError, OptionError, RecompileLimitWarning, RefusedError, as_refusal,
@@ -39,9 +41,9 @@ from slcompile.errors import (
 from slcompile.passes.stream_weights import weight_placement
 from slcompile.pipeline import run_pipeline
 from slcompile.schedules.policies import plan_suffix
-from slcompile.runtime.facts import process_facts
+from slcompile.facts import process_facts
 from slcompile.plans import StashPlan, new_name
-from slcompile.report import CompileReport, add_report, discard_report
+from slcompile.report import CompileReport, add_report, compile_reports, discard_report
 from slcompile.runtime.gradients import sink_plan_for
 from slcompile.runtime.step import StepRuntime
 from slcompile.runtime.gathering import loading_released_weights
@@ -108,7 +110,7 @@ def cudagraphs_apply(config: SpeedLoaderConfig, example_inputs: Sequence[Any], r
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None) -> Callable:
-    from slcompile.runtime.engine import get_engine
+    from slcompile.runtime.storage.engine import get_engine
 
     config = SpeedLoaderConfig.from_options(options)
     # Held until the step's runtime objects hold it: the engine the facts come from,
@@ -132,7 +134,8 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
         return state, runtime, lower(state.gm, example_inputs, planned.lowering, report, plan, runtime)
 
     try:
-        _, (state, runtime, compiled) = plan_suffix(config, attempt)
+        with drawing_dumps():  # the backward, compiled at its first call, draws its dumps too (`PassLog.settings`)
+            _, (state, runtime, compiled) = plan_suffix(config, attempt)
         _size_host_pool(state, report)
     except Exception as err:  # noqa: BLE001  (any failure: see `as_refusal`)
         if passes_through_fallback(err):
@@ -165,15 +168,25 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     return _DivisibleBatchGuard(compiled, original, state, report)
 
 
-def _ran_eagerly(limit_name: str, limit, compiler_fn, code) -> None:
+_LOGGED_EAGERLY: set[str] = set()  # the messages of the configurations logged as run eagerly
+
+
+def _ran_eagerly(limit_name: str, limit, compiler_fn, code) -> bool:
     """Dynamo hit a recompile limit on a frame it would compile with this backend:
-    the frame runs eagerly from now on. Warns, and records a report that says so, so
-    that `compile_reports()[-1]` is not an earlier configuration's."""
+    this call runs eagerly. Called for every such call (`watch_recompile_limit`:
+    this backend claims the frame), so each configuration past the limit warns
+    (Python shows a warning once per message unless its filters say otherwise) and
+    logs an error once, and the newest report is one that says it ran eagerly
+    (`compiled` False), never an earlier configuration's.
+
+    Returns:
+        whether the frame is this backend's (claimed: watched at every call).
+    """
     from torch._dynamo.eval_frame import innermost_backend
 
     backend = innermost_backend(compiler_fn) if compiler_fn is not None else None
     if backend is not speedloader_backend and getattr(backend, "compiler_fn", None) is not speedloader_backend:
-        return
+        return False
     options = dict(getattr(backend, "kwargs", {}).get("options") or {})
     try:
         config = SpeedLoaderConfig.from_options(options)
@@ -187,9 +200,14 @@ def _ran_eagerly(limit_name: str, limit, compiler_fn, code) -> None:
         f"compiling each one (or raises torch._dynamo.config.{limit_name}), or uses slcompile.explain, "
         f"slcompile.compare_policies or slcompile.tune"
     )
-    add_report(CompileReport(config=config, fallback_reason=message))
-    log.error("%s", message)
+    newest = compile_reports()[-1:]
+    if not (newest and not newest[0].compiled and newest[0].fallback_reason == message):
+        add_report(CompileReport(config=config, fallback_reason=message, compiled=False))
+    if message not in _LOGGED_EAGERLY:
+        _LOGGED_EAGERLY.add(message)
+        log.error("%s", message)
     warnings.warn(message, RecompileLimitWarning, stacklevel=2)
+    return True
 
 
 watch_recompile_limit(_ran_eagerly)
@@ -278,8 +296,8 @@ def _optimizer_memory(state, machine):
 
 def _stash_plan(config: SpeedLoaderConfig) -> StashPlan | None:
     """The activation stash on the configured tier, or None when activations stay."""
-    from slcompile.runtime.engine import get_engine
-    from slcompile.runtime.tiers import Tier
+    from slcompile.runtime.storage.engine import get_engine
+    from slcompile.runtime.storage.tiers import Tier
 
     if config.activations == "device":
         return None
@@ -294,8 +312,8 @@ def _size_host_pool(state, report) -> None:
     predicted host peak (streamed weights, offloaded activations) less what already
     rests there, plus up to a page per tensor (each takes whole pages). Nothing is
     pinned on a CPU machine."""
-    from slcompile.runtime.engine import get_engine
-    from slcompile.runtime.tiers import PAGE_BYTES
+    from slcompile.runtime.storage.engine import get_engine
+    from slcompile.runtime.storage.tiers import PAGE_BYTES
 
     if report.memory is None or not report.memory.peak_bytes.get("host"):
         return
@@ -351,14 +369,14 @@ class _DivisibleBatchGuard:
 
     def __call__(self, *args: Any) -> Any:
         sizes = tuple(dict.fromkeys(int(args[position].shape[dim]) for position, dim in self.batched))
-        if len(sizes) == 1 and sizes[0] % self.config.num_subbatches == 0:
+        if len(sizes) == 1:
+            reason = batch_split_problem(sizes[0], self.config.num_subbatches)
+        else:
+            reason = f"the batched inputs disagree on the batch size ({', '.join(map(str, sizes))})"
+        if reason is None:
             return self.compiled(*args)
         with self.lock:
             if sizes not in self.plain:
-                if len(sizes) == 1:
-                    reason = f"batch size {sizes[0]} is not divisible by num_subbatches={self.config.num_subbatches}"
-                else:
-                    reason = f"the batched inputs disagree on the batch size ({', '.join(map(str, sizes))})"
                 log.warning("speedloader: %s; running this call with plain %s", reason, self.config.lowering)
                 plain_report = CompileReport(config=self.config, fallback_reason=reason)
                 # Lowered for this call's inputs: the compile of the split graph specialized

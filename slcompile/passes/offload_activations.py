@@ -12,7 +12,8 @@ Around AOTAutograd's partitioner:
   activations to be saved. Weights fetched from a tier are recomputed anyway
   (`stream_weights`).
 - `saved_activations` (the partitioned pair, read only): every tensor the forward
-  saves for the backward, the (block, sub-batch) step that makes it, its bytes, the
+  saves for the backward, the (block, sub-batch) step that makes it, the op and the
+  module path that make it, its bytes, the
   steps of its last forward use and first backward use, and why it must stay on the
   device if it must (a graph input or a view of one, a model output, not of one
   sub-batch, smaller than `min_offload_bytes`). The policy is asked again with them
@@ -55,7 +56,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from slcompile.analysis.order import runs_suffix_whole, unit_key
 from slcompile.analysis.lifetimes import tensor_bytes
 from slcompile.compat import optimization_hint
-from slcompile.meta import SlcMeta, get_slc_meta, set_slc_meta
+from slcompile.meta import SlcMeta, get_slc_meta, module_path, set_slc_meta
 from slcompile.schedules.base import SavedActivation, Schedule
 from slcompile.vocabulary import STASH, UNSTASH, UNSTASH_WAIT, WAIT, fake_token, is_compute
 
@@ -312,8 +313,36 @@ def saved_activations(
         first = None
         if placeholder is not None and placeholder.users:
             first = bw_step[min(placeholder.users, key=bw_index.__getitem__)]
-        found.append(SavedActivation(node.name, owner, _bytes_hint(value), last, first, reason))
+        found.append(SavedActivation(node.name, owner, _bytes_hint(value), last, first, reason,
+                                     op=_op_name(node), module_path=_module_path(node)))
     return tuple(found)
+
+
+def _op_name(node: torch.fx.Node) -> str | None:
+    """The op that made `node` (`aten.mm.default`): for one output of a multi-output
+    op, that op; None for a graph input."""
+    if node.op == "call_function" and node.target is operator.getitem and node.args \
+            and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return target.name()
+    return getattr(target, "__qualname__", None) or str(target)
+
+
+def _module_path(node: torch.fx.Node) -> str | None:
+    """The innermost module whose forward made `node`, as the model names it
+    (`model.layers.3.self_attn`), from the `nn_module_stack` AOTAutograd keeps on
+    forward nodes (`fwd_nn_module_stack` where only that is kept); None when unknown."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    path, _kind = list(stack.values())[-1]
+    return module_path(path) if isinstance(path, str) else None
 
 
 def offload_saved(

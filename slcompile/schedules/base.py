@@ -496,6 +496,12 @@ class SavedActivation:
         first_backward_use: the step its first backward reader runs in.
         stays: why it cannot leave the device (a graph input, a model output,
             smaller than `min_offload_bytes`, ...), or None.
+        op: the op that made it, as torch writes it (`aten.mm.default`; the
+            multi-output op for one of its outputs), or None for a graph input.
+        module_path: the module whose forward made it, as the model names it
+            (`model.layers.3.self_attn`, from the node's `nn_module_stack`; the
+            compiled module itself is ``), or None when unknown: what a policy
+            picks saved tensors by across models whose node names differ.
     """
 
     name: str
@@ -504,6 +510,8 @@ class SavedActivation:
     last_forward_use: tuple[str, int | None, int]
     first_backward_use: tuple[str, int | None, int]
     stays: str | None = None
+    op: str | None = None
+    module_path: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from slcompile.errors import PolicyError
 from slcompile.schedules.base import Schedule, ScheduleRequest
-from slcompile.schedules.validate import validate_schedule
+from slcompile.schedules.validate import UNNAMED_POLICY, validate_schedule
 
 __all__ = ["Policy"]
 
@@ -42,7 +43,16 @@ class Policy:
         request (`Schedule.replan`).
 
         Raises:
-            PolicyError: the schedule is not one the passes can compile as written.
+            PolicyError: the schedule is not one the passes can compile as written,
+                or a helper `build` called refused what it was asked (a stash tier
+                that is not a slower tier), named as this policy's.
         """
-        schedule = validate_schedule(self.build(request), request, self.name)
+        try:
+            built = self.build(request)
+        except PolicyError as err:
+            if err.policy != UNNAMED_POLICY:
+                raise
+            # A helper (`add_stashes`) refused what the policy asked of it: the policy is this one.
+            raise PolicyError(self.name, err.problem, err.step) from None
+        schedule = validate_schedule(built, request, self.name)
         return dataclasses.replace(schedule, policy=self, request=request)

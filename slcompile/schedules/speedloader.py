@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 
+from slcompile.errors import PolicyError
 from slcompile.schedules.base import (
     STASH_TIERS,
     Schedule,
@@ -28,6 +29,7 @@ from slcompile.schedules.base import (
 )
 from slcompile.schedules.policy import Policy
 from slcompile.schedules.planner import choose_stashes, load_issue_at, store_wait_at, unit_lifetimes, without_kept
+from slcompile.schedules.validate import UNNAMED_POLICY, stash_tier_problem
 
 __all__ = [
     "speedloader_schedule", "layer_major_compute", "suffix_compute", "add_stashes", "add_spills", "add_stores", "SPEEDLOADER",
@@ -77,7 +79,9 @@ def add_stashes(steps: list[Step], request: ScheduleRequest, keep=lambda step: F
     `tier(step)` names the tier a step's stash goes to (`Step.tier`: "host" or
     "nvme"; None: the `activations` option's); a step whose tier copies nothing on
     this machine (not in `request.stash_tiers`: the host of a CPU machine) keeps its
-    activations on the device. The saved tensors named in `kept_saved` stay on the
+    activations on the device, and any other name ("disk", "NVMe") raises a
+    `PolicyError` naming it and the tiers allowed (`stash_tier_problem`), whatever
+    the request moves. The saved tensors named in `kept_saved` stay on the
     device whatever their unit does: the policy writes the same names into its
     `Schedule(..., kept_saved=...)`, and the planner counts and places the others.
 
@@ -91,10 +95,16 @@ def add_stashes(steps: list[Step], request: ScheduleRequest, keep=lambda step: F
     whose activations may leave writes no step.
     Transfers that run before a compute step come after its weight fetches.
     """
+    tiers = {s.key: tier(s) for s in steps if s.phase == "fwd" and s.kind == "compute" and s.region != "suffix"}
+    for (region, block, subbatch), named in tiers.items():
+        # Checked whatever the request moves: a mistyped tier is an error, never a unit left on the device.
+        problem = None if named is None else stash_tier_problem(named)
+        if problem:
+            raise PolicyError(UNNAMED_POLICY, problem,
+                              Step("fwd", region, block, subbatch, "stash.issue", tier=named).text())
     if not (request.activations_offloaded and request.backward):
         return steps
     allowed = STASH_TIERS if request.stash_tiers is None else request.stash_tiers
-    tiers = {s.key: tier(s) for s in steps if s.phase == "fwd" and s.kind == "compute" and s.region != "suffix"}
     units = [s.key for s in steps if s.phase == "fwd" and s.kind == "compute" and s.region != "suffix"
              and not keep(s) and (tiers[s.key] is None or tiers[s.key] in allowed)]
     if request.saved is None:

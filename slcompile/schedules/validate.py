@@ -55,11 +55,15 @@ from slcompile.schedules.base import (
 )
 from slcompile.schedules.generation import PassRequest
 
-__all__ = ["validate_schedule", "validate_pass", "check_agreement"]
+__all__ = ["validate_schedule", "validate_pass", "check_agreement", "stash_tier_problem", "UNNAMED_POLICY"]
+
+UNNAMED_POLICY = "<unnamed>"
+"""The policy a `PolicyError` names when what raised it does not know the policy (a
+helper such as `add_stashes`); `Policy` names itself in it instead."""
 
 
 def validate_schedule(schedule: Schedule, request: ScheduleRequest | PassRequest,
-                      policy: str = "<unnamed>") -> Schedule:
+                      policy: str = UNNAMED_POLICY) -> Schedule:
     """Checks that `schedule` is one the passes can compile for `request` (a training
     or evaluation step's), or one a generation pass runs (`validate_pass`, for a
     `PassRequest`).
@@ -126,6 +130,19 @@ def _check_recompute(schedule: Schedule, request: ScheduleRequest, policy: str) 
                                       f"sub-batches 0..{k - 1})", recompute_text({unit}))
 
 
+def stash_tier_problem(tier) -> str | None:
+    """What is wrong with `tier` as the tier a unit's stash goes to (`Step.tier`), or
+    None when it is one of `STASH_TIERS`. Whether that tier copies on this machine
+    (`request.stash_tiers`) is another question: `add_stashes` keeps such a unit on
+    the device, and `validate_schedule` refuses a step that names it."""
+    if tier in STASH_TIERS:
+        return None
+    hint = ""
+    if isinstance(tier, str) and tier.strip().lower() in STASH_TIERS:
+        hint = f"; did you mean {tier.strip().lower()!r}?"
+    return f"tier {tier!r} is not a slower tier (a stash goes to one of {', '.join(STASH_TIERS)}){hint}"
+
+
 def _malformed(step: Step, request: ScheduleRequest, phases: tuple[str, ...]) -> str | None:
     """What is wrong with one step on its own, or None."""
     if step.phase not in phases:
@@ -157,8 +174,9 @@ def _malformed(step: Step, request: ScheduleRequest, phases: tuple[str, ...]) ->
     if step.tier is not None:
         if step.kind != "stash.issue":
             return f"tier {step.tier!r}: only a `stash.issue` names the tier its unit's activations go to"
-        if step.tier not in STASH_TIERS:
-            return f"tier {step.tier!r} is not a slower tier (a stash goes to one of {', '.join(STASH_TIERS)})"
+        problem = stash_tier_problem(step.tier)
+        if problem:
+            return problem
         allowed = STASH_TIERS if request.stash_tiers is None else request.stash_tiers
         if step.tier not in allowed:
             return (f"tier {step.tier!r} is the device's own memory on this machine: a stash moves nothing "
@@ -295,7 +313,7 @@ def _gradients_pending(steps: tuple[Step, ...], index: int, store: Step) -> bool
     )
 
 
-def check_agreement(planned: Schedule, derived: Schedule, policy: str = "<unnamed>") -> None:
+def check_agreement(planned: Schedule, derived: Schedule, policy: str = UNNAMED_POLICY) -> None:
     """Checks that the compiled graphs (`derived`, `schedule_of`) make the transfers of
     the schedule the policy wrote (`planned`), in its order, phase by phase for the
     phases the graphs have.
@@ -343,7 +361,7 @@ _PASS_KINDS = ("compute", "fetch.issue", "fetch.wait", "load_kv.issue", "store_k
                "spill.issue", "spill.wait", "fill.issue", "fill.wait")
 
 
-def validate_pass(schedule: Schedule, request: PassRequest, policy: str = "<unnamed>") -> Schedule:
+def validate_pass(schedule: Schedule, request: PassRequest, policy: str = UNNAMED_POLICY) -> Schedule:
     """Checks that `schedule` is a generation pass `lower_pass` runs for `request`
     (`slcompile.schedules.generation`).
 
