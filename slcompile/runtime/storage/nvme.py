@@ -522,12 +522,8 @@ class NvmeArena:
                 self._write_all(view[:padded], first)
             for slot in slots:
                 slot.valid = True
-        except OffloadError as failure:
-            outcome.error = failure
-        except OSError as failure:
-            outcome.error = self._os_error(failure, "write failed", key)
         except Exception as failure:  # noqa: BLE001 - must reach the waiting thread
-            outcome.error = OffloadError(f"write failed: {failure!r}", key=key, path=self.file_path)
+            outcome.error = self._failure(failure, "write", key)
         outcome.end = time.perf_counter()
         on_done(outcome)
 
@@ -591,12 +587,8 @@ class NvmeArena:
                 if error is not None:
                     failed[index] = error
                 got -= sizes[index]
-        except OffloadError as failure:
-            outcome.error = failure
-        except OSError as failure:
-            outcome.error = self._os_error(failure, "read failed", key)
         except Exception as failure:  # noqa: BLE001 - must reach the waiting thread
-            outcome.error = OffloadError(f"read failed: {failure!r}", key=key, path=self.file_path)
+            outcome.error = self._failure(failure, "read", key)
         outcome.end = time.perf_counter()
         on_done(outcome, failed)
 
@@ -680,6 +672,15 @@ class NvmeArena:
                                            path=self.file_path)
         return OffloadError(f"{what} ({error.strerror})", key=key, path=self.file_path)
 
+    def _failure(self, failure: Exception, what: str, key: str) -> OffloadError:
+        """What a failed `what` ("read", "write") reports: an `OffloadError` as it is, an
+        `OSError` by its errno (`_os_error`), anything else wrapped."""
+        if isinstance(failure, OffloadError):
+            return failure
+        if isinstance(failure, OSError):
+            return self._os_error(failure, f"{what} failed", key)
+        return OffloadError(f"{what} failed: {failure!r}", key=key, path=self.file_path)
+
     def _staging_buffer(self) -> tuple[PageBuffer, int]:
         staged = getattr(self._staging, "buffer", None)
         if staged is None:
@@ -707,13 +708,8 @@ class NvmeArena:
             if slot.checksums is not None:
                 slot.checksums[start // self.chunk_bytes] = _checksum(view[:length])
             self._write_all(view, slot.byte_range.offset + start)
-        except OffloadError as failure:
-            error = failure
-        except OSError as failure:
-            error = self._os_error(failure, "write failed", slot.key)
         except Exception as failure:  # noqa: BLE001 - must reach the waiting thread
-            error = OffloadError(f"write failed: {failure!r}", key=slot.key,
-                                 path=self.file_path)
+            error = self._failure(failure, "write", slot.key)
         batch.chunk_finished(error)
 
     def _read_chunk(self, batch, slot, start, address, length, writable) -> None:
@@ -744,13 +740,8 @@ class NvmeArena:
                         f"tensor) read back with CRC-32C {found:08x}, written with {expected:08x}",
                         key=slot.key, path=self.file_path, offset=offset,
                     )
-        except OffloadError as failure:
-            error = failure
-        except OSError as failure:
-            error = self._os_error(failure, "read failed", slot.key)
         except Exception as failure:  # noqa: BLE001 - must reach the waiting thread
-            error = OffloadError(f"read failed: {failure!r}", key=slot.key,
-                                 path=self.file_path)
+            error = self._failure(failure, "read", slot.key)
         batch.chunk_finished(error)
 
     # -- lifetime ------------------------------------------------------------
