@@ -123,12 +123,16 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     report = CompileReport(config=config)
     add_report(report)
     original = gm
+    facts = None  # read of the runtime once per compile: every plan tried reads the same record
+
     # One boundary around every stage: the Dynamo passes, and the lowering (AOTAutograd,
     # the joint, partitioned and compiled passes, the compiler, region outlining). What
     # fails there, unless it is the user's to fix, compiles the graph plainly instead.
     def attempt(planned: SpeedLoaderConfig):
-        state = run_pipeline(gm, example_inputs, planned, facts=process_facts(planned, example_inputs),
-                             passes_log=report.pass_log)
+        nonlocal facts
+        if facts is None:
+            facts = process_facts(planned, example_inputs)
+        state = run_pipeline(gm, example_inputs, planned, facts=facts, passes_log=report.pass_log)
         plan = dataclasses.replace(step_plan(state), cudagraphs=cudagraphs_apply(planned, example_inputs, report))
         runtime = StepRuntime(plan.streamer, plan.stash, plan.gradients)
         return state, runtime, lower(state.gm, example_inputs, planned.lowering, report, plan, runtime)
