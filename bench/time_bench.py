@@ -308,7 +308,13 @@ def main() -> None:
     if not args.no_generation:
         rows += generation_rows(args, profile)
     within = sum(abs(r["error"]) <= 0.15 for r in rows)
+    training = [r for r in rows if "pass" not in r]
+    ranking = spearman([r["predicted_step_seconds"] for r in training], [r["measured_median_seconds"] for r in training])
     print(f"profile: {profile.source}")
+    print(profile.describe())
+    if profile.trust_problem() is not None:
+        print(f"the profile cannot be trusted: {profile.trust_problem()}")
+    print(f"training rows: predicted against measured medians rank with Spearman {ranking:.2f}")
     print(f"{'K':>2} {'weights':7} {'acts':6} {'recomp':7} {'best ms':>8} {'median':>8} {'pred ms':>8} "
           f"{'err':>7} {'err/med':>7} {'cpu ms':>7} {'pred c':>7} bound")
     for r in rows:
@@ -328,7 +334,8 @@ def main() -> None:
         "model": {"d_model": args.d_model, "seq_len": args.seq_len, "layers": args.layers, "batch": args.batch,
                   "lowering": "aot_eager"},
         "profile": json.loads(profile.to_json()),
-        "cpu": {"rows": rows, "within_15_percent": within},
+        "profile_trust_problem": profile.trust_problem(),
+        "cpu": {"rows": rows, "within_15_percent": within, "training_spearman": ranking},
     }
     if not args.no_h100:
         add_paper(record, args)

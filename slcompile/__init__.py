@@ -11,7 +11,8 @@ from slcompile.analysis.memory import MemoryPrediction
 from slcompile.analysis.time import TimePrediction
 from slcompile import defaults
 from slcompile.errors import (
-    BudgetError, CompileError, OptionError, PolicyError, RecompileLimitWarning, RefusedError, ReleasedWeightError,
+    BudgetError, CompileError, OptionError, PolicyError, ProfileError, RecompileLimitWarning, RefusedError,
+    ReleasedWeightError,
 )
 from slcompile.explain import Explanation, GraphExplanation, explain
 from slcompile.generate import GenerationExplanation, GenerationOutput, explain_generation, generate, generation
@@ -25,6 +26,7 @@ from slcompile.checkpoint import load_sharded, save_sharded
 from slcompile.pretrained import save_pretrained
 from slcompile.tune import Candidate, GenerationTuneResult, TuneResult, tune, tune_generation
 from slcompile.compare import PolicyComparison, PolicyRow, compare_policies
+from slcompile.sweep import SweepRow, SweepTable, sweep
 from slcompile.schedules.policy import Policy
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "DiskFullError",
     "CorruptDataError",
     "PolicyError",
+    "ProfileError",
     "RecompileLimitWarning",
     "explain",
     "Explanation",
@@ -68,6 +71,9 @@ __all__ = [
     "TuneResult",
     "Candidate",
     "compare_policies",
+    "sweep",
+    "SweepTable",
+    "SweepRow",
     "PolicyComparison",
     "PolicyRow",
     "Policy",

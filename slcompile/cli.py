@@ -37,7 +37,7 @@ from types import MappingProxyType
 import torch
 
 from slcompile.config import GENERATION_ONLY, SpeedLoaderConfig
-from slcompile.errors import OptionError
+from slcompile.errors import OptionError, ProfileError
 from slcompile.units import format_bytes
 from slcompile.viz.dot import AUTO_SUMMARY_NODES
 
@@ -169,7 +169,9 @@ def _machine(args: argparse.Namespace, options: dict):
     if args.profile is None or args.profile.lower() == "none":
         return None
     try:
-        return machine_profile(args.profile, offload_dir=options.get("offload_dir"))
+        return machine_profile(args.profile, offload_dir=options.get("offload_dir"), refuse_untrusted=True)
+    except ProfileError as err:
+        raise OptionError(f"--profile {args.profile}: {err}") from None
     except (ValueError, TypeError, OSError) as err:
         raise OptionError(f"--profile {args.profile}: {err}; --profile takes current, none, a named profile or "
                           "a profile's JSON file") from None
@@ -534,18 +536,82 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grid(entries: list[str]) -> dict[str, list]:
+    """`--grid OPTION=V1,V2` entries as {option: [values]}, each value parsed as the
+    option's own flag parses it."""
+    fields = {f.name: f for f in dataclasses.fields(SpeedLoaderConfig) if f.name not in GENERATION_ONLY}
+    grid: dict[str, list] = {}
+    for entry in entries:
+        name, _, text = entry.partition("=")
+        name = name.strip().replace("-", "_")
+        if name not in fields or not text:
+            raise OptionError(f"--grid {entry!r}: expected OPTION=V1,V2,... with OPTION one of the backend options "
+                              f"(num_subbatches, activations, ...)")
+        if name == "schedule":
+            raise OptionError("--grid schedule=...: the policies are swept by --policies A,B")
+        default = fields[name].default
+        kind = str if default is None else type(default)
+        parse = (lambda word: word.lower() in ("1", "true", "yes")) if kind is bool else kind
+        try:
+            grid[name] = [parse(word.strip()) for word in text.split(",")]
+        except ValueError as err:
+            raise OptionError(f"--grid {entry!r}: {err}") from None
+    return grid
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from slcompile.sweep import sweep
+
+    model, call_args, call_kwargs = _load_target(args.target)
+    options = _options(args)
+    if "schedule" in options:
+        raise OptionError("sweep takes its policies as --policies A,B, not --schedule")
+    grid = _grid(args.grid)
+    both = sorted(set(grid) & set(options))
+    if both:
+        raise OptionError(f"--{both[0].replace('_', '-')} and --grid {both[0]}=...: an option is fixed or swept, "
+                          "not both")
+    policies = _policy_names(args.policies, "--policies") if args.policies is not None else ["speedloader"]
+    machine = _machine(args, options)
+    table = sweep(model, *call_args, kwargs=call_kwargs, policies=policies, options=grid, steps=args.steps,
+                  warmup=args.warmup, profile=machine, **options)
+    print(table)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"written: {table.write_csv(out / 'sweep.csv')}, {table.write_json(out / 'sweep.json')}")
+    return 0 if any(row.compiled for row in table.rows) else 1
+
+
 # -- entry point ---------------------------------------------------------------
+
+def _profile(args: argparse.Namespace) -> int:
+    from slcompile.measure import profile_path, write_profile
+    from slcompile.profile import measure_profile
+
+    measured = measure_profile(offload_dir=args.offload_dir, steps=args.steps)
+    path = args.out or profile_path()
+    write_profile(measured, path)
+    print(measured.describe())
+    print(f"written to {path}")
+    problem = measured.trust_problem()
+    if problem is not None:
+        print(f"not to be trusted: {problem}; explain, tune and compare refuse it: measure again while the "
+              "machine is quiet")
+        return 1
+    return 0
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slcompile",
         description="Runs block-structured models layer-major over sub-batches under torch.compile "
                     "(backend=\"speedloader\"): try it on a small GPT (demo), see what it would do with "
-                    "your model (explain), choose options that fit a memory budget (tune), or compare "
-                    "scheduling policies on it (compare).",
+                    "your model (explain), choose options that fit a memory budget (tune), compare "
+                    "scheduling policies on it (compare), measure policies and options in a grid (sweep), or "
+                    "measure this machine's rates for the time model (profile).",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,explain,tune,compare}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,explain,tune,compare,sweep,profile}")
     # --debug after the command too; SUPPRESS keeps the one given before it.
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -661,6 +727,46 @@ def _parser() -> argparse.ArgumentParser:
     _add_picture_flags(compare)
     _add_config_flags(compare)
     compare.set_defaults(run=_compare)
+
+    sweep = commands.add_parser(
+        "sweep", parents=[debug], help="measure and predict every policy under every combination of options",
+        description="Compiles a copy of the model factory() builds under each policy of --policies and each "
+                    "combination of the --grid values (Dynamo reset between them), times --steps training steps "
+                    "of each after the measured ones, and prints one row per configuration: the median, fastest "
+                    "and spread of the steps, the measured and planned peaks, the bytes moved, and the step "
+                    "time predicted on --profile with its interval; a configuration that does not compile says "
+                    "why. Writes sweep.csv and sweep.json into --out (slcompile.sweep).",
+    )
+    sweep.add_argument("target", help=target_help)
+    sweep.add_argument("--policies", metavar="A,B,...", help="the policies to sweep (default: speedloader)")
+    sweep.add_argument("--grid", action="append", default=[], metavar="OPTION=V1,V2",
+                       help="an option swept over these values (repeatable: every combination is run), as "
+                            "--grid num_subbatches=1,2,4 --grid activations=device,nvme")
+    sweep.add_argument("--steps", type=int, default=5, help="timed steps per configuration (default: 5)")
+    sweep.add_argument("--warmup", type=int, default=1, help="untimed steps before them (default: 1)")
+    sweep.add_argument("--profile", default="current", metavar="PROFILE",
+                       help="the machine each step's time is predicted for: current (the default), a named "
+                            f"profile ({_named_profiles()}), a profile's JSON file, or none")
+    sweep.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                       help=f"folder sweep.csv and sweep.json are written to (default: ./{DEFAULT_OUT})")
+    _add_config_flags(sweep)
+    sweep.set_defaults(run=_sweep)
+
+    profile = commands.add_parser(
+        "profile", parents=[debug], help="measure this machine's rates for the time model and cache them",
+        description="Measures this machine's rates (matmul, memory bandwidth, op and call overheads, the "
+                    "links, the disk: a few seconds), with the cores other processes kept busy meanwhile and "
+                    "how far each rate's repeats spread, and caches them where --profile current reads them "
+                    "(replacing the cached one). A measurement made beside other work is refused by explain, "
+                    "tune and compare: run this while the machine is quiet. --steps also fits the compute "
+                    "thread's fixed costs from compiled steps (about 10 s more).",
+    )
+    profile.add_argument("--steps", action="store_true",
+                         help="also fit the per-op, per-transfer-op and generation costs from compiled steps")
+    profile.add_argument("--offload-dir", help="the directory whose disk the nvme tier uses (default: the temp dir)")
+    profile.add_argument("--out", metavar="PATH",
+                         help="write the profile's JSON here instead of the cache (--profile PATH reads it)")
+    profile.set_defaults(run=_profile)
     return parser
 
 

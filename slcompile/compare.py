@@ -42,6 +42,7 @@ import dataclasses
 import difflib
 import logging
 import pathlib
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -91,6 +92,8 @@ class PolicyRow:
         ran: whether a step ran (False: `compare_policies(..., run=False)`; the
             measured figures and the predicted-as-measured peak are then None and
             the mappings of measured bytes empty).
+        step_seconds: the wall time of each timed step (`slcompile.sweep` times
+            some after the measured ones; `compare_policies` none).
 
     A failed row (`error` set) has None or empty figures and an empty schedule.
     """
@@ -110,6 +113,7 @@ class PolicyRow:
     time: Any = dataclasses.field(default=None, repr=False, compare=False)
     error: str | None = None
     ran: bool = True
+    step_seconds: tuple[float, ...] = ()
 
     @classmethod
     def failed(cls, policy: str, error: BaseException, *, ran: bool = True) -> PolicyRow:
@@ -398,7 +402,7 @@ def compare_policies(
     if profile is not None:
         from slcompile.measure import machine_profile
 
-        machine = machine_profile(profile, offload_dir=options.get("offload_dir"))
+        machine = machine_profile(profile, offload_dir=options.get("offload_dir"), refuse_untrusted=True)
     rows, errors = [], []
     for policy, name in zip(policies, names):
         try:
@@ -468,7 +472,10 @@ def loss_of(output: Any) -> torch.Tensor | None:
     return tensors[0].float().sum() if tensors else None
 
 
-def _measure(model, inputs, kwargs, options, policy, name) -> PolicyRow:
+def _measure(model, inputs, kwargs, options, policy, name, warmup: int = 0, timed: int = 0) -> PolicyRow:
+    """The measured row of one policy; with `timed`, that many more steps timed
+    after `warmup` untimed ones (`PolicyRow.step_seconds`), loads issued ahead
+    left to the next step as in training."""
     from slcompile.analysis.memory import measured_peak_bytes
     from slcompile.report import compile_reports
     from slcompile.runtime import collect_garbage
@@ -514,6 +521,19 @@ def _measure(model, inputs, kwargs, options, policy, name) -> PolicyRow:
                 peaks.append(measured_peak_bytes(step))
             clear_gradients()
             recorded = record_step(step)
+        step_seconds = []
+        for i in range(warmup + timed):
+            clear_gradients()
+            start = time.perf_counter()
+            output = compiled(*inputs, **kwargs)
+            loss = loss_of(output)
+            if loss is not None:
+                loss.backward()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if i >= warmup:
+                step_seconds.append(time.perf_counter() - start)
+        drain_prefetches()
     finally:
         # The copy's stored weights go before the next policy starts, whatever happened.
         forget_weights(replica)
@@ -539,6 +559,7 @@ def _measure(model, inputs, kwargs, options, policy, name) -> PolicyRow:
         transfers={_column(key): int(n) for key, n in stats.transfers.items() if n},
         report=report,
         recorded=recorded,
+        step_seconds=tuple(step_seconds),
     )
     del compiled, replica
     torch._dynamo.reset()

@@ -70,6 +70,13 @@ class OptionError(ValueError):
     option and how to fix it."""
 
 
+class ProfileError(OptionError):
+    """A measured machine profile that `explain`, `tune` or `compare_policies` would
+    predict from was measured under load or with widely spread repeats
+    (`MachineProfile.trust_problem`): the message says which, and how to remeasure
+    or to use it anyway."""
+
+
 class PolicyError(OptionError):
     """A schedule policy (the `schedule` option) wrote a schedule the passes cannot
     compile as written: not a `Schedule`, a compute step missing or repeated, a

@@ -260,7 +260,8 @@ def explain(
     config = SpeedLoaderConfig.from_options(options)
     _, sources = defaults.resolve(options)
     check_optimizer(optimizer, optimizer_options, "explain")
-    machine = machine_profile(profile, offload_dir=config.offload_dir) if profile is not None else None
+    machine = (machine_profile(profile, offload_dir=config.offload_dir, refuse_untrusted=True)
+               if profile is not None else None)
     tiers = transfer_tiers(config, optimizer_options)
     planned = config
     if machine is not None and not machine.host_is_device and not torch.cuda.is_available() \
@@ -433,18 +434,27 @@ def report_time(report, config: SpeedLoaderConfig, machine, tiers=None, tokens: 
     """The predicted timeline of a compiled step's graphs (`report.partitioned`, else
     `report.graphs`) on `machine`: a training step when it holds a forward and a
     backward, else its inference or forward graph; each transfer kind on its tier
-    (`tiers`, default: where `config` puts it); `tokens` per step for tokens/s."""
+    (`tiers`, default: where `config` puts it); `tokens` per step for tokens/s.
+    A measured profile's spread gives the interval's slow end
+    (`TimePrediction.slow_step_seconds`)."""
     from slcompile.analysis.time import predict_time
 
     tiers = tiers or transfer_tiers(config)
     graphs = report.partitioned or report.graphs
     lowering = config.lowering if config.lowering in ("inductor", "aot_eager") else "aot_eager"
     if "forward" in graphs and "backward" in graphs:
-        return predict_time(graphs["forward"], graphs["backward"], profile=machine, tiers=tiers, tokens=tokens,
-                            lowering=lowering)
-    kind = "inference" if "inference" in graphs else "forward"
-    return predict_time(graphs[kind], profile=machine, tiers=tiers, tokens=tokens, lowering=lowering,
-                        phase="inference" if kind == "inference" else "fwd")
+        step, kind = (graphs["forward"], graphs["backward"]), {}
+    else:
+        kind = "inference" if "inference" in graphs else "forward"
+        step, kind = (graphs[kind],), {"phase": "inference" if kind == "inference" else "fwd"}
+    policy = getattr(config.schedule, "name", config.schedule)
+    timeline = dataclasses.replace(
+        predict_time(*step, profile=machine, tiers=tiers, tokens=tokens, lowering=lowering, **kind),
+        policy=policy if isinstance(policy, str) else None, num_subbatches=config.num_subbatches)
+    if not machine.spread:
+        return timeline
+    slow = predict_time(*step, profile=machine.at_spread(), tiers=tiers, tokens=tokens, lowering=lowering, **kind)
+    return dataclasses.replace(timeline, slow_step_seconds=max(slow.step_seconds, timeline.step_seconds))
 
 
 def _predict(state, example_inputs, optimizer=None, optimizer_options=None):

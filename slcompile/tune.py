@@ -231,7 +231,7 @@ def tune(
     if profile is not None:
         from slcompile.measure import machine_profile
 
-        machine = machine_profile(profile, offload_dir=options.get("offload_dir"))
+        machine = machine_profile(profile, offload_dir=options.get("offload_dir"), refuse_untrusted=True)
         options = {**options, "machine_profile": machine}
     return _tune_graph(gm, example_inputs, budget, num_subbatches, live_blocks, optimizer, optimizer_options,
                        options, machine, tiers, policies)

@@ -78,6 +78,7 @@ import torch.fx
 from torch._library.effects import EffectType
 
 __all__ = [
+    "stash_key_of",
     "FETCH_ISSUE",
     "FETCH_WEIGHT",
     "STASH",
@@ -555,6 +556,24 @@ class StashKey:
         if not bar or not stash or not name or at and not tier:
             raise ValueError(f"not a stash key: {key!r}")
         return cls(stash, name, tier or None)
+
+
+def stash_key_of(node: torch.fx.Node) -> StashKey | None:
+    """The parsed key of the stash an activation transfer node belongs to (the
+    stash, its wait, the load or the load's wait, each reaching the stash through
+    its first argument), or None for another node or a key that is not a stash's."""
+    if not (is_stash(node) or is_stash_wait(node) or is_unstash(node) or is_unstash_wait(node)):
+        return None
+    stash = node
+    while not is_stash(stash):
+        if not stash.args or not isinstance(stash.args[0], torch.fx.Node):
+            return None
+        stash = stash.args[0]
+    key = stash.args[1] if len(stash.args) > 1 and isinstance(stash.args[1], str) else None
+    try:
+        return StashKey.parse(key) if key is not None else None
+    except ValueError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

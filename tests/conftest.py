@@ -19,6 +19,12 @@ import slcompile  # noqa: E402
 for _option in slcompile.SpeedLoaderConfig.__dataclass_fields__:
     os.environ.pop(slcompile.defaults.environment_variable(_option), None)
 
+# "current" is this machine as measured quietly, written beside the tests: measured
+# again here it would be measured beside the other worker and refused
+# (`MachineProfile.trust_problem`), and predictions would change from run to run. The
+# tests of measuring set or remove it themselves.
+os.environ["SLC_PROFILE"] = os.path.join(os.path.dirname(__file__), "data", "cpu-profile.json")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One intra-op thread per worker: `-n 2` on two cores runs two tests at once
     # instead of four threads fighting over them.

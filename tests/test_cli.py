@@ -270,7 +270,7 @@ def test_explain_predicts_on_a_named_profile_and_draws_it_without_a_step(capsys,
     status, out, err = _main(capsys, "explain", *TINY, "--profile", "h100-pcie5-nvme", "--predicted-trace",
                              "--out", tmp_path)
     assert status == 0, err
-    assert re.search(r"predicted time \(profile h100-pcie5-nvme; a prediction, not a measurement\):\n"
+    assert re.search(r"predicted time \(speedloader, K=\d+, on h100-pcie5-nvme; a prediction, not a measurement\):\n"
                      r"\s+step [\d.]+ ms, bound by", out)
     assert set(_written(out)) == {tmp_path / "predicted_trace.json", tmp_path / "predicted_timeline.png"}
     trace = json.loads((tmp_path / "predicted_trace.json").read_text())

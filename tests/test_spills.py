@@ -207,3 +207,42 @@ def test_inductor_evaluation_spills_and_matches_eager():
         reset_runtime_stats()
         torch.testing.assert_close(compiled(idx, targets)[0], model(idx, targets)[0], atol=1e-5, rtol=1e-5)
     assert _activation_bytes() == (5 * K * BOUNDARY, 5 * K * BOUNDARY)
+
+
+def test_the_traces_name_spills_fills_and_each_units_sub_batch():
+    """Measured and predicted, a boundary activation's store and load are drawn as a
+    spill and a fill (not as a saved activation's stash), and each unit's compute is
+    named by its block and sub-batch."""
+    from collections import Counter
+
+    from slcompile.analysis.machine import named_profile
+    from slcompile.analysis.time import predict_time
+    from slcompile.viz.pictures import record_step
+    from slcompile.viz.trace import chrome_trace, predicted_chrome_trace
+
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    idx, targets = make_gpt_batch(CFG, BATCH)
+    compiled = torch.compile(model, backend="speedloader", options={**SPILL, "schedule": _as_written("spilling")})
+
+    def step():
+        with torch.no_grad():
+            compiled(idx, targets)
+
+    step()
+    recorded = record_step(step)
+    report = slcompile.compile_reports()[-1]
+    spilled = len(report.spilled_boundaries.names)
+    measured = Counter(event["name"].split()[0] for event in chrome_trace(recorded.events)["traceEvents"]
+                       if event.get("ph") == "X" and event["cat"] in ("load", "store"))
+    assert measured["spill"] == measured["fill"] == spilled == 5 * K
+    assert measured["activation"] == 0
+    predicted = predict_time(report.graphs["inference"], profile=named_profile("h100-pcie5-nvme"),
+                             tiers={"stash": "nvme", "unstash": "nvme"}, phase="inference")
+    kinds = Counter(event.kind for event in predicted.events)
+    assert kinds["spill"] == kinds["fill"] == spilled and not kinds["stash"] and not kinds["unstash"]
+    slices = [event for event in predicted_chrome_trace(predicted)["traceEvents"] if event.get("ph") == "X"]
+    units = {(event["args"]["region"], event["args"]["subbatch"]) for event in slices if event["cat"] == "compute"}
+    assert {(f"blk{block}", k) for block in range(CFG.n_layers) for k in range(K)} <= units
+    assert "blk2.sb3 inference" in {event["name"] for event in slices}
+    assert any(event["name"].startswith("spill blk1.sb0 inference") for event in slices)

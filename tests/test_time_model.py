@@ -54,8 +54,8 @@ class GraphBuilder:
         node.meta["val"] = torch.empty(500, 1000, device="meta")
         return self._tag(node, block)
 
-    def stash(self, block, value):
-        token = self.graph.call_function(STASH, (value, "a0|x"))
+    def stash(self, block, value, key="a0|x"):
+        token = self.graph.call_function(STASH, (value, key))
         token.meta["val"] = fake_token()
         self._tag(token, block)
         return token
@@ -160,6 +160,16 @@ def test_two_lanes_run_side_by_side_and_each_lane_is_serial():
     assert prediction.stall_seconds == 3.0
     disk = sorted((e.start, e.end) for e in prediction.events if e.lane == "disk")
     assert disk == [(1.0, 3.0), (3.0, 5.0)]
+
+
+def test_a_stash_whose_key_names_its_unit_s_tier_is_timed_on_that_tier():
+    """A unit's own stash tier (`Step.tier`, in its key: `a0@nvme|...`) overrides the
+    stash's: its bytes go to the disk, not the link."""
+    for key, lane in (("a0|blk0.sb0.mm", "link.d2h"), ("a0@nvme|blk0.sb0.mm", "disk")):
+        builder = GraphBuilder()
+        builder.wait(1, builder.stash(0, builder.matmul(0, 1.0), key))
+        prediction = predict_time(builder.module(), profile=PROFILE, tiers={"stash": "host"})
+        assert prediction.lane_bytes() == {lane: 2_000_000}, key
 
 
 def test_a_step_is_bound_by_its_slowest_lane():
@@ -285,7 +295,7 @@ def test_explain_counts_the_flops_torch_counts_and_times_host_transfers_of_a_nam
     streamed = explanation.predicted_peak_bytes["nvme"]
     assert set(predicted.lane_bytes()) == {"link.h2d"}
     assert streamed < predicted.lane_bytes()["link.h2d"] <= 2 * streamed
-    assert "predicted time (profile h100-pcie5-nvme" in str(explanation)
+    assert "predicted time (speedloader, K=2, on h100-pcie5-nvme; a prediction" in str(explanation)
 
 
 def test_tune_with_a_profile_chooses_the_plan_the_model_predicts_fastest():

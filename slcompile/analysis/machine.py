@@ -23,6 +23,10 @@ __all__ = ["MachineProfile", "MachineFacts", "ProcessFacts", "NAMED_PROFILES", "
 LARGE_OUTPUT = 64 << 10
 """Outputs of at least this many bytes pay `MachineProfile.output_seconds_per_byte`."""
 
+TRUSTED_SPREAD = 0.25
+"""A measured matmul or bandwidth rate whose repeats' median lies further than this
+fraction beyond their best was disturbed while measured (`MachineProfile.trust_problem`)."""
+
 _INF = math.inf
 
 
@@ -152,6 +156,15 @@ class MachineProfile:
             thread count and the torch version (`slcompile.profile.profile_key`);
             empty for a named profile. Rates hold for those alone: a CPU profile
             measured with 2 threads predicts a 1-thread run at about half its time.
+        load: the cores other processes kept busy while the rates were measured
+            (None: unknown, as for a named profile). Rates measured beside other
+            work are that work's leftovers (`trust_problem`).
+        cores: the machine's core count when measured (0: unknown).
+        spread: (rate, how far the median of its repeats lay beyond their best, as
+            a fraction) for each measured rate: "matmul", "bandwidth", "op",
+            "transfer_op", "call", "link_h2d", "link_d2h", "nvme_write",
+            "nvme_read". The profile's rates are the bests; `at_spread` gives the
+            medians', the slow end of a prediction's interval.
     """
 
     name: str
@@ -176,6 +189,82 @@ class MachineProfile:
     bandwidth_curve: tuple[tuple[float, float], ...] = ()
     transfer_op_costs: tuple[tuple[str, float], ...] = ()
     measured_on: tuple[tuple[str, str], ...] = ()
+    load: float | None = None
+    cores: int = 0
+    spread: tuple[tuple[str, float], ...] = ()
+
+    def trust_problem(self) -> str | None:
+        """Why the rates of this measurement are not this machine's own, or None.
+
+        A measurement during which other processes kept more than a quarter of
+        the cores (and at least half a core) busy measured what that work left
+        over; one whose matmul or bandwidth repeats spread by more than
+        `TRUSTED_SPREAD` was disturbed while it ran. Either way every time
+        predicted from it is off by an unknown factor."""
+        problems = []
+        if self.load is not None and self.load > max(0.5, 0.25 * (self.cores or 1)):
+            problems.append(f"other processes kept {self.load:.1f} of {self.cores or '?'} cores busy while it measured")
+        wide = [f"{rate} {fraction:.0%}" for rate, fraction in self.spread
+                if rate in ("matmul", "bandwidth") and fraction > TRUSTED_SPREAD]
+        if wide:
+            problems.append(f"its repeats spread by {', '.join(wide)} (median over best)")
+        return "; ".join(problems) or None
+
+    def describe(self) -> str:
+        """The rates, what they were measured on, the load meanwhile and each rate's
+        spread, one per line."""
+        spread = dict(self.spread)
+
+        def line(label: str, value: str, rate: str) -> str:
+            return f"  {label:<22} {value}" + (f"  (spread {spread[rate]:.0%})" if rate in spread else "")
+
+        def per_second(value: float, unit: str) -> str:
+            return "-" if math.isinf(value) else f"{value / 1e9:.3g} G{unit}/s"
+
+        lines = [f"{self.name}: {self.source or 'no source recorded'}"]
+        if self.measured_on:
+            lines.append("  " + ", ".join(f"{what} {value}" for what, value in self.measured_on))
+        if self.load is not None:
+            lines.append(f"  other processes kept {self.load:.2f} of {self.cores or '?'} cores busy meanwhile")
+        lines += [
+            line("matmul", per_second(self.matmul_flops, "FLOP"), "matmul"),
+            line("memory bandwidth", per_second(self.memory_bandwidth, "B"), "bandwidth"),
+            line("op overhead", f"{self.op_overhead_seconds * 1e6:.3g} us", "op"),
+            line("transfer op", f"{self.transfer_op_seconds * 1e6:.3g} us", "transfer_op"),
+            line("compiled call", f"{self.call_overhead_seconds * 1e6:.3g} us", "call"),
+            line("host -> device", per_second(self.link_h2d, "B"), "link_h2d"),
+            line("device -> host", per_second(self.link_d2h, "B"), "link_d2h"),
+            line("nvme write", per_second(self.nvme_write, "B"), "nvme_write"),
+            line("nvme read", per_second(self.nvme_read, "B"), "nvme_read"),
+        ]
+        return "\n".join(lines)
+
+    def at_spread(self) -> MachineProfile:
+        """This profile with each measured rate at the median of its repeats instead
+        of their best (times longer by the rate's `spread`): the slow end of the
+        interval a prediction from it lies in."""
+        if not self.spread:
+            return self
+        slower = dict(self.spread)
+
+        def rate(value: float, name: str) -> float:
+            return value / (1.0 + slower.get(name, 0.0))
+
+        def seconds(value: float, name: str) -> float:
+            return value * (1.0 + slower.get(name, 0.0))
+
+        return dataclasses.replace(
+            self, matmul_flops=rate(self.matmul_flops, "matmul"),
+            memory_bandwidth=rate(self.memory_bandwidth, "bandwidth"),
+            matmul_curve=tuple((flops, rate(value, "matmul")) for flops, value in self.matmul_curve),
+            bandwidth_curve=tuple((nbytes, rate(value, "bandwidth")) for nbytes, value in self.bandwidth_curve),
+            op_overhead_seconds=seconds(self.op_overhead_seconds, "op"),
+            transfer_op_seconds=seconds(self.transfer_op_seconds, "transfer_op"),
+            transfer_op_costs=tuple((op, seconds(value, "transfer_op")) for op, value in self.transfer_op_costs),
+            call_overhead_seconds=seconds(self.call_overhead_seconds, "call"),
+            link_h2d=rate(self.link_h2d, "link_h2d"), link_d2h=rate(self.link_d2h, "link_d2h"),
+            nvme_read=rate(self.nvme_read, "nvme_read"), nvme_write=rate(self.nvme_write, "nvme_write"),
+            spread=())
 
     def transfer_op_cost(self, op: str, tier: str) -> float:
         """Host seconds of one call of the `slc::` op named `op` ("fetch_issue") on
@@ -250,11 +339,13 @@ class MachineProfile:
     def from_json(cls, text: str) -> MachineProfile:
         data: Mapping = json.loads(text)
         known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: (_INF if v is None else v) for k, v in data.items() if k in known}
+        # JSON holds an infinite rate as null; `load` is null where unknown.
+        values = {k: (_INF if v is None and k != "load" else v) for k, v in data.items() if k in known}
         values["matmul_curve"] = tuple(tuple(point) for point in values.get("matmul_curve", ()))
         values["bandwidth_curve"] = tuple(tuple(point) for point in values.get("bandwidth_curve", ()))
         values["transfer_op_costs"] = tuple(tuple(pair) for pair in values.get("transfer_op_costs", ()))
         values["measured_on"] = tuple(tuple(pair) for pair in values.get("measured_on", ()))
+        values["spread"] = tuple(tuple(pair) for pair in values.get("spread", ()))
         return cls(**values)
 
 

@@ -42,12 +42,14 @@ import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import sympy
 import torch
 import torch.fx
 
 from slcompile.meta import format_tag, get_slc_meta
+from slcompile.vocabulary import stash_key_of
 
 __all__ = [
     "ComputeCost", "TimedEvent", "BlockTime", "TimePrediction", "count_cost", "predict_time", "region_costs",
@@ -98,12 +100,15 @@ class TimedEvent:
     Attributes:
         lane: "compute", or a transfer lane ("link.h2d", "link.d2h", "disk", "network").
         kind: "compute", "stall" (the compute lane waiting for a transfer), or the
-            transfer's kind ("fetch", "stash", "unstash", "store_grad").
+            transfer's kind ("fetch", "stash", "unstash", "store_grad"; "spill" and
+            "fill" for a boundary activation stored while it waits and loaded back).
         region: the block it belongs to (`blk3`), "prefix", "suffix" or "other".
         phase: "fwd", "bwd" or "inference".
         start, end: seconds from the step's start.
         nbytes: bytes moved (transfers) or read and written (compute).
         flops: FLOPs (compute).
+        subbatch: the sub-batch of the unit it belongs to, or None (work shared by
+            every sub-batch, a weight load, a generation pass's action).
     """
 
     lane: str
@@ -114,6 +119,12 @@ class TimedEvent:
     end: float
     nbytes: int = 0
     flops: int = 0
+    subbatch: int | None = None
+
+    @property
+    def unit(self) -> str:
+        """The unit's name: `blk3.sb1`, or the region alone (`blk3`, "prefix")."""
+        return self.region if self.subbatch is None else f"{self.region}.sb{self.subbatch}"
 
     @property
     def seconds(self) -> float:
@@ -157,6 +168,12 @@ class TimePrediction:
         tokens: tokens per step (the batch's elements along its batch and sequence
             dims), or None when unknown; `tokens_per_second` then None.
         peak_flops: the profile's matmul rate (for MFU).
+        slow_step_seconds: the step time at the medians of the measured rates'
+            repeats instead of their bests (`MachineProfile.at_spread`): with
+            `step_seconds`, the interval the prediction gives; None for a profile
+            that recorded no spread.
+        policy: the schedule policy the step was planned by, or None (unknown).
+        num_subbatches: its number of sub-batches K, or None.
     """
 
     profile: str
@@ -165,6 +182,16 @@ class TimePrediction:
     blocks: tuple[BlockTime, ...]
     tokens: int | None = None
     peak_flops: float | None = None
+    slow_step_seconds: float | None = None
+    policy: str | None = None
+    num_subbatches: int | None = None
+
+    @property
+    def title(self) -> str:
+        """`speedloader, K=4, on vm-cpu`: what was predicted, on which profile."""
+        parts = [part for part, value in ((self.policy, self.policy),
+                                          (f"K={self.num_subbatches}", self.num_subbatches)) if value]
+        return ", ".join([*parts, f"on {self.profile}"])
 
     @property
     def compute_seconds(self) -> float:
@@ -214,8 +241,11 @@ class TimePrediction:
 
         lanes = self.lane_seconds()
         moved = self.lane_bytes()
-        lines = [f"predicted time (profile {self.profile}; a prediction, not a measurement):",
-                 f"  step {_ms(self.step_seconds)}, bound by {self.bound}"
+        lines = [f"predicted time ({self.title}; a prediction, not a measurement):",
+                 f"  step {_ms(self.step_seconds)}"
+                 + (f" to {_ms(self.slow_step_seconds)} (the measured rates' best to median)"
+                    if self.slow_step_seconds is not None else "")
+                 + f", bound by {self.bound}"
                  + (f", {self.tokens_per_second:,.0f} tokens/s" if self.tokens_per_second else "")
                  + (f", MFU {self.mfu:.1%}" if self.mfu is not None else ""),
                  f"  compute {_ms(self.compute_seconds)} ({self.flops / 1e9:.3g} GFLOP), "
@@ -319,10 +349,15 @@ def count_cost(node: torch.fx.Node, subs: Mapping[sympy.Symbol, int] | None = No
 
 
 def _region(node: torch.fx.Node) -> str:
+    return _unit(node)[0]
+
+
+def _unit(node: torch.fx.Node) -> tuple[str, int | None]:
+    """(region, sub-batch) of a node: `("blk3", 1)`; ("other", None) untagged."""
     meta = get_slc_meta(node) if node.op == "call_function" else None
     if meta is None:
-        return "other"
-    return format_tag(meta.region, meta.block, None)
+        return "other", None
+    return format_tag(meta.region, meta.block, None), meta.subbatch
 
 
 def region_costs(gm: torch.fx.GraphModule, subs: Mapping[sympy.Symbol, int] | None = None) -> dict[str, ComputeCost]:
@@ -440,42 +475,83 @@ def predict_time(
     )
 
 
-def _graph_plan(gm, subs, profile, tiers, lowering, fetch_bytes) -> list[tuple]:
-    """The graph as a list of timed actions, in program order:
-    ("compute", region, seconds, flops, nbytes), ("issue", key, lane, seconds, kind, region, nbytes),
-    ("wait", key, region, fallback issue or None)."""
+class _Compute(NamedTuple):
+    """A run of compute of one unit, its seconds on the profile."""
+
+    region: str
+    seconds: float
+    flops: int = 0
+    nbytes: int = 0
+    subbatch: int | None = None
+
+
+class _Issue(NamedTuple):
+    """A transfer issued on its lane: `kind` as the timeline names it ("spill" for
+    a stash of a boundary activation)."""
+
+    key: Any
+    lane: str
+    seconds: float
+    kind: str
+    region: str
+    nbytes: int
+    subbatch: int | None = None
+
+
+class _Wait(NamedTuple):
+    """The compute lane waits for the transfer `key` (issuing `fallback` first when
+    nothing issued it)."""
+
+    key: Any
+    region: str
+    fallback: _Issue | None = None
+    subbatch: int | None = None
+
+
+def _graph_plan(gm, subs, profile, tiers, lowering, fetch_bytes) -> list[_Compute | _Issue | _Wait]:
+    """The graph as a list of timed actions, in program order. An activation's
+    stash or load is timed on the tier its key names (a unit's own, `Step.tier`),
+    else the stash's (`tiers`); a spilled boundary activation's are named "spill"
+    and "fill"."""
     from slcompile.vocabulary import is_compute, transfer_kind
 
-    actions: list[tuple] = []
+    actions: list[_Compute | _Issue | _Wait] = []
     for node in gm.graph.nodes:
         kind = transfer_kind(node)
         if kind is not None:
             what, half = kind
-            region = _region(node)
+            region, subbatch = _unit(node)
+            tier, shown = tiers.get(what, "host"), what
+            if what in ("stash", "unstash"):
+                key = stash_key_of(node)
+                if key is not None:
+                    tier = key.tier or tier
+                    shown = ("spill" if what == "stash" else "fill") if key.spills else what
             if half == "issue":
                 nbytes = _transfer_bytes(node, what, subs, fetch_bytes)
-                lane, seconds = profile.transfer_seconds(tiers.get(what, "host"), _DIRECTION[what], nbytes)
-                key = _transfer_key(node, what)
-                actions.append(("issue", key, lane, seconds, what, region, nbytes))
+                lane, seconds = profile.transfer_seconds(tier, _DIRECTION[what], nbytes)
+                actions.append(_Issue(_transfer_key(node, what), lane, seconds, shown, region, nbytes, subbatch))
             else:
                 key = _transfer_key(node, what, wait=True)
                 fallback = None
                 if what == "fetch":  # a fetch without an issue loads at its wait
                     nbytes = fetch_bytes.get(node.args[1], 0)
-                    lane, seconds = profile.transfer_seconds(tiers.get("fetch", "host"), "read", nbytes)
-                    fallback = ("issue", key, lane, seconds, what, region, nbytes)
-                actions.append(("wait", key, region, fallback))
-            seconds = profile.transfer_op_cost(node.target._schema.name.split("::")[1], tiers.get(what, "host"))
+                    lane, seconds = profile.transfer_seconds(tier, "read", nbytes)
+                    fallback = _Issue(key, lane, seconds, what, region, nbytes)
+                actions.append(_Wait(key, region, fallback, subbatch))
+            seconds = profile.transfer_op_cost(node.target._schema.name.split("::")[1], tier)
             if seconds:
-                actions.append(("compute", region, seconds, 0, 0))
+                actions.append(_Compute(region, seconds, subbatch=subbatch))
         elif is_compute(node):
             cost = count_cost(node, subs)
             seconds = profile.compute_seconds(cost, lowering)
-            if actions and actions[-1][0] == "compute" and actions[-1][1] == _region(node):
-                _, region, s, f, b = actions[-1]
-                actions[-1] = ("compute", region, s + seconds, f + cost.flops, b + cost.nbytes)
+            region, subbatch = _unit(node)
+            last = actions[-1] if actions else None
+            if isinstance(last, _Compute) and (last.region, last.subbatch) == (region, subbatch):
+                actions[-1] = last._replace(seconds=last.seconds + seconds, flops=last.flops + cost.flops,
+                                            nbytes=last.nbytes + cost.nbytes)
             else:
-                actions.append(("compute", _region(node), seconds, cost.flops, cost.nbytes))
+                actions.append(_Compute(region, seconds, cost.flops, cost.nbytes, subbatch))
     return actions
 
 
@@ -501,39 +577,40 @@ def _transfer_bytes(node: torch.fx.Node, what: str, subs, fetch_bytes: Mapping[s
     return fetch_bytes.get(node.args[0], 0)
 
 
-def _walk(plan: Sequence[tuple], phase: str, lanes: _Lanes) -> None:
+def _walk(plan: Sequence[_Compute | _Issue | _Wait], phase: str, lanes: _Lanes) -> None:
     for action in plan:
-        if action[0] == "compute":
-            _, region, seconds, flops, nbytes = action
-            if seconds > 0:
-                lanes.events.append(TimedEvent("compute", "compute", region, phase, lanes.clock,
-                                               lanes.clock + seconds, nbytes, flops))
-                lanes.clock += seconds
-        elif action[0] == "issue":
+        if isinstance(action, _Compute):
+            if action.seconds > 0:
+                lanes.events.append(TimedEvent("compute", "compute", action.region, phase, lanes.clock,
+                                               lanes.clock + action.seconds, action.nbytes, action.flops,
+                                               action.subbatch))
+                lanes.clock += action.seconds
+        elif isinstance(action, _Issue):
             _issue(action, phase, lanes)
         else:
-            _, key, region, fallback = action
-            if key not in lanes.pending and fallback is not None:
-                _issue(fallback, phase, lanes)
-            end, lane, index = lanes.pending.pop(key, (lanes.clock, "compute", None))
-            if index is not None and lanes.events[index].kind in ("fetch", "unstash"):
-                # A load belongs to the region that needs it, not to where it was issued.
-                lanes.events[index] = dataclasses.replace(lanes.events[index], region=region)
+            if action.key not in lanes.pending and action.fallback is not None:
+                _issue(action.fallback, phase, lanes)
+            end, lane, index = lanes.pending.pop(action.key, (lanes.clock, "compute", None))
+            if index is not None and lanes.events[index].kind in ("fetch", "unstash", "fill"):
+                # A load belongs to the unit that needs it, not to where it was issued.
+                lanes.events[index] = dataclasses.replace(lanes.events[index], region=action.region,
+                                                          subbatch=action.subbatch)
             if end > lanes.clock:
-                lanes.events.append(TimedEvent("compute", "stall", region, phase, lanes.clock, end))
+                lanes.events.append(TimedEvent("compute", "stall", action.region, phase, lanes.clock, end,
+                                               subbatch=action.subbatch))
                 lanes.clock = end
 
 
-def _issue(action: tuple, phase: str, lanes: _Lanes) -> None:
-    _, key, lane, seconds, what, region, nbytes = action
-    start = max(lanes.clock, lanes.free.get(lane, 0.0))
-    end = start + seconds
-    lanes.free[lane] = end
+def _issue(action: _Issue, phase: str, lanes: _Lanes) -> None:
+    start = max(lanes.clock, lanes.free.get(action.lane, 0.0))
+    end = start + action.seconds
+    lanes.free[action.lane] = end
     index = None
-    if seconds > 0:
+    if action.seconds > 0:
         index = len(lanes.events)
-        lanes.events.append(TimedEvent(lane, what, region, phase, start, end, nbytes))
-    lanes.pending[key] = (end, lane, index)
+        lanes.events.append(TimedEvent(action.lane, action.kind, action.region, phase, start, end, action.nbytes,
+                                       subbatch=action.subbatch))
+    lanes.pending[action.key] = (end, action.lane, index)
 
 
 def _blocks(events: Sequence[TimedEvent]) -> tuple[BlockTime, ...]:
@@ -649,24 +726,24 @@ def predict_pass_time(
                 continue  # the tier is the device's memory: nothing moves
             region = action.name.split(".")[0]
             what = "unstash" if action.kind == "load" else "stash"
-            _issue(("issue", action.name, lane, seconds, what, region, sum(action.transfers)), phase, lanes)
+            _issue(_Issue(action.name, lane, seconds, what, region, sum(action.transfers)), phase, lanes)
             if action.kind == "store":
                 stores.append(lanes.pending.pop(action.name)[0])
                 stored[action.name] = stores[-1]
             lanes.clock += profile.transfer_op_seconds
             continue
-        plan: list[tuple] = []
+        plan: list[_Compute | _Wait] = []
         for name in action.waits:
             if name in lanes.pending:
-                plan.append(("wait", name, action.name, None))
-                plan.append(("compute", action.name, profile.transfer_op_seconds, 0, 0))
+                plan.append(_Wait(name, action.name))
+                plan.append(_Compute(action.name, profile.transfer_op_seconds))
         seconds = sum(profile.compute_seconds(cost, lowering) for cost in action.nodes)
         seconds += action.calls * profile.call_overhead_seconds
         seconds += action.layer_steps * profile.layer_step_seconds + action.passes * profile.pass_seconds
         if not seconds and not action.nodes and not plan:
             continue  # nothing to wait for, nothing to do
         total = sum(action.nodes, ComputeCost())
-        plan.append(("compute", action.name, seconds, total.flops, total.nbytes))
+        plan.append(_Compute(action.name, seconds, total.flops, total.nbytes))
         _walk(plan, phase, lanes)
     end = max([lanes.clock, *stores])
     if end > lanes.clock:

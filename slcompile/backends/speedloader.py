@@ -286,7 +286,13 @@ def _profile(config):
         return None
     from slcompile.measure import machine_profile
 
-    return machine_profile(config.machine_profile, offload_dir=config.offload_dir)
+    machine = machine_profile(config.machine_profile, offload_dir=config.offload_dir)
+    problem = machine.trust_problem()
+    if problem is not None:
+        log.warning("the machine profile the activation planner decides by (%s) was measured beside other work "
+                    "(%s): its choices may not be this machine's best; `python -m slcompile profile` remeasures it",
+                    machine.source or machine.name, problem)
+    return machine
 
 
 def _optimizer_memory(state, machine):

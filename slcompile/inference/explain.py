@@ -215,7 +215,7 @@ def explain_generation(
     if profile is not None:
         from slcompile.measure import machine_profile
 
-        rates = machine_profile(profile, offload_dir=offload_dir)
+        rates = machine_profile(profile, offload_dir=offload_dir, refuse_untrusted=True)
     config = generation_config(num_subbatches, prefill_subbatches, weights, kv_cache, live_blocks, offload_dir,
                                schedule)
     return _explain_generation(model, input_shape, max_new_tokens, config, machine, {}, padded, rates, backend)

@@ -67,7 +67,7 @@ from slcompile.viz.roles import (
     short_op_name,
     transfer_bytes,
 )
-from slcompile.vocabulary import StashKey, is_stash, is_stash_wait, is_unstash, is_unstash_wait
+from slcompile.vocabulary import is_stash, is_stash_wait, is_unstash, is_unstash_wait, stash_key_of
 
 __all__ = [
     "graph_to_dot",
@@ -454,24 +454,11 @@ def _spill_label(node: torch.fx.Node) -> str | None:
     """`spill of blk1.sb0 output` for the transfer nodes of a spilled boundary
     activation (`spill`, `spill wait`, `fill`, `fill wait`), else None: they are
     stash and unstash calls, whose op names would not say whose output moves."""
-    for step, calls in (("spill", is_stash), ("spill wait", is_stash_wait), ("fill", is_unstash),
-                        ("fill wait", is_unstash_wait)):
-        if calls(node):
-            break
-    else:
-        return None
-    stash = node
-    while not is_stash(stash):  # a wait, fill or fill wait reaches its stash through its first argument
-        if not stash.args or not isinstance(stash.args[0], torch.fx.Node):
-            return None
-        stash = stash.args[0]
-    key = stash.args[1] if len(stash.args) > 1 and isinstance(stash.args[1], str) else None
-    try:
-        parsed = StashKey.parse(key) if key is not None else None
-    except ValueError:
-        return None
+    parsed = stash_key_of(node)
     if parsed is None or not parsed.spills:
         return None
+    step = next(step for step, calls in (("spill", is_stash), ("spill wait", is_stash_wait), ("fill", is_unstash),
+                                         ("fill wait", is_unstash_wait)) if calls(node))
     owner = ".".join(parsed.name.split(".")[:2])
     return f"{step} of {owner} output"
 

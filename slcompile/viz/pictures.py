@@ -142,7 +142,8 @@ def write_predicted_timeline(
         out_dir: the folder (created if missing).
         prediction: a `slcompile.analysis.time.TimePrediction` (`explain(...,
             profile=...).time`, `tune(..., profile=...).time`).
-        title: the picture's title; default: the profile, step time and bound.
+        title: the picture's title; default: the policy, K, the profile, the step
+            time and its bound.
 
     Returns:
         "predicted_trace" and "predicted_timeline" -> the paths written.
@@ -152,7 +153,7 @@ def write_predicted_timeline(
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    title = title or (f"predicted step on {prediction.profile}: {prediction.step_seconds * 1e3:.3f} ms, "
+    title = title or (f"predicted step, {prediction.title}: {prediction.step_seconds * 1e3:.3f} ms, "
                       f"bound by {prediction.bound}")
     return {
         "predicted_trace": [write_predicted_trace(out / "predicted_trace.json", prediction)],

@@ -52,7 +52,7 @@ import torch.fx
 
 from slcompile.passes.annotate_streams import STREAM_LANES
 from slcompile.viz.roles import format_bytes, short_key
-from slcompile.vocabulary import WeightKey, is_fetch
+from slcompile.vocabulary import SPILL_MARK, WeightKey, is_fetch
 
 if TYPE_CHECKING:  # the records only: reading a trace needs no runtime
     from slcompile.runtime.stats import TimelineEvent
@@ -155,7 +155,9 @@ def write_chrome_trace(
 
 # A predicted transfer's kind -> (its slice's category, the data it moves).
 _PREDICTED_TRANSFERS = MappingProxyType({"fetch": ("load", "weight"), "unstash": ("load", "activation"),
-                                          "stash": ("store", "activation"), "store_grad": ("store", "gradient")})
+                                          "stash": ("store", "activation"), "store_grad": ("store", "gradient"),
+                                          "spill": ("store", "boundary activation"),
+                                          "fill": ("load", "boundary activation")})
 _PREDICTED_LANE_ORDER = ("compute", "link.h2d", "link.d2h", "disk", "network")
 
 
@@ -179,7 +181,7 @@ def predicted_chrome_trace(prediction) -> dict:
     tids = {lane: tid for tid, lane in enumerate(ordered, start=1)}
     trace: list[dict] = [
         {"ph": "M", "pid": _PID, "name": "process_name",
-         "args": {"name": f"slcompile prediction (profile {prediction.profile})"}},
+         "args": {"name": f"slcompile prediction ({prediction.title})"}},
     ]
     for lane, tid in tids.items():
         trace.append({"ph": "M", "pid": _PID, "tid": tid, "name": "thread_name", "args": {"name": lane}})
@@ -188,15 +190,16 @@ def predicted_chrome_trace(prediction) -> dict:
         # Both ends rounded, not the duration: slices that meet on a lane still meet.
         start, end = (round((moment - origin) * 1e6, 3) for moment in (event.start, max(event.end, event.start)))
         slice_ = {"ph": "X", "pid": _PID, "tid": tids[event.lane], "ts": start, "dur": round(end - start, 3)}
-        where = {"region": event.region, "phase": event.phase}
+        where = {"region": event.region, "subbatch": event.subbatch, "phase": event.phase}
         if event.kind == "compute":
-            slice_.update(name=f"{event.region} {event.phase}", cat="compute",
+            slice_.update(name=f"{event.unit} {event.phase}", cat="compute",
                           args={**where, "flops": event.flops, "bytes": event.nbytes})
         elif event.kind == "stall":
-            slice_.update(name=f"wait {event.region} {event.phase}", cat="stall", args=where)
+            slice_.update(name=f"wait {event.unit} {event.phase}", cat="stall", args=where)
         else:
             category, data = _PREDICTED_TRANSFERS.get(event.kind, ("transfer", event.kind))
-            slice_.update(name=f"{event.kind} {event.region} ({format_bytes(event.nbytes)})", cat=category,
+            slice_.update(name=f"{event.kind} {event.unit} {event.phase} ({format_bytes(event.nbytes)})",
+                          cat=category,
                           args={**where, "bytes": event.nbytes, "kind": data, "transfer": event.kind,
                                 "lane": event.lane,
                                 "MB/s": round(event.nbytes / event.seconds / 1e6, 1) if event.seconds > 0 else None})
@@ -205,7 +208,9 @@ def predicted_chrome_trace(prediction) -> dict:
         "traceEvents": trace,
         "displayTimeUnit": "ms",
         "otherData": {"producer": "slcompile", "predicted": True, "profile": prediction.profile,
-                      "step_seconds": prediction.step_seconds, "lanes": ordered},
+                      "policy": prediction.policy, "num_subbatches": prediction.num_subbatches,
+                      "step_seconds": prediction.step_seconds, "slow_step_seconds": prediction.slow_step_seconds,
+                      "lanes": ordered},
     }
 
 
@@ -268,7 +273,16 @@ def _parse_transfer(label: str) -> tuple[str, str, str, str]:
 
 def _transfer_name(event: TimelineEvent) -> str:
     kind, key, source, destination = _parse_transfer(event.label)
-    return f"{kind} {short_key(key)} ({format_bytes(event.bytes)})"
+    return f"{_spill_or(kind, key, destination)} {short_key(key)} ({format_bytes(event.bytes)})"
+
+
+def _spill_or(kind: str, key: str, destination: str) -> str:
+    """"spill" or "fill" for a boundary activation's store or load (its stored key
+    `blk3.sb1.spill.add_7#40` carries the spill mark, as its stash key does), else
+    `kind`."""
+    if kind != "activation" or key.rpartition("|")[2].split(".")[2:3] != [SPILL_MARK]:
+        return kind
+    return "fill" if destination == "device" else "spill"
 
 
 def _transfer_args(event: TimelineEvent) -> dict:
@@ -277,6 +291,7 @@ def _transfer_args(event: TimelineEvent) -> dict:
     return {
         "bytes": event.bytes,
         "kind": kind,
+        "transfer": _spill_or(kind, key, destination),
         "key": key,
         "from": source,
         "to": destination,
