@@ -37,7 +37,8 @@ out of time is recorded as such, and the next one runs):
    bench/results/gpu_check/), beside ``pytest_junit.xml`` and ``pytest.log``: four files.
 
 Exit status: 0 when every test passed (or was skipped) and every row ran, 1 otherwise,
-2 without CUDA (unless ``--cpu-smoke``). A missed goal is a finding, not a failure.
+2 without CUDA (unless ``--cpu-smoke``) or when the package does not import or is not
+installed as the ``speedloader`` backend (``preflight``), before any step. A missed goal is a finding, not a failure.
 
 ``--cpu-smoke`` runs the same steps on the CPU with gpu_bench's 2-layer Llama of hidden
 64, aot_eager, K = 2, two rows (resident, weights on host) and two tests, to a temporary directory: it checks the
@@ -479,6 +480,27 @@ def measure_profile(args, record: dict, clock: Clock) -> str | None:
     return path
 
 
+WHEELS_HINT = ("on a machine where the package is not installed, build and carry wheels of it and of what "
+               "the image lacks (bench/README.md, \"CUDA validation in one command\")")
+
+
+def preflight() -> str | None:
+    """Why no speedloader row can run in this interpreter (the package does not
+    import, or `torch.compile` does not know the backend by name: the package is
+    not installed, so its entry point is not either), or None. Checked before the
+    first row, so that a machine lent for minutes does not spend them on rows that
+    fail the same way."""
+    import torch
+
+    try:
+        import slcompile  # noqa: F401
+
+        torch._dynamo.lookup_backend("speedloader")
+    except Exception as error:  # any reason is the answer
+        return f"{type(error).__name__}: {error}; {WHEELS_HINT}"
+    return None
+
+
 def environment(device) -> dict:
     import torch
 
@@ -594,6 +616,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and not args.cpu_smoke:
         print(f"gpu_check: no CUDA device (torch {torch.__version__}, cuda build {torch.version.cuda}); run it "
               "on a CUDA machine, or pass --cpu-smoke to check the command on the CPU", file=sys.stderr)
+        return 2
+    problem = preflight()
+    if problem:
+        print(f"gpu_check: {problem}", file=sys.stderr)
         return 2
     device = torch.device("cpu") if args.cpu_smoke else torch.device("cuda", torch.cuda.current_device())
     os.makedirs(args.out, exist_ok=True)

@@ -3,9 +3,11 @@ sequence 2048) trained by speedloader with its weights on pinned host memory, ag
 plain resident Inductor where the model fits and against FSDP2 with CPU offload where
 it does not; the goals are ratios within the run.
 
-Usage (on a CUDA machine, from the repository root; two calls of at most 10 minutes):
+Usage (on a CUDA machine with the package installed, from the repository root; calls
+of at most 10 minutes; bench/README.md says which wheels to carry to the lent GPU):
     PYTHONUNBUFFERED=1 python3 -m bench gpu --product --only E0,E1,E2 --out $OUT/gpu_product_e.json
-    PYTHONUNBUFFERED=1 python3 -m bench gpu --product --only B1,P1 --out $OUT/gpu_product_b.json
+    PYTHONUNBUFFERED=1 python3 -m bench gpu --product --only B1 --budget-s 570 --out $OUT/gpu_product_b.json
+    PYTHONUNBUFFERED=1 python3 -m bench gpu --product --only P1 --out $OUT/gpu_product_p.json
     python bench/gpu_product.py --cpu-smoke     # the same code path, tiny sizes, on the CPU
 
 Model: ``LlamaForCausalLM`` from a ``LlamaConfig`` (random weights, nothing from a
@@ -86,7 +88,9 @@ a row starts only when what is left covers its estimate (ROW_ESTIMATE_S), else i
 recorded as skipped with the reason, and it may run until what is left is the
 estimates of the rows after it. One status line per row goes to stderr; stdout gets
 the goals. Exit status: 0 when every row ran (or was unavailable), 1 otherwise, 2
-without CUDA unless ``--cpu-smoke``.
+without CUDA unless ``--cpu-smoke``, or when the package does not import or
+``torch.compile`` does not know ``backend="speedloader"`` (gpu_check.preflight: the
+package is not installed), before any row.
 
 ``--cpu-smoke`` runs every row on the CPU with tiny shapes (SMOKE_SHAPES: 2 layers
 of hidden 64, batch 4 and 8), fp32, the host tier memory of its own that transfers
@@ -154,7 +158,8 @@ BUDGET_SHARE = 0.9
 MICRO_BATCH_TRIES = (1, 2, 4, 8, 16)
 # Seconds a row needs on an H100 (start, build, a fresh compile, five steps): a row
 # starts only when this much is left.
-ROW_ESTIMATE_S = {"E0": 90, "E1": 110, "E2": 120, "B1": 270, "P1": 230}
+# B1's first step compiled for more than 295 s on an H200 (2026-11-28).
+ROW_ESTIMATE_S = {"E0": 90, "E1": 110, "E2": 120, "B1": 450, "P1": 230}
 SMOKE_ROW_ESTIMATE_S = 10
 
 
@@ -642,6 +647,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and not args.cpu_smoke:
         print(f"gpu_product: no CUDA device (torch {torch.__version__}, cuda build {torch.version.cuda}); run it on "
               "a CUDA machine, or pass --cpu-smoke to check the command on the CPU", file=sys.stderr)
+        return 2
+    problem = gpu_check.preflight()
+    if problem:
+        print(f"gpu_product: {problem}", file=sys.stderr)
         return 2
     smoke = args.cpu_smoke
     device = torch.device("cpu") if smoke else torch.device("cuda", torch.cuda.current_device())

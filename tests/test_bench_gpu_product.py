@@ -125,9 +125,10 @@ def test_mfu_is_model_flops_over_step_time_and_peak():
 
 def test_a_row_runs_until_the_later_rows_estimates_and_rows_past_the_budget_are_skipped(tmp_path, monkeypatch):
     estimates = gpu_product.ROW_ESTIMATE_S
-    assert gpu_product.time_limit("B1", ["P1"], 535, estimates) == 535 - estimates["P1"]
-    assert gpu_product.time_limit("B1", ["P1"], 300, estimates) == estimates["B1"]
-    assert gpu_product.time_limit("B1", ["P1"], 200, estimates) == 200
+    both = estimates["B1"] + estimates["P1"]
+    assert gpu_product.time_limit("B1", ["P1"], both + 50, estimates) == both + 50 - estimates["P1"]
+    assert gpu_product.time_limit("B1", ["P1"], both - 50, estimates) == estimates["B1"]
+    assert gpu_product.time_limit("B1", ["P1"], estimates["B1"] - 50, estimates) == estimates["B1"] - 50
     out = tmp_path / "product.json"
     # main() sets it for the rows' children; it must not outlive this test in the process.
     monkeypatch.setenv("SLC_SEPARATE_HOST", "1")
@@ -137,6 +138,25 @@ def test_a_row_runs_until_the_later_rows_estimates_and_rows_past_the_budget_are_
     assert all("left of the budget" in r["skipped"] for r in record["rows"])
     assert {g["status"] for g in record["goals"]} == {"not measured"}
     assert record["status"]["rows_ran"] is False
+
+
+def test_a_package_torch_compile_does_not_know_stops_before_any_row(tmp_path, monkeypatch, capsys):
+    """Run from a checkout where the package is not installed, `backend="speedloader"`
+    is unknown to torch.compile: every row would fail the same way after its
+    imports, so nothing runs and the message says how to install it."""
+    import torch
+
+    from torch._dynamo.exc import InvalidBackend
+
+    def unknown(name):
+        raise InvalidBackend(name=name)
+
+    monkeypatch.setattr(torch._dynamo, "lookup_backend", unknown)
+    out = tmp_path / "product.json"
+    assert gpu_product.main(["--cpu-smoke", "--out", str(out)]) == 2
+    assert not out.exists()
+    message = capsys.readouterr().err
+    assert "Invalid backend: 'speedloader'" in message and "wheels" in message
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import operator
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from conftest import assert_matches_eager, fetched_weight_bytes
 from devices import device_under_test, on_cuda
 from models import GPTConfig, TinyGPT, make_gpt_batch
@@ -94,6 +95,14 @@ def test_strided_saved_activations_and_packed_weights_come_back_where_inductor_c
     visits = {kind: [node for node in report.graphs[kind].graph.nodes if node.target is FETCH_WEIGHT_MANY]
               for kind in ("forward", "backward")}
     assert [len(visits["forward"]), len(visits["backward"])] == ([CFG.n_layers] * 2 if tier == "host" else [0, 0])
+    # Every traced value of data is fake (the packed visits' too): a real one would be
+    # memory (on a GPU, device memory) that the compiled graph holds while it lives.
+    for kind in ("forward", "backward"):
+        for node in report.graphs[kind].graph.nodes:
+            values = torch.utils._pytree.tree_leaves(node.meta.get("val"))
+            real = [v for v in values if isinstance(v, torch.Tensor) and v.numel() > 1
+                    and not isinstance(v, FakeTensor) and not v.is_meta]
+            assert not real, (kind, node, [(v.shape, v.dtype) for v in real])
     # Each block fetched once a forward and once a backward, byte for byte.
     assert _moved(TransferKind.WEIGHT, Tier.DEVICE) == fetched_weight_bytes(report) > 0
     # No transfer's token reaches a kernel (a CPU tensor there would cut a CUDA graph):

@@ -108,7 +108,9 @@ def _pack_fetches(graph: torch.fx.Graph, run: list[torch.fx.Node]) -> None:
     with graph.inserting_before(first):
         group = graph.call_function(FETCH_WEIGHT_MANY, ([node.args[0] for node in run], [node.args[1] for node in run]))
         group.meta.update(_group_meta(first))
-        group.meta["val"] = [torch.empty(n, dtype=dtype, device=vals[0].device) for dtype, n in layout.sections]
+        # In the traced values' fake mode: a real tensor here would be device memory the
+        # size of the block, held by the graph for as long as it lives.
+        group.meta["val"] = [vals[0].new_empty((n,), dtype=dtype) for dtype, n in layout.sections]
         packed = []
         for index, (dtype, n) in enumerate(layout.sections):
             part = graph.call_function(operator.getitem, (group, index))

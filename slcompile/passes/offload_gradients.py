@@ -121,7 +121,11 @@ def offload_gradients(
         (bw, what was stored).
     """
     graph = bw.graph
-    forward_inputs = [node.name for node in fw.graph.find_nodes(op="placeholder")]
+    # A recomputed random op (CUDA's flash attention, dropout) adds a generator input
+    # to the forward after the others (AOTAutograd's graph-safe RNG functionalization,
+    # `fwd_rng_state_<n>`); the backward returns no gradient for it.
+    forward_inputs = [node.name for node in fw.graph.find_nodes(op="placeholder")
+                      if not isinstance(node.meta.get("val"), torch.Generator)]
     output = graph.output_node()
     outputs = list(output.args[0])
     if len(outputs) != len(forward_inputs):

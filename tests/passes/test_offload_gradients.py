@@ -3,6 +3,7 @@ weights are fetched: the gradients an offloaded optimizer takes are stored from 
 backward right after they are final (or per sub-batch share, as the schedule says),
 waited for before the next block's stores, and no longer returned."""
 
+import torch
 from expecttest import assert_expected_inline
 
 from slcompile.config import SpeedLoaderConfig
@@ -56,3 +57,21 @@ def test_offload_gradients_stores_each_subbatch_share_where_the_schedule_says(st
 +wait_default_3 = wait.default(offload_grad_default_3, [t_34])  # blk0.sb0
 +return [add_8, add_7, None, None, add_5, None, add_3, add_2, add_1]""")
     assert_expected_inline(f"{report.shares()} {report.bytes} B", """{'layers.1.linear.weight': 2, 'layers.0.linear.weight': 2} 1024 B""")
+
+
+def test_a_forward_with_a_recomputed_random_op_still_stores_its_gradients(streamed):
+    """A random op recomputed in the backward (CUDA's flash attention under block
+    recompute) makes AOTAutograd add a generator input to the forward, after the
+    others, that the backward returns no gradient for: the gradients are stored
+    as without it."""
+    graphs = streamed()
+    place_prefetches(graphs.forward, graphs.backward, live_blocks=2)
+    last = list(graphs.forward.graph.find_nodes(op="placeholder"))[-1]
+    with graphs.forward.graph.inserting_after(last):
+        state = graphs.forward.graph.placeholder("fwd_rng_state_0")
+    state.meta["val"] = torch.Generator()
+    _, report = offload_gradients(graphs.forward, graphs.backward, _gradient_key, _weights_only)
+    assert report.refused is None
+    assert [(block, stored) for block, stored, _ in report.stores] == [(1, "layers.1.linear.weight"),
+                                                                     (0, "layers.0.linear.weight")]
+    assert list(graphs.backward.graph.output_node().args[0]).count(None) == 3
