@@ -17,7 +17,8 @@ same weights):
 
 After every backward the weights loaded ahead for the next step are waited for and
 dropped (`drain_prefetches`), so the figures do not depend on how fast the disk
-answered. The copy and its compiled graphs are released before the next policy
+answered; the next step loads them again, and `PolicyRow.reloaded_bytes` says how
+many bytes that adds to a step's weight loads. The copy and its compiled graphs are released before the next policy
 starts: a policy's figures are the ones it gets compiled alone in a fresh process.
 
 A policy that fails (its schedule refused, the graph compiled plainly, any error
@@ -94,6 +95,12 @@ class PolicyRow:
             the mappings of measured bytes empty).
         step_seconds: the wall time of each timed step (`slcompile.sweep` times
             some after the measured ones; `compare_policies` none).
+        reloaded_bytes: weight bytes the recorded step loaded ahead for the next
+            step, dropped after it (`drain_prefetches`, as after every measured
+            step); the recorded step loaded as many again where the previous step's
+            were dropped, so its weight loads less these are those of a step of
+            training, which the time model predicts (`predicted_bytes_moved`'s
+            "fetch").
 
     A failed row (`error` set) has None or empty figures and an empty schedule.
     """
@@ -114,6 +121,7 @@ class PolicyRow:
     error: str | None = None
     ran: bool = True
     step_seconds: tuple[float, ...] = ()
+    reloaded_bytes: int = 0
 
     @classmethod
     def failed(cls, policy: str, error: BaseException, *, ran: bool = True) -> PolicyRow:
@@ -154,6 +162,7 @@ class PolicyRow:
             "measured_tier_peaks": dict(self.measured_tier_peaks),
             "bytes_moved": {"{} {}->{}".format(*key): n for key, n in sorted(self.bytes_moved.items())},
             "transfers": {"{} {}->{}".format(*key): n for key, n in sorted(self.transfers.items())},
+            "reloaded_bytes": self.reloaded_bytes,
         }
 
 
@@ -219,7 +228,9 @@ class PolicyComparison:
         columns = self.columns()
         header += ["{} {}->{}".format(*key) for key in columns]
         timed = any(row.time is not None for row in self.rows)
-        header += ["transfers", "moved", "loss"] + (["step predicted", "bound"] if timed else [])
+        reloaded = any(row.reloaded_bytes for row in self.rows)
+        header += ["transfers", "moved"] + (["reloaded"] if reloaded else []) + ["loss"]
+        header += ["step predicted", "bound"] if timed else []
         failed = any(row.error is not None for row in self.rows)
         header += ["error"] if failed else []
         lines = []
@@ -232,8 +243,9 @@ class PolicyComparison:
             cells += [f"{format_bytes(row.predicted_tier_peaks.get(t, 0))} / {format_bytes(row.measured_tier_peaks.get(t, 0))}"
                       for t in tiers]
             cells += [f"{format_bytes(row.bytes_moved.get(key, 0))} ({row.transfers.get(key, 0)})" for key in columns]
-            cells += [str(row.total_transfers), format_bytes(row.total_bytes),
-                      "-" if row.loss is None else f"{row.loss:.6f}"]
+            cells += [str(row.total_transfers), format_bytes(row.total_bytes)]
+            cells += [format_bytes(row.reloaded_bytes)] if reloaded else []
+            cells += ["-" if row.loss is None else f"{row.loss:.6f}"]
             if timed:
                 cells += ["-", "-"] if row.time is None else [f"{row.time.step_seconds * 1e3:.2f} ms", row.time.bound]
             lines.append(cells + ([""] if failed else []))
@@ -497,6 +509,8 @@ def _measure(model, inputs, kwargs, options, policy, name, warmup: int = 0, time
         for param in replica.parameters():
             param.grad = None
 
+    dropped: list[int] = []
+
     def step() -> None:
         output = compiled(*inputs, **kwargs)
         loss = loss_of(output)
@@ -504,7 +518,7 @@ def _measure(model, inputs, kwargs, options, policy, name, warmup: int = 0, time
             loss.backward()
             losses.append(float(loss.detach()))
         # Loads issued ahead for the next step are waited for here, not by the disk's pace.
-        drain_prefetches()
+        dropped.append(drain_prefetches())
 
     earlier = {id(report) for report in compile_reports()}  # a bounded history: not by position
     peaks = []
@@ -560,6 +574,7 @@ def _measure(model, inputs, kwargs, options, policy, name, warmup: int = 0, time
         report=report,
         recorded=recorded,
         step_seconds=tuple(step_seconds),
+        reloaded_bytes=dropped[-1],
     )
     del compiled, replica
     torch._dynamo.reset()

@@ -51,6 +51,8 @@ class SweepRow:
         measured_tier_peaks: the runtime's peak bytes resident per tier.
         measured_tier_bytes: bytes moved to and from each tier other than the
             device in one step (the runtime's counters).
+        reloaded_bytes: of those, the weight bytes only the measurement loads (its
+            prefetches dropped between steps: `PolicyRow.reloaded_bytes`).
         predicted_peak_bytes: the plan's device peak (`CompileReport.memory`).
         predicted_tier_peaks: the plan's peak per tier.
         predicted_step_seconds: the step time on the profile, or None without one.
@@ -69,6 +71,7 @@ class SweepRow:
     measured_peak_bytes: int | None = None
     measured_tier_peaks: Mapping[str, int] = dataclasses.field(default_factory=dict)
     measured_tier_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    reloaded_bytes: int = 0
     predicted_peak_bytes: int | None = None
     predicted_tier_peaks: Mapping[str, int] = dataclasses.field(default_factory=dict)
     predicted_step_seconds: float | None = None
@@ -119,6 +122,8 @@ class SweepRow:
             record[f"predicted_peak.{tier}"] = n
         for tier, n in sorted(self.measured_tier_bytes.items()):
             record[f"measured_moved.{tier}"] = n
+        if self.compiled:
+            record["reloaded_bytes"] = self.reloaded_bytes
         for kind, n in sorted(self.predicted_bytes.items()):
             record[f"predicted_moved.{kind}"] = n
         return record
@@ -283,6 +288,7 @@ def sweep(
                 measured_peak_bytes=measured.measured_peak_bytes,
                 measured_tier_peaks=dict(measured.measured_tier_peaks),
                 measured_tier_bytes=_bytes_by_tier(measured.bytes_moved),
+                reloaded_bytes=measured.reloaded_bytes,
                 predicted_peak_bytes=measured.plan_peak_bytes,
                 predicted_tier_peaks=dict(measured.predicted_tier_peaks),
                 predicted_step_seconds=None if time is None else time.step_seconds,

@@ -86,6 +86,15 @@ def test_one_process_gives_the_figures_of_one_process_per_policy(comparison):
     moved = speedloader.bytes_moved
     assert moved[("activation", "device", "nvme")] == moved[("activation", "nvme", "device")] > 0
     assert moved[("weight", "nvme", "device")] > 0 and speedloader.total_transfers == sum(speedloader.transfers.values())
+    # The bytes the time model moves are the runtime's counters for the same step: the
+    # weights a training step loads (those it loaded again after the previous step's
+    # prefetch was dropped excepted), every activation stored and loaded.
+    for row in comparison.rows:
+        predicted = row.predicted_bytes_moved
+        assert row.reloaded_bytes > 0
+        assert row.bytes_of("weight") - row.reloaded_bytes == predicted["fetch"], row.policy
+        assert row.bytes_moved[("activation", "device", "nvme")] == predicted["stash"]
+        assert row.bytes_moved[("activation", "nvme", "device")] == predicted["unstash"]
     # The prediction for the step as measured is the measurement, to a few bytes.
     for row in comparison.rows:
         assert abs(row.predicted_peak_bytes - row.measured_peak_bytes) <= 0.01 * row.measured_peak_bytes, row

@@ -59,6 +59,11 @@ def test_the_weight_bytes_follow_the_policy(table):
              for row in swept.rows if row.compiled}
     assert moved["speedloader", 2] == moved["speedloader", 1]
     assert moved["grad_accumulation", 2] > moved["grad_accumulation", 1] == moved["speedloader", 1]
+    # What a training step reads from the disk (the measurement's reloads excepted)
+    # is what the time model moves.
+    for row in swept.rows:
+        if row.compiled:
+            assert row.measured_tier_bytes["nvme"] - row.reloaded_bytes == row.predicted_bytes["fetch"] > 0, row
 
 
 def test_each_row_carries_its_prediction_with_an_interval(table):

@@ -100,11 +100,13 @@ class PackedVisits:
             packed[section][offset:offset + weight.numel()].copy_(weight.reshape(-1))
         return packed
 
-    def drop(self) -> None:
-        """Waits for and drops the visits loading (their weights are about to change)."""
+    def drop(self) -> int:
+        """Waits for and drops the visits loading (their weights are about to change);
+        returns the bytes they had loaded."""
         loading, self.loading = self.loading, {}
         for _, handles in loading.values():
             self.engine.wait_many(handles)
+        return sum(handle.nbytes for _, handles in loading.values() for handle in handles)
 
     def reload(self, stored_key: str) -> int:
         """Loads again the visits loading `stored_key` (after new values were stored

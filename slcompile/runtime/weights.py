@@ -518,9 +518,11 @@ class WeightStreamer:
             handles = engine.load_many([queued[k] for k in graph_keys], TransferKind.WEIGHT)
             self.pending.update(zip(graph_keys, handles))
 
-    def _drop_pending(self) -> None:
+    def _drop_pending(self) -> int:
+        """Waits for and drops the loads issued ahead; returns the bytes they loaded
+        (the all-gathers' excepted)."""
         self.queued.clear()  # never issued: nothing to wait for
-        self.visits.drop()
+        dropped = self.visits.drop()
         pending, self.pending = self.pending, {}
         shard_loads, self.shard_loads = self.shard_loads, {}
         for graph_key, handle in pending.items():
@@ -536,12 +538,16 @@ class WeightStreamer:
                     # raises there; the caller draining (an optimizer step, another
                     # model's compile) has nothing to do with it.
                     log.debug("a dropped prefetch of %s failed: %s", graph_key, err)
+                else:
+                    dropped += handle.nbytes
+        return dropped
 
-    def drain(self) -> None:
+    def drain(self) -> int:
         """Waits for and drops prefetched loads: before the weights change (an
-        optimizer step), so no stale copy is ever read."""
+        optimizer step), so no stale copy is ever read. Returns the bytes they had
+        loaded (read again by the fetches that needed them)."""
         with self.lock:
-            self._drop_pending()
+            return self._drop_pending()
 
     def reissue(self, stored_key: str) -> int:
         """Issues again the pending loads of `stored_key` (after a store of new values
@@ -788,9 +794,9 @@ def forget_weights(model: torch.nn.Module) -> int:
     return len(owned)
 
 
-def drain_prefetches() -> None:
-    """Waits for and drops every streamer's prefetched loads (see `WeightStreamer.drain`)."""
+def drain_prefetches() -> int:
+    """Waits for and drops every streamer's prefetched loads (see `WeightStreamer.drain`);
+    returns the bytes they had loaded."""
     with _REGISTRY_LOCK:
         streamers = list(_STREAMERS.values())
-    for streamer in streamers:
-        streamer.drain()
+    return sum(streamer.drain() for streamer in streamers)
