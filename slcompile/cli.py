@@ -446,7 +446,8 @@ def _explain_pictures(model, call_args, call_kwargs, options, pictures, args):
 
     step()  # compiles the forward and (on backward) the backward
     config = SpeedLoaderConfig.from_options(options)
-    recorded = record_step(step, _sample_interval(config)) if {"trace", "plot"} & set(pictures) else None
+    recorded = (record_step(step, _sample_interval(config), allocations="plot" in pictures)
+                if {"trace", "plot"} & set(pictures) else None)
     report = compile_reports()[-1]
     written = write_pictures(pathlib.Path(args.out), report, recorded, pictures, detail=args.detail)
     return written, report if recorded is not None else None

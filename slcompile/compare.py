@@ -534,7 +534,7 @@ def _measure(model, inputs, kwargs, options, policy, name, warmup: int = 0, time
                 clear_gradients()
                 peaks.append(measured_peak_bytes(step))
             clear_gradients()
-            recorded = record_step(step)
+            recorded = record_step(step, allocations=True)
         step_seconds = []
         for i in range(warmup + timed):
             clear_gradients()

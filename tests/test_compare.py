@@ -99,6 +99,13 @@ def test_one_process_gives_the_figures_of_one_process_per_policy(comparison):
     for row in comparison.rows:
         assert abs(row.predicted_peak_bytes - row.measured_peak_bytes) <= 0.01 * row.measured_peak_bytes, row
         assert row.predicted_tier_peaks["nvme"] == row.measured_tier_peaks["nvme"]
+        # The recorded step's allocations (the memory picture's measured device bytes)
+        # reach the peak the measured steps reached, at a time inside the step.
+        allocations = row.recorded.allocations
+        assert abs(row.recorded.allocated_peak_bytes - row.measured_peak_bytes) <= 0.01 * row.measured_peak_bytes
+        compute = [event for event in row.recorded.events if event.lane == "compute"]
+        peak_time = max(allocations, key=lambda sample: sample[1])[0]
+        assert compute[0].start <= peak_time <= compute[-1].end
 
 
 def test_the_table_has_one_line_per_policy(comparison):

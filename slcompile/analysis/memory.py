@@ -80,6 +80,7 @@ __all__ = [
     "size_hints",
     "sharded_weight_bytes",
     "measured_peak_bytes",
+    "allocation_series",
 ]
 
 # What the caller holds for the step; the other kinds are values the graphs make.
@@ -650,15 +651,28 @@ def measured_peak_bytes(fn) -> int:
     start: the running sum of every allocation (+) and free (-) torch.profiler
     records. Memory allocated before the call is not seen; loads of the transfer
     engine are seen inside `slcompile.runtime.storage.nvme.buffers_seen_by_profiler()`."""
+    return max((n for _, n in allocation_series(fn, "cpu")), default=0)
+
+
+def allocation_series(fn, device: str | None = None) -> tuple[tuple[float, int], ...]:
+    """Runs `fn()` under torch.profiler (`profile_memory`) and returns the running
+    sum of the allocations (+) and frees (-) it records on `device` ("cpu", "cuda";
+    None: CUDA's where there are any, else the CPU's) after each one, at its
+    `time.perf_counter()` time: (seconds, bytes above the call's start)."""
+    import time
+
+    from torch.autograd import DeviceType
     from torch.profiler import profile
 
     with profile(profile_memory=True) as prof:
+        # The profiler stamps its events with the wall clock (ns since the epoch).
+        offset = time.perf_counter() - time.time_ns() / 1e9
         fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
-    running = peak = 0
-    for _, nbytes in events:
+    memory = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    on = {kind: [e for e in memory if e.device_type() == getattr(DeviceType, kind.upper())] for kind in ("cpu", "cuda")}
+    chosen = on[device] if device is not None else (on["cuda"] or on["cpu"])
+    running, series = 0, []
+    for start_ns, nbytes in sorted((e.start_ns(), e.nbytes()) for e in chosen):
         running += nbytes
-        peak = max(peak, running)
-    return peak
+        series.append((start_ns / 1e9 + offset, running))
+    return tuple(series)

@@ -24,6 +24,7 @@ import pathlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from slcompile.analysis.memory import allocation_series
 from slcompile.runtime.stats import StepStats, TimelineEvent, mark_step, timeline
 from slcompile.viz.memory import ResidentSample, ResidentSampler
 
@@ -43,20 +44,36 @@ class RecordedStep:
         events: timeline events that finished during the step, oldest first.
         samples: resident bytes per tier, sampled at region boundaries.
         stats: the step's byte, transfer, stall and peak figures.
+        allocations: with `record_step(..., allocations=True)`, the bytes torch's
+            allocator of the step's device held above the step's start, after each
+            allocation and free torch.profiler recorded: (`time.perf_counter()`
+            seconds, bytes), oldest first. Activations, saved values, gradients and
+            everything else the graphs allocate, which the runtime's per-tier
+            accounting does not see.
     """
 
     events: tuple[TimelineEvent, ...]
     samples: tuple[ResidentSample, ...]
     stats: StepStats
+    allocations: tuple[tuple[float, int], ...] = ()
+
+    @property
+    def allocated_peak_bytes(self) -> int:
+        """The most bytes of `allocations` (0 when none were recorded)."""
+        return max((n for _, n in self.allocations), default=0)
 
 
-def record_step(step: Callable[[], object], sample_interval: float | None = None) -> RecordedStep:
+def record_step(step: Callable[[], object], sample_interval: float | None = None,
+                allocations: bool = False) -> RecordedStep:
     """Runs `step()` once while recording the timeline and resident bytes.
 
     Args:
         step: one training step (forward, backward; an optimizer step if wanted).
         sample_interval: seconds between resident-bytes samples taken on a timer, for
             graphs without region markers (Inductor); None: at the markers only.
+        allocations: also record the device allocator's bytes over the step
+            (`RecordedStep.allocations`), running it under torch.profiler with
+            `profile_memory` (slower).
 
     Returns:
         what was recorded.
@@ -64,11 +81,15 @@ def record_step(step: Callable[[], object], sample_interval: float | None = None
     mark_step()
     started = time.perf_counter()
     with ResidentSampler(sample_interval) as sampler:
-        step()
+        if allocations:
+            series = allocation_series(step)
+        else:
+            series = ()
+            step()
     stats = mark_step()
     finished = time.perf_counter()
     events = tuple(e for e in timeline() if started <= e.end <= finished and e.lane != "step")
-    return RecordedStep(events, tuple(sampler.samples), stats)
+    return RecordedStep(events, tuple(sampler.samples), stats, series)
 
 
 def timeline_title(report) -> str:
@@ -128,7 +149,9 @@ def write_pictures(
     if "plot" in pictures and graphs:
         samples = recorded.samples if recorded is not None else ()
         events = recorded.events if recorded is not None else ()
-        written["memory"] = [plot_memory(out / "memory.png", graphs, samples, events, memory=report.memory)]
+        allocations = recorded.allocations if recorded is not None else ()
+        written["memory"] = [plot_memory(out / "memory.png", graphs, samples, events, memory=report.memory,
+                                         allocations=allocations)]
     return written
 
 

@@ -7,7 +7,9 @@ compiled graphs (`CompileReport.graphs`), the runtime's timeline events and the
 Needs: matplotlib (drawn with the Agg backend, no display).
 Guarantees:
 - `plot_memory` draws two panels and labels which is which: measured resident bytes
-  per tier (runtime accounting) on top, predicted live bytes of the compiled graphs
+  per tier (runtime accounting) and, when recorded, the bytes torch's allocator of
+  the device held (every allocation of the step: what the prediction counts) on
+  top, predicted live bytes of the compiled graphs
   below (the memory model: held inputs, streamed weights and everything else stacked,
   peaking at the device peak `explain` prints). When the timeline holds the
   graphs' region markers, both panels share the step's time axis (each node is placed
@@ -122,6 +124,7 @@ def plot_memory(
     events: Sequence[TimelineEvent] = (),
     title: str = "memory over one training step",
     memory: MemoryPrediction | None = None,
+    allocations: Sequence[tuple[float, int]] = (),
 ) -> pathlib.Path:
     """Writes the memory picture (PNG) to `path`.
 
@@ -136,6 +139,10 @@ def plot_memory(
         memory: the step's prediction (`CompileReport.memory`); default: predicted
             from `graphs`. The lower panel stacks it (`viz.memory.device_layers`), so
             its peak is the device peak `explain` prints.
+        allocations: the device allocator's bytes over the step
+            (`RecordedStep.allocations`): drawn in the measured panel, they count
+            what the prediction counts (activations, saved values, gradients), which
+            the per-tier samples do not.
 
     Returns:
         the path written.
@@ -148,13 +155,13 @@ def plot_memory(
     layers = device_layers(memory) if memory is not None else DeviceLayers((), (), (), ())
     times = align_regions(graphs, events) if events else None
     origin = _origin(samples, events)
-    peaks = [layers.peak] + [max(s.resident.values(), default=0) for s in samples]
+    peaks = [layers.peak] + [max(s.resident.values(), default=0) for s in samples] + [n for _, n in allocations]
     scale, unit = _unit(max(peaks, default=0))
-    panels = 2 if samples else 1
+    panels = 2 if samples or allocations else 1
     figure, axes = plt.subplots(panels, 1, figsize=(12, 3.4 * panels + 0.6), sharex=times is not None, squeeze=False)
     axes = [row[0] for row in axes]
-    if samples:
-        _draw_measured(axes[0], samples, origin, scale, unit)
+    if samples or allocations:
+        _draw_measured(axes[0], samples, origin, scale, unit, allocations)
     _draw_predicted(axes[-1], layers, times, origin, scale, unit)
     if times is not None:
         for axis in axes:
@@ -174,25 +181,36 @@ def _origin(samples: Sequence[ResidentSample], events: Sequence[TimelineEvent]) 
     return min(starts, default=0.0)
 
 
-def _draw_measured(axis, samples, origin, scale, unit) -> None:
+def _draw_measured(axis, samples, origin, scale, unit, allocations=()) -> None:
     tiers = sorted({tier for s in samples for tier, count in s.resident.items() if count} | {"device"},
                    key=lambda t: list(_TIER_COLORS).index(t) if t in _TIER_COLORS else 9)
     xs = [(s.time - origin) * 1e3 for s in samples]
-    for tier in tiers:
+    for tier in tiers if samples else ():
         ys = [s.resident.get(tier, 0) / scale for s in samples]
         peak = max(ys, default=0)
         axis.step(xs, ys, where="post", color=_TIER_COLORS.get(tier, "black"), linewidth=1.8,
                   linestyle="-" if tier == "device" else "--", zorder=3 if tier == "device" else 2,
-                  label=f"{tier} (peak {format_bytes(peak * scale)})")
+                  label=f"{tier}: runtime accounting (peak {format_bytes(peak * scale)})")
+    top = max((max(s.resident.values(), default=0) for s in samples), default=0)
+    if allocations:
+        peak = max(n for _, n in allocations)
+        axis.fill_between([(t - origin) * 1e3 for t, _ in allocations], [n / scale for _, n in allocations],
+                          step="post", color=_OTHER_COLOR, alpha=0.45, linewidth=0, zorder=1,
+                          label=f"device: torch's allocator (peak {format_bytes(peak)})")
+        top = max(top, peak)
     when = "at region boundaries" if any(s.label not in ("start", "end", "timer") for s in samples) else "on a timer"
-    axis.set_title(f"measured: bytes resident per tier (runtime accounting, sampled {when}; activations excluded)",
-                   fontsize=10, loc="left")
-    if not any(count for s in samples for count in s.resident.values()):
+    what = [f"bytes resident per tier (runtime accounting, sampled {when})"] if samples else []
+    if allocations:
+        what.append("every device allocation of the step (torch.profiler)")
+    else:
+        what[-1] = what[-1][:-1] + "; activations excluded)"
+    axis.set_title("measured: " + " and ".join(what), fontsize=10, loc="left")
+    if not allocations and not any(count for s in samples for count in s.resident.values()):
         axis.text(0.5, 0.5, "the runtime held nothing on any tier during this step (no weights streamed)",
                   transform=axis.transAxes, ha="center", va="center", fontsize=10, color="#555555")
     axis.set_ylabel(unit)
-    axis.set_ylim(0, max((max(s.resident.values(), default=0) for s in samples), default=0) / scale * 1.35 or 1)
-    axis.legend(loc="upper right", fontsize=9, ncol=len(tiers))
+    axis.set_ylim(0, top / scale * 1.35 or 1)
+    axis.legend(loc="upper right", fontsize=9, ncol=len(tiers) + bool(allocations))
     axis.grid(alpha=0.3)
 
 
