@@ -97,21 +97,31 @@ def max_of(exprs: Iterable[sympy.Expr]) -> sympy.Expr:
     terms, a number times a product of sizes (symbols, a sub-batch's `s // K`, pages
     rounded up), none negative: one whose every coefficient is at most another's is
     at most that one. (sympy's own comparison of hundreds of them takes minutes.)"""
-    distinct = set(exprs)
+    distinct = list(dict.fromkeys(exprs))
     if len(distinct) <= 1:
         return next(iter(distinct), sympy.Integer(0))
-    terms = {e: dict(sympy.expand(e).as_coefficients_dict()) for e in distinct}
+    terms = {e: _terms(e) for e in distinct}
     if any(not c.is_number for coefficients in terms.values() for c in coefficients.values()):
         return sympy.Max(*distinct)
     kept: list[sympy.Expr] = []
-    # Largest first: a term is dropped when one already kept bounds it.
-    for expr in sorted(distinct, key=lambda e: (-sum(terms[e].values()), str(e))):
+    # Largest first: a term is dropped when one already kept bounds it. (Ties keep
+    # the order given; `sympy.Max` prints its arguments in its own order.)
+    for expr in sorted(distinct, key=lambda e: -sum(terms[e].values())):
         mine = terms[expr]
         if not any(all(theirs.get(m, 0) >= mine.get(m, 0) for m in {*mine, *theirs})
                    for theirs in (terms[other] for other in kept)):
             kept.append(expr)
     # None of the kept terms bounds another: nothing is left for sympy to simplify.
     return sympy.Max(*kept, evaluate=False) if len(kept) > 1 else kept[0]
+
+
+def _terms(expr: sympy.Expr) -> dict[sympy.Expr, sympy.Expr]:
+    """`expr` as {monomial: coefficient}; expanded only where it is not already a
+    sum of monomials (the byte counts made here mostly are)."""
+    terms = expr.as_coefficients_dict()
+    if any(term.is_Add for term in terms):
+        terms = sympy.expand(expr).as_coefficients_dict()
+    return dict(terms)
 
 
 def tensor_bytes(value: torch.Tensor) -> sympy.Expr:
@@ -241,7 +251,8 @@ def analyze_lifetimes(
     resident, running = [], sympy.Integer(0)
     for i in range(len(nodes)):
         if i in change:
-            running = sympy.expand(running + change[i])
+            # Sums of sums of monomials: sympy collects them as it adds (no expand).
+            running = running + change[i]
         resident.append(running)
     user = {base[n] for n in flat_outputs[: len(flat_outputs) - num_saved]} - saved
     returned_bytes = sympy.expand(sum((v.bytes for v in values if any(v.name == u.name for u in user)), sympy.Integer(0)))

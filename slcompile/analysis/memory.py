@@ -481,7 +481,7 @@ def predict_memory(
     copies = [_gradient_copies(gm) if gradient_copies and kind == 1 else [sympy.Integer(0)] * len(table.resident)
               for kind, (gm, table) in enumerate(zip(graphs, tables))]
     resident = [
-        sympy.expand(held_before + expr + ahead + copied + shard + padded)
+        sympy.Add(held_before, expr, ahead, copied, shard, padded)
         for table, per_node, held_before, copied, graph_shards, graph_gathered
         in zip(tables, extra, before, copies, shards, gathered)
         for expr, ahead, copied, shard, padded in zip(table.resident, per_node, copied, graph_shards, graph_gathered)
@@ -512,9 +512,9 @@ def predict_memory(
             tier_exprs[tier] += nbytes
     evaluated = {tier: int(expr.subs(subs)) for tier, expr in tier_exprs.items()}
     kinds = ["forward", "backward"] if backward is not None else [graph_kind]
+    at = _At(subs)
     per_node = tuple(
-        _graph_memory(kind, gm, table, ahead, int(sympy.sympify(held_before).subs(subs)), subs, copied,
-                      graph_shards, graph_gathered)
+        _graph_memory(kind, gm, table, ahead, at(held_before), at, copied, graph_shards, graph_gathered)
         for kind, gm, table, ahead, held_before, copied, graph_shards, graph_gathered
         in zip(kinds, graphs, tables, extra, before, copies, shards, gathered)
     )
@@ -530,7 +530,7 @@ def predict_memory(
         optimizer=optimizer if stepped else None,
         optimizer_step_bytes=int(sympy.sympify(optimizer_step).subs(subs)),
         optimizer_gradient_bytes=int(sympy.sympify(optimizer_gradients).subs(subs)),
-        gradient_copy_bytes=max((int(sympy.sympify(c).subs(subs)) for c in copies[-1]), default=0),
+        gradient_copy_bytes=max((at(c) for c in copies[-1]), default=0),
         weight_shards=weight_shards,
         shard_bytes=_most(per_node, ("shard",)),
         gather_bytes=_most(per_node, ("prefetched", "weight")) if weight_shards > 1 else 0,
@@ -597,14 +597,32 @@ def _returned_gradients(table: LifetimeTable) -> sympy.Expr:
                             sympy.Integer(0)))
 
 
-def _graph_memory(kind, gm, table: LifetimeTable, prefetched: list[int], outputs_held: int, subs,
+class _At:
+    """Byte counts at the example sizes: `at(expr)` is `int(expr.subs(sizes))`,
+    each distinct expression worked out once (by `xreplace`, which substitutes
+    without `subs`'s pattern matching: thousands of nodes share a few sizes)."""
+
+    def __init__(self, sizes: Mapping[sympy.Symbol, int]):
+        self.sizes = {symbol: sympy.Integer(value) for symbol, value in sizes.items()}
+        self.known: dict = {}
+
+    def __call__(self, expr) -> int:
+        if isinstance(expr, int):
+            return expr
+        value = self.known.get(expr)
+        if value is None:
+            value = self.known[expr] = int(sympy.sympify(expr).xreplace(self.sizes))
+        return value
+
+
+def _graph_memory(kind, gm, table: LifetimeTable, prefetched: list[int], outputs_held: int, at: _At,
                   copied=(), shards=(), gathered=()) -> GraphMemory:
     """The lifetime table swept over the nodes, one series per value kind
     (`shards`, `gathered`: the sharded weights' terms of `predict_memory`)."""
     nodes = tuple(node.name for node in gm.graph.nodes)
     deltas: dict[str, list[int]] = {}
     for value in table.values:
-        size = int(sympy.sympify(value.bytes).subs(subs))
+        size = at(value.bytes)
         delta = deltas.setdefault(value.kind, [0] * (len(nodes) + 1))
         delta[value.first_use] += size
         delta[min(value.last_use + 1, len(nodes))] -= size
@@ -616,7 +634,7 @@ def _graph_memory(kind, gm, table: LifetimeTable, prefetched: list[int], outputs
             series.append(running)
         live[value_kind] = tuple(series)
     if any(copied):
-        live["gradient_copy"] = tuple(int(sympy.sympify(c).subs(subs)) for c in copied)
+        live["gradient_copy"] = tuple(at(c) for c in copied)
     if any(gathered):
         live["weight"] = tuple(w + g for w, g in zip(live["weight"], gathered))
     if any(shards):
