@@ -21,6 +21,7 @@ call; they are reported apart (`held`), so a peak can be taken with or without t
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import operator
 from collections.abc import Iterable, Mapping
 
@@ -101,8 +102,12 @@ def max_of(exprs: Iterable[sympy.Expr]) -> sympy.Expr:
     if len(distinct) <= 1:
         return next(iter(distinct), sympy.Integer(0))
     terms = {e: _terms(e) for e in distinct}
-    if any(not c.is_number for coefficients in terms.values() for c in coefficients.values()):
+    if any(not c.is_Rational for coefficients in terms.values() for c in coefficients.values()):
         return sympy.Max(*distinct)
+    # Compared as Python numbers: sympy's comparisons cost microseconds each.
+    terms = {e: {m: int(c.p) if c.q == 1 else fractions.Fraction(int(c.p), int(c.q))
+                 for m, c in coefficients.items()}
+             for e, coefficients in terms.items()}
     kept: list[sympy.Expr] = []
     # Largest first: a term is dropped when one already kept bounds it. (Ties keep
     # the order given; `sympy.Max` prints its arguments in its own order.)

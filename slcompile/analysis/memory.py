@@ -480,8 +480,16 @@ def predict_memory(
     gathered = _gathered_weights(tables, graphs, layout)
     copies = [_gradient_copies(gm) if gradient_copies and kind == 1 else [sympy.Integer(0)] * len(table.resident)
               for kind, (gm, table) in enumerate(zip(graphs, tables))]
+    sums: dict[tuple, sympy.Expr] = {}  # nodes in a row mostly hold the same terms
+
+    def added(*terms) -> sympy.Expr:
+        total = sums.get(terms)
+        if total is None:
+            total = sums[terms] = sympy.Add(*(term for term in terms if term != 0))
+        return total
+
     resident = [
-        sympy.Add(held_before, expr, ahead, copied, shard, padded)
+        added(held_before, expr, ahead, copied, shard, padded)
         for table, per_node, held_before, copied, graph_shards, graph_gathered
         in zip(tables, extra, before, copies, shards, gathered)
         for expr, ahead, copied, shard, padded in zip(table.resident, per_node, copied, graph_shards, graph_gathered)
@@ -623,7 +631,9 @@ def _graph_memory(kind, gm, table: LifetimeTable, prefetched: list[int], outputs
     deltas: dict[str, list[int]] = {}
     for value in table.values:
         size = at(value.bytes)
-        delta = deltas.setdefault(value.kind, [0] * (len(nodes) + 1))
+        delta = deltas.get(value.kind)
+        if delta is None:  # not setdefault: its default would be built for every value
+            delta = deltas[value.kind] = [0] * (len(nodes) + 1)
         delta[value.first_use] += size
         delta[min(value.last_use + 1, len(nodes))] -= size
     live: dict[str, tuple[int, ...]] = {}
