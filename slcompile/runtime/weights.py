@@ -519,8 +519,7 @@ class WeightStreamer:
             self.pending.update(zip(graph_keys, handles))
 
     def _drop_pending(self) -> int:
-        """Waits for and drops the loads issued ahead; returns the bytes they loaded
-        (the all-gathers' excepted)."""
+        """Waits for and drops the loads issued ahead; returns their bytes (all-gathers' aside)."""
         self.queued.clear()  # never issued: nothing to wait for
         dropped = self.visits.drop()
         pending, self.pending = self.pending, {}
@@ -544,8 +543,7 @@ class WeightStreamer:
 
     def drain(self) -> int:
         """Waits for and drops prefetched loads: before the weights change (an
-        optimizer step), so no stale copy is ever read. Returns the bytes they had
-        loaded (read again by the fetches that needed them)."""
+        optimizer step), so no stale copy is ever read. Returns the bytes they loaded."""
         with self.lock:
             return self._drop_pending()
 
@@ -795,8 +793,7 @@ def forget_weights(model: torch.nn.Module) -> int:
 
 
 def drain_prefetches() -> int:
-    """Waits for and drops every streamer's prefetched loads (see `WeightStreamer.drain`);
-    returns the bytes they had loaded."""
+    """Waits for and drops every streamer's prefetched loads (`WeightStreamer.drain`); returns their bytes."""
     with _REGISTRY_LOCK:
         streamers = list(_STREAMERS.values())
     return sum(streamer.drain() for streamer in streamers)
