@@ -509,7 +509,7 @@ def plan_with_optimizer(state, optimizer=None, optimizer_options=None):
     from slcompile.analysis.optimizer_memory import optimizer_memory
     from slcompile.backends.speedloader import step_plan
     from slcompile.optim import OffloadedOptimizer
-    from slcompile.runtime.gradients import sink_plan_for
+    from slcompile.plans import sink_plan
 
     plan = step_plan(state)
     if optimizer is None:
@@ -534,6 +534,7 @@ def plan_with_optimizer(state, optimizer=None, optimizer_options=None):
         )
     sink = plan.gradients
     if sink is None and state.config.gradients == "auto":
-        sink = sink_plan_for(gradients_tier, state.streamer, state.streamed, state.inputs, state.config.offload_dir)
+        sink = sink_plan(gradients_tier, state.streamer, state.streamed, state.inputs, state.facts.optimizer_held,
+                         state.config.offload_dir)
     return dataclasses.replace(plan, optimizer=memory, gradients=sink)
 

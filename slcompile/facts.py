@@ -8,7 +8,10 @@ and `tune` make those records here, before the passes run:
   the `offload_dir`), how loads pad, the ranks weights shard over;
 - `process_facts`: those, and what the process already holds of a graph's
   parameters: the keys of weights an earlier graph offloaded, and the weights an
-  offloaded optimizer steps.
+  offloaded optimizer steps;
+- `open_tiers`: the tiers a compile's options name, opened before anything compiles
+  (an unusable `offload_dir` fails there) and held by the backend until the step's
+  runtime, made from the plans when the step first runs, holds them.
 
 Where it sits: above the runtime it reads, `config` and `analysis`; below what
 compiles or plans (the backend, `explain`, `tune`, generation) and the offloaded
@@ -17,7 +20,8 @@ optimizer's memory model. The runtime never imports it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +33,24 @@ from slcompile.runtime.gradients import consumer_of
 from slcompile.runtime.storage.tiers import PAGE_BYTES, Tier
 from slcompile.runtime.weights import weight_home
 
-__all__ = ["machine_facts", "process_facts"]
+__all__ = ["machine_facts", "open_tiers", "process_facts"]
+
+
+@contextlib.contextmanager
+def open_tiers(config: Any) -> Iterator[None]:
+    """Holds the storage the options `config` (`SpeedLoaderConfig`) name while a
+    compile runs: its transfer engine, with the nvme arena opened when a tier is
+    nvme (it would be opened on first use, deep in the lowering: opened now, an
+    unusable `offload_dir` fails before anything compiles). The facts the compile
+    reads and the runtime its step makes then share that engine.
+
+    Raises:
+        OffloadError: the `offload_dir` cannot hold an arena.
+    """
+    engine = get_engine(config.offload_dir)
+    if "nvme" in (config.weights, config.activations):
+        engine.arena
+    yield
 
 
 def machine_facts(offload_dir: str | None = None, world_size: int = 1, load_overhead: int = 0) -> MachineFacts:
@@ -70,5 +91,6 @@ def process_facts(config: Any, example_inputs: Sequence[Any]) -> ProcessFacts:
     return ProcessFacts(
         machine=machine_facts(config.offload_dir, world_size),
         stored_keys=stored,
-        optimizer_held=frozenset(id(tensor) for tensor in tensors if consumer_of(tensor) is not None),
+        optimizer_held={id(tensor): consumer.gradient_tier.value for tensor in tensors
+                        if (consumer := consumer_of(tensor)) is not None},
     )

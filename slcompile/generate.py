@@ -70,10 +70,10 @@ from torch import nn
 
 from slcompile.analysis.pass_memory import PassMemory
 from slcompile.errors import OptionError
-from slcompile.inference.executor import _Generation
+from slcompile.inference.executor import GenerationRun
 from slcompile.inference.explain import GenerationExplanation, explain_generation
-from slcompile.inference.options import (_CALL_OPTIONS, _ENGINE_OPTIONS, _inferred_attention_mask, _plan,
-                                         find_decoder_layers, generation_config)
+from slcompile.inference.options import (CALL_OPTIONS, ENGINE_OPTIONS, find_decoder_layers, generation_config,
+                                         generation_plan, inferred_attention_mask)
 from slcompile.inference.records import GenerationOutput, GenerationStep
 
 __all__ = ["generate", "explain_generation", "find_decoder_layers", "generation", "GenerationOutput",
@@ -164,13 +164,13 @@ def generate(
     """
     config = generation_config(num_subbatches, prefill_subbatches, weights, kv_cache, live_blocks, offload_dir,
                                schedule)
-    plan = _plan(model, input_ids, attention_mask, config, max_new_tokens=max_new_tokens, do_sample=do_sample,
+    plan = generation_plan(model, input_ids, attention_mask, config, max_new_tokens=max_new_tokens, do_sample=do_sample,
                  temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
                  pad_token_id=pad_token_id)
     if attention_mask is None:
-        attention_mask = _inferred_attention_mask(input_ids, plan.pad_token_id, plan.eos_token_ids)
+        attention_mask = inferred_attention_mask(input_ids, plan.pad_token_id, plan.eos_token_ids)
     with torch.no_grad():
-        run = _Generation(model, plan, backend, generator, progress)
+        run = GenerationRun(model, plan, backend, generator, progress)
         sequences = run.run(input_ids, attention_mask)
     if return_dict_in_generate:
         return GenerationOutput(sequences, tuple(run.steps))
@@ -203,10 +203,10 @@ def generation(model: nn.Module, **options: Any) -> Iterator[nn.Module]:
     Raises:
         OptionError: an option that is not one of `generate`'s.
     """
-    unknown = sorted(set(options) - set(_ENGINE_OPTIONS))
+    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
         raise OptionError(f"generation: {', '.join(unknown)} is not an option of slcompile.generate; use "
-                          f"{', '.join(_ENGINE_OPTIONS)} here and pass the others to model.generate")
+                          f"{', '.join(ENGINE_OPTIONS)} here and pass the others to model.generate")
 
     def routed(inputs=None, generation_config=None, **kwargs):
         config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
@@ -214,7 +214,7 @@ def generation(model: nn.Module, **options: Any) -> Iterator[nn.Module]:
         if not isinstance(input_ids, torch.Tensor):
             raise OptionError("model.generate inside slcompile.generation: pass the prompts as input_ids, "
                               "a (batch, length) tensor of token ids")
-        call = {name: kwargs.pop(name, getattr(config, name, None)) for name in _CALL_OPTIONS}
+        call = {name: kwargs.pop(name, getattr(config, name, None)) for name in CALL_OPTIONS}
         max_length = kwargs.pop("max_length", getattr(config, "max_length", None))
         if call["max_new_tokens"] is None and max_length is not None:
             call["max_new_tokens"] = max_length - input_ids.shape[1]
@@ -227,7 +227,7 @@ def generation(model: nn.Module, **options: Any) -> Iterator[nn.Module]:
                               "engine generates with a KV cache; leave the block to generate without one")
         if kwargs:
             raise OptionError(f"model.generate inside slcompile.generation: {', '.join(sorted(kwargs))} is not "
-                              f"supported; use {', '.join(('attention_mask', *_CALL_OPTIONS))}, or call "
+                              f"supported; use {', '.join(('attention_mask', *CALL_OPTIONS))}, or call "
                               "model.generate outside the block")
         return generate(model, input_ids, attention_mask, return_dict_in_generate=return_dict, **call, **options)
 

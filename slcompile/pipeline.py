@@ -53,7 +53,7 @@ from slcompile.passes.find_blocks import find_blocks
 from slcompile.passes.fuse_weight_grads import fuse_weight_grads
 from slcompile.passes.inline_checkpoints import inline_checkpoints
 from slcompile.passes.interleave import InterleaveReport, interleave
-from slcompile.passes.manager import Pass, PassLog, run_passes
+from slcompile.passes.manager import Analysis, Pass, PassLog, run_passes
 from slcompile.passes.annotate_streams import StreamAnnotations, annotate_streams, stream_key
 from slcompile.passes.mark_regions import RegionMarks, drop_marks, mark_regions
 from slcompile.passes.outline_regions import RegionOutline, outline_regions
@@ -262,7 +262,7 @@ def _plan_schedule(state: PipelineState) -> PipelineState:
 
 def gradients_leave(config: SpeedLoaderConfig, blocks: BlockGraph, inputs, facts: ProcessFacts) -> bool:
     """Whether the backward sends the block weights' gradients off the device, as
-    `slcompile.runtime.gradients.sink_plan_for` decides when the graph lowers: some
+    `slcompile.plans.sink_plan` decides when the graph lowers: some
     block weight that streams has a gradient (the `trainable` option keeps none on
     the device, `resident_trainable`), and `gradients` names a tier or ("auto") an
     offloaded optimizer holds it."""
@@ -409,6 +409,8 @@ class StepState:
         lowering: "aot_eager" or "inductor".
         results: what each pass returned, one attribute per pass name
             (`slcompile.pipeline.StepResults`), for the passes after it.
+        analyses: while a pass runs, the analyses it declares by name (`Pass.requires`),
+            each computed on its first read; None between passes.
     """
 
     plan: Any
@@ -419,6 +421,7 @@ class StepState:
     num_fwd_outputs: int | None = None
     lowering: str = "aot_eager"
     results: StepResults = dataclasses.field(default_factory=StepResults)
+    analyses: Any = None
 
     @property
     def config(self):
@@ -489,7 +492,7 @@ def _plan_transfers(step: StepState) -> Schedule:
     offload_at_least = None
     if plan.memory_budget is not None:
         # What keeping every saved activation would take over the budget.
-        kept_peak = _predict_memory(step).peak_bytes["device"]
+        kept_peak = step.analyses["kept_memory"].peak_bytes["device"]
         offload_at_least = max(kept_peak - plan.memory_budget, 0)
     schedule = plan.schedule.replan(
         saved=saved, offload_at_least=offload_at_least, stash_everything=plan.stash_everything,
@@ -567,7 +570,16 @@ def _offload_gradients(step: StepState):
     return stored
 
 
-def _predict_memory(step: StepState):
+def _kept_memory(step: StepState):
+    """The step's memory with every saved activation on the device, as the partition
+    left it (what `plan_transfers` weighs a memory budget against)."""
+    return _predict_memory(step, OffloadedActivations())
+
+
+KEPT_MEMORY = Analysis("kept_memory", _kept_memory)
+
+
+def _predict_memory(step: StepState, offloaded: OffloadedActivations | None = None):
     plan = step.plan
     if "inference" in step.graphs:
         return predict_memory(
@@ -575,7 +587,8 @@ def _predict_memory(step: StepState):
             activations_tier=plan.activations_tier if plan.stash is not None else "device",
             weights_tier=plan.weights_tier, streamed_bytes=plan.streamed_bytes, machine=plan.machine,
         )
-    offloaded = step.results.offload_activations or OffloadedActivations()
+    if offloaded is None:
+        offloaded = step.results.offload_activations or OffloadedActivations()
     return predict_memory(
         step.graphs["forward"], step.graphs["backward"],
         live_blocks=plan.live_blocks if plan.streamer is not None else 1,
@@ -624,7 +637,8 @@ PARTITIONED_PASSES: tuple[Pass, ...] = (
         code=(order_layer_major,),
     ),
     # The policy places the activations' transfers from their lifetimes.
-    Pass("plan_transfers", "partitioned", "analysis", _plan_transfers, required=True, code=(saved_activations,)),
+    Pass("plan_transfers", "partitioned", "analysis", _plan_transfers, required=True, code=(saved_activations,),
+         requires=(KEPT_MEMORY,)),
     Pass(
         "offload_activations", "partitioned", "rewrite", _offload_activations, graphs=("forward", "backward"),
         code=(offload_saved,),

@@ -18,10 +18,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+from collections.abc import Mapping
+from typing import Any
 
+from slcompile.errors import OptionError
 from slcompile.vocabulary import GradientKey, StashKey, WeightKey
 
-__all__ = ["StreamerPlan", "StashPlan", "SinkPlan", "new_name"]
+__all__ = ["HostPoolPlan", "StreamerPlan", "StashPlan", "SinkPlan", "new_name", "sink_plan"]
 
 _NUMBERS = itertools.count()
 _LOCK = threading.Lock()
@@ -115,3 +118,69 @@ class SinkPlan:
     def wants(self, stored_key: str) -> bool:
         """Whether the gradient of the weight `stored_key` leaves the device."""
         return stored_key in self.leaving
+
+
+def sink_plan(gradients: str, streamer: StreamerPlan | None, streamed: Any, inputs, held: Mapping[int, str],
+              offload_dir: str | None = None) -> SinkPlan | None:
+    """The gradient sink of a graph being compiled, or None when its gradients stay
+    on the device.
+
+    Args:
+        gradients: the `gradients` option ("auto", "device", "host", "nvme").
+        streamer: the graph's `StreamerPlan`, or None when no weight is streamed.
+        streamed: the `StreamedWeights` of `stream_weights`.
+        inputs: the classified placeholders (parameters carry their real values).
+        held: `id` of each parameter an offloaded optimizer steps -> the tier it
+            takes gradients on (`ProcessFacts.optimizer_held`).
+        offload_dir: the transfer engine's directory.
+
+    Raises:
+        OptionError: `shard_weights` with no offloaded optimizer to take the shards.
+    """
+    if streamer is None or streamed is None or gradients == "device":
+        return None
+    values = {i.name: i.value for i in inputs}
+    params = {key: values[name] for block in streamed.blocks for name, key in block}
+    holders = {key: held.get(id(param)) for key, param in params.items()}
+    tiers = [tier for tier in holders.values() if tier is not None]
+    if streamer.sharded and gradients == "auto" and not tiers:
+        raise OptionError(
+            "speedloader option 'shard_weights' sends each rank's shard of the weight gradients to an "
+            "offloaded optimizer, but none holds the model's parameters: create "
+            "slcompile.offload_optimizer(model, ...) before the compiled model's first call"
+        )
+    explicit = gradients != "auto" or streamer.sharded
+    if not explicit and not tiers:
+        return None
+    # A frozen weight streams for its values alone: no gradient of it is stored or expected.
+    leaving = frozenset(key for key, tier in holders.items()
+                        if params[key].requires_grad and (explicit or tier is not None))
+    if not leaving and not streamer.sharded:
+        return None
+    return SinkPlan(new_name("g"), gradients if gradients != "auto" else tiers[0],
+                    leaving=leaving, offload_dir=offload_dir, sharded=streamer.sharded)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPoolPlan:
+    """The pinned host memory a compiled step holds, reserved when its runtime starts
+    (`StepRuntime.start`, before the streamed weights move there).
+
+    Attributes:
+        peak_bytes: the plan's predicted host peak (streamed weights, activations in
+            flight).
+        resting: the stored keys of the streamed weights: what of them already rests
+            on the host (an earlier graph's) is not reserved again.
+        tensors: how many tensors the host tier holds (streamed weights, activations
+            stashed there): each takes whole pages, so up to a page more each.
+        largest: the largest single streamed weight.
+        host_memory: the `host_memory` option (None: the engine's own cap).
+        offload_dir: the transfer engine's directory (None: the default).
+    """
+
+    peak_bytes: int
+    resting: tuple[str, ...]
+    tensors: int
+    largest: int
+    host_memory: int | None = None
+    offload_dir: str | None = None

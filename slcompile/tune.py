@@ -460,25 +460,24 @@ def tune_generation(
         OptionError, RefusedError: as `generate` raises them.
     """
     from slcompile.config import TIERS
-    from slcompile.inference.explain import _explain_generation
-    from slcompile.inference.options import _plan, generation_config
-    from slcompile.runtime.storage.engine import get_engine
-    from slcompile.runtime.storage.tiers import Tier
+    from slcompile.facts import machine_facts
+    from slcompile.inference.explain import explain_generation_config
+    from slcompile.inference.options import generation_config, generation_plan
 
     budget = parse_bytes(memory_budget, "memory_budget")
     # The checks of `generate`, before anything is traced.
-    _plan(model, input_shape, None, generation_config(1, None, weights or "device", kv_cache or "device",
-                                                      live_blocks, offload_dir),
-          max_new_tokens=max_new_tokens, eos_token_id=[])
+    generation_plan(model, input_shape, None,
+                    generation_config(1, None, weights or "device", kv_cache or "device", live_blocks, offload_dir),
+                    max_new_tokens=max_new_tokens, eos_token_id=[])
     batch = tuple(input_shape)[0]
-    engine = get_engine(offload_dir)
+    here = machine_facts(offload_dir)
     divisors = batch_divisors(batch)
 
     def tiers(fixed: str | None) -> list[str]:
         if fixed is not None:
             return [fixed]
         # A tier that is the device's own memory (the host of a CPU machine) saves nothing.
-        return [t for t in TIERS if t == "device" or not engine.copies_nothing(Tier(t), Tier.DEVICE)]
+        return [t for t in TIERS if t == "device" or here.copies(t)]
 
     memo: dict = {}
     tried: list[tuple[str, str, str, int, int]] = []
@@ -488,9 +487,9 @@ def tune_generation(
         # The decode passes depend on the decode K alone.
         key = (w, kv, phase, prefill_k if phase == "prefill" else None, decode_k)
         if key not in peaks:
-            explained = _explain_generation(model, input_shape, max_new_tokens,
-                                            generation_config(decode_k, prefill_k, w, kv, live_blocks, offload_dir),
-                                            machine, memo, padded)
+            explained = explain_generation_config(
+                model, input_shape, max_new_tokens,
+                generation_config(decode_k, prefill_k, w, kv, live_blocks, offload_dir), machine, memo, padded)
             memory = getattr(explained, f"{phase}_memory")
             if memory is None:
                 raise RefusedError(f"the device memory of {type(model).__name__}'s generation cannot be predicted "
@@ -516,9 +515,9 @@ def tune_generation(
         chosen = choose(w, kv, budget)
         if chosen is not None:
             prefill_k, decode_k = chosen
-            explanation = _explain_generation(model, input_shape, max_new_tokens,
-                                              generation_config(decode_k, prefill_k, w, kv, live_blocks, offload_dir),
-                                              machine, memo, padded)
+            explanation = explain_generation_config(
+                model, input_shape, max_new_tokens,
+                generation_config(decode_k, prefill_k, w, kv, live_blocks, offload_dir), machine, memo, padded)
             options = {"num_subbatches": decode_k, "prefill_subbatches": prefill_k, "weights": w, "kv_cache": kv,
                        "live_blocks": live_blocks}
             return GenerationTuneResult(options, explanation, tuple(tried))

@@ -128,6 +128,25 @@ def _package_imports() -> dict[str, set[str]]:
     return imports
 
 
+def test_no_module_imports_the_private_names_of_another_folder():
+    """A name with a leading underscore is its folder's own: a module of another
+    folder of the package (or of its top) that needs it gets it under a public name."""
+    import ast
+
+    package = DESIGN.parent / "slcompile"
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("slcompile")):
+                continue
+            target = package.parent.joinpath(*node.module.split("."))
+            folder = target if target.is_dir() else target.parent
+            private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            if private and folder != path.parent:
+                found.append(f"{path.relative_to(package)}: from {node.module} import {', '.join(private)}")
+    assert found == []
+
+
 def _room(module: str) -> str:
     """The folder of the package a module is in, or the module itself at its top:
     `slcompile.runtime.weights` -> "runtime", `slcompile.config` -> "config"."""

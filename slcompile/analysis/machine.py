@@ -82,13 +82,14 @@ class ProcessFacts:
             sharded weights are split over).
         stored_keys: `id` of each of the graph's parameters that an earlier graph
             already offloaded -> the key its values are stored under.
-        optimizer_held: `id`s of the graph's parameters an offloaded optimizer
-            steps (their gradients leave the device).
+        optimizer_held: `id` of each of the graph's parameters an offloaded
+            optimizer steps (their gradients leave the device) -> the tier that
+            optimizer takes gradients on.
     """
 
     machine: MachineFacts = MachineFacts()
     stored_keys: Mapping[int, str] = dataclasses.field(default_factory=dict)
-    optimizer_held: frozenset[int] = frozenset()
+    optimizer_held: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
     def stored_key(self, streamer: str, name: str, param) -> str:
         """The key `param` is stored under when the streamer named `streamer` streams

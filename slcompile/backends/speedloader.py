@@ -41,10 +41,9 @@ from slcompile.errors import (
 from slcompile.passes.stream_weights import weight_placement
 from slcompile.pipeline import run_pipeline
 from slcompile.schedules.policies import plan_suffix
-from slcompile.facts import process_facts
-from slcompile.plans import StashPlan, new_name
+from slcompile.facts import open_tiers, process_facts
+from slcompile.plans import HostPoolPlan, StashPlan, new_name, sink_plan
 from slcompile.report import CompileReport, add_report, compile_reports, discard_report
-from slcompile.runtime.gradients import sink_plan_for
 from slcompile.runtime.step import StepRuntime
 from slcompile.runtime.gathering import loading_released_weights
 from slcompile.runtime.weights import parameter_name
@@ -110,16 +109,14 @@ def cudagraphs_apply(config: SpeedLoaderConfig, example_inputs: Sequence[Any], r
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None) -> Callable:
-    from slcompile.runtime.storage.engine import get_engine
-
     config = SpeedLoaderConfig.from_options(options)
-    # Held until the step's runtime objects hold it: the engine the facts come from,
-    # whose arena is checked and whose host pool is sized here, is the one they use.
-    engine = get_engine(config.offload_dir)
-    if "nvme" in (config.weights, config.activations):
-        # The nvme arena is made on first use, deep in the lowering; made now, an
-        # unusable offload_dir fails before anything compiles.
-        engine.arena
+    # Held until the step's runtime holds them: the tiers the facts are read of are
+    # the ones the step uses, and an unusable offload_dir fails before the passes.
+    with open_tiers(config):
+        return _compile(gm, example_inputs, config)
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: SpeedLoaderConfig) -> Callable:
     report = CompileReport(config=config)
     add_report(report)
     original = gm
@@ -140,7 +137,6 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opti
     try:
         with drawing_dumps():  # the backward, compiled at its first call, draws its dumps too (`PassLog.settings`)
             _, (state, runtime, compiled) = plan_suffix(config, attempt)
-        _size_host_pool(state, report)
     except Exception as err:  # noqa: BLE001  (any failure: see `as_refusal`)
         if passes_through_fallback(err):
             if isinstance(err, torch._dynamo.exc.RestartAnalysis):
@@ -263,7 +259,7 @@ def step_plan(state) -> StepPlan:
         block_positions={block.index: pos for pos, block in enumerate(state.blocks.blocks)},
         num_subbatches=config.num_subbatches,
         streamer=state.streamer,
-        stash=_stash_plan(config),
+        stash=_stash_plan(config, machine),
         recompute="policy" if state.schedule is not None and state.schedule.recompute is not None
         else config.recompute,
         min_offload_bytes=config.min_offload_bytes,
@@ -273,7 +269,8 @@ def step_plan(state) -> StepPlan:
         activations_tier=config.activations,
         streamed_bytes=state.streamed.streamed_bytes if state.streamed is not None else 0,
         schedule=state.schedule,
-        gradients=sink_plan_for(config.gradients, state.streamer, state.streamed, state.inputs, config.offload_dir),
+        gradients=sink_plan(config.gradients, state.streamer, state.streamed, state.inputs,
+                            state.facts.optimizer_held, config.offload_dir),
         optimizer=_optimizer_memory(state, machine),
         compile_regions=config.compile_regions,
         profile=_profile(config),
@@ -304,41 +301,39 @@ def _optimizer_memory(state, machine):
     return attached_optimizer_memory((i.value for i in state.inputs if i.kind == "param"), streamed, machine)
 
 
-def _stash_plan(config: SpeedLoaderConfig) -> StashPlan | None:
-    """The activation stash on the configured tier, or None when activations stay."""
-    from slcompile.runtime.storage.engine import get_engine
-    from slcompile.runtime.storage.tiers import Tier
-
+def _stash_plan(config: SpeedLoaderConfig, machine) -> StashPlan | None:
+    """The activation stash on the configured tier, or None when activations stay
+    (on the device, or on a tier that is the device's memory on this `machine`)."""
     if config.activations == "device":
         return None
-    if get_engine(config.offload_dir).copies_nothing(Tier(config.activations), Tier.DEVICE):
+    if not machine.copies(config.activations):
         log.debug("activations=%s copies nothing on this machine: they stay on the device", config.activations)
         return None
     return StashPlan(new_name("a"), config.activations, offload_dir=config.offload_dir)
 
 
-def _size_host_pool(state, report) -> None:
-    """Pins, before the first step, what the plan will hold on the host tier: its
-    predicted host peak (streamed weights, offloaded activations) less what already
-    rests there, plus up to a page per tensor (each takes whole pages). Nothing is
-    pinned on a CPU machine."""
-    from slcompile.runtime.storage.engine import get_engine
-    from slcompile.runtime.storage.tiers import PAGE_BYTES
-
+def _host_pool_plan(state, report) -> HostPoolPlan | None:
+    """What the plan will hold on the host tier, for the step's runtime to pin before
+    its first step: the predicted host peak less what already rests there, plus up to
+    a page per tensor (each takes whole pages). None when the plan holds nothing on
+    the host or the host is the device's own memory (a CPU machine)."""
     if report.memory is None or not report.memory.peak_bytes.get("host"):
-        return
-    engine = get_engine(state.config.offload_dir)
+        return None
+    if not state.facts.machine.copies("host"):
+        return None
     on_host = state.config.weights == "host" and state.streamed is not None
     streamed = [pair for block in state.streamed.blocks for pair in block] if on_host else []
     values = {i.name: i.value for i in state.inputs}
     offloaded = report.offloaded_activations
     activations = [name for name, tier in zip(offloaded.names, offloaded.tiers)
                    if (tier or state.config.activations) == "host"] if offloaded is not None else []
-    engine.reserve_host(
-        report.memory.peak_bytes["host"] - engine.host_bytes_of(key for _, key in streamed)
-        + PAGE_BYTES * (len(streamed) + len(activations)),
+    return HostPoolPlan(
+        peak_bytes=report.memory.peak_bytes["host"],
+        resting=tuple(key for _, key in streamed),
+        tensors=len(streamed) + len(activations),
         largest=max((values[name].nbytes for name, _ in streamed), default=0),
-        what="the compiled plan's host tier", host_memory=state.config.host_memory,
+        host_memory=state.config.host_memory,
+        offload_dir=state.config.offload_dir,
     )
 
 
@@ -353,7 +348,7 @@ def _start(runtime: StepRuntime, state, report: CompileReport) -> None:
         blocks = [[(key, values[name], sources[name] or name) for name, key in block]
                   for block in state.streamed.blocks]
         report.streamed_bytes = state.streamed.streamed_bytes
-    runtime.start(blocks, report.offloaded_gradients)
+    runtime.start(blocks, report.offloaded_gradients, host_pool=_host_pool_plan(state, report))
     if any(blocks):
         log.info("speedloader: %d bytes of block weights now rest on %s", report.streamed_bytes,
                  state.streamer.tier)

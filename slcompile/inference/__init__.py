@@ -2,7 +2,7 @@
 module; the entry points are `slcompile.generate` (`generate`, `generation`,
 `explain_generation`).
 
-- `options`: the options checked against the model (`_plan` -> `_Plan`).
+- `options`: the options checked against the model (`generation_plan` -> `_Plan`).
 - `capture`: the model seen layer by layer: every layer's arguments captured from
   its own forward, the tail, the compiled layer steps.
 - `pass_graph`: one pass's schedule (`slcompile.schedules.generation`) lowered to

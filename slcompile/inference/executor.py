@@ -76,7 +76,7 @@ def _bytes_moved_since(before: Mapping[TransferKey, int]) -> dict[TransferKey, i
     return {key: n - before.get(key, 0) for key, n in after.items() if n - before.get(key, 0)}
 
 
-class _Generation:
+class GenerationRun:
     """One call of `generate`: the plan, the tiers, the cache and the records."""
 
     def __init__(self, model, plan: _Plan, backend, generator, progress):

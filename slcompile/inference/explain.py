@@ -20,7 +20,7 @@ from slcompile.config import SpeedLoaderConfig
 from slcompile.inference.capture import _cache_windows
 from slcompile.inference.executor import _fetched, _streamed_parameters
 from slcompile.inference.memory import _hidden_row_bytes, _kv_row_bytes, _MemoryModel
-from slcompile.inference.options import _plan, generation_config
+from slcompile.inference.options import generation_config, generation_plan
 from slcompile.inference.pass_graph import PassGraph, PassLayout, lower_pass
 from slcompile.inference.records import GenerationStep
 from slcompile.meta import format_tag
@@ -29,7 +29,7 @@ from slcompile.runtime.storage.tiers import Tier, TransferKind
 from slcompile.schedules.base import Schedule
 from slcompile.schedules.generation import PassRequest, offloads_hidden
 
-__all__ = ["GenerationExplanation", "explain_generation"]
+__all__ = ["GenerationExplanation", "explain_generation", "explain_generation_config"]
 
 log = logging.getLogger(__name__)
 
@@ -218,12 +218,12 @@ def explain_generation(
         rates = machine_profile(profile, offload_dir=offload_dir, refuse_untrusted=True)
     config = generation_config(num_subbatches, prefill_subbatches, weights, kv_cache, live_blocks, offload_dir,
                                schedule)
-    return _explain_generation(model, input_shape, max_new_tokens, config, machine, {}, padded, rates, backend)
+    return explain_generation_config(model, input_shape, max_new_tokens, config, machine, {}, padded, rates, backend)
 
 
-def _explain_generation(model, input_shape, max_new_tokens, config: SpeedLoaderConfig, machine: MachineFacts | None,
-                        memo: dict, padded: bool = False, rates=None,
-                        backend: str = "inductor") -> GenerationExplanation:
+def explain_generation_config(model, input_shape, max_new_tokens, config: SpeedLoaderConfig,
+                              machine: MachineFacts | None, memo: dict, padded: bool = False, rates=None,
+                              backend: str = "inductor") -> GenerationExplanation:
     """`explain_generation`; `memo` keeps the traced memory of the capture, the layer
     steps and the tail between calls for one model and input shape (they do not
     depend on the tiers)."""
@@ -234,7 +234,7 @@ def _explain_generation(model, input_shape, max_new_tokens, config: SpeedLoaderC
     weights, kv_cache = config.weights, config.kv_cache
     if machine is None:
         machine = machine_facts(config.offload_dir)
-    plan = _plan(model, tuple(input_shape), None, config, max_new_tokens=max_new_tokens, eos_token_id=[])
+    plan = generation_plan(model, tuple(input_shape), None, config, max_new_tokens=max_new_tokens, eos_token_id=[])
     batch, length = tuple(input_shape)
     layers = plan.layers
     streamed = _streamed_parameters(model, plan, machine.copies(weights))

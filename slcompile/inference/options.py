@@ -1,5 +1,5 @@
 """Generation's options checked against the model: where its decoder layers are,
-which argument takes the cache, the sub-batches and tiers (`_plan` -> `_Plan`). The
+which argument takes the cache, the sub-batches and tiers (`generation_plan` -> `_Plan`). The
 engine's options are the backend's own record (`SpeedLoaderConfig`:
 `generation_config`)."""
 
@@ -17,12 +17,15 @@ from torch import nn
 from slcompile.config import SpeedLoaderConfig, batch_divisors, batch_split_problem
 from slcompile.errors import OptionError, RefusedError
 
-__all__ = ["cache_parameter", "find_decoder_layers", "generation_config"]
+__all__ = [
+    "CALL_OPTIONS", "ENGINE_OPTIONS", "cache_parameter", "find_decoder_layers", "generation_config", "generation_plan",
+    "inferred_attention_mask",
+]
 
 
-_ENGINE_OPTIONS = ("num_subbatches", "prefill_subbatches", "weights", "kv_cache", "live_blocks", "offload_dir",
+ENGINE_OPTIONS = ("num_subbatches", "prefill_subbatches", "weights", "kv_cache", "live_blocks", "offload_dir",
                    "schedule", "backend", "progress")
-_CALL_OPTIONS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id")
+CALL_OPTIONS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id")
 
 
 def generation_config(num_subbatches: int = 1, prefill_subbatches: int | None = None, weights: str = "device",
@@ -146,12 +149,12 @@ def _check_subbatches(option: str, value: Any, batch: int) -> None:
                           f"sequences; use a divisor of {batch} ({', '.join(map(str, divisors))}) or pad the batch")
 
 
-def _inferred_attention_mask(input_ids: torch.Tensor, pad_token_id: int | None,
+def inferred_attention_mask(input_ids: torch.Tensor, pad_token_id: int | None,
                              eos_token_ids: tuple[int, ...]) -> torch.Tensor | None:
     """The mask `model.generate` infers when none is passed: `input_ids != pad_token_id`
     when the pad token occurs in the prompts and is no EOS token, else none (every
     position attended). Transformers' `_prepare_attention_mask_for_generation` rule,
-    with the pad and EOS tokens resolved as `_plan` resolves them."""
+    with the pad and EOS tokens resolved as `generation_plan` resolves them."""
     if pad_token_id is None or input_ids.dtype not in (torch.int, torch.long):
         return None
     if pad_token_id in eos_token_ids or not bool((input_ids == pad_token_id).any()):
@@ -159,7 +162,7 @@ def _inferred_attention_mask(input_ids: torch.Tensor, pad_token_id: int | None,
     return input_ids.ne(pad_token_id).long()
 
 
-def _plan(model, input_ids, attention_mask, config: SpeedLoaderConfig, *, max_new_tokens: int,
+def generation_plan(model, input_ids, attention_mask, config: SpeedLoaderConfig, *, max_new_tokens: int,
           do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
           eos_token_id=None, pad_token_id: int | None = None) -> _Plan:
     """The checked options; `input_ids` may be a shape `(batch, length)` (explain).

@@ -18,7 +18,7 @@ neither traced nor differentiated):
 The KV cache moves by the call's `KVStore` (`kv.issue(B, S)` at a `load_kv.issue`;
 the layer step takes its cache) and the pass's new cache (`new_cache.store(B, S)` at
 a `store_kv.issue`, `new_cache.collect(...)` after each layer step). Compute steps
-call the functions below with the call (`run`, an `_Generation`) as their first
+call the functions below with the call (`run`, a `GenerationRun`) as their first
 argument: the captures of the model's forward, the compiled layer steps and the
 tail.
 
@@ -92,7 +92,7 @@ class PassLayout:
 # -- what the compute steps call ----------------------------------------------------
 def capture_pass(run, phase: str, inputs: dict, parts, batch: int):
     """prefix: each part's arguments of every layer, and whether one capture of the
-    whole batch gave them (`_Generation._arguments`)."""
+    whole batch gave them (`GenerationRun._arguments`)."""
     return run._arguments(phase, inputs, list(parts), batch)
 
 

@@ -40,6 +40,12 @@ and `SLC_DUMP_DIR`. A Dynamo graph's passes run with the settings in effect when
 first stage ran (`PassLog.settings`), so the backward that AOTAutograd compiles at
 the first backward call runs with the forward's.
 
+An `Analysis` is a record of a later stage's graphs that passes read rather than
+compute by hand: a pass names the analyses it reads (`Pass.requires`), and while it
+runs `state.analyses[name]` computes one on its first read (logged and timed as
+`"stage/pass:analysis (N ms)"`), so one a pass may not need (the kept peak under no
+memory budget) costs nothing; reading one the pass does not declare is a KeyError.
+
 Pass functions: a "dynamo" pass takes the `PipelineState` and returns the next one;
 a pass of the other stages takes the `StepState` (`slcompile.pipeline`) (the plan, the report, the graphs by
 kind, the recompute choice being tried) and returns its result record (or None),
@@ -69,6 +75,7 @@ from slcompile.errors import OptionError, RefusedError, is_user_error
 __all__ = [
     "KINDS",
     "STAGES",
+    "Analysis",
     "Pass",
     "PassLog",
     "PassError",
@@ -87,6 +94,20 @@ STAGES = ("dynamo", "joint", "partitioned", "inference", "compiled")
 
 
 @dataclasses.dataclass(frozen=True)
+class Analysis:
+    """A record computed from the `StepState` of a stage after Dynamo's, for the
+    passes that declare it (`Pass.requires`).
+
+    Attributes:
+        name: what a pass reads it as (`state.analyses[name]`) and the log calls it.
+        run: the function: the `StepState` in, the record out.
+    """
+
+    name: str
+    run: Callable[[Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class Pass:
     """One pass of one stage.
 
@@ -101,6 +122,8 @@ class Pass:
         required: the passes after it cannot run without it (checks always are).
         code: the functions that do its work, when `run` only adapts them to the
             stage; the Inductor cache key hashes their modules and `run`'s.
+        requires: the analyses it reads (stages after Dynamo's), computed on its
+            first read of each.
     """
 
     name: str
@@ -110,6 +133,7 @@ class Pass:
     graphs: tuple[str, ...] = ()
     required: bool = False
     code: tuple[Callable, ...] = ()
+    requires: tuple[Analysis, ...] = ()
 
     def __post_init__(self):
         if self.stage not in STAGES:
@@ -244,10 +268,11 @@ def disabled_passes(declared: Iterable[Pass], settings: PassSettings | None = No
 
 
 def pass_modules(declared: Iterable[Pass]) -> tuple[str, ...]:
-    """The source files of the modules the passes live in, sorted (for cache keys)."""
+    """The source files of the modules the passes and their analyses live in, sorted
+    (for cache keys)."""
     files = set()
     for step in declared:
-        for function in (step.run, *step.code):
+        for function in (step.run, *step.code, *(analysis.run for analysis in step.requires)):
             module = sys.modules.get(function.__module__)
             if module is not None and getattr(module, "__file__", None):
                 files.add(module.__file__)
@@ -298,7 +323,7 @@ def run_passes(
             continue
         started = time.perf_counter()
         try:
-            state = _apply(step, state)
+            state = _apply(step, state, _Analyses(step, state, passes_log, stage))
             for graph in _graphs(step, state):
                 graph.lint()
         except RefusedError as err:
@@ -348,13 +373,39 @@ class PassError(RuntimeError):
         self.state = None
 
 
-def _apply(step: Pass, state: Any) -> Any:
+def _apply(step: Pass, state: Any, analyses: _Analyses) -> Any:
     if step.stage == "dynamo":
         return step.run(state)
     if not hasattr(state.results, step.name):
         raise TypeError(f"pass {step.name}: its stage's results record has no field {step.name!r}")
-    setattr(state.results, step.name, step.run(state))
+    state.analyses = analyses
+    try:
+        setattr(state.results, step.name, step.run(state))
+    finally:
+        state.analyses = None
     return state
+
+
+class _Analyses:
+    """What `state.analyses` is while a pass runs: the analyses it declares, each
+    computed on its first read."""
+
+    def __init__(self, step: Pass, state: Any, passes_log: PassLog, stage: str):
+        self.declared = {analysis.name: analysis for analysis in step.requires}
+        self.step, self.state, self.passes_log, self.stage = step, state, passes_log, stage
+        self.computed: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.computed:
+            analysis = self.declared.get(name)
+            if analysis is None:
+                raise KeyError(f"pass {self.step.name} reads the analysis {name!r}, which it does not declare "
+                               f"(requires: {', '.join(self.declared) or 'none'})")
+            started = time.perf_counter()
+            self.computed[name] = analysis.run(self.state)
+            took = time.perf_counter() - started
+            self.passes_log.entries.append(f"{self.stage}/{self.step.name}:{name} ({took * 1e3:.0f} ms)")
+        return self.computed[name]
 
 
 def _graphs(step: Pass, state: Any) -> list[torch.fx.Graph]:

@@ -38,8 +38,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from slcompile.errors import OptionError
-from slcompile.plans import SinkPlan, new_name
+from slcompile.plans import new_name
 from slcompile.runtime import ops
 from slcompile.runtime.storage.engine import TransferEngine, TransferHandle
 from slcompile.runtime.errors import OffloadError
@@ -53,7 +52,6 @@ __all__ = [
     "attach_consumer",
     "consumer_of",
     "gradient_key_of",
-    "sink_plan_for",
 ]
 
 log = logging.getLogger(__name__)
@@ -222,43 +220,6 @@ class GradientSink:
 
 def _release(grad: torch.Tensor) -> None:
     """Called with the last reference to a stored gradient, which then dies."""
-
-
-def sink_plan_for(gradients: str, streamer, streamed, inputs, offload_dir: str | None = None) -> SinkPlan | None:
-    """The gradient sink of a graph being compiled, as a plan (`SinkPlan`), or None
-    when its gradients stay on the device.
-
-    Args:
-        gradients: the `gradients` option ("auto", "device", "host", "nvme").
-        streamer: the graph's `StreamerPlan`, or None when no weight is streamed.
-        streamed: the `StreamedWeights` of `stream_weights`.
-        inputs: the classified placeholders (parameters carry their real values).
-        offload_dir: the transfer engine's directory.
-    """
-    if streamer is None or streamed is None or gradients == "device":
-        return None
-    values = {i.name: i.value for i in inputs}
-    params = {key: values[name] for block in streamed.blocks for name, key in block}
-    holders = {key: consumer_of(param) for key, param in params.items()}
-    held = [consumer for consumer in holders.values() if consumer is not None]
-    if streamer.sharded and gradients == "auto" and not held:
-        raise OptionError(
-            "speedloader option 'shard_weights' sends each rank's shard of the weight gradients to an "
-            "offloaded optimizer, but none holds the model's parameters: create "
-            "slcompile.offload_optimizer(model, ...) before the compiled model's first call"
-        )
-    explicit = gradients != "auto" or streamer.sharded
-    if not explicit and not held:
-        return None
-    # A frozen weight streams for its values alone: no gradient of it is stored or expected.
-    leaving = frozenset(key for key, holder in holders.items()
-                        if params[key].requires_grad and (explicit or holder is not None))
-    if not leaving and not streamer.sharded:
-        return None
-    return SinkPlan(
-        new_name("g"), gradients if gradients != "auto" else held[0].gradient_tier.value,
-        leaving=leaving, offload_dir=offload_dir, sharded=streamer.sharded,
-    )
 
 
 def _sink_of(key: GradientKey) -> GradientSink:

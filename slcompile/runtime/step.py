@@ -21,10 +21,11 @@ from collections.abc import Sequence
 
 import torch
 
-from slcompile.plans import SinkPlan, StashPlan, StreamerPlan
+from slcompile.plans import HostPoolPlan, SinkPlan, StashPlan, StreamerPlan
 from slcompile.runtime.activations import ActivationStash
-from slcompile.runtime.storage.engine import get_engine
 from slcompile.runtime.gradients import GradientSink
+from slcompile.runtime.storage.engine import get_engine
+from slcompile.runtime.storage.tiers import PAGE_BYTES
 from slcompile.runtime.weights import WeightStreamer, mark_sharded
 
 __all__ = ["StepRuntime"]
@@ -45,16 +46,29 @@ class StepRuntime:
         self.stash: ActivationStash | None = None
         self.sink: GradientSink | None = None
 
-    def start(self, blocks: Sequence[Sequence[tuple[str, torch.Tensor, str]]], gradients=None) -> None:
-        """Makes the runtime objects and moves the streamed weights to their tier,
-        each block's together (`WeightStreamer.offload_block`).
+    def start(self, blocks: Sequence[Sequence[tuple[str, torch.Tensor, str]]], gradients=None,
+              host_pool: HostPoolPlan | None = None) -> None:
+        """Sizes the pinned host pool, makes the runtime objects and moves the
+        streamed weights to their tier, each block's together
+        (`WeightStreamer.offload_block`).
 
         Args:
             blocks: per block, in the blocks' order, (stored key, parameter, its
                 name) of each streamed weight it reads, in the order it reads them.
             gradients: the compiled backward's `GradientReport` (which gradients
                 each block stores), when the plan has a sink.
+            host_pool: what the plan holds on the host tier, or None when nothing.
+
+        Raises:
+            HostPoolFullError: the host pool cannot hold the plan (over
+                `host_memory`, or the memory could not be pinned); nothing moved.
         """
+        if host_pool is not None:
+            engine = get_engine(host_pool.offload_dir)
+            engine.reserve_host(
+                host_pool.peak_bytes - engine.host_bytes_of(host_pool.resting) + PAGE_BYTES * host_pool.tensors,
+                largest=host_pool.largest, what="the compiled plan's host tier", host_memory=host_pool.host_memory,
+            )
         streamer_plan, stash_plan, sink_plan = self.plans
         if stash_plan is not None:
             self.stash = ActivationStash(get_engine(stash_plan.offload_dir), stash_plan.tier, name=stash_plan.name)

@@ -14,7 +14,7 @@ from expecttest import assert_expected_inline
 import slcompile
 from slcompile.errors import RefusedError
 from slcompile.passes.manager import (
-    Pass, PassError, PassLog, PassSettings, current_pass_settings, disabled_passes, pass_modules, pass_settings,
+    Analysis, Pass, PassError, PassLog, PassSettings, current_pass_settings, disabled_passes, pass_modules, pass_settings,
     run_passes,
 )
 from slcompile.pipeline import StepResults, StepState, all_passes
@@ -234,6 +234,38 @@ def test_pass_error_names_the_passes_run_so_far(monkeypatch):
     assert "internal error in pass broken_rewrite (joint stage; KeyError: 'boom')" in message
     assert "passes run: dynamo/find_blocks (1 ms), joint/tag_joint (" in message
     assert (step.results.tag_joint, step.results.broken_rewrite) == (1, None)
+
+
+def test_a_pass_reads_the_analyses_it_declares_each_computed_once_on_first_read(monkeypatch):
+    monkeypatch.delenv("SLC_DISABLE", raising=False)
+    computed = []
+    peak = Analysis("peak", lambda step: computed.append(step.kind) or 42)
+
+    def reads_twice(step):
+        return step.analyses["peak"] + step.analyses["peak"]
+
+    passes = (
+        Pass("skips_it", "partitioned", "analysis", lambda step: None, requires=(peak,)),
+        Pass("reads_twice", "partitioned", "analysis", reads_twice, requires=(peak,)),
+        Pass("undeclared", "partitioned", "analysis", lambda step: step.analyses["peak"]),
+    )
+    step = StepState(plan=None, report=None, kind="forward",
+                     results=types.SimpleNamespace(skips_it=None, reads_twice=None, undeclared=None))
+    log = PassLog()
+    with pytest.raises(PassError, match="pass undeclared reads the analysis 'peak', which it does not declare"):
+        run_passes(passes, step, log, declared=passes)
+    assert step.results.reads_twice == 84 and computed == ["forward"]  # not for the pass that did not read it
+    assert _names(log.entries) == "partitioned/skips_it\npartitioned/reads_twice:peak\npartitioned/reads_twice"
+    assert step.analyses is None  # nothing to read between passes
+
+
+def test_plan_transfers_weighs_a_budget_against_the_kept_peak_and_computes_it_only_then(mlp, monkeypatch):
+    monkeypatch.delenv("SLC_DISABLE", raising=False)
+    options = {**OPTIONS, "activations": "nvme", "min_offload_bytes": 0}
+    unbudgeted = _train_step(mlp, options)
+    assert not [entry for entry in unbudgeted.passes_run if ":kept_memory" in entry]
+    budgeted = _train_step(mlp, {**options, "memory_budget": 1 << 30})
+    assert _names(entry for entry in budgeted.passes_run if ":" in entry) == "partitioned[recompute=none]/plan_transfers:kept_memory"
 
 
 def test_the_results_record_has_a_field_for_each_pass_after_dynamos_stage():
