@@ -44,6 +44,20 @@ def fresh_dynamo():
     assert _settings_in_environment() == settings, "the test changed SLC_* variables of the process"
 
 
+@pytest.fixture
+def without_collections():
+    """No garbage collection while the test runs: what it sees released went when its
+    last use (or its last reference) went, not when a collection happened to run."""
+    import gc
+
+    gc.collect()  # what earlier tests left in cycles goes now, not during the test
+    enabled = gc.isenabled()
+    gc.disable()
+    yield
+    if enabled:
+        gc.enable()
+
+
 def _settings_in_environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key.startswith("SLC_")}
 

@@ -160,6 +160,7 @@ def test_nvme_kv_cache_stores_new_positions_in_merged_segments_loads_what_it_use
     assert torch.equal(run_generate(model, input_ids, mask, new_tokens, [], num_subbatches=k), expected)
 
 
+@pytest.mark.usefixtures("without_collections")
 def test_each_call_makes_its_streamer_and_stash_from_plans_and_leaves_none_behind(tmp_path, monkeypatch):
     from slcompile.runtime import activations, collect_garbage, weights
     from slcompile.runtime.step import StepRuntime
@@ -185,7 +186,6 @@ def test_each_call_makes_its_streamer_and_stash_from_plans_and_leaves_none_behin
     assert [(runtime.streamer.tier, runtime.stash.tier) for runtime in started] == [(Tier.NVME, Tier.NVME)] * 3
     started.clear()
     del out
-    collect_garbage()
     assert (len(weights._STREAMERS), len(activations._STASHES)) == before
 
 
@@ -531,12 +531,12 @@ def test_explained_device_peak_of_left_padded_prompts_within_five_percent_of_mea
 
 @pytest.mark.cuda_check
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt2"])
+@pytest.mark.usefixtures("without_collections")
 def test_prefill_with_hidden_states_on_the_kv_tier_gives_the_tokens_of_eager(tmp_path, family):
     """Four prefill sub-batches, each captured alone before each layer step and its
     logits computed after the last, its hidden states on nvme in between (moved by
     the spill ops a compiled graph uses, every one freed once taken); left padding,
     early EOS."""
-    from slcompile.runtime import collect_garbage
     from slcompile.runtime.storage.engine import get_engine
     from slcompile.runtime.ops import pending_tokens
 
@@ -549,7 +549,6 @@ def test_prefill_with_hidden_states_on_the_kv_tier_gives_the_tokens_of_eager(tmp
                        offload_dir=str(tmp_path), return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
     assert out.steps[0].bytes_of(TransferKind.ACTIVATION, Tier.NVME, Tier.DEVICE) == 8 * 7 * 32 * 4
-    collect_garbage()
     assert pending_tokens() == tokens
     assert not [key for key in get_engine(str(tmp_path)).keys() if ".spill." in key]
 

@@ -112,7 +112,7 @@ def test_an_engine_goes_with_the_last_model_storing_through_it_and_its_files_go_
     assert runtime_stats().resident_bytes[Tier.NVME] > resident_before  # the streamed weights
     del offload_engine, compiled, model
     torch._dynamo.reset()
-    collect_garbage()
+    collect_garbage()  # Dynamo's caches and the compiled model hold each other in cycles
     assert gone() is None and str(tmp_path) not in engine._ENGINES
     assert os.listdir(tmp_path) == []
     assert not any(thread.is_alive() for thread in io_threads)

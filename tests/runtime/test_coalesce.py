@@ -14,7 +14,7 @@ import torch.fx
 from devices import flip_bits
 
 from slcompile.passes.coalesce_transfers import coalesce_transfers
-from slcompile.runtime import Tier, TransferEngine, TransferKind, collect_garbage, ops, runtime_stats
+from slcompile.runtime import Tier, TransferEngine, TransferKind, ops, runtime_stats
 from slcompile.runtime.activations import ActivationStash
 from slcompile.runtime.errors import CorruptDataError, OffloadFileMissingError, TransferFailedError
 from slcompile.runtime.storage.nvme_io import JOB_BYTES, IoThreads, batched
@@ -58,6 +58,7 @@ def _inputs() -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator).to(dtype) for shape, dtype in SHAPES]
 
 
+@pytest.mark.usefixtures("without_collections")
 def test_runs_become_one_call_each_with_the_same_results_and_bytes(global_engine):
     stash = ActivationStash(global_engine, "nvme")
     single = _offload_roundtrip(stash)
@@ -84,7 +85,6 @@ def test_runs_become_one_call_each_with_the_same_results_and_bytes(global_engine
             assert got.dtype == x.dtype and torch.equal(got, x * 2)
         del out
     assert moved["grouped"] == moved["single"] == {(ACT, DEVICE, NVME): nbytes, (ACT, NVME, DEVICE): nbytes}
-    collect_garbage()
     assert ops.pending_tokens() == 0
     assert global_engine.keys() == []
 
@@ -199,6 +199,7 @@ def _recording_io(monkeypatch) -> list[tuple[str, list[int]]]:
     return calls
 
 
+@pytest.mark.usefixtures("without_collections")
 def test_a_run_of_stores_is_one_write_and_loads_back_in_one_read_in_any_order(engine, monkeypatch):
     if engine.device.type == "cuda":
         pytest.skip("a run is written by one I/O on a CPU machine")
@@ -229,7 +230,6 @@ def test_a_run_of_stores_is_one_write_and_loads_back_in_one_read_in_any_order(en
     # Each member is freed on its own; the run's range is whole again once all are.
     engine.free(keys[2])
     del loaded, loads
-    collect_garbage()
     for key in keys[:2] + keys[3:]:
         engine.free(key)
     after = runtime_stats().resident_bytes

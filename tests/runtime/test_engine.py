@@ -212,6 +212,7 @@ def test_int_keys_mean_their_string(engine):
         engine.store(True, torch.ones(3, device=DEV), NVME, WEIGHT)
 
 
+@pytest.mark.usefixtures("without_collections")
 def test_residency_tracks_slots_and_delivered_tensors(engine):
     # On CUDA a delivered tensor's residency ends with the tensor object: what earlier
     # tests left in reference cycles goes now, not while this test counts.
@@ -225,7 +226,6 @@ def test_residency_tracks_slots_and_delivered_tensors(engine):
     assert during.resident_bytes[DEVICE] - before[DEVICE] == 1 << 20
     assert during.peak_bytes[NVME] >= before[NVME] + (2 << 20)
     del loaded
-    collect_garbage()
     engine.free("a")
     engine.free("b")
     after = runtime_stats()
@@ -327,6 +327,7 @@ def test_a_store_that_forgets_its_source_leaves_the_free_to_the_waiting_thread(e
 
 
 @pytest.mark.skipif(on_cuda(), reason="the load buffer cache is the CPU path's")
+@pytest.mark.usefixtures("without_collections")
 def test_load_buffers_are_reused_after_the_tensor_dies(tmp_path):
     engine = TransferEngine(offload_dir=str(tmp_path), buffer_cache_bytes=1 << 20)
     try:
@@ -335,7 +336,6 @@ def test_load_buffers_are_reused_after_the_tensor_dies(tmp_path):
         first = engine.wait(engine.load("a"))
         address = first.data_ptr()
         del first
-        collect_garbage()
         second = engine.wait(engine.load("b"))
         assert second.data_ptr() == address  # same size: the idle buffer came back
         assert same_bits(second, torch.full((5000,), 2.0, device=DEV))
@@ -343,13 +343,13 @@ def test_load_buffers_are_reused_after_the_tensor_dies(tmp_path):
         engine.close()
 
 
+@pytest.mark.usefixtures("without_collections")
 def test_no_idle_buffers_kept_without_a_cache(tmp_path):
     engine = TransferEngine(offload_dir=str(tmp_path), buffer_cache_bytes=0)
     try:
         engine.wait(engine.store("a", torch.ones(5000, device=DEV), NVME, WEIGHT))
         loaded = engine.wait(engine.load("a"))
         del loaded
-        collect_garbage()
         assert engine._ledger.buffers.idle_bytes == 0
     finally:
         engine.close()
@@ -361,6 +361,7 @@ def _live(kind) -> int:
 
 
 @pytest.mark.skipif(on_cuda(), reason="the memory of a CPU tensor, watched through numpy")
+@pytest.mark.usefixtures("without_collections")
 def test_a_stored_source_is_not_kept_once_it_is_written(engine):
     import weakref
 
@@ -372,11 +373,11 @@ def test_a_stored_source_is_not_kept_once_it_is_written(engine):
     del memory
     engine.wait(engine.store("a", source, NVME, WEIGHT))
     del source
-    collect_garbage()
     assert alive() is None  # the key rests in the file, not in memory as well
     assert same_bits(engine.wait(engine.load("a")), torch.ones(5000))
 
 
+@pytest.mark.usefixtures("without_collections")
 def test_loaded_tensors_stored_again_keep_no_earlier_generation(engine):
     """The offloaded optimizer's pattern: load a state, update it in place, store it
     under a fresh key, free the old one. Nothing of an earlier generation may stay."""
@@ -397,7 +398,6 @@ def test_loaded_tensors_stored_again_keep_no_earlier_generation(engine):
         if generation == 4:
             kept = state  # a caller may hold a loaded tensor after its key is freed
         del state
-    collect_garbage()
     assert [ref() is not None for ref in generations] == [False] * 3 + [True] + [False] * 4
     assert engine.keys() == ["state#8"]
     assert _live(_Entry) - entries_before == 1 and _live(TransferHandle) - handles_before == 0

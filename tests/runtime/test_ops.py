@@ -13,7 +13,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.testing._internal.optests import aot_autograd_check
 
 from slcompile import vocabulary
-from slcompile.runtime import Tier, TransferKind, collect_garbage, ops, runtime_stats
+from slcompile.runtime import Tier, TransferKind, ops, runtime_stats
 from slcompile.runtime.activations import ActivationStash
 from slcompile.runtime.weights import WeightStreamer
 from slcompile.vocabulary import FETCH_ISSUE, FETCH_WEIGHT, MARK, STASH, UNSTASH, UNSTASH_WAIT, WAIT, WeightKey
@@ -79,6 +79,7 @@ def test_opcheck_issue_ops(nvme_stash, dynamic):
         torch.library.opcheck(UNSTASH, (token,), test_utils=(check,))
 
 
+@pytest.mark.usefixtures("without_collections")
 def test_stash_round_trip_counts_bytes_and_forgets_its_tokens(nvme_stash):
     x = torch.randn(300, 7)
     token = stash(x, nvme_stash.graph_key("blk0.sb0.a"))
@@ -92,7 +93,6 @@ def test_stash_round_trip_counts_bytes_and_forgets_its_tokens(nvme_stash):
     nbytes = 300 * 7 * 4
     assert dict(runtime_stats().cumulative.bytes_moved) == {(ACT, DEVICE, NVME): nbytes, (ACT, NVME, DEVICE): nbytes}
     del token, load_token
-    collect_garbage()
     assert ops.pending_tokens() == 0
 
 
@@ -209,6 +209,7 @@ def offload_roundtrip(x, w, key):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.usefixtures("without_collections")
 def test_compiled_with_autograd(nvme_stash, backend):
     x = torch.randn(32, 32, requires_grad=True)
     w = torch.randn(32, 32, requires_grad=True)
@@ -222,7 +223,6 @@ def test_compiled_with_autograd(nvme_stash, backend):
     torch.testing.assert_close(w.grad, expected_grad, rtol=1e-4, atol=1e-4)
     nbytes = 32 * 32 * 4
     assert dict(runtime_stats().bytes_moved) == {(ACT, DEVICE, NVME): nbytes, (ACT, NVME, DEVICE): nbytes}
-    collect_garbage()
     assert ops.pending_tokens() == 0
 
 
