@@ -56,6 +56,12 @@ class Value:
     tier: str = "device"
 
 
+def _integers(sizes: Mapping[sympy.Symbol, int] | None) -> dict[sympy.Symbol, sympy.Integer]:
+    """`sizes` for `xreplace`, which substitutes every symbol at once (`subs` goes one
+    symbol at a time, and a `Max` of sizes re-sorts its arguments at each)."""
+    return {symbol: sympy.Integer(value) for symbol, value in (sizes or {}).items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class LifetimeTable:
     """The result of `analyze_lifetimes`.
@@ -77,10 +83,10 @@ class LifetimeTable:
 
     def peak(self, sizes: Mapping[sympy.Symbol, int] | None = None, *, include_held: bool = False) -> int:
         """The largest resident bytes over the graph, for concrete sizes."""
-        subs = dict(sizes or {})
-        peak = max((int(expr.subs(subs)) for expr in self.resident), default=0)
+        subs = _integers(sizes)
+        peak = max((int(sympy.sympify(expr).xreplace(subs)) for expr in self.resident), default=0)
         if include_held:
-            peak += sum(int(v.bytes.subs(subs)) for v in self.held)
+            peak += sum(int(sympy.sympify(v.bytes).xreplace(subs)) for v in self.held)
         return peak
 
     def peak_expression(self) -> sympy.Expr:
@@ -89,8 +95,8 @@ class LifetimeTable:
 
     def total(self, kind: str, sizes: Mapping[sympy.Symbol, int] | None = None) -> int:
         """Bytes of all values of one kind (made or held), for concrete sizes."""
-        subs = dict(sizes or {})
-        return sum(int(v.bytes.subs(subs)) for v in (*self.values, *self.held) if v.kind == kind)
+        subs = _integers(sizes)
+        return sum(int(sympy.sympify(v.bytes).xreplace(subs)) for v in (*self.values, *self.held) if v.kind == kind)
 
 
 def max_of(exprs: Iterable[sympy.Expr]) -> sympy.Expr:

@@ -518,9 +518,9 @@ def predict_memory(
             forward, by_tier.pop(activations_tier, sympy.Integer(0)), activations_tier)
         for tier, nbytes in by_tier.items():
             tier_exprs[tier] += nbytes
-    evaluated = {tier: int(expr.subs(subs)) for tier, expr in tier_exprs.items()}
-    kinds = ["forward", "backward"] if backward is not None else [graph_kind]
     at = _At(subs)
+    evaluated = {tier: at(expr) for tier, expr in tier_exprs.items()}
+    kinds = ["forward", "backward"] if backward is not None else [graph_kind]
     per_node = tuple(
         _graph_memory(kind, gm, table, ahead, at(held_before), at, copied, graph_shards, graph_gathered)
         for kind, gm, table, ahead, held_before, copied, graph_shards, graph_gathered
@@ -528,16 +528,16 @@ def predict_memory(
     )
     return MemoryPrediction(
         peak_bytes=evaluated,
-        step_peak_bytes=int(step_expr.subs(subs)),
-        held_bytes=int(held_expr.subs(subs)),
+        step_peak_bytes=at(step_expr),
+        held_bytes=at(held_expr),
         prefetch_bytes=max((max(per_node, default=0) for per_node in extra), default=0),
-        offloaded_activation_bytes=int(sympy.sympify(offloaded_bytes).subs(subs)),
+        offloaded_activation_bytes=at(offloaded_bytes),
         expressions={**{f"peak_{tier}": expr for tier, expr in tier_exprs.items()}, "step_peak": step_expr},
         recompute=recompute,
         graphs=per_node,
         optimizer=optimizer if stepped else None,
-        optimizer_step_bytes=int(sympy.sympify(optimizer_step).subs(subs)),
-        optimizer_gradient_bytes=int(sympy.sympify(optimizer_gradients).subs(subs)),
+        optimizer_step_bytes=at(optimizer_step),
+        optimizer_gradient_bytes=at(optimizer_gradients),
         gradient_copy_bytes=max((at(c) for c in copies[-1]), default=0),
         weight_shards=weight_shards,
         shard_bytes=_most(per_node, ("shard",)),
