@@ -54,6 +54,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitioner
 from slcompile import pipeline
 from slcompile.analysis.machine import MachineFacts
 from slcompile.compat import backed_value, graph_module, lazy_graph_modules
+from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import BudgetError, PolicyError
 from slcompile.passes import manager as pass_manager
 from slcompile.passes.manager import pass_modules
@@ -86,20 +87,16 @@ INDUCTOR_PATCHES = MappingProxyType({"reorder_for_peak_memory": False, "reorder_
 class StepPlan:
     """How a rewritten graph's step is planned around AOTAutograd's partitioner.
 
+    The options are the `config`'s alone: K, the tiers, the budget and the other
+    choices the user made are read from it (the properties below), never copied.
+
     Attributes:
         block_positions: block index -> position in forward execution order.
-        num_subbatches: K.
+        config: the graph's `SpeedLoaderConfig`.
         streamer: the weight streamer's `StreamerPlan` when block weights rest off
             the device.
         stash: the activation stash's `StashPlan` when saved activations rest off
             the device.
-        recompute: "auto", "none" or "blocks" (see `SpeedLoaderConfig`), or
-            "policy" when the schedule names the units it recomputes
-            (`Schedule.recompute`), whatever the option said.
-        min_offload_bytes: saved tensors smaller than this stay on the device.
-        memory_budget: the device's limit in bytes, or None.
-        live_blocks: the weight streamer's window.
-        weights_tier, activations_tier: where each rests.
         streamed_bytes: bytes of the streamed weights (P).
         schedule: the policy's Schedule: the order of the graphs, which saved
             activations leave the device.
@@ -109,36 +106,70 @@ class StepPlan:
             what the planner chooses under the budget (the last resort).
         optimizer: the optimizer step's share of the memory (`OptimizerMemory`), or
             None: the budget then covers the forward and backward only.
-        compile_regions: with Inductor, outline each distinct region as a subgraph
-            compiled once (`slcompile.passes.outline_regions`) instead of lowering
-            every copy.
         cudagraphs: with Inductor on CUDA, the compute between `slc::` ops is
-            replayed as CUDA graphs (the `cudagraphs` option); the compute markers
-            then go, since a replayed graph runs none of its host code.
+            replayed as CUDA graphs (the `cudagraphs` option, where it applies); the
+            compute markers then go, since a replayed graph runs none of its host code.
         profile: the `MachineProfile` the activation planner places stashes by
             (the `machine_profile` option), or None: by counting steps.
         machine: the machine's facts (`MachineFacts`) the memory model predicts with.
     """
 
     block_positions: dict[int, int]
-    num_subbatches: int
+    config: SpeedLoaderConfig = dataclasses.field(default_factory=SpeedLoaderConfig)
     streamer: StreamerPlan | None = None
     stash: StashPlan | None = None
-    recompute: str = "auto"
-    min_offload_bytes: int = 0
-    memory_budget: int | None = None
-    live_blocks: int = 1
-    weights_tier: str = "device"
-    activations_tier: str = "device"
     streamed_bytes: int = 0
     schedule: Any = None
     gradients: SinkPlan | None = None
     stash_everything: bool = False
     optimizer: Any = None
-    compile_regions: bool = False
     cudagraphs: bool = False
     profile: Any = None
     machine: MachineFacts = MachineFacts()
+
+    @property
+    def num_subbatches(self) -> int:
+        """K."""
+        return self.config.num_subbatches
+
+    @property
+    def recompute(self) -> str:
+        """"auto", "none" or "blocks" (the option), or "policy" when the schedule
+        names the units it recomputes (`Schedule.recompute`), whatever the option said."""
+        if self.schedule is not None and self.schedule.recompute is not None:
+            return "policy"
+        return self.config.recompute
+
+    @property
+    def min_offload_bytes(self) -> int:
+        """Saved tensors smaller than this stay on the device."""
+        return self.config.min_offload_bytes
+
+    @property
+    def memory_budget(self) -> int | None:
+        """The device's limit in bytes, or None."""
+        return self.config.memory_budget
+
+    @property
+    def live_blocks(self) -> int:
+        """The weight streamer's window."""
+        return self.config.live_blocks
+
+    @property
+    def weights_tier(self) -> str:
+        """Where the block weights rest: the `weights` option, "device" when none streams."""
+        return self.config.weights if self.streamer is not None else "device"
+
+    @property
+    def activations_tier(self) -> str:
+        """Where offloaded saved activations rest (the `activations` option)."""
+        return self.config.activations
+
+    @property
+    def compile_regions(self) -> bool:
+        """With Inductor, outline each distinct region as a subgraph compiled once
+        (`slcompile.passes.outline_regions`) instead of lowering every copy."""
+        return self.config.compile_regions
 
 
 def lower(

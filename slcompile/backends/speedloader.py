@@ -257,22 +257,14 @@ def step_plan(state) -> StepPlan:
         state.facts.machine, world_size=state.streamer.world_size if state.streamer is not None else 1)
     return StepPlan(
         block_positions={block.index: pos for pos, block in enumerate(state.blocks.blocks)},
-        num_subbatches=config.num_subbatches,
+        config=config,
         streamer=state.streamer,
         stash=_stash_plan(config, machine),
-        recompute="policy" if state.schedule is not None and state.schedule.recompute is not None
-        else config.recompute,
-        min_offload_bytes=config.min_offload_bytes,
-        memory_budget=config.memory_budget,
-        live_blocks=config.live_blocks,
-        weights_tier=config.weights if state.streamer is not None else "device",
-        activations_tier=config.activations,
         streamed_bytes=state.streamed.streamed_bytes if state.streamed is not None else 0,
         schedule=state.schedule,
         gradients=sink_plan(config.gradients, state.streamer, state.streamed, state.inputs,
                             state.facts.optimizer_held, config.offload_dir),
         optimizer=_optimizer_memory(state, machine),
-        compile_regions=config.compile_regions,
         profile=_profile(config),
         machine=machine,
     )

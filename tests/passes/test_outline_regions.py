@@ -82,9 +82,9 @@ def _compiled_stage(forward, monkeypatch, disable="", device="cpu"):
     from slcompile.report import CompileReport
 
     monkeypatch.setenv("SLC_DISABLE", disable)
-    plan = StepPlan(block_positions={0: 0, 1: 1}, num_subbatches=2, compile_regions=True,
-                    machine=MachineFacts(device=device))
-    report = CompileReport(SpeedLoaderConfig.from_options({"num_subbatches": 2, "lowering": "inductor"}))
+    config = SpeedLoaderConfig.from_options({"num_subbatches": 2, "lowering": "inductor", "compile_regions": True})
+    plan = StepPlan(block_positions={0: 0, 1: 1}, config=config, machine=MachineFacts(device=device))
+    report = CompileReport(config)
     step = StepState(plan, report, {"forward": forward}, kind="forward", lowering="inductor")
     log = PassLog()
     run_stage(COMPILED_PASSES, step, log, label="forward")

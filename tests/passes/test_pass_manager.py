@@ -314,8 +314,9 @@ def test_the_inductor_cache_key_names_the_passes_skipped(monkeypatch):
     # A graph compiled with a pass skipped is another graph: Inductor's caches must not
     # serve it for the same plan compiled with every pass.
     from slcompile.backends.lowering import StepPlan, partition_key
+    from slcompile.config import SpeedLoaderConfig
 
-    plan = StepPlan(block_positions={0: 0}, num_subbatches=2)
+    plan = StepPlan(block_positions={0: 0}, config=SpeedLoaderConfig(num_subbatches=2))
     monkeypatch.setenv("SLC_DISABLE", "")
     every = partition_key(plan)
     monkeypatch.setenv("SLC_DISABLE", "coalesce_transfers")
