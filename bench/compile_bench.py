@@ -1,9 +1,11 @@
 """Compile time of a training step: speedloader with Inductor against plain Inductor.
 
 Usage:
-    python bench/compile_bench.py [--quick] [--depths 2,4,8] [--ks 1,2,4] [--whole] [--dynamic] [--out FILE]
+    python bench/compile_bench.py [--quick] [--model gpt|llama] [--depths 2,4,8] [--ks 1,2,4] [--whole] [--dynamic]
+                                  [--out FILE]
 
-Each configuration compiles the package's GPT (d_model 128) in its own process with an
+Each configuration compiles the package's GPT (d_model 128; `--model llama`: a Hugging
+Face Llama of hidden 64, batch 8 x 32 tokens, random weights) in its own process with an
 empty Inductor cache (a fresh `TORCHINDUCTOR_CACHE_DIR`, FX graph cache off), and
 reports the seconds of its first forward + backward, which compile both graphs, and
 of a second step, which does not. Configurations:
@@ -17,8 +19,9 @@ of a second step, which does not. Configurations:
 
 With ``--dynamic`` the batch dimension is marked dynamic
 (`torch._dynamo.mark_dynamic`) in every configuration: the compile a batch that changed
-size costs (its graphs have symbolic sizes). Its results go to
-`results/compile_bench_dynamic.json` by default.
+size costs (its graphs have symbolic sizes). The results go to
+`results/compile_bench.json`, `compile_bench_dynamic.json`, and with `--model llama`
+`compile_bench_llama.json`, `compile_bench_llama_dynamic.json` by default.
 
 Compile seconds = first step - second step. The ratio speedloader / inductor at the
 same depth is the figure the goal (at most 1.5x at any K and depth) is about.
@@ -50,11 +53,26 @@ def run_one(spec: dict) -> dict:
 
     inductor_config.fx_graph_cache = False
     torch.manual_seed(0)
-    cfg = GPTConfig(d_model=spec["d_model"], seq_len=spec["seq_len"], n_layers=spec["depth"], vocab_size=256)
-    model = TinyGPT(cfg)
-    idx, targets = make_gpt_batch(cfg, spec["batch"])
+    if spec.get("model", "gpt") == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(
+            hidden_size=spec["d_model"], intermediate_size=2 * spec["d_model"], num_hidden_layers=spec["depth"],
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=spec["seq_len"]))
+        ids = torch.randint(0, 256, (spec["batch"], spec["seq_len"]), generator=torch.Generator().manual_seed(0))
+        inputs = (ids,)
+
+        def loss(module):
+            return module(ids, labels=ids).loss
+    else:
+        cfg = GPTConfig(d_model=spec["d_model"], seq_len=spec["seq_len"], n_layers=spec["depth"], vocab_size=256)
+        model = TinyGPT(cfg)
+        inputs = make_gpt_batch(cfg, spec["batch"])
+
+        def loss(module):
+            return module(*inputs)[1]
     if spec.get("dynamic"):
-        for tensor in (idx, targets):
+        for tensor in inputs:
             torch._dynamo.mark_dynamic(tensor, 0)
     if spec["config"] == "inductor":
         compiled = torch.compile(model)
@@ -64,7 +82,7 @@ def run_one(spec: dict) -> dict:
 
     def step() -> float:
         started = time.perf_counter()
-        compiled(idx, targets)[1].backward()
+        loss(compiled).backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - started
 
@@ -101,6 +119,9 @@ def main() -> None:
     parser.add_argument("--out", help="default: results/compile_bench.json (--dynamic: compile_bench_dynamic.json)")
     parser.add_argument("--whole", action="store_true", help="also speedloader with compile_regions=False")
     parser.add_argument("--dynamic", action="store_true", help="a dynamic batch dimension (symbolic sizes)")
+    parser.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                        help="the package's GPT (d_model 128, 64 tokens) or a Hugging Face Llama "
+                             "(hidden 64, 32 tokens, random weights)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -108,9 +129,11 @@ def main() -> None:
         return
     depths = [2] if args.quick else [int(d) for d in args.depths.split(",")]
     ks = [2] if args.quick else [int(k) for k in args.ks.split(",")]
-    base = {"d_model": 128, "seq_len": 64, "batch": 8, "dynamic": args.dynamic}
-    out = args.out or os.path.join(HERE, "results", "compile_bench_dynamic.json" if args.dynamic
-                                   else "compile_bench.json")
+    base = {"model": args.model, "d_model": 128, "seq_len": 64, "batch": 8, "dynamic": args.dynamic}
+    if args.model == "llama":
+        base.update(d_model=64, seq_len=32)
+    name = "compile_bench" + ("_llama" if args.model == "llama" else "") + ("_dynamic" if args.dynamic else "")
+    out = args.out or os.path.join(HERE, "results", f"{name}.json")
     from tqdm import tqdm
 
     specs = []
