@@ -301,3 +301,22 @@ def test_no_class_of_the_package_takes_its_methods_from_another_class_of_it():
     # ... and the scan sees both kinds: the exceptions, and what is allowed.
     assert ("runtime/errors.py", "DiskFullError", "errors.py", "OffloadError") in bases
     assert _BASES_ALLOWED <= bases
+
+
+def test_no_class_of_the_package_is_over_600_lines():
+    """A class is one responsibility a reader holds at once: none is over 600 lines
+    (with the classes it inherits from the package, which the test above limits)."""
+    import ast
+
+    package = DESIGN.parent / "slcompile"
+    lengths = {}
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                lengths[f"{path.relative_to(package)}: {node.name}"] = node.end_lineno - node.lineno + 1
+    inherited = {f"{module}: {name}": lengths[f"{base_module}: {base}"] for module, name, base_module, base
+                 in _package_bases() if f"{base_module}: {base}" in lengths}
+    long = {name: total for name, length in lengths.items()
+            if (total := length + inherited.get(name, 0)) > 600}
+    assert long == {}
+    assert lengths["optim/optimizer.py: OffloadedOptimizer"] > 300  # the scan sees the classes

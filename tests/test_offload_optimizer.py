@@ -356,7 +356,7 @@ def test_full_disk_for_nvme_states_is_a_named_error_and_leaves_no_partial_state(
     opt.step()
     engine = get_engine(str(tmp_path))
     # Fill the arena: no room is left for the next step's states (nor its weights).
-    engine.arena.capacity_bytes = engine.arena.file_bytes
+    engine.arena.space.capacity_bytes = engine.arena.space.file_bytes
     fillers = []
     for floats in (1 << 18, 1 << 14, 1 << 10):  # 1 MiB, 64 KiB, then 4 KiB (a page) at a time
         with pytest.raises(DiskFullError):
@@ -615,7 +615,7 @@ def test_full_disk_for_updated_weights_undoes_the_block_steps(tmp_path):
     state_before = opt.state_dict()["state"]
     engine = get_engine(str(tmp_path))
     # Fill the arena: no room is left for the updated weights.
-    engine.arena.capacity_bytes = engine.arena.file_bytes
+    engine.arena.space.capacity_bytes = engine.arena.space.file_bytes
     fillers = []
     for floats in (1 << 18, 1 << 14, 1 << 10):  # 1 MiB, 64 KiB, then 4 KiB (a page) at a time
         with pytest.raises(DiskFullError):

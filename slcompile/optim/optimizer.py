@@ -7,7 +7,6 @@ on the device itself. What it needs and guarantees: `slcompile.optim`'s docstrin
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -16,11 +15,12 @@ from typing import Any
 import torch
 
 from slcompile.optim.checks import check_optimizer_class, check_state_size, refuse_lightning_clip
+from slcompile.optim.host_copies import LOW_PRECISION, HostCopies
 from slcompile.optim.host_step import _copy, _HostStep, _options, _take_options
 from slcompile.runtime import gradients as gradient_runtime
 from slcompile.runtime.storage.engine import TransferEngine, get_engine
 from slcompile.runtime.errors import OffloadError
-from slcompile.runtime.storage.tiers import Tier, TransferKind
+from slcompile.runtime.storage.tiers import Tier
 from slcompile.runtime.weights import (
     StagedWeight,
     commit_weights,
@@ -28,7 +28,6 @@ from slcompile.runtime.weights import (
     fetch_issue,
     shard_group_of,
     stage_weights,
-    update_weights,
     weight_home,
 )
 
@@ -37,7 +36,6 @@ __all__ = ["OffloadedOptimizer", "offload_optimizer", "attached_optimizer_memory
 log = logging.getLogger(__name__)
 
 _TIERS = ("host", "nvme")
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 _MASTER = "fp32_master"  # the state_dict entry of a bf16/fp16 parameter's fp32 copy
 
 
@@ -126,9 +124,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.params = [p for group in self.param_groups for p in group["params"]]
         self._loaded_state: dict[str, dict[str, Any]] = {}  # from load_state_dict, not installed yet
-        self._loaded_masters: dict[str, torch.Tensor] = {}  # fp32 copies of bf16/fp16 parameters, the same
         self._lock = threading.Lock()
-        self._masters: dict[int, torch.Tensor] = {}  # id(param) -> host copy
+        self._copies = HostCopies(self._names)  # what the host steps update
         self._host_steps: dict[tuple[int, ...], _HostStep] = {}
         self._arrivals: dict[tuple[str, int | None], dict[str, tuple[torch.nn.Parameter, Any]]] = {}
         self._stepped: set[int] = set()
@@ -150,17 +147,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # Parameters already offloaded (a model compiled before): copy them now, once.
         for param in self.params:
             if weight_home(param) is not None:
-                self._master(param)
+                self._copies.get(param)
         gradient_runtime.attach_consumer(self.params, self)
-        # Offloaded parameters hold no memory: `model.state_dict()` and
-        # `model.load_state_dict()` read and write them through their host copies.
-        # (partial: torch marks the hook with an attribute, which a bound method refuses)
-        self._hooks = [
-            model.register_state_dict_post_hook(functools.partial(self._fill_model_state)),
-            model.register_load_state_dict_pre_hook(functools.partial(self._take_model_state)),
-            model.register_load_state_dict_post_hook(functools.partial(self._apply_model_state)),
-        ]
-        self._taken: dict[str, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        self._hooks = self._copies.attach(model, self.params, self.wait)
         self._ready = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -184,14 +173,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.params.extend(group["params"])
         for param in group["params"]:
             if weight_home(param) is not None:
-                self._master(param)
+                self._copies.get(param)
         gradient_runtime.attach_consumer(group["params"], self)
 
     # -- gradient consumer ------------------------------------------------
     def prepare(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Host copies of parameters whose gradients will arrive, while they hold values."""
         for param in params:
-            self._master(param)
+            self._copies.get(param)
 
     def gradient_arrived(self, sink, stored_key: str, param: torch.nn.Parameter, handle) -> None:
         """Records a gradient store; submits the block's step once the block is complete."""
@@ -253,10 +242,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise
         self._close_step(commit=True)
         resident = [p for p in self.params if weight_home(p) is None]
-        low_precision = [p for p in resident if p.dtype in _LOW_PRECISION and p.grad is not None]
+        low_precision = [p for p in resident if p.dtype in LOW_PRECISION and p.grad is not None]
         if low_precision:
             self._step_low_precision(low_precision)
-        resident = [p for p in resident if p.dtype not in _LOW_PRECISION]
+        resident = [p for p in resident if p.dtype not in LOW_PRECISION]
         if not resident:
             return
         if self._resident is None:
@@ -382,7 +371,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for param, values in self._resident.state.items():
                 state[self._names[id(param)]] = {k: _copy(v) for k, v in values.items()}
         for param in self.params:
-            master = self._masters.get(id(param))
+            master = self._copies.find(param)
             if master is not None and master.dtype != param.dtype:
                 state.setdefault(self._names[id(param)], {})[_MASTER] = master.clone()
         groups = [{**_options(group), "params": [self._names[id(p)] for p in group["params"]]}
@@ -418,17 +407,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             master = values.pop(_MASTER, None)
             if master is None:
                 continue
-            param = by_name[name]
-            if id(param) not in self._masters:
-                self._loaded_masters[name] = master
-                continue
-            self._masters[id(param)].copy_(master)
-            updated.append(param)
-        self._write_back([p for p in updated if weight_home(p) is not None])
+            if self._copies.load(by_name[name], master):
+                updated.append(by_name[name])
+        self._copies.write_back([p for p in updated if weight_home(p) is not None])
         with torch.no_grad():
             for param in updated:
                 if weight_home(param) is None:
-                    param.copy_(self._masters[id(param)])
+                    param.copy_(self._copies.get(param))
         self._loaded_state = {name: values for name, values in self._loaded_state.items() if values}
         for host_step in self._host_steps.values():
             for index, param in enumerate(host_step.params):
@@ -445,11 +430,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         (`shard_weights`), else a tensor of the parameter's shape. Change it in place,
         then `store_host_copies` writes it to the weight's tier."""
         self.wait()
-        return self._master(param)
+        return self._copies.get(param)
 
     def store_host_copies(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Writes the host copies of streamed `params` to their weights' tier, all or none."""
-        self._write_back([p for p in params if weight_home(p) is not None])
+        self._copies.write_back([p for p in params if weight_home(p) is not None])
 
     def close(self) -> None:
         """Finishes running steps, detaches from the model and frees stored states."""
@@ -488,68 +473,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 if values is not None:
                     self._resident.state[param] = {k: _copy(v) for k, v in values.items()}
 
-    def _fill_model_state(self, module, state_dict, prefix, local_metadata) -> None:
-        self.wait()
-        for param in self.params:
-            key = prefix + self._names[id(param)]
-            if key in state_dict and weight_home(param) is not None:
-                master = self._master(param)
-                shards = shard_group_of(param)
-                if shards is not None:  # this rank's shard: every rank calls state_dict() together
-                    master = shards.wait(shards.all_gather(key, lambda: master, param.shape))
-                state_dict[key] = master.to(dtype=param.dtype, copy=True)
-
-    def _take_model_state(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-        self.wait()
-        for param in self.params:
-            key = prefix + self._names[id(param)]
-            if key in state_dict and weight_home(param) is not None:
-                # Copying into a parameter that holds no memory would write past its end.
-                self._taken[key] = (param, state_dict.pop(key))
-
-    def _apply_model_state(self, module, incompatible_keys) -> None:
-        taken, self._taken = self._taken, {}
-        for key in taken:
-            if key in incompatible_keys.missing_keys:
-                incompatible_keys.missing_keys.remove(key)
-        params = []
-        for param, values in taken.values():
-            shards = shard_group_of(param)
-            with torch.no_grad():
-                self._master(param).copy_(values.reshape(param.shape) if shards is None else shards.shard(values))
-            params.append(param)
-        self._write_back(params)
-        with torch.no_grad():
-            for param in self.params:  # resident bf16/fp16 parameters: their fp32 copies follow
-                if weight_home(param) is None and id(param) in self._masters:
-                    self._masters[id(param)].copy_(param.detach())
-
-    def _master(self, param: torch.nn.Parameter) -> torch.Tensor:
-        master = self._masters.get(id(param))
-        if master is not None:
-            return master
-        home = weight_home(param)
-        shards = shard_group_of(param)  # sharded: the master is this rank's flat shard
-        if home is None or param.untyped_storage().nbytes() > 0:
-            values = param.detach() if shards is None else shards.shard(param)
-        else:
-            engine, stored_key, _ = home
-            values = engine.wait(engine.load(stored_key, TransferKind.WEIGHT))
-        dtype = torch.float32 if param.dtype in _LOW_PRECISION else param.dtype
-        master = values.to(device="cpu", dtype=dtype, copy=True).view(param.shape if shards is None else -1)
-        loaded = self._loaded_masters.pop(self._names[id(param)], None)
-        if loaded is not None:  # a whole weight, or this rank's padded shard already (`load_sharded`)
-            if shards is not None and loaded.numel() != master.numel():
-                loaded = shards.shard(loaded)
-            master.copy_(loaded.reshape(master.shape))
-        self._masters[id(param)] = master
-        return master
-
     def _host_step(self, params: list[torch.nn.Parameter], engine: TransferEngine) -> _HostStep:
         key = tuple(id(p) for p in params)
         host_step = self._host_steps.get(key)
         if host_step is None:
-            masters = [self._master(p) for p in params]
+            masters = [self._copies.get(p) for p in params]
             groups, group_ids = self._groups(params, masters)
             optimizer = self.optimizer_class(groups, **self.optimizer_options)
             host_step = _HostStep(optimizer, params, masters, self.states_tier, engine,
@@ -586,7 +514,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             param, handle = group[stored_key]
             engine.wait(handle)
             grad = sink.take(stored_key)
-            master = self._master(param)
+            master = self._copies.get(param)
             master.grad = grad.to(device=master.device, dtype=master.dtype).view(master.shape)
             params.append(param)
         return params
@@ -595,7 +523,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """On the worker, with max_grad_norm: the first phase of a block (its gradients
         and their norms); `step()` runs the second once every norm is in."""
         params = self._receive_block(sink, group)
-        norms = {id(p): torch.linalg.vector_norm(self._masters[id(p)].grad, 2.0) for p in params}
+        norms = {id(p): torch.linalg.vector_norm(self._copies.get(p).grad, 2.0) for p in params}
         with self._lock:
             self._norms.update(norms)
             self._received.append((sink, group, params))
@@ -648,7 +576,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         engine = sink.engine
         if scale is not None:
             for param in params:
-                self._masters[id(param)].grad.mul_(scale)
+                self._copies.get(param).grad.mul_(scale)
         staged = self._fallible(params, engine)
         try:
             self._step_and_update(params, engine)
@@ -674,7 +602,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._warned_fallback = True
         errors = []
         for param in params:
-            master = self._master(param)
+            master = self._copies.get(param)
             master.grad = param.grad.detach().to(device=master.device, dtype=master.dtype)
             param.grad = None
             try:
@@ -687,30 +615,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Resident bf16/fp16 parameters: the step runs on their fp32 host copies too,
         and the device keeps the rounded result."""
         for param in params:
-            master = self._master(param)
+            master = self._copies.get(param)
             master.grad = param.grad.detach().to(device=master.device, dtype=master.dtype)
         error = self._host_step(params, get_engine()).step()
         with torch.no_grad():
             for param in params:
-                param.copy_(self._masters[id(param)])
+                param.copy_(self._copies.get(param))
         _raise_first([error])
-
-    def _write_back(self, params: list[torch.nn.Parameter]) -> None:
-        """Stores the host copies of `params` as their weights, all or none (`update_weights`)."""
-        update_weights(self._updates(params))
-
-    def _updates(self, params: list[torch.nn.Parameter]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """(parameter, the values its weight takes): its host copy, in its dtype."""
-        updates = []
-        for param in params:
-            master = self._masters[id(param)]
-            engine, _, tier = weight_home(param)
-            values = master if master.dtype == param.dtype else master.to(param.dtype)
-            if values is master and engine.copies_nothing(engine.tier_of(master), tier):
-                # The tier would keep the master itself, which the next step changes in place.
-                values = master.clone()
-            updates.append((param, values))
-        return updates
 
     def _fallible(self, params: list[torch.nn.Parameter], engine: TransferEngine) -> bool:
         """Whether the step of `params` writes bytes somewhere (nvme states, weights on
@@ -728,12 +639,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         host_step = self._host_step(params, engine)
         if not self._fallible(params, engine):
             error = host_step.step()
-            self._write_back(params)
+            self._copies.write_back(params)
             _raise_first([error])
             return
         host_step.step(keep_previous=True)
         try:
-            staged = stage_weights(self._updates(params))
+            staged = stage_weights(self._copies.updates(params))
         except BaseException:
             host_step.roll_back()
             raise

@@ -234,7 +234,7 @@ def test_a_run_of_stores_is_one_write_and_loads_back_in_one_read_in_any_order(en
         engine.free(key)
     after = runtime_stats().resident_bytes
     assert (after[NVME], after[DEVICE]) == (before[NVME], before[DEVICE])
-    assert engine.arena.used_bytes == 0
+    assert engine.arena.space.used_bytes == 0
 
 
 def _stored_run(engine) -> tuple[list[torch.Tensor], list[str]]:

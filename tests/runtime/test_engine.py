@@ -242,13 +242,13 @@ def test_thousands_of_small_tensors_share_one_file_and_reuse_space(engine):
     arena = engine.arena
     assert sorted(os.listdir(arena.path)) == ["arena.bin", "lock"]
     assert same_bits(engine.wait(engine.load("s1234")), torch.full((10,), 1234.0, device=DEV))
-    file_bytes = arena.file_bytes
+    file_bytes = arena.space.file_bytes
     for index in range(2000):
         engine.free(f"s{index}")
-    assert arena.used_bytes == 0
+    assert arena.space.used_bytes == 0
     for index in range(2000):
         engine.store(f"r{index}", torch.ones(10, device=DEV), NVME, WEIGHT)
-    assert arena.file_bytes == file_bytes
+    assert arena.space.file_bytes == file_bytes
 
 
 def test_closing_an_engine_finishes_every_store_in_flight(tmp_path, caplog):
@@ -294,7 +294,7 @@ def test_free_waits_for_transfers_in_flight(engine):
     engine.free("big")
     assert "big" not in engine
     assert same_bits(engine.wait(load), original)
-    assert engine.arena.used_bytes == 0
+    assert engine.arena.space.used_bytes == 0
 
 
 @pytest.mark.skipif(on_cuda(), reason="torch's CPU allocator and its profiler")

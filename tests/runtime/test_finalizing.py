@@ -36,7 +36,7 @@ def test_when_safe_calls_at_once_outside_a_collection_and_on_another_thread_insi
 
 
 _LOCKS = {
-    "arena": lambda engine: engine.arena._lock,
+    "arena": lambda engine: engine.arena.space._lock,
     "page_buffers": lambda engine: engine._ledger.buffers._lock,
     "recorder": lambda engine: RECORDER._lock,
 }

@@ -126,7 +126,7 @@ def test_enospc_during_a_write_fails_the_store_and_its_loads(engine, monkeypatch
     with pytest.raises(TransferFailedError, match="last store of this key failed") as caught:
         engine.load("act3")
     assert_names(caught.value, "act3", engine.arena.file_path)
-    assert engine.arena.used_bytes == 0
+    assert engine.arena.space.used_bytes == 0
 
 
 def test_load_chained_behind_a_failing_store_fails_too(engine, monkeypatch):
@@ -236,10 +236,10 @@ def test_the_file_grows_by_what_is_needed_then_geometrically(tmp_path):
         sizes = []
         for index in range(5):
             arena.allocate(100, f"page{index}")  # one page each
-            sizes.append((arena.file_bytes, os.fstat(arena._fd).st_size))
+            sizes.append((arena.space.file_bytes, os.fstat(arena._fd).st_size))
         assert sizes == [(4096, 4096), (8192, 8192), (16384, 16384), (16384, 16384), (32768, 32768)]
         arena.allocate(3 << 20, "big")  # needs more than the file's size: exactly that
-        assert arena.file_bytes == 32768 + (3 << 20) - 3 * 4096
+        assert arena.space.file_bytes == 32768 + (3 << 20) - 3 * 4096
     finally:
         arena.close()
 
@@ -273,11 +273,11 @@ def test_a_small_volume_is_filled_before_disk_full_is_raised(small_volume, monke
         tensor = torch.arange(int(4.3 * (1 << 20)) // 4, dtype=torch.float32)  # 4.3 MiB
         engine.wait(engine.store("step", tensor, NVME, WEIGHT))
         assert same_bits(engine.wait(engine.load("step")), tensor)
-        assert engine.arena.file_bytes == 4509696  # 4.3 MiB in whole pages, not a 256 MiB step
+        assert engine.arena.space.file_bytes == 4509696  # 4.3 MiB in whole pages, not a 256 MiB step
         engine.close()
         # With the free space unknown, the arena tries to double, fails, and falls
         # back to exactly what it needs, until the volume is full.
-        monkeypatch.setattr(arena, "_free_bytes", lambda: None)
+        monkeypatch.setattr(arena.space, "_free_bytes", lambda: None)
         slots = 0
         with pytest.raises(DiskFullError) as caught:
             while True:

@@ -100,7 +100,7 @@ def test_a_stash_on_nvme_is_freed_by_its_load_while_its_token_lives(nvme_stash):
     """`slc::unstash` is a stash's last use: its slot goes back once the read is done,
     with no collection and whatever still holds the token; a second load is refused."""
     engine = nvme_stash.engine
-    before, used, resident = set(engine.keys()), engine.arena.used_bytes, runtime_stats().resident_bytes[NVME]
+    before, used, resident = set(engine.keys()), engine.arena.space.used_bytes, runtime_stats().resident_bytes[NVME]
     x = torch.randn(300, 7)
     token = stash(x, nvme_stash.graph_key("blk0.sb0.a"))
     torch.ops.slc.wait(token, [x])
@@ -109,14 +109,14 @@ def test_a_stash_on_nvme_is_freed_by_its_load_while_its_token_lives(nvme_stash):
     loaded = unstash_wait(unstash(token), x)
     assert torch.equal(loaded, x)
     assert set(engine.keys()) == before
-    assert (engine.arena.used_bytes, runtime_stats().resident_bytes[NVME]) == (used, resident)
+    assert (engine.arena.space.used_bytes, runtime_stats().resident_bytes[NVME]) == (used, resident)
     with pytest.raises(Exception, match="loaded already"):
         unstash(token)
     tokens = [stash(x + i, nvme_stash.graph_key(f"blk0.sb0.b{i}")) for i in range(3)]
     torch.ops.slc.wait_many(tokens, [x, x, x])
     loads = torch.ops.slc.unstash_many(tokens)
     assert [torch.equal(unstash_wait(load, x), x + i) for i, load in enumerate(loads)] == [True] * 3
-    assert set(engine.keys()) == before and engine.arena.used_bytes == used
+    assert set(engine.keys()) == before and engine.arena.space.used_bytes == used
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="zero-copy host tier is CPU-only")

@@ -151,6 +151,117 @@ def checksums_default() -> bool:
     return os.environ.get(CHECKSUMS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _os_error(error: OSError, what: str, key: str, path: str) -> OffloadError:
+    if error.errno in _DISK_FULL_ERRNOS:
+        return DiskFullError(f"{what}: disk full ({error.strerror})", key=key,
+                             path=path)
+    if error.errno in (errno.ENOENT, errno.ESTALE, errno.EBADF):
+        return OffloadFileMissingError(f"{what} ({error.strerror})", key=key,
+                                       path=path)
+    return OffloadError(f"{what} ({error.strerror})", key=key, path=path)
+
+
+class ArenaSpace:
+    """The arena file's bytes: page-aligned ranges handed out first-fit and reused
+    after release, the file grown by ``posix_fallocate`` when none fits (the module's
+    guarantees say by how much), never beyond ``capacity_bytes`` (None: no cap).
+    Thread-safe; after ``close`` nothing is allocated."""
+
+    def __init__(self, fd: int, file_path: str, capacity_bytes: int | None, grow_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.grow_bytes = round_up(grow_bytes, PAGE_BYTES)
+        self.file_path = file_path
+        self.closing = False
+        self._fd = fd
+        self._ranges = RangeAllocator(0, PAGE_BYTES)
+        self._lock = threading.Lock()
+
+    @property
+    def file_bytes(self) -> int:
+        """Current size of the arena file."""
+        return self._ranges.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held by live slots (padded to pages)."""
+        return self._ranges.used_bytes
+
+    def allocate(self, nbytes: int, key: str, check: Callable[[str], None]) -> ByteRange:
+        """A range of ``nbytes`` (whole pages), growing the file when none fits;
+        ``check(key)`` runs first under the lock (the arena refuses once closed)."""
+        with self._lock:
+            check(key)
+            byte_range = self._ranges.allocate(nbytes)
+            if byte_range is None:
+                self._grow(nbytes - self._ranges.tail_free(), key)
+                byte_range = self._ranges.allocate(nbytes)
+            assert byte_range is not None
+        return byte_range
+
+    def release(self, slot: NvmeSlot) -> None:
+        """Returns a slot's range (idempotent); the slot is invalid afterwards."""
+        with self._lock:
+            if slot.released:
+                return
+            slot.released = True
+            slot.valid = False
+            self._ranges.free(slot.byte_range)
+
+    def close(self) -> None:
+        """Refuses every later allocation, once one growing the file is done."""
+        with self._lock:
+            self.closing = True
+
+    def _grow(self, needed: int, key: str) -> None:
+        """Grows the file by at least ``needed`` bytes (a multiple of the page size)."""
+        old = self._ranges.capacity
+        if self.capacity_bytes is not None and old + needed > self.capacity_bytes:
+            raise DiskFullError(
+                f"arena capacity of {self.capacity_bytes} bytes reached: {needed} more "
+                f"bytes needed with {self._ranges.used_bytes} in use",
+                key=key,
+                path=self.file_path,
+            )
+        # Geometric growth keeps the number of fallocate calls logarithmic while a
+        # small arena stays small; the free space and the cap bound it.
+        wanted = max(needed, min(old, self.grow_bytes))
+        if self.capacity_bytes is not None:
+            wanted = min(wanted, self.capacity_bytes - old)
+        free = self._free_bytes()
+        if free is not None:
+            wanted = min(wanted, max(needed, free // PAGE_BYTES * PAGE_BYTES))
+        for grow in dict.fromkeys((wanted, needed)):
+            try:
+                os.posix_fallocate(self._fd, old, grow)
+            except OSError as error:
+                try:
+                    os.ftruncate(self._fd, old)  # what a failed fallocate may have left
+                except OSError:
+                    pass
+                if error.errno in _DISK_FULL_ERRNOS and grow > needed:
+                    continue  # fall back to exactly what is needed
+                if error.errno in _DISK_FULL_ERRNOS:
+                    free = self._free_bytes()
+                    raise DiskFullError(
+                        f"disk full: no room to grow the arena file in {os.path.dirname(self.file_path)}: "
+                        f"{needed} bytes needed, "
+                        f"{'an unknown number of' if free is None else free} bytes free "
+                        f"({error.strerror})",
+                        key=key, path=self.file_path,
+                    ) from error
+                raise _os_error(error, "cannot grow the arena file", key, self.file_path) from error
+            self._ranges.grow(old + grow)
+            return
+
+    def _free_bytes(self) -> int | None:
+        """Bytes this user may still allocate on the arena's filesystem, if known."""
+        try:
+            info = os.fstatvfs(self._fd)
+        except OSError:
+            return None
+        return info.f_bavail * info.f_frsize
+
+
 class NvmeArena:
     """An O_DIRECT slab file in a private directory, read and written by I/O threads.
 
@@ -182,7 +293,6 @@ class NvmeArena:
         grow_bytes: int = 256 << 20,
         checksums: bool | None = None,
     ):
-        self._closing = False
         if offload_dir is None:
             offload_dir = tempfile.gettempdir()
         if not os.fspath(offload_dir):
@@ -192,9 +302,7 @@ class NvmeArena:
         if chunk_bytes <= 0 or chunk_bytes % PAGE_BYTES:
             raise ValueError(f"chunk_bytes must be a positive multiple of {PAGE_BYTES}")
         self.base_dir = base
-        self.capacity_bytes = capacity_bytes
         self.chunk_bytes = chunk_bytes
-        self.grow_bytes = round_up(grow_bytes, PAGE_BYTES)
         self.checksums = checksums_default() if checksums is None else bool(checksums)
         if os.path.isdir(base):
             clean_stale_dirs(base)
@@ -234,22 +342,11 @@ class NvmeArena:
             ) from error
         self._inode = os.fstat(self._fd).st_ino
         self._executor = executor
-        self._allocator = RangeAllocator(0, PAGE_BYTES)
-        self._lock = threading.Lock()
+        self.space = ArenaSpace(self._fd, self.file_path, capacity_bytes, grow_bytes)
         self._staging = threading.local()
         log.debug("nvme arena at %s (cap=%s)", self.file_path, capacity_bytes)
 
     # -- space -------------------------------------------------------------
-
-    @property
-    def file_bytes(self) -> int:
-        """Current size of the arena file."""
-        return self._allocator.capacity
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes held by live slots (padded to pages)."""
-        return self._allocator.used_bytes
 
     @property
     def run_bytes(self) -> int:
@@ -258,26 +355,13 @@ class NvmeArena:
         return self._run_bytes
 
     def allocate(self, nbytes: int, key: str) -> NvmeSlot:
-        """Reserves a slot for a tensor of ``nbytes`` bytes, growing the file if needed.
-
-        Args:
-            nbytes: The tensor's size (> 0).
-            key: The tensor key, named in errors.
-
-        Returns:
-            The slot (not yet valid).
+        """Reserves a slot for a tensor of ``nbytes`` bytes (> 0), growing the file if
+        needed; the slot is not valid until written. ``key`` is named in errors.
 
         Raises:
             DiskFullError: the cap would be exceeded or the disk is full.
         """
-        padded = round_up(nbytes, PAGE_BYTES)
-        with self._lock:
-            self._refuse_closed(key)
-            byte_range = self._allocator.allocate(padded)
-            if byte_range is None:
-                self._grow(padded - self._allocator.tail_free(), key)
-                byte_range = self._allocator.allocate(padded)
-            assert byte_range is not None
+        byte_range = self.space.allocate(round_up(nbytes, PAGE_BYTES), key, self._refuse_closed)
         return NvmeSlot(key, byte_range, nbytes)
 
     def allocate_run(self, sizes: Sequence[int], keys: Sequence[str]) -> list[NvmeSlot]:
@@ -285,76 +369,16 @@ class NvmeArena:
         file, so that one I/O can write them all (`write_run`); each is released on
         its own. Raises as `allocate` (naming the first key)."""
         padded = [round_up(nbytes, PAGE_BYTES) for nbytes in sizes]
-        total = sum(padded)
-        with self._lock:
-            self._refuse_closed(keys[0])
-            byte_range = self._allocator.allocate(total)
-            if byte_range is None:
-                self._grow(total - self._allocator.tail_free(), keys[0])
-                byte_range = self._allocator.allocate(total)
-            assert byte_range is not None
-        slots, offset = [], byte_range.offset
+        offset = self.space.allocate(sum(padded), keys[0], self._refuse_closed).offset
+        slots = []
         for key, nbytes, size in zip(keys, sizes, padded):
             slots.append(NvmeSlot(key, ByteRange(offset, size), nbytes))
             offset += size
         return slots
 
-    def _grow(self, needed: int, key: str) -> None:
-        """Grows the file by at least ``needed`` bytes (a multiple of the page size)."""
-        old = self._allocator.capacity
-        if self.capacity_bytes is not None and old + needed > self.capacity_bytes:
-            raise DiskFullError(
-                f"arena capacity of {self.capacity_bytes} bytes reached: {needed} more "
-                f"bytes needed with {self._allocator.used_bytes} in use",
-                key=key,
-                path=self.file_path,
-            )
-        # Geometric growth keeps the number of fallocate calls logarithmic while a
-        # small arena stays small; the free space and the cap bound it.
-        wanted = max(needed, min(old, self.grow_bytes))
-        if self.capacity_bytes is not None:
-            wanted = min(wanted, self.capacity_bytes - old)
-        free = self._free_bytes()
-        if free is not None:
-            wanted = min(wanted, max(needed, free // PAGE_BYTES * PAGE_BYTES))
-        for grow in dict.fromkeys((wanted, needed)):
-            try:
-                os.posix_fallocate(self._fd, old, grow)
-            except OSError as error:
-                try:
-                    os.ftruncate(self._fd, old)  # what a failed fallocate may have left
-                except OSError:
-                    pass
-                if error.errno in _DISK_FULL_ERRNOS and grow > needed:
-                    continue  # fall back to exactly what is needed
-                if error.errno in _DISK_FULL_ERRNOS:
-                    free = self._free_bytes()
-                    raise DiskFullError(
-                        f"disk full: no room to grow the arena file in {self.path}: {needed} bytes needed, "
-                        f"{'an unknown number of' if free is None else free} bytes free "
-                        f"({error.strerror})",
-                        key=key, path=self.file_path,
-                    ) from error
-                raise self._os_error(error, "cannot grow the arena file", key) from error
-            self._allocator.grow(old + grow)
-            return
-
-    def _free_bytes(self) -> int | None:
-        """Bytes this user may still allocate on the arena's filesystem, if known."""
-        try:
-            info = os.fstatvfs(self._fd)
-        except OSError:
-            return None
-        return info.f_bavail * info.f_frsize
-
     def release(self, slot: NvmeSlot) -> None:
         """Returns a slot's range to the free list (idempotent)."""
-        with self._lock:
-            if slot.released:
-                return
-            slot.released = True
-            slot.valid = False
-            self._allocator.free(slot.byte_range)
+        self.space.release(slot)
 
     # -- I/O -----------------------------------------------------------------
 
@@ -646,7 +670,7 @@ class NvmeArena:
             )
 
     def _refuse_closed(self, key: str) -> None:
-        if self._closing or not self._finalizer.alive:
+        if self.space.closing or not self._finalizer.alive:
             raise ArenaClosedError(
                 "the nvme arena is closed: its directory, file and I/O threads are gone, so nothing can be "
                 "stored in it or read from it", key=key, path=self.file_path,
@@ -663,22 +687,13 @@ class NvmeArena:
                 path=self.file_path,
             )
 
-    def _os_error(self, error: OSError, what: str, key: str) -> OffloadError:
-        if error.errno in _DISK_FULL_ERRNOS:
-            return DiskFullError(f"{what}: disk full ({error.strerror})", key=key,
-                                 path=self.file_path)
-        if error.errno in (errno.ENOENT, errno.ESTALE, errno.EBADF):
-            return OffloadFileMissingError(f"{what} ({error.strerror})", key=key,
-                                           path=self.file_path)
-        return OffloadError(f"{what} ({error.strerror})", key=key, path=self.file_path)
-
     def _failure(self, failure: Exception, what: str, key: str) -> OffloadError:
         """What a failed `what` ("read", "write") reports: an `OffloadError` as it is, an
         `OSError` by its errno (`_os_error`), anything else wrapped."""
         if isinstance(failure, OffloadError):
             return failure
         if isinstance(failure, OSError):
-            return self._os_error(failure, f"{what} failed", key)
+            return _os_error(failure, f"{what} failed", key, self.file_path)
         return OffloadError(f"{what} failed: {failure!r}", key=key, path=self.file_path)
 
     def _staging_buffer(self) -> tuple[PageBuffer, int]:
@@ -754,6 +769,5 @@ class NvmeArena:
     def close(self) -> None:
         """Waits for queued I/O, closes the file and removes the private directory;
         every later call that would do I/O raises `ArenaClosedError`."""
-        with self._lock:  # an allocation growing the file finishes first
-            self._closing = True
+        self.space.close()  # an allocation growing the file finishes first
         self._finalizer()
