@@ -301,7 +301,6 @@ class NvmeArena:
         base = os.path.abspath(os.fspath(offload_dir))
         if chunk_bytes <= 0 or chunk_bytes % PAGE_BYTES:
             raise ValueError(f"chunk_bytes must be a positive multiple of {PAGE_BYTES}")
-        self.base_dir = base
         self.chunk_bytes = chunk_bytes
         self.checksums = checksums_default() if checksums is None else bool(checksums)
         if os.path.isdir(base):

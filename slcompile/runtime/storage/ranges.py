@@ -116,10 +116,6 @@ class RangeAllocator:
         self.used_bytes += added.size
         self.free(added)
 
-    def largest_free(self) -> int:
-        """Returns the size of the largest free range, in bytes."""
-        return max(self._free_sizes, default=0)
-
     def tail_free(self) -> int:
         """Returns the size of the free range that ends at the capacity, if any."""
         if self._free_offsets and self._free_offsets[-1] + self._free_sizes[-1] == self.capacity:
