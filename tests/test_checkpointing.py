@@ -101,17 +101,23 @@ def test_t5_with_gradient_checkpointing_splits_its_encoder_and_runs_each_decoder
     first layer's cross-attention), so a decoder layer lands in a graph of its own:
     its parts (self-attention, cross-attention, feed-forward) are no blocks, that
     graph compiles plainly and says why. The encoder's two layers split; loss and
-    every gradient equal eager."""
+    every gradient equal eager. (torch 2.15's Dynamo traces the decoder's loop
+    without the break: its layers then split as well.)"""
     model, call = zoo.FAMILIES["T5"]()
     model.train()
     model.gradient_checkpointing_enable()
     with caplog.at_level(logging.INFO, logger="slcompile"):
         assert_matches_eager(model, call, OPTIONS, atol=2e-5, rtol=2e-5)
     reports = slcompile.compile_reports()
-    assert [r.blocks for r in reports if r.blocks] == [("encoder.block.0", "encoder.block.1")]
+    blocks = [r.blocks for r in reports if r.blocks]
     assert all(r.fallback_reason is None for r in reports if r.blocks)
     reasons = [r.fallback_reason for r in reports if not r.blocks]
     assert all(reason.startswith("no blocks: compiled plainly") for reason in reasons), reasons
+    if blocks == [("encoder.block.0", "encoder.block.1"), ("block.0", "block.1")]:
+        # torch 2.15 traces the decoder's loop without the break: its layers split too.
+        assert torch.__version__ >= (2, 15)
+        return
+    assert blocks == [("encoder.block.0", "encoder.block.1")]
     parts = ("no blocks: compiled plainly (layer.0 (T5LayerSelfAttention), layer.1 (T5LayerCrossAttention), "
              "layer.2 (T5LayerFF) are each of another class: the parts of one module, not repeated blocks")
     assert any(reason.startswith(parts) for reason in reasons), reasons
