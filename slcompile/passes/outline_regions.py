@@ -38,7 +38,9 @@ Guarantees:
   also takes an input of the graph that holds each symbol its values use (a tensor
   with a dim of that size, else the SymInt), and copies share a subgraph when their
   sizes are the same expressions. Size arithmetic (a sub-batch's size) stays in the
-  step graph, read by the regions as inputs.
+  step graph, read by the regions as inputs; a size of a region's own value (a
+  view's `-1` dim) is computed in the region, and again after its call where the
+  step graph reads it.
 - A graph where a region would take or return something other than a tensor (or a
   size), or use a size symbol no input of the graph holds, is not outlined (the log
   says why) and compiles flat.
@@ -81,8 +83,8 @@ class Region:
         inputs: nodes outside the region that it reads, in order of first use.
         outputs: nodes of the region it returns: those read after it (or returned
             by the graph), but views at a storage offset (see `_returned`).
-        views: views read after the region that its caller recomputes from its
-            outputs, in program order.
+        views: views and sizes read after the region that its caller recomputes
+            from its outputs, in program order.
     """
 
     tag: str
@@ -120,8 +122,14 @@ def find_regions(graph: torch.fx.Graph) -> list[Region]:
     owner: dict[torch.fx.Node, Region] = {}
     for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.meta.get("val"), torch.SymInt):
-            # Size arithmetic (a sub-batch's size from the batch's) stays in the step
-            # graph without ending a run: a region reads it as an input.
+            if open_run is not None and any(owner.get(source) is open_run for source in node.all_input_nodes):
+                # A size of a value of the open run (a view's `-1` dim where the
+                # sub-batch is symbolic): the region computes it for its own users,
+                # and the step graph again after the call, from what it returns.
+                open_run.nodes.append(node)
+                owner[node] = open_run
+            # Other size arithmetic (a sub-batch's size from the batch's) stays in the
+            # step graph without ending a run: a region reads it as an input.
             continue
         if not _runs_in_region(node):
             open_run = None
@@ -177,23 +185,33 @@ def _at_offset(node: torch.fx.Node) -> bool:
 
 
 def _returned(region: Region, members: set) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
-    """(what a region returns, the views recomputed after its call), in program order.
+    """(what a region returns, what its caller recomputes after the call), in program order.
 
-    A region returns no view at a storage offset (a slice of a fused projection):
-    Inductor (torch 2.13) applies the offset of a subgraph's output again where the
-    caller reads it. Such a view, and the views it is taken of, are recomputed
-    after the call from the value they view, which the region returns instead.
+    A region returns tensors only, and no view at a storage offset (a slice of a
+    fused projection): Inductor (torch 2.13) applies the offset of a subgraph's output
+    again where the caller reads it. Such a view, the views it is taken of, and a size
+    the region computes that is read after it are recomputed after the call from the
+    values they are made of, which the region returns instead.
     """
     returned: set[torch.fx.Node] = set()
-    views: set[torch.fx.Node] = set()
+    recomputed: set[torch.fx.Node] = set()
+
+    def needed_after(node: torch.fx.Node) -> None:
+        if node in returned or node in recomputed:
+            return
+        if isinstance(node.meta.get("val"), torch.SymInt) or (
+                _is_view(node) and _at_offset(node) and node.args[0] in members):
+            recomputed.add(node)
+            for source in node.all_input_nodes:
+                if source in members:
+                    needed_after(source)
+        else:
+            returned.add(node)
+
     for node in region.nodes:
-        if not any(user not in members for user in node.users):
-            continue
-        while _is_view(node) and _at_offset(node) and node.args[0] in members:
-            views.add(node)
-            node = node.args[0]
-        returned.add(node)
-    return [n for n in region.nodes if n in returned], [n for n in region.nodes if n in views]
+        if any(user not in members for user in node.users):
+            needed_after(node)
+    return [n for n in region.nodes if n in returned], [n for n in region.nodes if n in recomputed]
 
 
 def _is_block(tag: str) -> bool:

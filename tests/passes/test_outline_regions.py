@@ -6,6 +6,7 @@ around it."""
 import torch
 from expecttest import assert_expected_inline
 
+from slcompile.meta import get_slc_meta
 from slcompile.passes.outline_regions import outline_regions
 
 
@@ -123,3 +124,41 @@ def _marks(gm) -> int:
     from slcompile.vocabulary import is_mark
 
     return sum(1 for node in gm.graph.nodes if is_mark(node))
+
+
+def test_a_size_of_a_regions_own_value_is_computed_in_it_and_again_after_it():
+    # A batch of 2 at K=2 with a batch that changes size: HF Llama's attention views
+    # its output as (sub-batch, tokens, -1), and that `-1` is a size the forward
+    # graph computes from the view (the sub-batch size might be 0) and also returns
+    # for the backward. The region computes it for the next view, the step graph
+    # again from what the region returns.
+    import slcompile
+    from models import hf_llama
+
+    model, ids = hf_llama(num_hidden_layers=2), torch.randint(0, 96, (2, 8))
+    torch._dynamo.mark_dynamic(ids, 0)
+    compiled = torch.compile(model, backend="speedloader",
+                             options=slcompile.options(num_subbatches=2, lowering="aot_eager"))
+    compiled(ids, labels=ids).loss.backward()
+    forward = slcompile.compile_reports()[-1].partitioned["forward"]
+    sizes = [node for node in forward.graph.nodes
+             if node.op == "call_function" and isinstance(node.meta.get("val"), torch.SymInt)
+             and any(getattr(get_slc_meta(source), "block", None) is not None for source in node.all_input_nodes)]
+    assert sizes, "no size of a block's value in the graph: the case is not exercised"
+
+    step, done = outline_regions(forward)
+    assert (done.regions, done.subgraphs) == (4, 3)
+    inputs = [_example(node.meta["val"]) for node in forward.graph.find_nodes(op="placeholder")]
+    torch.testing.assert_close(step(*inputs), forward(*inputs))
+
+
+def _example(value):
+    """A value of a placeholder's meta at its traced sizes: ints for token ids."""
+    from torch.fx.experimental.symbolic_shapes import guard_int
+
+    if isinstance(value, torch.SymInt):
+        return guard_int(value)
+    shape = [guard_int(size) for size in value.shape]
+    if value.dtype == torch.int64:
+        return torch.randint(0, 96, shape)
+    return torch.randn(shape, dtype=value.dtype)
