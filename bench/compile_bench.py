@@ -2,7 +2,7 @@
 
 Usage:
     python bench/compile_bench.py [--quick] [--model gpt|llama] [--depths 2,4,8] [--ks 1,2,4] [--whole] [--dynamic]
-                                  [--out FILE]
+                                  [--nested] [--out FILE]
 
 Each configuration compiles the package's GPT (d_model 128; `--model llama`: a Hugging
 Face Llama of hidden 64, batch 8 x 32 tokens, random weights) in its own process with an
@@ -16,6 +16,10 @@ of a second step, which does not. Configurations:
   default).
 - ``speedloader_whole``: the same with `compile_regions=False`: the whole step, which
   holds K copies of every block, handed to Inductor (``--whole`` adds these rows).
+- ``inductor_nested`` (``--nested``, HF Llama only): plain Inductor with each decoder
+  layer's forward a `torch.compiler.nested_compile_region`, torch's own way to trace
+  and lower a repeated block once: what compiling each distinct block once can give.
+  ``--ks ""`` leaves the speedloader rows out.
 
 With ``--dynamic`` the batch dimension is marked dynamic
 (`torch._dynamo.mark_dynamic`) in every configuration: the compile a batch that changed
@@ -74,7 +78,12 @@ def run_one(spec: dict) -> dict:
     if spec.get("dynamic"):
         for tensor in inputs:
             torch._dynamo.mark_dynamic(tensor, 0)
-    if spec["config"] == "inductor":
+    if spec["config"] == "inductor_nested":
+        # torch's own way to compile a repeated block once: every decoder layer's
+        # forward a nested compile region (invoke_subgraph before AOTAutograd).
+        layer_class = type(model.model.layers[0])
+        layer_class.forward = torch.compiler.nested_compile_region(layer_class.forward)
+    if spec["config"] in ("inductor", "inductor_nested"):
         compiled = torch.compile(model)
     else:
         compiled = torch.compile(model, backend="speedloader", options=slcompile.options(
@@ -93,9 +102,9 @@ def run_one(spec: dict) -> dict:
         "first_step_seconds": first,
         "second_step_seconds": second,
         "compile_seconds": first - second,
-        "fallback": reports[-1].fallback_reason if spec["config"] != "inductor" and reports else None,
+        "fallback": reports[-1].fallback_reason if spec["config"].startswith("speedloader") and reports else None,
         "regions": {kind: dataclasses.asdict(done) for kind, done in reports[-1].regions.items()}
-        if spec["config"] != "inductor" and reports else {},
+        if spec["config"].startswith("speedloader") and reports else {},
     }
 
 
@@ -122,13 +131,16 @@ def main() -> None:
     parser.add_argument("--model", choices=("gpt", "llama"), default="gpt",
                         help="the package's GPT (d_model 128, 64 tokens) or a Hugging Face Llama "
                              "(hidden 64, 32 tokens, random weights)")
+    parser.add_argument("--nested", action="store_true",
+                        help="with --model llama, also plain Inductor with each decoder layer a "
+                             "torch.compiler.nested_compile_region (a row 'inductor_nested')")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(json.loads(args.one))))
         return
     depths = [2] if args.quick else [int(d) for d in args.depths.split(",")]
-    ks = [2] if args.quick else [int(k) for k in args.ks.split(",")]
+    ks = [2] if args.quick else [int(k) for k in args.ks.split(",") if k]
     base = {"model": args.model, "d_model": 128, "seq_len": 64, "batch": 8, "dynamic": args.dynamic}
     if args.model == "llama":
         base.update(d_model=64, seq_len=32)
@@ -139,6 +151,8 @@ def main() -> None:
     specs = []
     for depth in depths:
         specs.append({**base, "depth": depth, "config": "inductor", "k": 1})
+        if args.nested and args.model == "llama":
+            specs.append({**base, "depth": depth, "config": "inductor_nested", "k": 1})
         specs += [{**base, "depth": depth, "config": "speedloader", "k": k} for k in ks]
         if args.whole:
             specs += [{**base, "depth": depth, "config": "speedloader_whole", "k": k} for k in ks]
