@@ -83,15 +83,15 @@ class Region:
         inputs: nodes outside the region that it reads, in order of first use.
         outputs: nodes of the region it returns: those read after it (or returned
             by the graph), but views at a storage offset (see `_returned`).
-        views: views and sizes read after the region that its caller recomputes
-            from its outputs, in program order.
+        recomputed: views and sizes read after the region that its caller
+            recomputes from its outputs, in program order.
     """
 
     tag: str
     nodes: list[torch.fx.Node]
     inputs: list[torch.fx.Node] = dataclasses.field(default_factory=list)
     outputs: list[torch.fx.Node] = dataclasses.field(default_factory=list)
-    views: list[torch.fx.Node] = dataclasses.field(default_factory=list)
+    recomputed: list[torch.fx.Node] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +167,7 @@ def find_regions(graph: torch.fx.Graph) -> list[Region]:
             for source in node.all_input_nodes:
                 if source not in members and source not in region.inputs:
                     region.inputs.append(source)
-        region.outputs, region.views = _returned(region, members)
+        region.outputs, region.recomputed = _returned(region, members)
     return regions
 
 
@@ -370,8 +370,8 @@ def outline_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, Reg
                 for position, output in enumerate(region.outputs):
                     env[output] = step.call_function(operator.getitem, (call, position))
                     env[output].meta = dict(output.meta)
-                for view in region.views:
-                    env[view] = step.node_copy(view, lambda n: env[n])
+                for node_after in region.recomputed:
+                    env[node_after] = step.node_copy(node_after, lambda n: env[n])
             elif node not in inside:
                 emit(node)
     except _OutOfOrder as error:
