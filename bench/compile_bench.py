@@ -16,10 +16,17 @@ of a second step, which does not. Configurations:
   default).
 - ``speedloader_whole``: the same with `compile_regions=False`: the whole step, which
   holds K copies of every block, handed to Inductor (``--whole`` adds these rows).
+- ``speedloader_flat``: the same with `trace_units_once=False`: AOTAutograd traces
+  every op of every (block, sub-batch) unit instead of each distinct unit once
+  (``--flat`` adds these rows).
 - ``inductor_nested`` (``--nested``, HF Llama only): plain Inductor with each decoder
   layer's forward a `torch.compiler.nested_compile_region`, torch's own way to trace
   and lower a repeated block once: what compiling each distinct block once can give.
   ``--ks ""`` leaves the speedloader rows out.
+
+With ``--lowering aot_eager`` every row compiles with AOTAutograd alone (plain rows:
+`backend="aot_eager"`): the tracing and partitioning part of the compile, without
+Inductor's code generation.
 
 With ``--dynamic`` the batch dimension is marked dynamic
 (`torch._dynamo.mark_dynamic`) in every configuration: the compile a batch that changed
@@ -83,11 +90,13 @@ def run_one(spec: dict) -> dict:
         # forward a nested compile region (invoke_subgraph before AOTAutograd).
         layer_class = type(model.model.layers[0])
         layer_class.forward = torch.compiler.nested_compile_region(layer_class.forward)
+    lowering = spec.get("lowering", "inductor")
     if spec["config"] in ("inductor", "inductor_nested"):
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, backend="inductor" if lowering == "inductor" else "aot_eager")
     else:
         compiled = torch.compile(model, backend="speedloader", options=slcompile.options(
-            num_subbatches=spec["k"], lowering="inductor", compile_regions=spec["config"] == "speedloader"))
+            num_subbatches=spec["k"], lowering=lowering, compile_regions=spec["config"] != "speedloader_whole",
+            trace_units_once=spec["config"] != "speedloader_flat"))
 
     def step() -> float:
         started = time.perf_counter()
@@ -127,6 +136,9 @@ def main() -> None:
     parser.add_argument("--ks", default="1,2,4")
     parser.add_argument("--out", help="default: results/compile_bench.json (--dynamic: compile_bench_dynamic.json)")
     parser.add_argument("--whole", action="store_true", help="also speedloader with compile_regions=False")
+    parser.add_argument("--flat", action="store_true", help="also speedloader with trace_units_once=False")
+    parser.add_argument("--lowering", choices=("inductor", "aot_eager"), default="inductor",
+                        help="aot_eager: AOTAutograd alone in every row (plain rows: backend='aot_eager')")
     parser.add_argument("--dynamic", action="store_true", help="a dynamic batch dimension (symbolic sizes)")
     parser.add_argument("--model", choices=("gpt", "llama"), default="gpt",
                         help="the package's GPT (d_model 128, 64 tokens) or a Hugging Face Llama "
@@ -141,7 +153,8 @@ def main() -> None:
         return
     depths = [2] if args.quick else [int(d) for d in args.depths.split(",")]
     ks = [2] if args.quick else [int(k) for k in args.ks.split(",") if k]
-    base = {"model": args.model, "d_model": 128, "seq_len": 64, "batch": 8, "dynamic": args.dynamic}
+    base = {"model": args.model, "d_model": 128, "seq_len": 64, "batch": 8, "dynamic": args.dynamic,
+            "lowering": args.lowering}
     if args.model == "llama":
         base.update(d_model=64, seq_len=32)
     name = "compile_bench" + ("_llama" if args.model == "llama" else "") + ("_dynamic" if args.dynamic else "")
@@ -156,6 +169,8 @@ def main() -> None:
         specs += [{**base, "depth": depth, "config": "speedloader", "k": k} for k in ks]
         if args.whole:
             specs += [{**base, "depth": depth, "config": "speedloader_whole", "k": k} for k in ks]
+        if args.flat:
+            specs += [{**base, "depth": depth, "config": "speedloader_flat", "k": k} for k in ks]
     runs = [_in_subprocess(spec) for spec in tqdm(specs, desc="compile bench", unit="config")]
     plain = {r["depth"]: r.get("compile_seconds") for r in runs if r["config"] == "inductor"}
     for r in runs:

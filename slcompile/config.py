@@ -55,6 +55,11 @@ class SpeedLoaderConfig:
             grows with K x depth. The step, transfers, glue, embeddings, head and
             loss included, is still one Inductor program. False lowers every copy
             of every block (compile time grows with K x depth).
+        trace_units_once: AOTAutograd traces, differentiates and partitions each
+            distinct (block, sub-batch) unit once and records the others as calls
+            of it (`slcompile.passes.trace_units`); the graphs the passes read are
+            the same. False traces every op of every copy. A step whose units cannot
+            be traced so is traced flat (logged).
         cudagraphs: with Inductor on CUDA, replay the compute between transfers as
             CUDA graphs: Inductor partitions the step at every `slc::` op (its graph
             partition) and its cudagraph trees record each partition once per shape,
@@ -221,6 +226,7 @@ class SpeedLoaderConfig:
     num_subbatches: int = 2
     lowering: str = "inductor"
     compile_regions: bool = True
+    trace_units_once: bool = True
     cudagraphs: bool = False
     schedule: str = "speedloader"
     batch_dim: int = 0
@@ -245,7 +251,7 @@ class SpeedLoaderConfig:
         _check_int("num_subbatches", self.num_subbatches, minimum=1)
         _check_int("batch_dim", self.batch_dim, minimum=0)
         _check_choice("lowering", self.lowering, LOWERINGS)
-        for key in ("compile_regions", "cudagraphs"):
+        for key in ("compile_regions", "trace_units_once", "cudagraphs"):
             if not isinstance(getattr(self, key), bool):
                 raise OptionError(f"speedloader option {key!r} must be True or False, got {getattr(self, key)!r}")
         if not callable(getattr(self.schedule, "build", None)):  # else a Policy object

@@ -71,6 +71,9 @@ class CompileReport:
             wait for their sub-batch's next region (`SpilledBoundaries`).
         offloaded_gradients: which weight gradients the backward stores off the
             device, per block (`GradientReport`), or None.
+        traced_units: how AOTAutograd traced the step's (block, sub-batch) units
+            (`slcompile.passes.trace_units.TracedUnits`: as calls of one subgraph per
+            distinct unit, the `trace_units_once` option), or None: every op traced.
         regions: per AOT graph kind, what `compile_regions` did to it
             (`slcompile.passes.outline_regions.RegionOutline`); empty when the
             graphs were compiled flat.
@@ -103,6 +106,7 @@ class CompileReport:
     offloaded_activations: object = None
     spilled_boundaries: object = None
     offloaded_gradients: object = None
+    traced_units: object = None
     regions: dict[str, object] = dataclasses.field(default_factory=dict)
     cudagraphs_skipped: str | None = None
     graphs_dropped: bool = False

@@ -57,9 +57,18 @@ from slcompile.compat import backed_value, graph_module, lazy_graph_modules
 from slcompile.config import SpeedLoaderConfig
 from slcompile.errors import BudgetError, PolicyError
 from slcompile.passes import manager as pass_manager
+from slcompile.passes import trace_units
 from slcompile.passes.manager import pass_modules
 from slcompile.passes.mark_regions import drop_marks
 from slcompile.passes.offload_activations import OffloadedActivations
+from slcompile.passes.trace_units import (
+    UnitCalls,
+    has_unit_calls,
+    inline_units,
+    outline_units,
+    tracing_calls,
+    unit_variants,
+)
 from slcompile.pipeline import (
     COMPILED_PASSES,
     INFERENCE_PASSES,
@@ -198,18 +207,77 @@ def lower(
     callable hold `runtime`, the `StepRuntime` of `plan`'s runtime objects, when
     one is given (the caller starts it). With `cudagraphs` (or a plan's), Inductor
     replays the compute between `slc::` ops as CUDA graphs (its graph partition and
-    cudagraph trees, as for mode="reduce-overhead").
+    cudagraph trees, as for mode="reduce-overhead"). With the plan's
+    `trace_units_once`, AOTAutograd traces a copy of `gm` whose (block, sub-batch)
+    units are calls of one subgraph per distinct unit (`slcompile.passes.trace_units`),
+    put back in place before the joint stage reads the graph; where that copy fails
+    to trace, `gm` itself (logged).
 
     Raises:
         BudgetError: no plan fits `plan.memory_budget`.
     """
-    partition_hook = None if plan is None else _PlannedPartition(plan, report, lowering)
+    if lowering not in ("aot_eager", "inductor"):
+        raise ValueError(f"unknown lowering {lowering!r}")
+    units = None
+    if plan is not None and plan.config.trace_units_once:
+        try:
+            units = outline_units(gm)
+        except Exception as error:  # noqa: BLE001 - the step is traced flat, as without the option
+            log.warning("speedloader: cutting the step's units out as subgraph calls failed (%s: %s); tracing it "
+                        "flat", type(error).__name__, error)
+    if units is not None:
+        inliner = _Inliner(units, report)
+        report.traced_units = units.traced
+        try:
+            with tracing_calls():
+                return _lower(units.graph, example_inputs, lowering, report, plan, runtime, cudagraphs, inliner)
+        except Exception as error:
+            if inliner.inlined:  # past the trace: the passes' own failure
+                raise
+            report.traced_units = None
+            log.warning("speedloader: tracing the step with its %d units as calls of %d subgraphs failed "
+                        "(%s: %s); tracing it flat", units.traced.calls, units.traced.subgraphs,
+                        type(error).__name__, error)
+    return _lower(gm, example_inputs, lowering, report, plan, runtime, cudagraphs, _Inliner(None))
+
+
+class _Inliner:
+    """Puts the unit calls of an outlined step (`outline_units`) back in place in the
+    first graph of each kind that AOTAutograd hands over (`inline_units`), and tells
+    apart the subgraphs AOTAutograd partitions on its own, which no pass reads."""
+
+    def __init__(self, units: UnitCalls | None, report: CompileReport | None = None):
+        self.units = units
+        self.report = report
+        self.inlined = False
+
+    def is_subgraph(self, graph: torch.fx.Graph, joint_inputs: Any = None) -> bool:
+        """A unit's joint subgraph, which AOTAutograd partitions before the step's
+        joint graph: handed to the partitioner with no inputs listed, or (to a
+        joint-graph pass, which is not told) a graph that calls no unit."""
+        if self.units is None or self.inlined:
+            return False
+        if joint_inputs is not None:
+            return isinstance(joint_inputs, list) and not joint_inputs
+        return not has_unit_calls(graph)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.units is not None and has_unit_calls(graph):
+            if not self.inlined and self.report is not None:
+                self.report.traced_units = dataclasses.replace(self.units.traced, variants=unit_variants(graph))
+            inline_units(graph, self.units.origins)
+            self.inlined = True
+
+
+def _lower(gm, example_inputs, lowering, report, plan, runtime, cudagraphs, inliner: _Inliner) -> Callable:
+    partition_hook = None if plan is None else _PlannedPartition(plan, report, lowering, inliner)
 
     def hold(compiled: Callable) -> Callable:
         return compiled if runtime is None else hold_runtime(compiled, runtime)
 
     def prepare(kind: str, graph: torch.fx.GraphModule) -> StepState:
         """Runs the compiled stage on `graph`; its `graphs[kind]` is what to compile."""
+        inliner(graph.graph)  # an inference graph calls the units' subgraphs still
         if plan is not None and kind == "inference":
             step = run_stage(
                 INFERENCE_PASSES, StepState(plan, report, {"inference": graph}, lowering=lowering), report.pass_log
@@ -229,8 +297,6 @@ def lower(
         report.record_graph(kind, graph)
         return step
 
-    if lowering not in ("aot_eager", "inductor"):
-        raise ValueError(f"unknown lowering {lowering!r}")
     # The passes rewrite each graph several times and most graphs are only analysed
     # (every plan `tune` weighs): a graph's Python code is written when it first runs.
     with lazy_graph_modules():
@@ -335,10 +401,11 @@ class _PlannedPartition:
     planned attempt showed that even shedding all it kept would not fit.
     """
 
-    def __init__(self, plan: StepPlan, report: CompileReport, lowering: str):
+    def __init__(self, plan: StepPlan, report: CompileReport, lowering: str, inliner: _Inliner):
         self.plan = plan
         self.report = report
         self.lowering = lowering
+        self.inliner = inliner
         # Set when a joint-graph pre-pass already tagged the graph for the first plan.
         self.pre_tagged = False
 
@@ -367,12 +434,23 @@ class _PlannedPartition:
 
     def tag_first(self, joint: torch.fx.Graph) -> None:
         """The joint-graph stage of the first plan tried."""
+        if self.inliner.is_subgraph(joint):
+            return
+        self.inliner(joint)
         recompute, _ = self.attempts()[0]
         step = StepState(self.plan, self.report, {"joint": joint}, recompute=recompute, lowering=self.lowering)
         run_stage(JOINT_PASSES, step, self.report.pass_log, label=self._label(recompute))
         self.pre_tagged = True
 
     def __call__(self, partitioner, joint: torch.fx.GraphModule, joint_inputs, **kwargs):
+        if self.inliner.is_subgraph(joint.graph, joint_inputs):
+            # Partitioned as it was traced, each value its forward makes saved for its
+            # backward: once inlined, the step's own partitioner chooses what the
+            # backward recomputes, over the whole step as a flat trace's would.
+            from torch._functorch.partitioners import default_partition
+
+            return default_partition(joint, joint_inputs, num_fwd_outputs=kwargs["num_fwd_outputs"])
+        self.inliner(joint.graph)
         tried = []
         hopeless: set[str] = set()  # recompute choices that stashing everything cannot bring under the budget
         for attempt, (recompute, everything) in enumerate(self.attempts()):
@@ -449,7 +527,7 @@ def _aot_eager(gm, example_inputs, prepare, partition_hook, hold):
 
     def partition(joint, joint_inputs, **kwargs):
         if partition_hook is None:
-            return default_partition(joint, joint_inputs, **kwargs)
+            return default_partition(joint, joint_inputs, num_fwd_outputs=kwargs["num_fwd_outputs"])
         return partition_hook(default_partition, joint, joint_inputs, **kwargs)
 
     def observed(kind: str):
@@ -510,11 +588,12 @@ def partition_key(plan: StepPlan) -> bytes:
     """The Inductor cache key of the partitioner and joint pass wrapped with `plan`.
 
     The plan is part of the graphs (fetch and stash keys); the code is this module,
-    the pass manager and every module a declared pass of any stage lives in; the
+    the pass manager, the units' inlining (`trace_units`) and every module a declared
+    pass of any stage lives in; the
     passes the pass settings skip (`SLC_DISABLE`, `pass_settings`) change the graphs
     Inductor compiles too.
     """
-    files = (__file__, pass_manager.__file__, pipeline.__file__, *pass_modules(all_passes()))
+    files = (__file__, pass_manager.__file__, pipeline.__file__, trace_units.__file__, *pass_modules(all_passes()))
     disabled = sorted(pass_manager.disabled_passes(all_passes()))
     return get_hash_for_files(tuple(sorted(set(files)))) + repr((dataclasses.astuple(_plan_key(plan)),
                                                                  disabled)).encode()
