@@ -262,11 +262,17 @@ class _Inliner:
         return not has_unit_calls(graph)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        if self.units is not None and has_unit_calls(graph):
-            if not self.inlined and self.report is not None:
+        if self.units is None or self.inlined and not has_unit_calls(graph):
+            return
+        if not self.inlined:
+            if not has_unit_calls(graph):
+                # A torch that renamed or rewrote the calls: the passes would read a
+                # step whose units they cannot see (`lower` traces it flat instead).
+                raise RuntimeError("AOTAutograd's first graph of the step calls none of the units' subgraphs")
+            if self.report is not None:
                 self.report.traced_units = dataclasses.replace(self.units.traced, variants=unit_variants(graph))
-            inline_units(graph, self.units.origins)
-            self.inlined = True
+        inline_units(graph, self.units.origins)
+        self.inlined = True
 
 
 def _lower(gm, example_inputs, lowering, report, plan, runtime, cudagraphs, inliner: _Inliner) -> Callable:

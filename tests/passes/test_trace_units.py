@@ -13,6 +13,7 @@ from torch import nn
 import slcompile
 from slcompile.backends import lowering
 from slcompile.meta import module_path
+from slcompile.passes import trace_units
 from slcompile.passes.trace_units import TracedUnits
 from slcompile.runtime import reset_runtime_stats, runtime_stats
 from models import GPTConfig, TinyGPT, hf_llama, make_gpt_batch
@@ -233,5 +234,22 @@ def test_a_step_whose_calls_fail_to_trace_is_traced_flat(monkeypatch, caplog):
         once = _compile_step(model, lambda m: m(idx, targets), {"num_subbatches": 2})
     assert "tracing it flat" in caplog.text
     assert once[3].traced_units is None and once[3].fallback_reason is None
+    eager = copy.deepcopy(model)
+    torch.testing.assert_close(once[1], eager(idx, targets)[1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_joint_graph_whose_calls_are_not_recognised_is_traced_flat(monkeypatch, caplog):
+    """Were a release of torch to rename the calls AOTAutograd makes of a subgraph,
+    the passes would read a step whose units they cannot see: it is traced flat."""
+    cfg = GPTConfig(d_model=32, seq_len=16, n_layers=2, vocab_size=64)
+    model = TinyGPT(cfg)
+    idx, targets = make_gpt_batch(cfg, 4)
+    monkeypatch.setattr(trace_units, "_IDENTIFIER", re.compile("(?!)"))  # matches nothing
+    with caplog.at_level(logging.WARNING, logger="slcompile.backends.lowering"):
+        once = _compile_step(model, lambda m: m(idx, targets), {"num_subbatches": 2})
+    assert "calls none of the units' subgraphs" in caplog.text and "tracing it flat" in caplog.text
+    assert once[3].traced_units is None
+    for graph in once[3].partitioned.values():
+        assert not graph.graph.find_nodes(op="call_function", target=INVOKE_SUBGRAPH)
     eager = copy.deepcopy(model)
     torch.testing.assert_close(once[1], eager(idx, targets)[1], atol=1e-5, rtol=1e-5)
