@@ -58,8 +58,10 @@ class SpeedLoaderConfig:
         trace_units_once: AOTAutograd traces, differentiates and partitions each
             distinct (block, sub-batch) unit once and records the others as calls
             of it (`slcompile.passes.trace_units`); the graphs the passes read are
-            the same. False traces every op of every copy. A step whose units cannot
-            be traced so is traced flat (logged).
+            the same. A step whose units cannot be traced so is traced flat
+            (logged). Off by default (every op of every copy traced): some schedules
+            and models do not trace so yet (grad_accumulation's sample-major order,
+            the CPU flash-attention kernel's outputs, `tune`'s replans).
         cudagraphs: with Inductor on CUDA, replay the compute between transfers as
             CUDA graphs: Inductor partitions the step at every `slc::` op (its graph
             partition) and its cudagraph trees record each partition once per shape,
@@ -226,7 +228,7 @@ class SpeedLoaderConfig:
     num_subbatches: int = 2
     lowering: str = "inductor"
     compile_regions: bool = True
-    trace_units_once: bool = True
+    trace_units_once: bool = False
     cudagraphs: bool = False
     schedule: str = "speedloader"
     batch_dim: int = 0

@@ -1,5 +1,5 @@
-"""trace_units_once: AOTAutograd traces each distinct (block, sub-batch) unit once, as
-calls of a subgraph, and the passes read the graphs a flat trace gives."""
+"""trace_units_once=True: AOTAutograd traces each distinct (block, sub-batch) unit once,
+as calls of a subgraph, and the passes read the graphs a flat trace gives."""
 
 import collections
 import copy
@@ -24,8 +24,8 @@ INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 def _compile_step(model, call, options):
     """(outputs, loss, grads, report) of one training step of a copy of `model`."""
     model = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="speedloader", options={"lowering": "aot_eager", "on_refusal": "raise",
-                                                                   **options})
+    compiled = torch.compile(model, backend="speedloader", options={
+        "lowering": "aot_eager", "on_refusal": "raise", "trace_units_once": True, **options})
     outputs, loss = call(compiled)
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
@@ -118,6 +118,7 @@ def test_with_weights_and_activations_on_nvme_the_fetched_blocks_are_traced_once
     def call(m):
         return m(idx, targets)
 
+    reset_runtime_stats()
     flat = _compile_step(model, call, {**options, "trace_units_once": False})
     flat_moved = dict(runtime_stats().bytes_moved)
     torch._dynamo.reset()
