@@ -8,7 +8,7 @@ import torch
 import torch.fx
 
 from slcompile.analysis.machine import NAMED_PROFILES, MachineProfile, named_profile
-from slcompile.analysis.time import ComputeCost, PassAction, count_cost, predict_pass_time, predict_time
+from slcompile.analysis.time import ComputeCost, count_cost, predict_pass_time, predict_time
 from slcompile.meta import SlcMeta, set_slc_meta
 from slcompile.vocabulary import FETCH_ISSUE, FETCH_WEIGHT, STASH, WAIT, fake_token
 
@@ -321,53 +321,75 @@ def test_large_outputs_pay_the_profiles_output_rate_on_top_of_the_roofline():
     assert profile.compute_seconds(ComputeCost(flops=10**9, nbytes=0, large_output_bytes=2 * 10**6)) == 3.5
 
 
-def test_a_pass_of_actions_overlaps_the_next_layers_load_and_flushes_its_stores():
-    """Layer 0's weights (1 MB on nvme, 1 s) load first; layer 1's (1 s) load while
-    layer 0 computes (2 s); each layer stores 2 MB (2 s) after it computes, on the
-    same disk lane, so layer 1's store starts when layer 0's has finished."""
+def _pass_graph(request, spills=False):
+    """The lowered graph of a generation pass (one row a sub-batch, one streamed
+    weight a fetched layer), to be read."""
+    from slcompile.inference.pass_graph import PassLayout, lower_pass
+    from slcompile.schedules.generation import generation_pass
+
+    parts = tuple((sb, sb, 1) for sb in request.subbatches)
+    return lower_pass(generation_pass(request), PassLayout.placeholders(parts, [1] * request.layers, spills))
+
+
+def test_a_pass_graph_overlaps_the_next_layers_load_and_flushes_its_stores():
+    """A decode pass of two layers, read from its lowered graph: layer 0's weights
+    (1 MB on nvme, 1 s) load first, layer 1's (1 s) while layer 0 computes (2 s);
+    each layer stores 2 MB of cache (2 s) after it computes, on the same disk
+    lane, so layer 1's store starts when layer 0's has finished."""
+    from slcompile.schedules.generation import PassRequest
+
+    graph = _pass_graph(PassRequest("decode", (0,), fetched=(True, True), kv_moves=True, stores=True))
+    stored = {0: (10**6, 10**6), 1: (2 * 10**6,)}
+
+    def moves(direction, what, block, subbatch):
+        if what == "w":
+            return "nvme", (10**6,)
+        return ("nvme", stored[block]) if direction == "store" else ("device", ())
+
     two_seconds = (ComputeCost(flops=2 * 10**9),)
-    actions = [
-        PassAction("load", "blk0.w", "nvme", (10**6,)),
-        PassAction("load", "blk1.w", "nvme", (10**6,)),
-        PassAction("compute", "blk0", nodes=two_seconds, waits=("blk0.w",), calls=1),
-        PassAction("store", "blk0.kv.sb0", "nvme", (10**6, 10**6)),
-        PassAction("compute", "blk1", nodes=two_seconds, waits=("blk1.w",), calls=1),
-        PassAction("store", "blk1.kv.sb0", "nvme", (2 * 10**6,)),
-    ]
-    timeline = predict_pass_time(actions, profile=PROFILE, phase="decode", lowering="aot_eager", tokens=4)
+    timeline = predict_pass_time(graph, moves=moves, costs=[two_seconds] * 2, tail=(), profile=PROFILE,
+                                 phase="decode", lowering="aot_eager", tokens=4)
     # Disk: load 0 [0, 1], load 1 [1, 2], store 0 [3, 5], store 1 [5, 7].
     # Compute: stall [0, 1], blk0 [1, 3], blk1 [3, 5]; the pass ends with the last store.
     assert timeline.step_seconds == pytest.approx(7.0)
     assert timeline.compute_seconds == pytest.approx(4.0)
     assert timeline.lane_bytes() == {"disk": 6 * 10**6}
     assert timeline.lane_seconds()["disk"] == pytest.approx(6.0)
+    assert [(e.kind, e.region, e.start, e.end) for e in timeline.events if e.lane == "disk"] == [
+        ("fetch", "blk0", 0.0, 1.0), ("fetch", "blk1", 1.0, 2.0), ("stash", "blk0", 3.0, 5.0),
+        ("stash", "blk1", 5.0, 7.0)]
     assert timeline.bound == "disk"
     assert timeline.tokens_per_second == pytest.approx(4 / 7)
     # A compiled call's fixed cost, and a device-resident tier moving nothing.
     called = MachineProfile(name="c", matmul_flops=1e9, memory_bandwidth=1e30, call_overhead_seconds=0.25)
-    resident = [dataclasses.replace(a, tier="device") if a.kind != "compute" else a for a in actions]
-    timeline = predict_pass_time(resident, profile=called, phase="decode", lowering="aot_eager")
+    timeline = predict_pass_time(graph, moves=lambda *_: ("device", (10**6,)), costs=[two_seconds] * 2, tail=(),
+                                 profile=called, phase="decode", lowering="aot_eager")
     assert timeline.step_seconds == pytest.approx(2 * (2.0 + 0.25))
     assert timeline.lane_bytes() == {}
 
 
-def test_a_pass_that_waits_for_a_store_stalls_its_compute_until_the_store_is_done():
-    """Layer 0's output (3 MB, 3 s on nvme) is stored after it computes (1 s) and
-    waited for before layer 1 computes: layer 1 starts at 4 s, not 1 s."""
+def test_a_pass_that_waits_for_a_spill_stalls_its_compute_until_the_store_is_done():
+    """A prefill of three sub-batches that spills its hidden states between two
+    layers (1 MB each: stored in 4 s, loaded in 1 s; each layer step 1 s). Disk:
+    spill sb0 [1, 5], spill sb1 [5, 9], fill sb0 [9, 10], spill sb2 [10, 14], fill
+    sb1 [14, 15], fill sb2 [15, 16]. Layer 0's last step ends at 3, then the graph
+    waits for sb0's spill (done at 5) before it fills sb1; layer 1 waits for each
+    fill: sb0 from 5 to 10, sb1 from 11 to 15; sb2's is done when it starts (16)."""
+    from slcompile.schedules.generation import PassRequest
+
+    request = PassRequest("prefill", (0, 1, 2), fetched=(False, False), kv_moves=True, stores=False,
+                          spill_hidden=True)
+    graph = _pass_graph(request, spills=True)
+    profile = dataclasses.replace(PROFILE, nvme_write=0.25e6)
     one_second = (ComputeCost(flops=10**9),)
-    actions = [
-        PassAction("compute", "blk0", nodes=one_second, calls=1),
-        PassAction("store", "blk0.h.sb0", "nvme", (3 * 10**6,)),
-        PassAction("wait", "blk0.h.sb0"),
-        PassAction("compute", "blk1", nodes=one_second, calls=1),
-    ]
-    timeline = predict_pass_time(actions, profile=PROFILE, phase="prefill", lowering="aot_eager")
-    assert timeline.step_seconds == pytest.approx(5.0)
-    [stall] = [event for event in timeline.events if event.kind == "stall"]
-    assert (stall.start, stall.end) == (pytest.approx(1.0), pytest.approx(4.0))
-    # Without the wait, layer 1 overlaps the store, and the pass ends with it.
-    assert predict_pass_time(actions[:2] + actions[3:], profile=PROFILE, phase="prefill",
-                             lowering="aot_eager").step_seconds == pytest.approx(4.0)
+    timeline = predict_pass_time(graph, moves=lambda *_: ("nvme", (10**6,)), costs=[one_second] * 2, tail=(),
+                                 profile=profile, phase="prefill", lowering="aot_eager")
+    assert [(e.kind, e.subbatch, e.start, e.end) for e in timeline.events if e.lane == "disk"] == [
+        ("spill", 0, 1.0, 5.0), ("spill", 1, 5.0, 9.0), ("fill", 0, 9.0, 10.0), ("spill", 2, 10.0, 14.0),
+        ("fill", 1, 14.0, 15.0), ("fill", 2, 15.0, 16.0)]
+    stalls = [(e.region, e.subbatch, e.start, e.end) for e in timeline.events if e.kind == "stall"]
+    assert stalls == [("blk0", 0, 3.0, 5.0), ("blk1", 0, 5.0, 10.0), ("blk1", 1, 11.0, 15.0)]
+    assert timeline.step_seconds == pytest.approx(17.0)
 
 
 def test_a_compiled_step_keeps_its_graphs_as_planned_for_the_models(tmp_path):

@@ -28,9 +28,10 @@ forward: the step is walked three times and the second walk, the steady state, i
 the prediction. The step's time is when its compute lane ends.
 
 A generation pass is not one compiled graph: its layer steps are compiled regions
-called in turn by its pass graph. `predict_pass_time` walks it as `PassAction`s read
-from that graph's nodes in order (loads, stores, layer steps with the ops of their
-traced graphs; `slcompile.inference.explain`) on the same lanes.
+called in turn by its lowered pass graph. `predict_pass_time` reads that graph's
+nodes in order (loads and stores of weights, caches and hidden states; layer steps
+with the ops of their traced graphs) into the same timed actions and walks them on
+the same lanes.
 
 A block is bound by whichever resource is busiest for it: its compute, or the lane
 of the transfers its compute waits for (loads) or made (stores).
@@ -53,7 +54,7 @@ from slcompile.vocabulary import stash_key_of
 
 __all__ = [
     "ComputeCost", "TimedEvent", "BlockTime", "TimePrediction", "count_cost", "predict_time", "region_costs",
-    "LANE_RESOURCE", "PassAction", "predict_pass_time", "graph_cost", "step_seconds",
+    "LANE_RESOURCE", "predict_pass_time", "graph_cost", "step_seconds",
 ]
 
 log = logging.getLogger(__name__)
@@ -644,110 +645,132 @@ def _order(region: str) -> tuple[int, int]:
 
 
 
-# -- a pass written as actions (generation) -----------------------------------------
+# -- a generation pass, read from its lowered graph ----------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class PassAction:
-    """One step of a pass that is not one graph (a generation's prefill or decode
-    pass, whose layer steps are compiled regions called in turn), for
-    `predict_pass_time`.
+_PASS_MOVES = MappingProxyType({
+    "fetch_issue": ("load", "w", "fetch"), "issue": ("load", "kv", "unstash"), "store": ("store", "kv", "stash"),
+    "unstash": ("load", "h", "fill"), "stash": ("store", "h", "spill"),
+})
+"""What a pass graph's transfer node (`pass_role`) moves: (direction, what: "w" a
+layer's weights, "kv" its cache, "h" a sub-batch's hidden states, the timeline's
+kind). A weight's and a fill's wait add nothing: the layer step that takes them
+waits for their load; a spill's wait (`slc::wait`) stalls until its store is done."""
 
-    Attributes:
-        kind: "load" (a transfer to the device is issued), "store" (one from it is
-            issued), "wait" (the compute lane waits for a store issued earlier, by
-            name) or "compute".
-        name: a transfer's name (`blk2.kv.sb1`), or a compute step's region
-            (`blk2`, "prefix", "suffix").
-        tier: where a transfer's data rests ("device", "host", "nvme").
-        transfers: the sizes of a load's or store's tensors, one transfer each.
-        nodes: a compute step's ops, the cost of each (`graph_cost` of its traced graph).
-        waits: the loads a compute step waits for first (their names).
-        calls: compiled regions the compute step calls (each pays
-            `MachineProfile.call_overhead_seconds`).
-        layer_steps: executor layer steps it stands for (each pays
-            `MachineProfile.layer_step_seconds`).
-        passes: passes whose fixed cost it carries (`MachineProfile.pass_seconds`).
+
+def _pass_plan(graph, moves, costs, tail, profile, lowering) -> list[_Compute | _Issue | _Wait]:
+    """A generation pass's lowered graph as the walk's timed actions, node by node.
+
+    A layer's weights are one load, at its first `fetch_issue`; each load or store
+    of a tier that copies is one issue of the sizes `moves` gives (one transfer a
+    tensor) and pays `transfer_op_seconds`; each layer step first waits for what
+    is still loading of its layer's weights, its cache and its input (each wait
+    paying `transfer_op_seconds`), then runs its ops plus a compiled call and a
+    layer step's fixed cost; a tail runs its ops; the pass's fixed cost comes first.
     """
+    from slcompile.analysis.pass_memory import pass_nodes, pass_role
 
-    kind: str
-    name: str
-    tier: str = "device"
-    transfers: tuple[int, ...] = ()
-    nodes: tuple[ComputeCost, ...] = ()
-    waits: tuple[str, ...] = ()
-    calls: int = 0
-    layer_steps: int = 0
-    passes: int = 0
+    actions: list[_Compute | _Issue | _Wait] = []
+    if profile.pass_seconds:
+        actions.append(_Compute("prefix", profile.pass_seconds))
+    loading: set[tuple] = set()  # loads issued and not yet waited for
+    storing: set[tuple] = set()  # stores issued and not yet waited for
+    fetched: set[int] = set()
+
+    def op_cost(region: str, subbatch: int | None) -> None:
+        if profile.transfer_op_seconds:
+            actions.append(_Compute(region, profile.transfer_op_seconds, subbatch=subbatch))
+
+    for node in pass_nodes(graph):
+        kind, block, subbatch = pass_role(node) or ("", None, None)
+        region = format_tag("block", block, None) if block is not None else ""
+        if kind == "fetch_issue":
+            if block in fetched:
+                continue
+            fetched.add(block)
+            subbatch = None  # a layer's weights serve every sub-batch
+        if kind in _PASS_MOVES:
+            direction, what, shown = _PASS_MOVES[kind]
+            key = (direction, what, block, subbatch)
+            tier, sizes = moves(direction, what, block, subbatch)
+            lane, seconds = "compute", 0.0
+            for nbytes in sizes:
+                lane, part = profile.transfer_seconds(tier, "read" if direction == "load" else "write", nbytes)
+                seconds += part
+            if lane == "compute":
+                continue  # the tier is the device's memory: nothing moves
+            actions.append(_Issue(key, lane, seconds, shown, region, sum(sizes), subbatch))
+            (loading if direction == "load" else storing).add(key)
+            op_cost(region, subbatch)
+        elif kind == "wait" and ("store", "h", block, subbatch) in storing:
+            storing.discard(("store", "h", block, subbatch))
+            actions.append(_Wait(("store", "h", block, subbatch), region, subbatch=subbatch))
+            op_cost(region, subbatch)
+        elif kind == "step":
+            for key in (("load", "w", block, None), ("load", "kv", block, subbatch),
+                        ("load", "h", block - 1, subbatch)):
+                if key in loading:
+                    loading.discard(key)
+                    actions.append(_Wait(key, region, subbatch=subbatch))
+                    op_cost(region, subbatch)
+            total = sum(costs[block], ComputeCost())
+            seconds = sum(profile.compute_seconds(cost, lowering) for cost in costs[block])
+            seconds += profile.call_overhead_seconds + profile.layer_step_seconds
+            actions.append(_Compute(region, seconds, total.flops, total.nbytes, subbatch))
+        elif kind == "suffix":
+            total = sum(tail, ComputeCost())
+            seconds = sum(profile.compute_seconds(cost, lowering) for cost in tail)
+            actions.append(_Compute("suffix", seconds, total.flops, total.nbytes, subbatch))
+    return actions
 
 
 def predict_pass_time(
-    actions: Sequence[PassAction],
+    graph,
     *,
+    moves,
+    costs: Sequence[Sequence[ComputeCost]],
+    tail: Sequence[ComputeCost],
     profile,
     phase: str,
     lowering: str = "inductor",
     tokens: int | None = None,
 ) -> TimePrediction:
-    """Predicts one pass written as actions, walked once from idle lanes (nothing
-    carries over between passes: each loads its first layer's weights itself).
+    """Predicts one generation pass from its lowered graph (`slcompile.inference.
+    pass_graph.lower_pass`, the graph `generate` runs), on the lanes and by the
+    walk of a compiled step (`predict_time`), walked once from idle lanes: nothing
+    carries over between passes (each loads its first layer's weights itself).
 
     A load or store is issued on its tier's lane when the compute lane reaches it
     and the lane is free (`MachineProfile.transfer_seconds`, one transfer per
-    tensor); a compute step first waits for the loads it names, then takes its
-    ops' time as a compiled graph's (`MachineProfile.compute_seconds` for the
-    lowering) plus `call_overhead_seconds` per compiled call, `layer_step_seconds`
-    per executor layer step and `pass_seconds` per pass; each issue and each
-    wait pays `transfer_op_seconds` on the compute lane; a "wait" action stalls the
-    compute lane until the store it names is done. The pass ends when its
-    compute and every store have finished (a pass flushes its stores).
+    tensor); a layer step waits for its loads and takes its ops' time as a compiled
+    graph's (`MachineProfile.compute_seconds` for the lowering) plus
+    `call_overhead_seconds` and `layer_step_seconds`; the pass pays `pass_seconds`
+    once; each issue and each wait pays `transfer_op_seconds` on the compute lane.
+    The pass ends when its compute and every store have finished (a pass flushes
+    its stores).
+
+    Args:
+        graph: the pass's `PassGraph` or its `torch.fx.Graph`.
+        moves: `moves(direction, what, block, subbatch)` -> (tier, the bytes of each
+            tensor moved): direction "load" or "store"; what "w" (a layer's
+            weights; subbatch None), "kv" (a (layer, sub-batch)'s cache) or "h"
+            (the hidden states a sub-batch's layer step made).
+        costs: per layer, the cost of each op of its step (`graph_cost` of its
+            traced graph).
+        tail: the cost of each op of the tail.
+        profile: the `MachineProfile`.
+        phase: "prefill" or "decode": the events' phase.
+        lowering: as `predict_time`'s.
+        tokens: tokens the pass computes, for tokens/s.
     """
     lanes = _Lanes()
-    stores: list[float] = []
-    stored: dict[str, float] = {}  # a store's name -> when it is done
-    for action in actions:
-        if action.kind == "wait":
-            done = stored.pop(action.name, None)
-            if done is None:
-                continue  # nothing moved (a store to the device's memory)
-            if done > lanes.clock:
-                lanes.events.append(TimedEvent("compute", "stall", action.name.split(".")[0], phase, lanes.clock,
-                                               done))
-                lanes.clock = done
-            lanes.clock += profile.transfer_op_seconds
-            continue
-        if action.kind in ("load", "store"):
-            direction = "read" if action.kind == "load" else "write"
-            seconds, lane = 0.0, "compute"
-            for nbytes in action.transfers:
-                lane, s = profile.transfer_seconds(action.tier, direction, nbytes)
-                seconds += s
-            if lane == "compute":
-                continue  # the tier is the device's memory: nothing moves
-            region = action.name.split(".")[0]
-            what = "unstash" if action.kind == "load" else "stash"
-            _issue(_Issue(action.name, lane, seconds, what, region, sum(action.transfers)), phase, lanes)
-            if action.kind == "store":
-                stores.append(lanes.pending.pop(action.name)[0])
-                stored[action.name] = stores[-1]
-            lanes.clock += profile.transfer_op_seconds
-            continue
-        plan: list[_Compute | _Wait] = []
-        for name in action.waits:
-            if name in lanes.pending:
-                plan.append(_Wait(name, action.name))
-                plan.append(_Compute(action.name, profile.transfer_op_seconds))
-        seconds = sum(profile.compute_seconds(cost, lowering) for cost in action.nodes)
-        seconds += action.calls * profile.call_overhead_seconds
-        seconds += action.layer_steps * profile.layer_step_seconds + action.passes * profile.pass_seconds
-        if not seconds and not action.nodes and not plan:
-            continue  # nothing to wait for, nothing to do
-        total = sum(action.nodes, ComputeCost())
-        plan.append(_Compute(action.name, seconds, total.flops, total.nbytes))
-        _walk(plan, phase, lanes)
-    end = max([lanes.clock, *stores])
+    end = 0.0
+    for action in _pass_plan(graph, moves, costs, tail, profile, lowering):
+        _walk((action,), phase, lanes)
+        if isinstance(action, _Issue) and action.kind in ("stash", "spill"):
+            end = max(end, lanes.pending[action.key][0])
     if end > lanes.clock:
         lanes.events.append(TimedEvent("compute", "stall", "other", phase, lanes.clock, end))
     events = tuple(lanes.events)
-    return TimePrediction(profile=profile.name, step_seconds=end, events=events, blocks=_blocks(events),
-                          tokens=tokens, peak_flops=profile.matmul_flops)
+    return TimePrediction(profile=profile.name, step_seconds=max(end, lanes.clock), events=events,
+                          blocks=_blocks(events), tokens=tokens, peak_flops=profile.matmul_flops)

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
 from slcompile.analysis.machine import MachineFacts
-from slcompile.analysis.pass_memory import PassMemory, pass_nodes, pass_role
+from slcompile.analysis.pass_memory import PassMemory
 from slcompile.config import SpeedLoaderConfig
 from slcompile.inference.capture import _cache_windows
 from slcompile.inference.executor import _fetched, _streamed_parameters
@@ -23,7 +22,6 @@ from slcompile.inference.memory import _hidden_row_bytes, _kv_row_bytes, _Memory
 from slcompile.inference.options import generation_config, generation_plan
 from slcompile.inference.pass_graph import PassGraph, PassLayout, lower_pass
 from slcompile.inference.records import GenerationStep
-from slcompile.meta import format_tag
 from slcompile.runtime.stats import TransferKey
 from slcompile.runtime.storage.tiers import Tier, TransferKind
 from slcompile.schedules.base import Schedule
@@ -340,22 +338,19 @@ def explain_generation_config(model, input_shape, max_new_tokens, config: SpeedL
             def kv_bytes(index: int, positions: int) -> int:
                 return 2 * size_d * positions * row_bytes[index]  # keys and values, one tensor
 
-            transfers = {}
-            for index in range(n):
-                transfers[transfer_name(index, "w")] = (weights, layer_loads[index])
-                if offloads:
-                    transfers.update((transfer_name(index, "h", sb), (kv_cache, (hidden_part,))) for sb in range(kp))
-                for sb in range(kd):
-                    if step == 0:
-                        stored = (kv_bytes(index, min(length, caps[index])),)
-                        transfers[transfer_name(index, "kv", sb)] = (kv_cache, stored)
-                    else:
-                        loaded = tuple(kv_bytes(index, seg) for seg in loaded_segments[step][index])
-                        transfers[f"load {transfer_name(index, 'kv', sb)}"] = (kv_cache, loaded)
-                        transfers[f"store {transfer_name(index, 'kv', sb)}"] = (kv_cache, (kv_bytes(
-                            index, written_positions[step][index]),))
+            def moves(direction: str, what: str, index: int, subbatch: int | None) -> tuple[str, tuple[int, ...]]:
+                if what == "w":
+                    return weights, layer_loads[index]
+                if what == "h":
+                    return kv_cache, (hidden_part,)
+                if step == 0:
+                    return kv_cache, (kv_bytes(index, min(length, caps[index])),) if direction == "store" else ()
+                if direction == "load":
+                    return kv_cache, tuple(kv_bytes(index, seg) for seg in loaded_segments[step][index])
+                return kv_cache, (kv_bytes(index, written_positions[step][index]),)
+
             costs, tail = memory.pass_costs(phase, past)
-            return predict_pass_time(_pass_actions(lowered(steps[step].schedule), transfers, costs, tail),
+            return predict_pass_time(lowered(steps[step].schedule), moves=moves, costs=costs, tail=tail,
                                      profile=rates, phase=phase, lowering=backend,
                                      tokens=batch * (length if step == 0 else 1))
 
@@ -370,56 +365,3 @@ def explain_generation_config(model, input_shape, max_new_tokens, config: SpeedL
     return GenerationExplanation(type(model).__name__, plan.layers_name, n, batch, length, max_new_tokens, kp, kd,
                                  weights, kv_cache, weight_store_bytes, tuple(steps), prefill_memory, decode_memory,
                                  prefill_time, decode_time)
-
-
-def transfer_name(block: int, what: str, subbatch: int | None = None) -> str:
-    """A pass's transfer in its predicted timeline: what moves ("w" weights, "kv"
-    cache, "h" hidden states) of a layer, and of a sub-batch: `blk3.kv.sb1`."""
-    name = f"{format_tag('block', block, None)}.{what}"
-    return name if subbatch is None else f"{name}.sb{subbatch}"
-
-
-_ACTION_OF = MappingProxyType({
-    "fetch_issue": ("load", "w"), "issue": ("load", "kv"), "store": ("store", "kv"),
-    "unstash": ("load", "h"), "stash": ("store", "h"), "wait": ("wait", "h"),
-})
-"""What a pass graph's transfer node does (`pass_role`) -> (`PassAction` kind, what
-moves: weights, cache or hidden states). A fill's wait adds no action: the layer
-step that takes the state waits for its load."""
-
-
-def _pass_actions(graph, transfers: Mapping[str, tuple[str, tuple[int, ...]]], costs, tail) -> list:
-    """The `PassAction`s of a pass from its lowered graph (`PassGraph`), node by
-    node in order: each transfer a load or store of the sizes `transfers` gives (by
-    name, `blk2.kv.sb1`, or by "load name"/"store name" where the two differ; a
-    layer's weights are one load, at its first `slc::fetch_issue`), each layer step
-    a compiled step of `costs[layer]` that waits for the layer's weights, its cache
-    and its input, and each tail the suffix (`tail`'s ops), and the pass's fixed
-    cost first (at its prefix, the capture, where it has one). The weights' waits
-    add no action (a layer step waits for them)."""
-    from slcompile.analysis.time import PassAction
-
-    actions = [PassAction("compute", "prefix", passes=1)]
-    fetched: set[int] = set()
-    for node in pass_nodes(graph):
-        kind, block, sb = pass_role(node) or ("", None, None)
-        if kind == "fetch_issue":
-            if block in fetched:
-                continue
-            fetched.add(block)
-        if kind in _ACTION_OF:
-            action, what = _ACTION_OF[kind]
-            name = transfer_name(block, what, sb)
-            if action == "wait":
-                actions.append(PassAction(action, name))
-                continue
-            tier, sizes = transfers.get(f"{action} {name}", transfers.get(name, ("device", ())))
-            actions.append(PassAction(action, name, tier, tuple(sizes)))
-        elif kind == "step":
-            waits = (transfer_name(block, "w"), transfer_name(block, "kv", sb)) + (
-                (transfer_name(block - 1, "h", sb),) if block else ())
-            actions.append(PassAction("compute", format_tag("block", block, None), nodes=costs[block], waits=waits,
-                                      calls=1, layer_steps=1))
-        elif kind == "suffix":
-            actions.append(PassAction("compute", "suffix", nodes=tail, calls=0))
-    return actions
