@@ -55,7 +55,7 @@ from slcompile import pipeline
 from slcompile.analysis.machine import MachineFacts
 from slcompile.compat import backed_value, graph_module, lazy_graph_modules
 from slcompile.config import SpeedLoaderConfig
-from slcompile.errors import BudgetError, PolicyError
+from slcompile.errors import BudgetError, OptionError, PolicyError, RefusedError
 from slcompile.passes import manager as pass_manager
 from slcompile.passes import trace_units
 from slcompile.passes.manager import pass_modules
@@ -211,7 +211,9 @@ def lower(
     `trace_units_once`, AOTAutograd traces a copy of `gm` whose (block, sub-batch)
     units are calls of one subgraph per distinct unit (`slcompile.passes.trace_units`),
     put back in place before the joint stage reads the graph; where that copy fails
-    to trace, `gm` itself (logged).
+    to trace, partition or compile for any reason but the plan's own errors
+    (`BudgetError`, `OptionError`, `RefusedError`), `gm` itself (logged), with
+    `report` as it was before.
 
     Raises:
         BudgetError: no plan fits `plan.memory_budget`.
@@ -227,14 +229,16 @@ def lower(
                         "flat", type(error).__name__, error)
     if units is not None:
         inliner = _Inliner(units, report)
+        before = _report_state(report)
         report.traced_units = units.traced
         try:
             with tracing_calls():
                 return _lower(units.graph, example_inputs, lowering, report, plan, runtime, cudagraphs, inliner)
-        except Exception as error:
-            if inliner.inlined:  # past the trace: the passes' own failure
-                raise
-            report.traced_units = None
+        except (BudgetError, OptionError, RefusedError):
+            raise  # the plan's own verdict, which a flat trace of the same step reaches too
+        except Exception as error:  # noqa: BLE001 - the step is traced flat; a fault of its own raises there
+            for field, value in before.items():
+                setattr(report, field, value)
             log.warning("speedloader: tracing the step with its %d units as calls of %d subgraphs failed "
                         "(%s: %s); tracing it flat", units.traced.calls, units.traced.subgraphs,
                         type(error).__name__, error)
@@ -273,6 +277,14 @@ class _Inliner:
                 self.report.traced_units = dataclasses.replace(self.units.traced, variants=unit_variants(graph))
         inline_units(graph, self.units.origins)
         self.inlined = True
+
+
+def _report_state(report: CompileReport) -> dict[str, Any]:
+    """What `report` holds before a lowering, to put back before a second one: its
+    fields, with their own copies of what a lowering adds to in place."""
+    state = {field.name: getattr(report, field.name) for field in dataclasses.fields(report)}
+    return {name: copy.copy(value) if isinstance(value, (dict, list)) else value for name, value in state.items()} | {
+        "pass_log": dataclasses.replace(report.pass_log, entries=list(report.pass_log.entries))}
 
 
 def _lower(gm, example_inputs, lowering, report, plan, runtime, cudagraphs, inliner: _Inliner) -> Callable:

@@ -376,9 +376,10 @@ def inline_units(graph: torch.fx.Graph, origins: dict[str, str]) -> int:
         origin = origins.get(_identifier(call.args[1]))
         values: dict[torch.fx.Node, Any] = dict(zip(body.graph.find_nodes(op="placeholder"), call.args[2:]))
         results: tuple = ()
+        live = _live_nodes(body.graph)
         with graph.inserting_before(call):
             for node in body.graph.nodes:
-                if node.op == "placeholder":
+                if node.op == "placeholder" or node not in live:
                     continue
                 if node.op == "output":
                     results = tuple(node.args[0])
@@ -409,6 +410,19 @@ def inline_units(graph: torch.fx.Graph, origins: dict[str, str]) -> int:
         graph.lint()
         module.recompile()
     return inlined
+
+
+def _live_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes of a subgraph that its outputs or a side effect need. A subgraph's
+    partitioned backward can hold a forward op nobody reads (the CPU flash
+    attention's, multi-output): copied into the step, the partitioner would take it
+    for a tensor it cannot save, where a flat trace has no such node."""
+    live: set[torch.fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op in ("output", "placeholder") or node in live or node.is_impure(impure_random=False):
+            live.add(node)
+            live.update(node.all_input_nodes)
+    return live
 
 
 def _identifier(identifier: Any) -> str | None:
