@@ -14,6 +14,9 @@ round-robin, `--rounds` rounds, so that a burst of load from another process on 
 shared machine falls on all of them alike. Each row keeps the fastest step (the
 profile keeps best-of rates too) and the median, and the prediction of
 `slcompile.analysis.time.predict_time` from the compiled step's partitioned graphs.
+The training rows' ranking (Spearman's rho, predictions against medians) is
+reported, and the configuration the model predicts fastest (what `tune` would choose
+among them) with its measured median against the fastest measured one.
 
 Generation passes (this machine): a 4-layer Llama (hidden 256, random weights)
 generates 8 tokens for a batch of 16 prompts of 64 tokens, 4 sub-batches, with its
@@ -315,6 +318,13 @@ def main() -> None:
     if profile.trust_problem() is not None:
         print(f"the profile cannot be trusted: {profile.trust_problem()}")
     print(f"training rows: predicted against measured medians rank with Spearman {ranking:.2f}")
+    # What `tune` would choose: the configuration predicted fastest, among all, and
+    # among those that stream the weights (a budget the weights exceed).
+    choice = {name: _choice([r for r in training if keep(r)]) for name, keep in (
+        ("all", lambda r: True), ("weights_streamed", lambda r: r["weights"] != "device"))}
+    for name, chosen in choice.items():
+        print(f"{name}: the predicted fastest ({chosen['chosen']}) measures {chosen['chosen_over_fastest']:+.1%} "
+              f"against the measured fastest ({chosen['fastest_measured']}); the goal: within 5%")
     print(f"{'K':>2} {'weights':7} {'acts':6} {'recomp':7} {'best ms':>8} {'median':>8} {'pred ms':>8} "
           f"{'err':>7} {'err/med':>7} {'cpu ms':>7} {'pred c':>7} bound")
     for r in rows:
@@ -335,11 +345,26 @@ def main() -> None:
                   "lowering": "aot_eager"},
         "profile": json.loads(profile.to_json()),
         "profile_trust_problem": profile.trust_problem(),
-        "cpu": {"rows": rows, "within_15_percent": within, "training_spearman": ranking},
+        "cpu": {"rows": rows, "within_15_percent": within, "training_spearman": ranking, "tune_choice": choice},
     }
     if not args.no_h100:
         add_paper(record, args)
     save(record, args.out)
+
+
+def _choice(rows: list[dict]) -> dict:
+    """The row predicted fastest, the row measured fastest (medians), and how much
+    slower the first measured."""
+    chosen = min(rows, key=lambda r: r["predicted_step_seconds"])
+    fastest = min(rows, key=lambda r: r["measured_median_seconds"])
+    return {"chosen": _config_name(chosen), "fastest_measured": _config_name(fastest),
+            "chosen_over_fastest": chosen["measured_median_seconds"] / fastest["measured_median_seconds"] - 1}
+
+
+def _config_name(row: dict) -> str:
+    """`K=4 weights nvme, activations device, recompute none`."""
+    return (f"K={row['k']} weights {row['weights']}, activations {row['activations']}, "
+            f"recompute {row['recompute']}")
 
 
 def add_paper(record: dict, args) -> None:
