@@ -305,11 +305,6 @@ def _lower(gm, example_inputs, lowering, report, plan, runtime, cudagraphs, inli
             report.memory = step.results.predict_memory
             report.spilled_boundaries = step.results.spill_boundaries
 
-        if report.partitioned.get(kind) is graph:
-            # The compiled stage rewrites the graph in place (runs of transfers become
-            # `_many` calls, regions subgraph calls); the report keeps it as planned,
-            # which is what the time and memory models read.
-            report.partitioned[kind] = _snapshot(graph)
         step = StepState(plan, report, {kind: graph}, kind=kind, lowering=lowering)
         run_stage(COMPILED_PASSES, step, report.pass_log, label=kind)
         report.record_graph(kind, graph)
@@ -512,7 +507,12 @@ class _PlannedPartition:
                     self.report.schedule = step.results.derive_schedule.text()
                 if step.results.plan_transfers is not None:
                     self.report.planned_schedule = step.results.plan_transfers
-                self.report.partitioned = {"forward": fw, "backward": bw}
+                # The graphs as planned, which the time and memory models read: the
+                # compiled stage rewrites them in place (runs of transfers become `_many`
+                # calls, regions subgraph calls), and AOTAutograd, where it keeps a
+                # backward for its cache when it first compiles it, clears every node's
+                # meta (`serialize_graph_module`: a step traced with subgraph calls).
+                self.report.partitioned = {"forward": _snapshot(fw), "backward": _snapshot(bw)}
                 log.info("speedloader: %s", prediction)
                 return fw, bw
             log.info(

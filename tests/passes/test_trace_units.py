@@ -106,6 +106,11 @@ def test_under_inductor_the_step_holds_the_ops_of_a_flat_trace():
     once = _compile_step(model, call, options)
     assert once[3].traced_units.calls == 4
     _assert_same_step(flat, once, atol=1e-5)
+    # The report keeps the backward as planned, with its traced values, although
+    # AOTAutograd cleared the meta of the backward it kept for its cache.
+    for report in (flat[3], once[3]):
+        backward = report.partitioned["backward"].graph
+        assert all("val" in node.meta for node in backward.nodes if node.op == "call_function")
 
 
 def test_with_weights_and_activations_on_nvme_the_fetched_blocks_are_traced_once():
