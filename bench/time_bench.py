@@ -126,7 +126,8 @@ def cpu_rows(args, profile) -> list[dict]:
         prediction = predict_time(graphs["forward"], graphs["backward"], profile=profile, tiers=tiers,
                                   tokens=args.batch * args.seq_len)
         built.append(((k, weights, activations, recompute), step, prediction))
-    times, cpu = time_round_robin([step for _, step, _ in built], args.rounds)
+    # Each timed step follows one of its own, as in a training loop (`time_round_robin`).
+    times, cpu = time_round_robin([step for _, step, _ in built], args.rounds, warm=1)
     rows = []
     for ((k, weights, activations, recompute), _, prediction), measured, thread in zip(built, times, cpu):
         best, median = min(measured), statistics.median(measured)

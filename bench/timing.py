@@ -17,16 +17,20 @@ def add_model_arguments(parser, *, rounds: int, batch: int) -> None:
     parser.add_argument("--batch", type=int, default=batch)
 
 
-def time_round_robin(steps, rounds: int) -> tuple[list[list[float]], list[list[float]]]:
-    """Each step's wall and compute-thread CPU seconds over `rounds` rounds, one call
-    of every step a round, so that a burst of load from another process falls on all
-    of them alike."""
+def time_round_robin(steps, rounds: int, warm: int = 0) -> tuple[list[list[float]], list[list[float]]]:
+    """Each step's wall and compute-thread CPU seconds over `rounds` rounds, one timed
+    call of every step a round, so that a burst of load from another process falls on
+    all of them alike. With `warm`, each timed call follows that many untimed calls
+    of the same step: a step as a training loop runs it, after one of its own (its
+    weights and buffers in the caches), not after another model's."""
     from tqdm import tqdm
 
     times: list[list[float]] = [[] for _ in steps]
     cpu: list[list[float]] = [[] for _ in steps]
     for _ in tqdm(range(rounds), desc="rounds"):
         for i, step in enumerate(steps):
+            for _ in range(warm):
+                step()
             start, thread_start = time.perf_counter(), time.thread_time()
             step()
             times[i].append(time.perf_counter() - start)

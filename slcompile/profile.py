@@ -12,8 +12,13 @@ per layer step and per pass. `machine_profile`, `profile_key` and `profile_path`
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -36,12 +41,11 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
         nvme: measure the disk (else its rates are left infinite).
         steps: also fit the compute thread's fixed costs from compiled steps (two
             small GPTs on the device and one on nvme, aot_eager; about 8 s more,
-            and three entries in Dynamo's cache of the example model): the time per
-            op and per byte of large outputs beyond the roofline, and per transfer
-            op (instead of the transfer engine's own calls alone); and, where
-            transformers is installed, a generation's costs per layer step and per
-            pass beyond its ops (`_measure_generation`: a few seconds more, and
-            entries in the cache of `slcompile.generate`'s Inductor layer steps).
+            in a child process, so that nothing is compiled in this one): the time
+            per op and per byte of large outputs beyond the roofline, and per
+            transfer op (instead of the transfer engine's own calls alone); and,
+            where transformers is installed, a generation's costs per layer step and
+            per pass beyond its ops (`_measure_generation`: a few seconds more).
         generation: with `steps`, measure the generation's costs too (else they
             stay 0: a profile for training steps alone).
     """
@@ -51,22 +55,75 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
         return profile
     device = default_device(device)
     dtype = default_dtype(device, dtype)
-    if nvme:
-        op_overhead, per_byte, transfer_op, op_costs = _measure_steps(offload_dir, profile, device)
-        profile = dataclasses.replace(profile, op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op,
-                                      output_seconds_per_byte=per_byte, transfer_op_costs=op_costs)
-    if generation:
-        layer_step, per_pass = _measure_generation(profile, offload_dir, device)
-        profile = dataclasses.replace(profile, layer_step_seconds=layer_step, pass_seconds=per_pass)
+    profile = dataclasses.replace(profile, **_fit_in_child(profile, device, offload_dir, nvme=nvme,
+                                                           generation=generation))
     source = (f"measured on {socket.gethostname()} ({device.type}, {torch.get_num_threads()} threads, "
               f"{dtype}) in {time.perf_counter() - began:.1f} s")
     return dataclasses.replace(profile, source=source)
 
 
+def _fit_in_child(profile: MachineProfile, device: torch.device, offload_dir, *, nvme: bool,
+                  generation: bool) -> dict:
+    """The fields `_fit` measures, measured by a child process with this one's
+    threads and import path.
+
+    The compiled steps stay out of this process's Dynamo: its caches, and the sizes
+    it records of the example model's code, with which a later compile of that model
+    at other sizes (a benchmark's, a user's) would trace symbolic sizes and a
+    different plan (every saved tensor past `min_offload_bytes` at its largest).
+
+    Raises:
+        RuntimeError: the child failed; the message ends with its error output.
+    """
+    request = {"profile": profile.to_json(), "device": str(device), "offload_dir": offload_dir, "nvme": nvme,
+               "generation": generation, "threads": torch.get_num_threads()}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+    with tempfile.TemporaryDirectory(prefix="slc-profile-") as folder:
+        out = os.path.join(folder, "fitted.json")
+        done = subprocess.run([sys.executable, "-c", "from slcompile.profile import _fit_here; _fit_here()", out],
+                              input=json.dumps(request), text=True, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, check=False)
+        if done.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"measuring the compiled steps failed (exit status {done.returncode}):\n"
+                               f"{done.stderr[-3000:]}")
+        with open(out) as f:
+            fitted = json.load(f)
+    fitted["transfer_op_costs"] = tuple(tuple(cost) for cost in fitted["transfer_op_costs"])
+    return fitted
+
+
+def _fit_here() -> None:
+    """The child of `_fit_in_child`: reads its request from stdin and writes the
+    fitted fields as JSON to the path in its first argument."""
+    request = json.load(sys.stdin)
+    torch.set_num_threads(request["threads"])
+    profile = MachineProfile.from_json(request["profile"])
+    fitted = _fit(profile, torch.device(request["device"]), request["offload_dir"], nvme=request["nvme"],
+                  generation=request["generation"])
+    with open(sys.argv[1], "w") as f:
+        json.dump(fitted, f)
+
+
+def _fit(profile: MachineProfile, device: torch.device, offload_dir, *, nvme: bool, generation: bool) -> dict:
+    """The compute thread's fixed costs, as `MachineProfile` fields (those left
+    out keep `profile`'s values): from compiled steps where `nvme`, from a
+    generation's decode passes where `generation`."""
+    fitted: dict = {"transfer_op_costs": profile.transfer_op_costs}
+    if nvme:
+        op_overhead, per_byte, transfer_op, op_costs = _measure_steps(offload_dir, profile, device)
+        fitted.update(op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op,
+                      output_seconds_per_byte=per_byte, transfer_op_costs=op_costs)
+        profile = dataclasses.replace(profile, **fitted)
+    if generation:
+        fitted["layer_step_seconds"], fitted["pass_seconds"] = _measure_generation(profile, offload_dir, device)
+    return fitted
+
+
 def _measure_steps(offload_dir, profile: MachineProfile, device: torch.device) -> tuple[float, float, float, tuple]:
     """(seconds per op, seconds per byte of large outputs, seconds per `slc::`
     transfer op, the host seconds of each kind of transfer op) on the compute
-    thread of compiled steps (aot_eager) on `device`.
+    thread of compiled steps (aot_eager) on `device`, in the child process of
+    `_fit_in_child` (it resets Dynamo).
 
     Two GPTs' steps run with everything on the device: a tiny one (many small ops)
     and a wider one (fewer ops, large outputs). The thread's CPU time of each, less
@@ -91,6 +148,9 @@ def _measure_steps(offload_dir, profile: MachineProfile, device: torch.device) -
         runs.append((tiny, 4, 2, "host"))  # host copies cost the host otherwise than disk reads
     cpu_seconds, graphs, op_costs = [], [], []
     for cfg, batch, k, tier in runs:
+        # Each model traced with its own static sizes, as a step of one model is (in
+        # `_fit_in_child`'s child, where nothing else is compiled).
+        torch._dynamo.reset()
         idx, targets = (t.to(device) for t in make_gpt_batch(cfg, batch))
         model = TinyGPT(cfg).to(device)
         options = {"lowering": "aot_eager", "num_subbatches": k, "weights": tier, "activations": tier,

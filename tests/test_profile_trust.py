@@ -133,3 +133,32 @@ def test_the_profile_command_writes_the_measurement_and_fails_on_a_loaded_one(tm
         assert f"written to {out}" in printed and "matmul" in printed
         assert ("not to be trusted" in printed) == (code == 1)
     assert json.loads((tmp_path / "loaded.json").read_text())["load"] == 1.4
+
+
+@pytest.mark.slow
+def test_the_steps_a_profile_compiles_leave_this_process_tracing_the_example_model_with_static_sizes(tmp_path):
+    """`measure_profile(steps=True)` compiles the package's GPT at two sizes to fit
+    the host costs; in this process, Dynamo would then trace the next compile of that
+    model, at any other size, with symbolic sizes (and a different plan). The fit
+    runs in a child process: a later compile here sees the sizes it is given."""
+    from slcompile.profile import measure_profile
+
+    torch._dynamo.reset()
+    profile = measure_profile(offload_dir=str(tmp_path), steps=True, generation=False)
+    assert profile.op_overhead_seconds > 0 and profile.transfer_op_seconds > 0
+    assert {"stash@nvme", "unstash@nvme", "fetch_weight@nvme"} <= {name for name, _ in profile.transfer_op_costs}
+    cfg = GPTConfig(d_model=32, seq_len=16, n_layers=2, n_heads=2)
+    compiled = torch.compile(TinyGPT(cfg), backend="speedloader",
+                             options={"lowering": "aot_eager", "num_subbatches": 2})
+    compiled(*make_gpt_batch(cfg, 4))[1].backward()
+    forward = slcompile.compile_reports()[-1].partitioned["forward"]
+    assert all(isinstance(node.meta["val"], torch.Tensor) for node in forward.graph.nodes if node.op == "placeholder")
+
+
+def test_a_failed_fit_of_the_compiled_steps_says_why(tmp_path):
+    from slcompile.profile import _fit_in_child
+
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    with pytest.raises(RuntimeError, match=r"(?s)measuring the compiled steps failed \(exit status 1\):.*Error"):
+        _fit_in_child(QUIET, torch.device("cpu"), str(not_a_folder), nvme=True, generation=False)
