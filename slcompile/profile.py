@@ -110,28 +110,26 @@ def _fit(profile: MachineProfile, device: torch.device, offload_dir, *, nvme: bo
     generation's decode passes where `generation`."""
     fitted: dict = {"transfer_op_costs": profile.transfer_op_costs}
     if nvme:
-        op_overhead, per_byte, transfer_op, op_costs = _measure_steps(offload_dir, profile, device)
-        fitted.update(op_overhead_seconds=op_overhead, transfer_op_seconds=transfer_op,
-                      output_seconds_per_byte=per_byte, transfer_op_costs=op_costs)
+        fitted.update(_measure_steps(offload_dir, profile, device))
         profile = dataclasses.replace(profile, **fitted)
     if generation:
         fitted["layer_step_seconds"], fitted["pass_seconds"] = _measure_generation(profile, offload_dir, device)
     return fitted
 
 
-def _measure_steps(offload_dir, profile: MachineProfile, device: torch.device) -> tuple[float, float, float, tuple]:
-    """(seconds per op, seconds per byte of large outputs, seconds per `slc::`
-    transfer op, the host seconds of each kind of transfer op) on the compute
-    thread of compiled steps (aot_eager) on `device`, in the child process of
-    `_fit_in_child` (it resets Dynamo).
+def _measure_steps(offload_dir, profile: MachineProfile, device: torch.device) -> dict:
+    """The compute thread's costs of compiled steps (aot_eager) on `device`, as
+    `MachineProfile` fields: the compute's beyond the roofline (`_fit_compute`), the
+    seconds per `slc::` transfer op and the host seconds of each kind of transfer
+    op; in the child process of `_fit_in_child` (it resets Dynamo).
 
     Two GPTs' steps run with everything on the device: a tiny one (many small ops)
-    and a wider one (fewer ops, large outputs). The thread's CPU time of each, less
-    the roofline of its ops at the profile's rates, is `ops * a + large output
-    bytes * c`: the two steps give a and c. The tiny one's step with its weights
-    and activations on nvme, less that on the device, over its transfer ops gives
-    the third; that step run once more under `torch.profiler`
-    (`slcompile.step_profile`) gives each op's median host time, the fourth."""
+    and a wider one (fewer ops, large outputs); the thread's CPU time of each against
+    the roofline of its ops at the profile's rates gives the compute's costs. The
+    tiny one's step with its weights and activations on nvme, less that on the
+    device, over its transfer ops gives the seconds per transfer op; that step run
+    once more under `torch.profiler` (`slcompile.step_profile`) gives each op's
+    median host time."""
     import slcompile
     from slcompile.analysis.time import count_cost
     from slcompile.examples import GPTConfig, TinyGPT, make_gpt_batch
@@ -173,21 +171,40 @@ def _measure_steps(offload_dir, profile: MachineProfile, device: torch.device) -
         if tier != "device":
             op_costs += [(f"{name.split('::')[1]}@{tier}", us * 1e-6)
                          for name, us in profile_step(step).slc_median_us().items()]
-    bare = dataclasses.replace(profile, op_overhead_seconds=0.0, output_seconds_per_byte=0.0)
+    bare = dataclasses.replace(profile, op_overhead_seconds=0.0, output_seconds_per_byte=0.0, compute_scale=1.0)
     rows = []
     for gms, seconds in zip(graphs[:2], cpu_seconds[:2]):
         costs = [count_cost(node) for gm in gms for node in gm.graph.nodes if is_compute(node)]
-        rest = seconds - sum(bare.compute_seconds(cost) for cost in costs)
-        rows.append((len(costs), sum(cost.large_output_bytes for cost in costs), rest))
-    (ops0, large0, rest0), (ops1, large1, rest1) = rows
-    determinant = ops0 * large1 - ops1 * large0
-    per_byte = (ops0 * rest1 - ops1 * rest0) / determinant if determinant else 0.0
-    if per_byte <= 0:
-        per_byte = 0.0
-    op_seconds = max((rest0 - per_byte * large0) / max(ops0, 1), 0.0)
+        rows.append((len(costs), sum(bare.compute_seconds(cost) for cost in costs),
+                     sum(cost.large_output_bytes for cost in costs), seconds))
     transfers = sum(transfer_kind(node) is not None for gm in graphs[2] for node in gm.graph.nodes)
-    return (op_seconds, per_byte, max(cpu_seconds[2] - cpu_seconds[0], 0.0) / max(transfers, 1),
-            tuple(sorted(op_costs)))
+    return {**_fit_compute(rows, device),
+            "transfer_op_seconds": max(cpu_seconds[2] - cpu_seconds[0], 0.0) / max(transfers, 1),
+            "transfer_op_costs": tuple(sorted(op_costs))}
+
+
+def _fit_compute(rows, device: torch.device) -> dict:
+    """The compute costs beyond the roofline, from two steps' (compute ops, roofline
+    seconds at the measured rates, bytes of large outputs, CPU seconds).
+
+    On a CPU the step's thread computes, so its time is `compute_scale * roofline +
+    ops * op_overhead_seconds`: the two steps give both (the roofline's share moves
+    with the level the rates were measured at; the scale carries it to every
+    prediction alike). Elsewhere, or where that fit is not positive, the roofline is
+    taken as measured and the rest is `ops * op_overhead_seconds + large output
+    bytes * output_seconds_per_byte`."""
+    (ops0, roof0, large0, seconds0), (ops1, roof1, large1, seconds1) = rows
+    determinant = roof0 * ops1 - roof1 * ops0
+    if device.type == "cpu" and determinant:
+        scale = (seconds0 * ops1 - seconds1 * ops0) / determinant
+        op_seconds = (roof0 * seconds1 - roof1 * seconds0) / determinant
+        if scale > 0 and op_seconds >= 0:
+            return {"op_overhead_seconds": op_seconds, "output_seconds_per_byte": 0.0, "compute_scale": scale}
+    rest0, rest1 = seconds0 - roof0, seconds1 - roof1
+    determinant = ops0 * large1 - ops1 * large0
+    per_byte = max((ops0 * rest1 - ops1 * rest0) / determinant if determinant else 0.0, 0.0)
+    return {"op_overhead_seconds": max((rest0 - per_byte * large0) / max(ops0, 1), 0.0),
+            "output_seconds_per_byte": per_byte, "compute_scale": 1.0}
 
 
 def _measure_generation(profile: MachineProfile, offload_dir, device: torch.device) -> tuple[float, float]:

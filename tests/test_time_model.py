@@ -321,6 +321,46 @@ def test_large_outputs_pay_the_profiles_output_rate_on_top_of_the_roofline():
     assert profile.compute_seconds(ComputeCost(flops=10**9, nbytes=0, large_output_bytes=2 * 10**6)) == 3.5
 
 
+def test_the_compute_scale_multiplies_the_roofline_not_the_launch_or_the_output_bytes():
+    profile = MachineProfile(name="p", matmul_flops=1e9, memory_bandwidth=1e30, op_overhead_seconds=0.5,
+                             output_seconds_per_byte=1e-6, compute_scale=1.5)
+    # 1 s of FLOPs taken 1.5 times, 0.5 s launch, 2 MB of large output at 1 us a byte.
+    assert profile.compute_seconds(ComputeCost(flops=10**9, nbytes=0, large_output_bytes=2 * 10**6)) == 4.0
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_profile_fits_a_cpu_steps_scale_and_op_cost_and_elsewhere_the_op_and_byte_costs(device):
+    """Two steps' (ops, roofline seconds, large output bytes, CPU seconds) made from
+    known costs give them back: on a CPU, whose thread computes, a scale of the
+    roofline and a cost per op; on a GPU (the host thread's time is not the
+    roofline's) a cost per op and per byte of large outputs over the roofline as
+    measured."""
+    from slcompile.profile import _fit_compute
+
+    steps = [(170, 1.0e-3, 2 * 10**6), (80, 15.0e-3, 20 * 10**6)]
+    if device == "cpu":
+        rows = [(ops, roof, large, 1.4 * roof + 20e-6 * ops) for ops, roof, large in steps]
+        expected = {"op_overhead_seconds": 20e-6, "output_seconds_per_byte": 0.0, "compute_scale": 1.4}
+    else:
+        rows = [(ops, roof, large, roof + 20e-6 * ops + 3e-10 * large) for ops, roof, large in steps]
+        expected = {"op_overhead_seconds": 20e-6, "output_seconds_per_byte": 3e-10, "compute_scale": 1.0}
+    fitted = _fit_compute(rows, torch.device(device))
+    assert fitted == {name: pytest.approx(value, rel=1e-9, abs=1e-18) for name, value in expected.items()}
+
+
+def test_a_cpu_fit_that_is_not_positive_keeps_the_measured_roofline():
+    from slcompile.profile import _fit_compute
+
+    # The wider step took more over its roofline than a scale of the tiny one's
+    # explains (4.7 times it against 4.4): a scale and a cost per op would fit only
+    # with a negative cost per op. The rest over the roofline goes to its output bytes.
+    rows = [(170, 1.0e-3, 2 * 10**6, 4.4e-3), (80, 15.0e-3, 20 * 10**6, 70.0e-3)]
+    fitted = _fit_compute(rows, torch.device("cpu"))
+    per_byte = (170 * 55e-3 - 80 * 3.4e-3) / (170 * 20e6 - 80 * 2e6)
+    assert fitted == {"op_overhead_seconds": 0.0, "output_seconds_per_byte": pytest.approx(per_byte),
+                      "compute_scale": 1.0}
+
+
 def _pass_graph(request, spills=False):
     """The lowered graph of a generation pass (one row a sub-batch, one streamed
     weight a fetched layer), to be read."""

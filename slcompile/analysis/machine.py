@@ -121,6 +121,12 @@ class MachineProfile:
             CPU, first touches of pages the allocator maps anew). Fitted from
             measured steps (`slcompile.profile.measure_profile(steps=True)`); 0 where
             unknown.
+        compute_scale: what a compiled step's compute nodes take over the roofline
+            of the measured rates (the rates themselves stay as measured): fitted on
+            a CPU from compiled steps (`slcompile.profile.measure_profile(steps=True)`),
+            where the products of a step's shapes reach a different share of the
+            rate than square ones, and where it carries the level the rates were
+            measured at in that run into every prediction alike; 1.0 where unknown.
         call_overhead_seconds: fixed time of one call of a compiled region from
             Python (Dynamo's guards and the compiled wrapper): what each layer step
             of a generation pays beyond its ops.
@@ -175,6 +181,7 @@ class MachineProfile:
     transfer_op_seconds: float = 0.0
     call_overhead_seconds: float = 0.0
     output_seconds_per_byte: float = 0.0
+    compute_scale: float = 1.0
     layer_step_seconds: float = 0.0
     pass_seconds: float = 0.0
     link_h2d: float = _INF
@@ -231,6 +238,8 @@ class MachineProfile:
             line("matmul", per_second(self.matmul_flops, "FLOP"), "matmul"),
             line("memory bandwidth", per_second(self.memory_bandwidth, "B"), "bandwidth"),
             line("op overhead", f"{self.op_overhead_seconds * 1e6:.3g} us", "op"),
+            *([f"  {'compute over roofline':<22} {self.compute_scale:.3g}x (fitted to compiled steps)"]
+              if self.compute_scale != 1.0 else []),
             line("transfer op", f"{self.transfer_op_seconds * 1e6:.3g} us", "transfer_op"),
             line("compiled call", f"{self.call_overhead_seconds * 1e6:.3g} us", "call"),
             line("host -> device", per_second(self.link_h2d, "B"), "link_h2d"),
@@ -287,16 +296,17 @@ class MachineProfile:
     def compute_seconds(self, cost, lowering: str = "aot_eager") -> float:
         """A compute node's time: its launch, then the slower of its FLOPs at the
         matmul rate and its bytes at the memory bandwidth, each at the node's size on
-        the profile's curves (a roofline).
+        the profile's curves (a roofline, times `compute_scale`), then its large
+        outputs' bytes at `output_seconds_per_byte`.
 
         Under "inductor", elementwise work (no FLOPs counted) is fused into its
         neighbours: it costs the bytes of its output alone (inputs come from
         registers) and no launch of its own."""
         if lowering == "inductor" and cost.flops == 0:
-            return cost.nbytes / 2 / self.memory_rate(cost.nbytes)
+            return self.compute_scale * cost.nbytes / 2 / self.memory_rate(cost.nbytes)
         rate = self.matmul_rate(cost.flops)
         return (self.op_overhead_seconds
-                + max(cost.flops / rate, cost.nbytes / self.memory_rate(cost.nbytes))
+                + self.compute_scale * max(cost.flops / rate, cost.nbytes / self.memory_rate(cost.nbytes))
                 + cost.large_output_bytes * self.output_seconds_per_byte)
 
     def matmul_rate(self, flops: float) -> float:
