@@ -135,6 +135,26 @@ def test_the_profile_command_writes_the_measurement_and_fails_on_a_loaded_one(tm
     assert json.loads((tmp_path / "loaded.json").read_text())["load"] == 1.4
 
 
+def test_a_plan_made_with_a_loaded_profile_warns_once_for_that_profile(caplog, monkeypatch):
+    """Every compile that plans its stashes with a profile measured under load
+    could warn; the warning is given once a profile, not once a compile."""
+    import logging
+
+    from slcompile.backends import speedloader
+
+    monkeypatch.setattr(speedloader, "_LOGGED_PROFILES", set())
+    options = {"lowering": "aot_eager", "num_subbatches": 2, "activations": "nvme", "machine_profile": LOADED}
+    with caplog.at_level(logging.WARNING, logger="slcompile"):
+        for k in (2, 4):
+            torch._dynamo.reset()
+            model, (idx, targets) = _gpt()
+            compiled = torch.compile(model, backend="speedloader", options={**options, "num_subbatches": k})
+            compiled(idx, targets)[1].backward()
+            assert slcompile.compile_reports()[-1].config.num_subbatches == k
+    warned = [r.getMessage() for r in caplog.records if "activation planner decides by" in r.getMessage()]
+    assert len(warned) == 1 and "1.4 of 2 cores busy" in warned[0], warned
+
+
 @pytest.mark.slow
 def test_the_steps_a_profile_compiles_leave_this_process_tracing_the_example_model_with_static_sizes(tmp_path):
     """`measure_profile(steps=True)` compiles the package's GPT at two sizes to fit

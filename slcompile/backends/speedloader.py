@@ -168,6 +168,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Sp
     return _DivisibleBatchGuard(compiled, original, state, report)
 
 
+_LOGGED_PROFILES: set[str] = set()  # the warnings given of untrusted machine profiles
 _LOGGED_EAGERLY: set[str] = set()  # the messages of the configurations logged as run eagerly
 
 
@@ -278,9 +279,12 @@ def _profile(config):
     machine = machine_profile(config.machine_profile, offload_dir=config.offload_dir)
     problem = machine.trust_problem()
     if problem is not None:
-        log.warning("the machine profile the activation planner decides by (%s) was measured beside other work "
-                    "(%s): its choices may not be this machine's best; `python -m slcompile profile` remeasures it",
-                    machine.source or machine.name, problem)
+        message = (f"the machine profile the activation planner decides by ({machine.source or machine.name}) was "
+                   f"measured beside other work ({problem}): its choices may not be this machine's best; "
+                   "`python -m slcompile profile` remeasures it")
+        if message not in _LOGGED_PROFILES:  # once a profile, not once a compile
+            _LOGGED_PROFILES.add(message)
+            log.warning(message)
     return machine
 
 
