@@ -56,10 +56,14 @@ def test_tiny_gpt_batch_grows_and_shrinks(tier, k):
         assert dynamic.offloaded_activations.bytes.free_symbols
 
 
-@pytest.mark.parametrize("tier", ["device", "nvme"])
-def test_hf_llama_batch_grows_and_shrinks(tier):
+@pytest.mark.parametrize("tier, once", [("device", False), ("nvme", False), ("device", True)])
+def test_hf_llama_batch_grows_and_shrinks(tier, once):
+    """Traced flat or each unit once (`trace_units_once`): the example values the
+    outlining computes for the step's own nodes (the labels joined from the
+    sub-batches, padded) must not guard the symbolic batch at the size it was
+    traced with, or every new size compiles again."""
     options = {"num_subbatches": 2, "lowering": "aot_eager", "on_refusal": "raise",
-               "weights": tier, "activations": tier, "min_offload_bytes": 0}
+               "weights": tier, "activations": tier, "min_offload_bytes": 0, "trace_units_once": once}
     torch.manual_seed(0)
 
     def call(model, batch):

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -189,7 +190,7 @@ def _fill_examples(graph: torch.fx.Graph) -> None:
         if missing:
             continue
         try:
-            with fake_mode:
+            with fake_mode, enable_python_dispatcher():
                 if node.op == "call_method":
                     example = getattr(args[0], node.target)(*args[1:], **kwargs)
                 else:
