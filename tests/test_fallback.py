@@ -164,8 +164,12 @@ def test_a_failure_at_run_time_is_not_swallowed(monkeypatch):
     assert len(slcompile.compile_reports()) == 1
 
 
-@pytest.mark.parametrize("table, name", [("PASSES", "find_blocks"), ("PARTITIONED_PASSES", "order_layer_major")])
-def test_a_user_error_in_a_pass_of_any_stage_is_raised_not_a_fallback(monkeypatch, caplog, table, name):
+@pytest.mark.parametrize("table, name, once", [("PASSES", "find_blocks", False),
+                                               ("PARTITIONED_PASSES", "order_layer_major", False),
+                                               ("PARTITIONED_PASSES", "order_layer_major", True)])
+def test_a_user_error_in_a_pass_of_any_stage_is_raised_not_a_fallback(monkeypatch, caplog, table, name, once):
+    """Also from a step traced with each unit once (`trace_units_once`), which is
+    traced flat again after its other failures: not after the user's."""
     from slcompile import pipeline
     from slcompile.backends import speedloader
     from slcompile.runtime.errors import DiskFullError
@@ -179,7 +183,7 @@ def test_a_user_error_in_a_pass_of_any_stage_is_raised_not_a_fallback(monkeypatc
             *a, passes=full_passes, **k))
     else:
         monkeypatch.setattr(lowering, table, full_passes)
-    compiled = torch.compile(TinyGPT(CFG), backend="speedloader", options=OPTIONS)
+    compiled = torch.compile(TinyGPT(CFG), backend="speedloader", options={**OPTIONS, "trace_units_once": once})
     with caplog.at_level(logging.WARNING, logger="slcompile"), pytest.raises(slcompile.CompileError) as info:
         compiled(*make_gpt_batch(CFG, 4))
     assert str(info.value).startswith("no room for the stash; path '/offload'")

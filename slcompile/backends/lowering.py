@@ -55,7 +55,7 @@ from slcompile import pipeline
 from slcompile.analysis.machine import MachineFacts
 from slcompile.compat import backed_value, graph_module, lazy_graph_modules
 from slcompile.config import SpeedLoaderConfig
-from slcompile.errors import BudgetError, OptionError, PolicyError, RefusedError
+from slcompile.errors import BudgetError, OptionError, PolicyError, RefusedError, is_user_error
 from slcompile.passes import manager as pass_manager
 from slcompile.passes import trace_units
 from slcompile.passes.manager import pass_modules
@@ -212,8 +212,9 @@ def lower(
     units are calls of one subgraph per distinct unit (`slcompile.passes.trace_units`),
     put back in place before the joint stage reads the graph; where that copy fails
     to trace, partition or compile for any reason but the plan's own errors
-    (`BudgetError`, `OptionError`, `RefusedError`), `gm` itself (logged), with
-    `report` as it was before.
+    (`BudgetError`, `OptionError`, `RefusedError`) and the user's
+    (`slcompile.errors.is_user_error`: an offload directory, a full disk), `gm`
+    itself (logged), with `report` as it was before.
 
     Raises:
         BudgetError: no plan fits `plan.memory_budget`.
@@ -237,6 +238,8 @@ def lower(
         except (BudgetError, OptionError, RefusedError):
             raise  # the plan's own verdict, which a flat trace of the same step reaches too
         except Exception as error:  # noqa: BLE001 - the step is traced flat; a fault of its own raises there
+            if is_user_error(error):  # an offload directory or a disk, which a flat trace uses too
+                raise
             for field, value in before.items():
                 setattr(report, field, value)
             log.warning("speedloader: tracing the step with its %d units as calls of %d subgraphs failed "
