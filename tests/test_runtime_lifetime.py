@@ -132,20 +132,25 @@ def test_ten_explains_make_no_runtime_object_and_memory_stays_flat(tmp_path):
     assert own(after_one, before) == {"streamers": 0, "stashes": 0, "sinks": 0, "engines": 0}
     for _ in range(4):  # warm-up: Dynamo's and the allocator's caches fill
         slcompile.explain(model, idx, targets, **options)
-    collect_garbage()
-    warm = rss_bytes()
-    for _ in range(10):
-        explanation = slcompile.explain(model, idx, targets, **options)
-        assert explanation.fallback_reason is None and "blk1.sb1" in explanation.schedule
-    assert live_objects() == after_one
-    collect_garbage()
+    growth = []
+    for _ in range(2):
+        collect_garbage()
+        warm = rss_bytes()
+        for _ in range(10):
+            explanation = slcompile.explain(model, idx, targets, **options)
+            assert explanation.fallback_reason is None and "blk1.sb1" in explanation.schedule
+        assert live_objects() == after_one
+        collect_garbage()
+        growth.append(rss_bytes() - warm)
     # What is left (about 0.1 MiB an explain here) is torch's own: the sources FX
     # keeps of every generated graph, fake-tensor dispatch cache entries. (Dynamo's
     # finalizers on the globals a capture guards would keep its guards, about 1 MiB
     # an explain, without `compat._detach_guard_finalizers`; torch 2.15 puts off full
     # collections during a compile, where explain does all its work: without
-    # `compat._full_collections_allowed` this grows 5 MiB an explain.)
-    assert rss_bytes() - warm < 8 * 2**20
+    # `compat._full_collections_allowed` this grows 5 MiB an explain.) Of two runs of
+    # ten, the lesser: a leak grows both, while the allocator taking a new arena once
+    # (seen as 9.7 MiB in a worker that had run half the suite) grows one.
+    assert min(growth) < 8 * 2**20, growth
     compiled = torch.compile(model, backend="speedloader", options=options)
     compiled(idx, targets)[1].backward()
     report = slcompile.compile_reports()[-1]

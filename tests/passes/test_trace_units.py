@@ -124,12 +124,18 @@ def test_with_weights_and_activations_on_nvme_the_fetched_blocks_are_traced_once
     def call(m):
         return m(idx, targets)
 
+    # The next step's first weights, prefetched as the step ends, land while the
+    # counts are read: both steps' are waited for and counted.
+    from slcompile.runtime.weights import drain_prefetches
+
     reset_runtime_stats()
     flat = _compile_step(model, call, {**options, "trace_units_once": False})
+    drain_prefetches()
     flat_moved = dict(runtime_stats().bytes_moved)
     torch._dynamo.reset()
     reset_runtime_stats()
     once = _compile_step(model, call, options)
+    drain_prefetches()
     traced = once[3].traced_units
     assert (traced.calls, traced.subgraphs, traced.kept) == (6, 1, ())
     _assert_same_step(flat, once)
