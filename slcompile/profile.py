@@ -42,7 +42,8 @@ def measure_profile(device: str | torch.device | None = None, *, dtype: torch.dt
         steps: also fit the compute thread's fixed costs from compiled steps (two
             small GPTs on the device and one on nvme, aot_eager; about 8 s more,
             in a child process, so that nothing is compiled in this one): the time
-            per op and per byte of large outputs beyond the roofline, and per
+            per op beyond the roofline, with a scale of the roofline on a CPU or a
+            time per byte of large outputs elsewhere (`_fit_compute`), and per
             transfer op (instead of the transfer engine's own calls alone); and,
             where transformers is installed, a generation's costs per layer step and
             per pass beyond its ops (`_measure_generation`: a few seconds more).
