@@ -12,13 +12,13 @@ of a second step, which does not. Configurations:
 - ``inductor``: `torch.compile(model)` (Inductor, everything resident).
 - ``speedloader``: `backend="speedloader"`, `lowering="inductor"`, K sub-batches,
   everything resident (the compile cost of the layer-major rewrite alone), each
-  distinct (block, sub-batch) region compiled once (`compile_regions=True`, the
-  default).
+  distinct (block, sub-batch) unit traced by AOTAutograd once (`trace_units_once=True`,
+  what the default "auto" does from 8 blocks) and each distinct region compiled once
+  (`compile_regions=True`, the default).
 - ``speedloader_whole``: the same with `compile_regions=False`: the whole step, which
   holds K copies of every block, handed to Inductor (``--whole`` adds these rows).
-- ``--flat``: the ``speedloader`` rows trace each distinct (block, sub-batch) unit once
-  (`trace_units_once=True`, off by default) and rows ``speedloader_flat`` are added,
-  the same with every op of every unit traced (`trace_units_once=False`).
+- ``speedloader_flat`` (``--flat`` adds these rows): the same with every op of every
+  unit traced (`trace_units_once=False`).
 - ``inductor_nested`` (``--nested``, HF Llama only): plain Inductor with each decoder
   layer's forward a `torch.compiler.nested_compile_region`, torch's own way to trace
   and lower a repeated block once: what compiling each distinct block once can give.
@@ -96,7 +96,7 @@ def run_one(spec: dict) -> dict:
     else:
         compiled = torch.compile(model, backend="speedloader", options=slcompile.options(
             num_subbatches=spec["k"], lowering=lowering, compile_regions=spec["config"] != "speedloader_whole",
-            trace_units_once=spec.get("trace_once", False) and spec["config"] != "speedloader_flat"))
+            trace_units_once=spec["config"] != "speedloader_flat"))
 
     def step() -> float:
         started = time.perf_counter()
@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--out", help="default: results/compile_bench.json (--dynamic: compile_bench_dynamic.json)")
     parser.add_argument("--whole", action="store_true", help="also speedloader with compile_regions=False")
     parser.add_argument("--flat", action="store_true",
-                        help="speedloader rows with trace_units_once=True, and rows with it False beside them")
+                        help="rows speedloader_flat (trace_units_once=False) beside the speedloader rows")
     parser.add_argument("--lowering", choices=("inductor", "aot_eager"), default="inductor",
                         help="aot_eager: AOTAutograd alone in every row (plain rows: backend='aot_eager')")
     parser.add_argument("--dynamic", action="store_true", help="a dynamic batch dimension (symbolic sizes)")
@@ -155,7 +155,7 @@ def main() -> None:
     depths = [2] if args.quick else [int(d) for d in args.depths.split(",")]
     ks = [2] if args.quick else [int(k) for k in args.ks.split(",") if k]
     base = {"model": args.model, "d_model": 128, "seq_len": 64, "batch": 8, "dynamic": args.dynamic,
-            "lowering": args.lowering, "trace_once": args.flat}
+            "lowering": args.lowering}
     if args.model == "llama":
         base.update(d_model=64, seq_len=32)
     name = "compile_bench" + ("_llama" if args.model == "llama" else "") + ("_dynamic" if args.dynamic else "")

@@ -58,10 +58,14 @@ class SpeedLoaderConfig:
         trace_units_once: AOTAutograd traces, differentiates and partitions each
             distinct (block, sub-batch) unit once and records the others as calls
             of it (`slcompile.passes.trace_units`); the graphs the passes read are
-            the same. A step whose units cannot be traced so is traced flat
-            (logged). Off by default (every op of every copy traced): some schedules
-            and models do not trace so yet (grad_accumulation's sample-major order,
-            the CPU flash-attention kernel's outputs, `tune`'s replans).
+            the same. A step whose units cannot be traced so, or whose schedule
+            runs a block's sub-batches apart (sample-major), is traced flat
+            (logged). False traces every op of every copy (compile time grows
+            with K x depth). "auto" (the default) traces each unit once in a
+            step of 8 blocks or more (`backends.lowering.UNITS_ONCE_MIN_BLOCKS`),
+            where it saves time: on fewer, the calls, their check and their
+            inlining cost what they save (`bench/README.md`, "Tracing each
+            distinct unit once").
         cudagraphs: with Inductor on CUDA, replay the compute between transfers as
             CUDA graphs: Inductor partitions the step at every `slc::` op (its graph
             partition) and its cudagraph trees record each partition once per shape,
@@ -228,7 +232,7 @@ class SpeedLoaderConfig:
     num_subbatches: int = 2
     lowering: str = "inductor"
     compile_regions: bool = True
-    trace_units_once: bool = False
+    trace_units_once: bool | str = "auto"
     cudagraphs: bool = False
     schedule: str = "speedloader"
     batch_dim: int = 0
@@ -253,9 +257,12 @@ class SpeedLoaderConfig:
         _check_int("num_subbatches", self.num_subbatches, minimum=1)
         _check_int("batch_dim", self.batch_dim, minimum=0)
         _check_choice("lowering", self.lowering, LOWERINGS)
-        for key in ("compile_regions", "trace_units_once", "cudagraphs"):
+        for key in ("compile_regions", "cudagraphs"):
             if not isinstance(getattr(self, key), bool):
                 raise OptionError(f"speedloader option {key!r} must be True or False, got {getattr(self, key)!r}")
+        if not isinstance(self.trace_units_once, bool) and self.trace_units_once != "auto":
+            raise OptionError(f"speedloader option 'trace_units_once' must be True, False or 'auto', "
+                              f"got {self.trace_units_once!r}")
         if not callable(getattr(self.schedule, "build", None)):  # else a Policy object
             from slcompile.schedules.policies import unknown_policy
 

@@ -38,6 +38,7 @@ graph traced at that size would).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -222,30 +223,62 @@ def lower(
     if lowering not in ("aot_eager", "inductor"):
         raise ValueError(f"unknown lowering {lowering!r}")
     units = None
-    if plan is not None and plan.config.trace_units_once:
+    once = plan is not None and _traces_units_once(plan)
+    if once and not _layer_major(plan):
+        log.info("speedloader: the schedule runs a block's sub-batches apart (sample-major); the step is traced flat")
+    elif once:
         try:
-            units = outline_units(gm)
+            with _sizes_of_any_batch(plan):  # it computes the values of the step's own nodes
+                units = outline_units(gm)
         except Exception as error:  # noqa: BLE001 - the step is traced flat, as without the option
             log.warning("speedloader: cutting the step's units out as subgraph calls failed (%s: %s); tracing it "
                         "flat", type(error).__name__, error)
-    if units is not None:
-        inliner = _Inliner(units, report)
-        before = _report_state(report)
-        report.traced_units = units.traced
-        try:
-            with tracing_calls():
-                return _lower(units.graph, example_inputs, lowering, report, plan, runtime, cudagraphs, inliner)
-        except (BudgetError, OptionError, RefusedError):
-            raise  # the plan's own verdict, which a flat trace of the same step reaches too
-        except Exception as error:  # noqa: BLE001 - the step is traced flat; a fault of its own raises there
-            if is_user_error(error):  # an offload directory or a disk, which a flat trace uses too
-                raise
-            for field, value in before.items():
-                setattr(report, field, value)
-            log.warning("speedloader: tracing the step with its %d units as calls of %d subgraphs failed "
-                        "(%s: %s); tracing it flat", units.traced.calls, units.traced.subgraphs,
-                        type(error).__name__, error)
-    return _lower(gm, example_inputs, lowering, report, plan, runtime, cudagraphs, _Inliner(None))
+    if units is None:
+        return _lower(gm, example_inputs, lowering, report, plan, runtime, cudagraphs, _Inliner(None))
+    inliner = _Inliner(units, report)
+    before = _report_state(report)
+    report.traced_units = units.traced
+    try:
+        with tracing_calls():
+            return _lower(units.graph, example_inputs, lowering, report, plan, runtime, cudagraphs, inliner)
+    except (BudgetError, OptionError, RefusedError):
+        raise  # the plan's own verdict, which a flat trace of the same step reaches too
+    except Exception as error:  # noqa: BLE001 - the step is traced flat; a fault of its own raises there
+        if is_user_error(error):  # an offload directory or a disk, which a flat trace uses too
+            raise
+        for field, value in before.items():
+            setattr(report, field, value)
+        failure = (f"tracing the step with its {units.traced.calls} units as calls of {units.traced.subgraphs} "
+                   f"subgraphs failed ({type(error).__name__}: {error})")
+    try:
+        compiled = _lower(gm, example_inputs, lowering, report, plan, runtime, cudagraphs, _Inliner(None))
+    except Exception:
+        # The flat trace's error is the step's (the caller's fallback says it once).
+        log.info("speedloader: %s; traced flat, the step failed too", failure)
+        raise
+    log.warning("speedloader: %s; traced it flat", failure)
+    return compiled
+
+
+UNITS_ONCE_MIN_BLOCKS = 8
+"""The blocks from which `trace_units_once="auto"` traces each distinct unit once:
+the package's GPT at K=4 and 8 compiled 5-8% slower so at 4 blocks, 10-22% faster at
+8 and 29-34% at 16 (aot_eager, `bench/README.md`)."""
+
+
+def _traces_units_once(plan: StepPlan) -> bool:
+    """Whether the plan's option asks for each distinct unit to be traced once."""
+    option = plan.config.trace_units_once
+    return len(plan.block_positions) >= UNITS_ONCE_MIN_BLOCKS if option == "auto" else bool(option)
+
+
+def _layer_major(plan: StepPlan) -> bool:
+    """Whether each block's sub-batches run one after the other in both phases, the
+    order in which a step's units are traced as calls of their subgraphs (units of a
+    block that stand apart, between other blocks' units, are not put back in place)."""
+    schedule = plan.schedule
+    return schedule is None or all(schedule.order(phase).contiguous("block", block)
+                                   for phase in ("fwd", "bwd") for block in plan.block_positions)
 
 
 class _Inliner:
@@ -315,11 +348,12 @@ def _lower(gm, example_inputs, lowering, report, plan, runtime, cudagraphs, inli
 
     # The passes rewrite each graph several times and most graphs are only analysed
     # (every plan `tune` weighs): a graph's Python code is written when it first runs.
-    with lazy_graph_modules():
+    sizes = functools.partial(_sizes_of_any_batch, plan)
+    with lazy_graph_modules(), sizes():
         if lowering == "aot_eager":
-            return hold(_aot_eager(gm, example_inputs, prepare, partition_hook, hold))
+            return hold(_aot_eager(gm, example_inputs, prepare, partition_hook, hold, sizes))
         cudagraphs = cudagraphs or (plan is not None and plan.cudagraphs)
-        return hold(_inductor(gm, example_inputs, prepare, partition_hook, hold, cudagraphs))
+        return hold(_inductor(gm, example_inputs, prepare, partition_hook, hold, sizes, cudagraphs))
 
 
 def hold_runtime(compiled: Callable, runtime: StepRuntime) -> Callable:
@@ -541,7 +575,7 @@ def _lazy(module: torch.fx.GraphModule, graph: torch.fx.Graph | None = None) -> 
     return lazy
 
 
-def _aot_eager(gm, example_inputs, prepare, partition_hook, hold):
+def _aot_eager(gm, example_inputs, prepare, partition_hook, hold, sizes):
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
     from torch._functorch.partitioners import default_partition
@@ -553,7 +587,8 @@ def _aot_eager(gm, example_inputs, prepare, partition_hook, hold):
 
     def observed(kind: str):
         def compiler(graph: torch.fx.GraphModule, inputs):
-            prepare(kind, graph)
+            with sizes():  # a backward is compiled at its first call
+                prepare(kind, graph)
             return hold(boxed_nop(graph, inputs))
 
         return compiler
@@ -633,7 +668,7 @@ def _plan_key(plan: StepPlan):
     )
 
 
-def _inductor(gm, example_inputs, prepare, partition_hook, hold, cudagraphs=False):
+def _inductor(gm, example_inputs, prepare, partition_hook, hold, sizes, cudagraphs=False):
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -652,7 +687,7 @@ def _inductor(gm, example_inputs, prepare, partition_hook, hold, cudagraphs=Fals
         else:
             kind = "forward"
         # Again here: a backward compiles at its first call, after compile_fx returned.
-        with inductor_config.patch(compiling):
+        with inductor_config.patch(compiling), sizes():
             step = prepare(kind, graph)
             if step.results.compile_regions is None:
                 return hold(compile_fx_inner(graph, inputs, **kwargs))
@@ -674,3 +709,14 @@ def _inductor(gm, example_inputs, prepare, partition_hook, hold, cudagraphs=Fals
     # too late and overwrote a saved input a later region still read.
     with inductor_config.patch(patches), functorch_config.patch(donated_buffer=False):
         return compile_fx(gm, example_inputs, inner_compile=inner)
+
+
+def _sizes_of_any_batch(plan: StepPlan | None):
+    """While AOTAutograd traces a rewritten step, a size it cannot decide from the
+    sizes' ranges alone is decided as for a large batch, unguarded: a sub-batch of
+    one sample (a batch of K at a dynamic compile) would otherwise guard the graph on
+    `batch // K == 1` (broadcasting's test of a size 1), and the next batch compile
+    again, where the same graph serves every batch."""
+    from torch.fx.experimental import _config as shapes_config
+
+    return shapes_config.patch(backed_size_oblivious=True) if plan is not None else contextlib.nullcontext()

@@ -1,5 +1,6 @@
-"""trace_units_once=True: AOTAutograd traces each distinct (block, sub-batch) unit once,
-as calls of a subgraph, and the passes read the graphs a flat trace gives."""
+"""trace_units_once (True, or "auto" on a step of 8 blocks or more): AOTAutograd
+traces each distinct (block, sub-batch) unit once, as calls of a subgraph, and the
+passes read the graphs a flat trace gives."""
 
 import collections
 import copy
@@ -245,7 +246,7 @@ def test_a_step_whose_calls_fail_to_trace_is_traced_flat(monkeypatch, caplog):
     monkeypatch.setattr(lowering, "outline_units", broken)
     with caplog.at_level(logging.WARNING, logger="slcompile.backends.lowering"):
         once = _compile_step(model, lambda m: m(idx, targets), {"num_subbatches": 2})
-    assert "tracing it flat" in caplog.text
+    assert "traced it flat" in caplog.text
     assert once[3].traced_units is None and once[3].fallback_reason is None
     eager = copy.deepcopy(model)
     torch.testing.assert_close(once[1], eager(idx, targets)[1], atol=1e-5, rtol=1e-5)
@@ -272,7 +273,7 @@ def test_a_step_that_fails_after_its_calls_are_put_back_is_traced_flat_from_a_cl
     monkeypatch.setattr(lowering, "run_stage", fail_once_partitioned)
     with caplog.at_level(logging.WARNING, logger="slcompile.backends.lowering"):
         once = _compile_step(model, lambda m: m(idx, targets), {"num_subbatches": 2})
-    assert "a partitioner's complaint); tracing it flat" in caplog.text
+    assert "a partitioner's complaint); traced it flat" in caplog.text
     assert once[3].traced_units is None
     names = [re.sub(r" \(.*", "", entry) for entry in once[3].pass_log.entries]
     assert names == [re.sub(r" \(.*", "", entry) for entry in flat[3].pass_log.entries]
@@ -288,7 +289,7 @@ def test_a_joint_graph_whose_calls_are_not_recognised_is_traced_flat(monkeypatch
     monkeypatch.setattr(trace_units, "_IDENTIFIER", re.compile("(?!)"))  # matches nothing
     with caplog.at_level(logging.WARNING, logger="slcompile.backends.lowering"):
         once = _compile_step(model, lambda m: m(idx, targets), {"num_subbatches": 2})
-    assert "calls none of the units' subgraphs" in caplog.text and "tracing it flat" in caplog.text
+    assert "calls none of the units' subgraphs" in caplog.text and "traced it flat" in caplog.text
     assert once[3].traced_units is None
     for graph in once[3].partitioned.values():
         assert not graph.graph.find_nodes(op="call_function", target=INVOKE_SUBGRAPH)
@@ -308,6 +309,32 @@ def test_a_subgraph_backward_s_unread_forward_op_stays_out_of_the_step(caplog):
     flat = slcompile.tune(TinyGPT(cfg), idx, targets, memory_budget="64MB", trace_units_once=False, **options)
     with caplog.at_level(logging.WARNING, logger="slcompile"):
         once = slcompile.tune(TinyGPT(cfg), idx, targets, memory_budget="64MB", trace_units_once=True, **options)
-    assert "tracing it flat" not in caplog.text
+    assert "traced it flat" not in caplog.text
     assert once.options == {**flat.options, "trace_units_once": True}
     assert once.memory.peak_bytes == flat.memory.peak_bytes
+
+
+def test_auto_traces_each_unit_once_from_eight_blocks_and_says_so():
+    """The default, "auto": a step of 7 blocks is traced flat, one of 8 as calls
+    (where the calls start to save time); both equal eager."""
+    for layers, once in ((7, False), (8, True)):
+        cfg = GPTConfig(n_layers=layers, d_model=16, n_heads=2, seq_len=8)
+        model = TinyGPT(cfg)
+        idx, targets = make_gpt_batch(cfg, 4)
+        eager = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="speedloader",
+                                 options={"lowering": "aot_eager", "on_refusal": "raise", "num_subbatches": 2})
+        loss = compiled(idx, targets)[1]
+        loss.backward()
+        expected = eager(idx, targets)[1]
+        expected.backward()
+        torch.testing.assert_close(loss, expected)
+        for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+        traced = slcompile.compile_reports()[-1].traced_units
+        assert (traced is not None and traced.calls == 2 * layers) is once, (layers, traced)
+
+
+def test_trace_units_once_takes_true_false_or_auto():
+    with pytest.raises(slcompile.OptionError, match="'trace_units_once' must be True, False or 'auto'"):
+        slcompile.options(trace_units_once="yes")
