@@ -126,14 +126,21 @@ def _marks(gm) -> int:
     return sum(1 for node in gm.graph.nodes if is_mark(node))
 
 
-def test_a_size_of_a_regions_own_value_is_computed_in_it_and_again_after_it():
+def test_a_size_of_a_regions_own_value_is_computed_in_it_and_again_after_it(monkeypatch):
     # A batch of 2 at K=2 with a batch that changes size: HF Llama's attention views
-    # its output as (sub-batch, tokens, -1), and that `-1` is a size the forward
-    # graph computes from the view (the sub-batch size might be 0) and also returns
-    # for the backward. The region computes it for the next view, the step graph
-    # again from what the region returns.
+    # its output as (sub-batch, tokens, -1), and, where the trace guards what the size
+    # ranges leave open (the lowering's size-oblivious setting off, as a graph from
+    # elsewhere may come), that `-1` is a size the forward graph computes from the
+    # view (the sub-batch size might be 0) and also returns for the backward. The
+    # region computes it for the next view, the step graph again from what the
+    # region returns.
+    import contextlib
+
     import slcompile
     from models import hf_llama
+    from slcompile.backends import lowering
+
+    monkeypatch.setattr(lowering, "_sizes_of_any_batch", lambda plan: contextlib.nullcontext())
 
     model, ids = hf_llama(num_hidden_layers=2), torch.randint(0, 96, (2, 8))
     torch._dynamo.mark_dynamic(ids, 0)
